@@ -1,0 +1,1 @@
+"""What the three services share: model, loading, tree and acceptance bookkeeping, tensors."""

@@ -1,0 +1,75 @@
+"""Protocols every backend implements. Inputs and outputs are plain data plus torch tensors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from common.config import SamplingConfig
+from common.tree import Tree
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    model: str
+    vocab_size: int
+    max_context: int      # prompt + generated tokens a sequence may hold
+    max_sequences: int
+    max_tree_nodes: int
+    dtype: str
+    device: str
+
+
+@dataclass(frozen=True)
+class PrefillInput:
+    seq_id: str
+    token_ids: list[int]  # [prompt_len]
+    sampling: SamplingConfig
+
+
+@dataclass(frozen=True)
+class PrefillOutput:
+    next_token: int
+    hidden: torch.Tensor  # [prompt_len, 3H] EAGLE features of every prompt position
+
+
+@dataclass(frozen=True)
+class VerifyInput:
+    seq_id: str
+    tree: Tree
+
+
+@dataclass(frozen=True)
+class VerifyOutput:
+    tokens: list[int]     # [num_accepted + 1] accepted drafted tokens, then the bonus token
+    hidden: torch.Tensor  # [num_accepted + 1, 3H] features of the root and each accepted node
+
+
+class VerifierEngine(Protocol):
+    info: EngineInfo
+
+    def prefill(self, item: PrefillInput) -> PrefillOutput: ...
+    def verify(self, items: list[VerifyInput]) -> list[VerifyOutput]: ...
+    def decode(self, seq_ids: list[str]) -> list[int]: ...
+    def release(self, seq_ids: list[str]) -> int: ...
+
+
+@dataclass(frozen=True)
+class ProposeInput:
+    seq_id: str
+    token_ids: list[int]  # [num_new] committed tokens; token_ids[i] follows the position of hidden[i]
+    hidden: torch.Tensor  # [num_new, 3H]
+    start: bool           # first call for this sequence
+    context_prefix: list[int]  # tokens before the first pair (on start: the prompt's first token)
+    max_nodes: int
+
+
+class Drafter(Protocol):
+    """Proposes a token tree per sequence. Implementations: the EAGLE-3 head, and test oracles."""
+
+    name: str
+
+    def propose(self, items: list[ProposeInput]) -> list[Tree]: ...
+    def release(self, seq_ids: list[str]) -> int: ...

@@ -1,0 +1,1 @@
+"""PyTorch models: the Llama-family base and the EAGLE-3 draft head."""

@@ -1,0 +1,49 @@
+"""TensorRef: how tensors cross services. Inline bytes now; a CUDA IPC region variant plugs in here."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from common.errors import InvalidRequest
+
+_TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "int32": torch.int32, "int64": torch.int64}
+_NAMES = {v: k for k, v in _TORCH.items()}
+MAX_INLINE_BYTES = 256 << 20
+
+
+def encode_inline(t: torch.Tensor, msg) -> None:
+    """Fill a specdec.v1.TensorRef message with t's bytes (moved to host, C-contiguous)."""
+    t = t.detach().contiguous()
+    name = _NAMES.get(t.dtype)
+    if name is None:
+        raise ValueError(f"dtype {t.dtype} cannot cross services")
+    host = t.cpu()
+    raw = host.view(torch.int16) if t.dtype == torch.bfloat16 else host  # numpy has no bfloat16
+    msg.shape[:] = list(t.shape)
+    msg.dtype = name
+    msg.inline_data = raw.numpy().tobytes()
+
+
+def decode_inline(msg, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Read a TensorRef carrying inline bytes back into a tensor on `device`."""
+    if msg.WhichOneof("payload") != "inline_data":
+        raise InvalidRequest("tensor payload is not inline bytes (CUDA IPC is not set up on this link)")
+    dtype = _TORCH.get(msg.dtype)
+    if dtype is None:
+        raise InvalidRequest(f"unknown tensor dtype {msg.dtype!r}")
+    shape = tuple(int(s) for s in msg.shape)
+    if any(s < 0 for s in shape):
+        raise InvalidRequest(f"negative tensor shape {shape}")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    expected = int(np.prod(shape, dtype=np.int64)) * itemsize
+    if expected != len(msg.inline_data) or expected > MAX_INLINE_BYTES:
+        raise InvalidRequest(f"tensor of shape {shape} and dtype {msg.dtype} needs {expected} bytes, "
+                             f"got {len(msg.inline_data)}")
+    np_dtype = np.int16 if dtype == torch.bfloat16 else torch.empty((), dtype=dtype).numpy().dtype
+    arr = np.frombuffer(msg.inline_data, dtype=np_dtype).reshape(shape)
+    t = torch.from_numpy(arr.copy())
+    if dtype == torch.bfloat16:
+        t = t.view(torch.bfloat16)
+    return t.to(device)
