@@ -1,0 +1,1 @@
+"""The three gRPC services: gateway (public), draft, verifier."""

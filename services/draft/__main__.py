@@ -1,0 +1,96 @@
+"""python -m services.draft: the EAGLE-3 draft head (or a test oracle) and its own KV cache."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+from pathlib import Path
+
+from services.launch import serve_forever, write_port_file
+
+log = logging.getLogger("services.draft")
+
+DEFAULT_HEAD = Path(__file__).resolve().parents[2] / "models" / "eagle3-smollm2"
+DRAFTERS = ("eagle3", "oracle-greedy", "oracle-wrong")
+
+
+def build_drafter(args: argparse.Namespace):
+    """The drafter named by --drafter, with the base model parts it needs."""
+    import torch
+
+    from common.config import DraftingConfig
+    from common.engine.torch_verifier import torch_dtype
+    from common.model.llama import LlamaModel
+    from common.weights import load_checkpoint
+
+    drafting = DraftingConfig(top_k=args.top_k, steps=args.steps, verify_tree_size=args.verify_tree_size)
+    ckpt = load_checkpoint(args.model)
+    device, dtype = torch.device(args.device), torch_dtype(args.dtype)
+    base = LlamaModel(ckpt.config)
+    base.load_state_dict(ckpt.state_dict, strict=False)
+    base.to(device=device, dtype=dtype).eval()
+    base.rope_cos, base.rope_sin = base.rope_cos.float(), base.rope_sin.float()
+    if args.drafter == "oracle-greedy":
+        from common.engine.oracle import GreedyOracleDrafter
+        return GreedyOracleDrafter(base, drafting.steps, device), drafting, 3 * ckpt.config.hidden_size
+    if args.drafter == "oracle-wrong":
+        from common.engine.oracle import WrongOracleDrafter
+        return WrongOracleDrafter(base, drafting.steps, device), drafting, 3 * ckpt.config.hidden_size
+    from common.engine.torch_draft import Eagle3Drafter
+    from common.model.eagle3 import Eagle3Config, Eagle3Head
+
+    head_dir = Path(args.head) if args.head else DEFAULT_HEAD
+    if (head_dir / "config.json").exists():
+        from common.model.eagle3_io import load_eagle3
+        head, _ = load_eagle3(head_dir)
+        log.info("loaded EAGLE-3 head from %s", head_dir)
+    else:
+        if args.head:
+            raise FileNotFoundError(f"no EAGLE-3 head at {head_dir} (config.json missing)")
+        log.warning("no trained head at %s: using a randomly initialised EAGLE-3 head (low acceptance)", head_dir)
+        torch.manual_seed(0)
+        head = Eagle3Head(Eagle3Config.for_base(ckpt.config, draft_vocab_size=min(8192, ckpt.config.vocab_size)))
+        head.set_vocab_map(torch.arange(head.cfg.draft_vocab_size))
+    head.to(device=device, dtype=dtype).eval()
+    head.rope_cos, head.rope_sin = head.rope_cos.float(), head.rope_sin.float()
+    drafter = Eagle3Drafter(head, base.embed_tokens, drafting, args.max_sequences, args.max_context, device)
+    return drafter, drafting, 3 * head.cfg.target_hidden_size
+
+
+async def main(args: argparse.Namespace) -> None:
+    from common.rpc import start_server
+    from services.draft.server import DraftServicer
+    from specdec.v1 import internal_pb2_grpc
+
+    drafter, drafting, width = build_drafter(args)
+    servicer = DraftServicer(drafter, drafting, width)
+    server = await start_server(args.addr, [(internal_pb2_grpc.add_DraftServicer_to_server, servicer)],
+                                ["specdec.v1.Draft"])
+    write_port_file(args.port_file, server.port)
+    await serve_forever(server)
+
+
+def cli() -> None:
+    p = argparse.ArgumentParser(prog="python -m services.draft", description=__doc__)
+    p.add_argument("--addr", default=os.environ.get("DRAFT_ADDR", "127.0.0.1:50052"))
+    p.add_argument("--drafter", default="eagle3", choices=DRAFTERS)
+    p.add_argument("--head", default=None, help=f"EAGLE-3 head folder (default: {DEFAULT_HEAD})")
+    p.add_argument("--model", default=None, help="base model GGUF/HF folder (embeddings; the oracles run it)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--top-k", type=int, default=10, help="drafting_top_k")
+    p.add_argument("--steps", type=int, default=6, help="drafting_steps")
+    p.add_argument("--verify-tree-size", type=int, default=60)
+    p.add_argument("--max-sequences", type=int, default=8)
+    p.add_argument("--max-context", type=int, default=2048)
+    p.add_argument("--port-file", default=None)
+    p.add_argument("--log-level", default=os.environ.get("LOG_LEVEL", "INFO"))
+    a = p.parse_args()
+    logging.basicConfig(level=a.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    asyncio.run(main(a))
+
+
+if __name__ == "__main__":
+    cli()

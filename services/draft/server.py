@@ -1,0 +1,75 @@
+"""The draft service: proposes a token tree per sequence. Thin servicer, one error boundary,
+message conversion in this file only."""
+
+from __future__ import annotations
+
+import logging
+import socket
+
+import grpc
+
+from common.config import DraftingConfig
+from common.engine.base import Drafter, ProposeInput
+from common.errors import InvalidRequest, SpecdecError
+from common.rpc import describe, status_for
+from common.slots import check_unique
+from common.tensors import decode_inline
+from services.engine_runner import EngineRunner
+from specdec.v1 import internal_pb2 as pb
+from specdec.v1 import internal_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+
+class DraftServicer(pb_grpc.DraftServicer):
+    def __init__(self, drafter: Drafter, drafting: DraftingConfig, hidden_width: int, gpu_uuid: str = "") -> None:
+        self.drafter, self.drafting, self.hidden_width, self.gpu_uuid = drafter, drafting, hidden_width, gpu_uuid
+        self.runner = EngineRunner("draft")
+
+    async def _guard(self, context, fn, *args):
+        """The draft service's error boundary."""
+        try:
+            return await self.runner.run(fn, *args)
+        except Exception as e:  # noqa: BLE001 - the boundary
+            code = status_for(e)
+            if code == grpc.StatusCode.INTERNAL and not isinstance(e, SpecdecError):
+                log.exception("internal error", exc_info=e)
+            await context.abort(code, describe(e))
+
+    async def Propose(self, request, context):
+        return await self._guard(context, self._propose, request)
+
+    async def Release(self, request, context):
+        return await self._guard(context, lambda: pb.ReleaseResponse(released=self.drafter.release(list(request.seq_ids))))
+
+    async def Info(self, request, context):
+        d = self.drafting
+        return pb.DraftInfoResponse(drafter=self.drafter.name, drafting_top_k=d.top_k, drafting_steps=d.steps,
+                                    verify_tree_size=d.verify_tree_size, host_id=socket.gethostname(),
+                                    gpu_uuid=self.gpu_uuid)
+
+    def _propose(self, request: pb.ProposeRequest) -> pb.ProposeResponse:
+        if not request.items:
+            raise InvalidRequest("propose request has no items")
+        check_unique([it.seq_id for it in request.items])
+        items = []
+        for it in request.items:
+            hidden = decode_inline(it.hidden)
+            if hidden.dim() != 2 or hidden.shape[1] != self.hidden_width:
+                raise InvalidRequest(f"sequence {it.seq_id!r}: hidden must be [num_new, {self.hidden_width}], "
+                                     f"got {list(hidden.shape)}")
+            if hidden.shape[0] != len(it.token_ids) or not it.token_ids:
+                raise InvalidRequest(f"sequence {it.seq_id!r}: {len(it.token_ids)} new tokens but "
+                                     f"{hidden.shape[0]} hidden rows")
+            if it.max_nodes < 0:
+                raise InvalidRequest(f"max_nodes must be >= 0, got {it.max_nodes}")
+            items.append(ProposeInput(seq_id=it.seq_id, token_ids=list(it.token_ids), hidden=hidden,
+                                      start=it.start, context_prefix=list(it.context_prefix),
+                                      max_nodes=min(it.max_nodes or self.drafting.verify_tree_size,
+                                                    self.drafting.verify_tree_size)))
+        trees = self.drafter.propose(items)
+        return pb.ProposeResponse(results=[
+            pb.ProposeResult(seq_id=it.seq_id, tree=pb.DraftTree(token_ids=t.tokens.tolist(),
+                                                                 parents=t.parents.tolist(),
+                                                                 draft_probs=t.probs.tolist()))
+            for it, t in zip(items, trees)])

@@ -1,0 +1,93 @@
+"""python -m services.gateway: the public service, in front of a draft and a verifier service."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from common.weights import default_model_path
+from services.launch import serve_forever, write_port_file
+
+log = logging.getLogger("services.gateway")
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    address: str         # where the public API listens
+    verifier: str        # verifier service address
+    draft: str           # draft service address ("" = plain decoding only)
+    model: Path          # GGUF file or HF folder the tokenizer is read from
+    max_active: int = 8  # sequences per round
+    max_waiting: int = 64
+    connect_timeout: float = 120.0
+
+    def __post_init__(self) -> None:
+        if not self.address or not self.verifier:
+            raise ValueError("gateway needs its own address and the verifier's")
+        if self.max_active < 1:
+            raise ValueError(f"max_active must be >= 1, got {self.max_active}")
+
+
+async def main(cfg: GatewayConfig, port_file: str | None) -> None:
+    from common.rpc import start_server
+    from common.tokenizer import Tokenizer
+    from services.gateway.clients import DraftClient, VerifierClient
+    from services.gateway.scheduler import Scheduler, SchedulerConfig
+    from services.gateway.server import GenerationServicer
+    from specdec.v1 import generation_pb2_grpc
+
+    tok = Tokenizer(cfg.model)
+    verifier = VerifierClient(cfg.verifier)
+    draft = DraftClient(cfg.draft) if cfg.draft else None
+    await asyncio.wait_for(verifier.channel.channel_ready(), cfg.connect_timeout)
+    vinfo = await verifier.info()
+    dinfo = None
+    if draft is not None:
+        await asyncio.wait_for(draft.channel.channel_ready(), cfg.connect_timeout)
+        dinfo = await draft.info()
+        if dinfo.verify_tree_size > vinfo.max_tree_nodes:
+            raise ValueError(f"draft proposes {dinfo.verify_tree_size} nodes; the verifier takes at most "
+                             f"{vinfo.max_tree_nodes}")
+    sched = Scheduler(verifier, draft, SchedulerConfig(max_active=min(cfg.max_active, vinfo.max_sequences),
+                                                       max_waiting=cfg.max_waiting,
+                                                       tree_size=dinfo.verify_tree_size if dinfo else 1))
+    sched.start()
+    servicer = GenerationServicer(sched, tok, vinfo, dinfo)
+    server = await start_server(cfg.address, [(generation_pb2_grpc.add_GenerationServicer_to_server, servicer)],
+                                ["specdec.v1.Generation"])
+    write_port_file(port_file, server.port)
+    try:
+        await serve_forever(server)
+    finally:
+        await sched.stop()
+        await verifier.close()
+        if draft:
+            await draft.close()
+
+
+def cli() -> None:
+    p = argparse.ArgumentParser(prog="python -m services.gateway", description=__doc__)
+    p.add_argument("--addr", default=os.environ.get("GATEWAY_ADDR", "127.0.0.1:50051"))
+    p.add_argument("--verifier", default=os.environ.get("VERIFIER_ADDR", "127.0.0.1:50053"))
+    p.add_argument("--draft", default=os.environ.get("DRAFT_ADDR", "127.0.0.1:50052"),
+                   help="draft service address; empty for plain decoding only")
+    p.add_argument("--model", default=None, help="GGUF file or HF folder for the tokenizer "
+                   "(default: $SPECDEC_GGUF or the embedded SmolLM2)")
+    p.add_argument("--max-active", type=int, default=8)
+    p.add_argument("--max-waiting", type=int, default=64)
+    p.add_argument("--port-file", default=None, help="write the bound port here once serving")
+    p.add_argument("--log-level", default=os.environ.get("LOG_LEVEL", "INFO"))
+    a = p.parse_args()
+    logging.basicConfig(level=a.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    cfg = GatewayConfig(address=a.addr, verifier=a.verifier, draft=a.draft,
+                        model=Path(a.model) if a.model else default_model_path(),
+                        max_active=a.max_active, max_waiting=a.max_waiting)
+    asyncio.run(main(cfg, a.port_file))
+
+
+if __name__ == "__main__":
+    cli()

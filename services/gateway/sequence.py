@@ -1,0 +1,119 @@
+"""One generation's bookkeeping in the gateway: committing tokens, stop conditions, streamed deltas
+and speculation statistics. Plain Python: no torch, no gRPC."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from common.config import SamplingConfig
+from common.tokenizer import IncrementalDecoder
+
+
+class Finish(enum.Enum):
+    STOP = 1    # a stop string or a stop token id
+    LENGTH = 2  # max_tokens reached
+    EOS = 3     # the model's end-of-sequence token
+    ABORT = 4   # cancelled or failed
+
+
+@dataclass(frozen=True)
+class GenRequest:
+    """A validated generation request."""
+
+    prompt_ids: list[int]        # [prompt_len]
+    max_tokens: int
+    sampling: SamplingConfig
+    stop: tuple[str, ...] = ()
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+    speculative: bool = True
+
+
+@dataclass(frozen=True)
+class Delta:
+    """What one commit adds to the stream."""
+
+    token_ids: list[int]  # [new_tokens]
+    text: str
+    finish: Finish | None
+
+
+@dataclass
+class SpecStats:
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+    def mean_acceptance_length(self, completion_tokens: int) -> float:
+        return completion_tokens / self.rounds if self.rounds else 0.0
+
+
+@dataclass
+class Generation:
+    """A request's progress. `commit` applies stop rules token by token, so a round that accepts more
+    tokens than needed is cut exactly where plain decoding would have stopped."""
+
+    request: GenRequest
+    decoder: IncrementalDecoder
+    eos_token_id: int
+    token_ids: list[int] = field(default_factory=list)  # [completion_tokens]
+    text: str = ""           # text emitted so far, stop strings excluded
+    _held: str = ""          # text held back because it may be the start of a stop string
+    finish: Finish | None = None
+    stats: SpecStats = field(default_factory=SpecStats)
+
+    def commit(self, new_tokens: list[int]) -> Delta:
+        taken: list[int] = []
+        text = ""
+        for t in new_tokens:
+            if self.finish is not None:
+                break
+            taken.append(t)
+            self.token_ids.append(t)
+            if t == self.eos_token_id and not self.request.ignore_eos:
+                self.finish = Finish.EOS
+            elif t in self.request.stop_token_ids:
+                self.finish = Finish.STOP
+            else:
+                text += self._push_text(t)
+            if self.finish is None and len(self.token_ids) >= self.request.max_tokens:
+                self.finish = Finish.LENGTH
+        if self.finish is not None and self.finish != Finish.STOP:
+            text += self._held  # nothing more can complete a stop string
+            self._held = ""
+        self.text += text
+        return Delta(token_ids=taken, text=text, finish=self.finish)
+
+    def abort(self) -> None:
+        if self.finish is None:
+            self.finish = Finish.ABORT
+
+    def _push_text(self, token: int) -> str:
+        piece = self._held + self.decoder.push([token])
+        if not self.request.stop:
+            self._held = ""
+            return piece
+        window = piece
+        # Emitted text never ends in a stop string's prefix (that part is held), so a stop string
+        # can only start inside the window.
+        hits = [at for at in (window.find(s) for s in self.request.stop) if at >= 0]
+        if hits:
+            self.finish = Finish.STOP
+            self._held = ""
+            return window[:min(hits)]
+        hold = _longest_stop_prefix_suffix(window, self.request.stop)
+        self._held = window[len(window) - hold:] if hold else ""
+        return window[:len(window) - hold]
+
+
+def _longest_stop_prefix_suffix(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest suffix of text that is a proper prefix of some stop string.
+    Example: text "hello wor", stops ("world",) -> 3 ("wor")."""
+    best = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:n]):
+                best = n
+                break
+    return best

@@ -1,0 +1,102 @@
+"""The verifier service: owns the base model and its KV cache. Thin servicer, one error boundary,
+message conversion in this file only."""
+
+from __future__ import annotations
+
+import logging
+import socket
+
+import grpc
+
+from common.config import SamplingConfig
+from common.engine.base import PrefillInput, VerifierEngine, VerifyInput
+from common.errors import InvalidRequest, SpecdecError
+from common.rpc import describe, status_for
+from common.tensors import encode_inline
+from common.tree import validate_tree
+from services.engine_runner import EngineRunner
+from specdec.v1 import internal_pb2 as pb
+from specdec.v1 import internal_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+
+def sampling_config(msg: pb.SamplingParams) -> SamplingConfig:
+    try:
+        return SamplingConfig(temperature=msg.temperature, top_p=msg.top_p or 1.0, top_k=msg.top_k,
+                              seed=msg.seed if msg.has_seed else None)
+    except ValueError as e:
+        raise InvalidRequest(str(e)) from e
+
+
+class VerifierServicer(pb_grpc.VerifierServicer):
+    def __init__(self, engine: VerifierEngine, gpu_uuid: str = "") -> None:
+        self.engine, self.gpu_uuid = engine, gpu_uuid
+        self.runner = EngineRunner("verifier")
+
+    async def _guard(self, context, fn, *args):
+        """The verifier's error boundary."""
+        try:
+            return await self.runner.run(fn, *args)
+        except Exception as e:  # noqa: BLE001 - the boundary
+            code = status_for(e)
+            if code == grpc.StatusCode.INTERNAL and not isinstance(e, SpecdecError):
+                log.exception("internal error", exc_info=e)
+            await context.abort(code, describe(e))
+
+    async def Prefill(self, request, context):
+        return await self._guard(context, self._prefill, request)
+
+    async def Verify(self, request, context):
+        return await self._guard(context, self._verify, request)
+
+    async def Decode(self, request, context):
+        return await self._guard(context, self._decode, request)
+
+    async def Release(self, request, context):
+        return await self._guard(context, lambda: pb.ReleaseResponse(released=self.engine.release(list(request.seq_ids))))
+
+    async def Info(self, request, context):
+        i = self.engine.info
+        return pb.InfoResponse(model=i.model, vocab_size=i.vocab_size, max_context=i.max_context,
+                               max_sequences=i.max_sequences, max_tree_nodes=i.max_tree_nodes, dtype=i.dtype,
+                               device=i.device, host_id=socket.gethostname(), gpu_uuid=self.gpu_uuid)
+
+    # ---- conversion + engine calls (run on the engine thread) ----
+    def _prefill(self, request: pb.PrefillRequest) -> pb.PrefillResponse:
+        if not request.items:
+            raise InvalidRequest("prefill request has no items")
+        results = []
+        for it in request.items:  # prefill is eager and per sequence
+            out = self.engine.prefill(PrefillInput(seq_id=it.seq_id, token_ids=list(it.token_ids),
+                                                   sampling=sampling_config(it.sampling)))
+            r = pb.PrefillResult(seq_id=it.seq_id, next_token=out.next_token)
+            if it.want_hidden:
+                encode_inline(out.hidden, r.hidden)
+            results.append(r)
+        return pb.PrefillResponse(results=results)
+
+    def _verify(self, request: pb.VerifyRequest) -> pb.VerifyResponse:
+        if not request.items:
+            raise InvalidRequest("verify request has no items")
+        info = self.engine.info
+        items = [VerifyInput(seq_id=it.seq_id,
+                             tree=validate_tree(list(it.tree.token_ids), list(it.tree.parents),
+                                                list(it.tree.draft_probs), max_nodes=info.max_tree_nodes,
+                                                vocab_size=info.vocab_size))
+                 for it in request.items]
+        if any(it.tree.size == 0 for it in items):
+            raise InvalidRequest("a tree has no nodes")
+        results = []
+        for it, out in zip(items, self.engine.verify(items)):
+            r = pb.VerifyResult(seq_id=it.seq_id, accepted_tokens=out.tokens)
+            encode_inline(out.hidden, r.hidden)
+            results.append(r)
+        return pb.VerifyResponse(results=results)
+
+    def _decode(self, request: pb.DecodeRequest) -> pb.DecodeResponse:
+        if not request.items:
+            raise InvalidRequest("decode request has no items")
+        ids = [it.seq_id for it in request.items]
+        return pb.DecodeResponse(results=[pb.DecodeResult(seq_id=s, next_token=t)
+                                          for s, t in zip(ids, self.engine.decode(ids))])

@@ -1,0 +1,175 @@
+"""Offline acceptance measurement: the in-process speculative loop (TorchVerifier + Eagle3Drafter),
+batched over sequences, greedy. Reports mean acceptance length (tokens per verification round,
+counting the bonus token) and the acceptance rate at each tree depth."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from common.config import DraftingConfig, SamplingConfig
+from common.engine.base import PrefillInput, ProposeInput, VerifyInput
+from common.engine.torch_draft import Eagle3Drafter
+from common.engine.torch_verifier import TorchVerifier
+
+log = logging.getLogger(__name__)
+
+TREES = {"tree": DraftingConfig(top_k=10, steps=6, verify_tree_size=60),
+         "chain": DraftingConfig(top_k=1, steps=6, verify_tree_size=6)}
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    max_new_tokens: int = 128
+    batch_size: int = 16   # sequences decoded together
+    limit: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+
+
+@dataclass
+class AcceptStats:
+    accepted: list[int] = field(default_factory=list)  # [rounds] drafted tokens accepted per round
+    sequences: int = 0
+    wall_s: float = 0.0
+
+    def summary(self, max_depth: int) -> dict:
+        a = np.array(self.accepted, dtype=np.int64)
+        rounds = int(a.size)
+        tokens = int((a + 1).sum())
+        depth_rate = []
+        for d in range(1, max_depth + 1):
+            reached = int((a >= d - 1).sum())  # rounds whose path got to depth d-1
+            depth_rate.append(float((a >= d).sum()) / reached if reached else 0.0)
+        return {"sequences": self.sequences, "rounds": rounds, "tokens": tokens,
+                "mean_accept_len": tokens / rounds if rounds else 0.0,
+                "accept_rate_by_depth": depth_rate,
+                "accepted_hist": np.bincount(a, minlength=max_depth + 1).tolist() if rounds else [],
+                "wall_s": round(self.wall_s, 2), "tokens_per_s": tokens / self.wall_s if self.wall_s else 0.0}
+
+
+def finished(out: list[int], eos: int, max_new: int) -> bool:
+    return len(out) >= max_new or eos in out
+
+
+def clip(out: list[int], eos: int, max_new: int) -> list[int]:
+    out = out[:max_new]
+    return out[:out.index(eos) + 1] if eos in out else out
+
+
+def speculative(verifier: TorchVerifier, drafter: Eagle3Drafter, prompts: list[list[int]], max_new: int,
+                eos: int, tree_size: int, stats: AcceptStats, tag: str) -> list[list[int]]:
+    """Decode one batch of prompts together; returns each output clipped at EOS / max_new."""
+    t0 = time.time()
+    outs: dict[str, list[int]] = {}
+    items: list[ProposeInput] = []
+    for i, p in enumerate(prompts):
+        sid = f"{tag}-{i}"
+        po = verifier.prefill(PrefillInput(sid, p, SamplingConfig()))
+        outs[sid] = [po.next_token]
+        if finished(outs[sid], eos, max_new):
+            verifier.release([sid])
+            continue
+        items.append(ProposeInput(sid, p[1:] + [po.next_token], po.hidden, True, p[:1], tree_size))
+    while items:
+        trees = drafter.propose(items)
+        results = verifier.verify([VerifyInput(it.seq_id, tr) for it, tr in zip(items, trees)])
+        nxt = []
+        for it, r in zip(items, results):
+            stats.accepted.append(len(r.tokens) - 1)
+            outs[it.seq_id] += r.tokens
+            if finished(outs[it.seq_id], eos, max_new):
+                verifier.release([it.seq_id])
+                drafter.release([it.seq_id])
+            else:
+                nxt.append(ProposeInput(it.seq_id, r.tokens, r.hidden, False, [], tree_size))
+        items = nxt
+    stats.sequences += len(prompts)
+    stats.wall_s += time.time() - t0
+    return [clip(outs[f"{tag}-{i}"], eos, max_new) for i in range(len(prompts))]
+
+
+def plain_greedy(verifier: TorchVerifier, prompts: list[list[int]], max_new: int, eos: int,
+                 tag: str) -> list[list[int]]:
+    outs: dict[str, list[int]] = {}
+    live = []
+    for i, p in enumerate(prompts):
+        sid = f"{tag}-{i}"
+        outs[sid] = [verifier.prefill(PrefillInput(sid, p, SamplingConfig())).next_token]
+        if finished(outs[sid], eos, max_new):
+            verifier.release([sid])
+        else:
+            live.append(sid)
+    while live:
+        toks = verifier.decode(live)
+        nxt = []
+        for sid, t in zip(live, toks):
+            outs[sid].append(t)
+            if finished(outs[sid], eos, max_new):
+                verifier.release([sid])
+            else:
+                nxt.append(sid)
+        live = nxt
+    return [clip(outs[f"{tag}-{i}"], eos, max_new) for i in range(len(prompts))]
+
+
+def evaluate_set(verifier: TorchVerifier, make_drafter, prompts: list[list[int]], cfg: EvalConfig, eos: int,
+                 check_equal: bool, name: str) -> dict:
+    """Run every drafting config in TREES over the prompts. make_drafter(DraftingConfig) -> Eagle3Drafter."""
+    if cfg.limit is not None:
+        prompts = prompts[:cfg.limit]
+    result: dict = {"prompts": len(prompts)}
+    reference: list[list[int]] | None = None
+    if check_equal:
+        t0 = time.time()
+        reference = []
+        for s in range(0, len(prompts), cfg.batch_size):
+            reference += plain_greedy(verifier, prompts[s:s + cfg.batch_size], cfg.max_new_tokens, eos, f"{name}-ref{s}")
+        n_tok = sum(len(r) for r in reference)
+        result["plain"] = {"tokens": n_tok, "wall_s": round(time.time() - t0, 2)}
+    for tname, dcfg in TREES.items():
+        drafter = make_drafter(dcfg)
+        stats = AcceptStats()
+        outputs: list[list[int]] = []
+        for s in range(0, len(prompts), cfg.batch_size):
+            outputs += speculative(verifier, drafter, prompts[s:s + cfg.batch_size], cfg.max_new_tokens, eos,
+                                   dcfg.verify_tree_size, stats, f"{name}-{tname}{s}")
+        summary = summary_with_config(stats.summary(dcfg.steps), dcfg)
+        if reference is not None:
+            bad = [i for i, (a, b) in enumerate(zip(outputs, reference)) if a != b]
+            summary["equal_to_greedy"] = not bad
+            if bad:
+                i = bad[0]
+                k = next((j for j, (x, y) in enumerate(zip(outputs[i], reference[i])) if x != y),
+                         min(len(outputs[i]), len(reference[i])))
+                raise AssertionError(f"{name}/{tname}: {len(bad)} of {len(prompts)} outputs differ from greedy; "
+                                     f"first: prompt {i} at token {k}")
+        result[tname] = summary
+        log.info("eval %s/%s: mean acceptance length %.3f over %d rounds", name, tname,
+                 summary["mean_accept_len"], summary["rounds"])
+    return result
+
+
+def summary_with_config(summary: dict, dcfg: DraftingConfig) -> dict:
+    return {**summary, "drafting": {"top_k": dcfg.top_k, "steps": dcfg.steps,
+                                    "verify_tree_size": dcfg.verify_tree_size}}
+
+
+def format_table(results: dict) -> str:
+    lines = [f"{'set':<14}{'config':<8}{'seqs':>6}{'rounds':>8}{'accept_len':>12}  accept rate by depth"]
+    for set_name, res in results.items():
+        for tname in TREES:
+            s = res.get(tname)
+            if not s:
+                continue
+            rates = " ".join(f"{r:.2f}" for r in s["accept_rate_by_depth"])
+            lines.append(f"{set_name:<14}{tname:<8}{s['sequences']:>6}{s['rounds']:>8}"
+                         f"{s['mean_accept_len']:>12.3f}  {rates}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,263 @@
+"""Train an EAGLE-3 head on regenerated sequences with training-time test, resumable across calls."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from common.model.eagle3 import Eagle3Config, Eagle3Head
+from common.model.eagle3_io import save_eagle3
+from common.model.llama import LlamaModel
+from training.features import StoredFeatures, base_features, pad_batch
+from training.generate import Sequences
+from training.ttt import make_targets, ttt_forward
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "train_state.pt"
+LOG_FILE = "train_log.jsonl"
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    draft_vocab: int = 8192
+    steps: int = 2000              # optimizer steps (ignored for the schedule when minutes is set)
+    minutes: float | None = None   # train for this much wall-clock time in total (across resumes)
+    batch_size: int = 16           # sequences per step
+    max_len: int = 768             # tokens per sequence (prompt + response), longer ones are cut
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1
+    warmup: int = 50
+    weight_decay: float = 0.0
+    grad_clip: float = 0.5
+    ttt_steps: int = 6
+    step_weight: float = 0.8       # loss weight of TTT step j is step_weight ** j (EAGLE-3 reference)
+    save_every: int = 200
+    log_every: int = 20
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("draft_vocab", "steps", "batch_size", "ttt_steps", "save_every", "log_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.ttt_steps < 1 or self.ttt_steps > 16:
+            raise ValueError(f"ttt_steps must be in [1, 16], got {self.ttt_steps}")
+        if self.max_len < 4:
+            raise ValueError(f"max_len must be >= 4, got {self.max_len}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be positive, got {self.lr}")
+        if self.minutes is not None and not self.minutes > 0:
+            raise ValueError(f"minutes must be positive, got {self.minutes}")
+
+
+def draft_vocab(seqs: Sequences, size: int, vocab_size: int) -> torch.Tensor:
+    """The `size` most frequent response tokens (ties and shortfall filled by lowest id), ascending.
+    Returns draft_to_base [size] int64."""
+    if size > vocab_size:
+        raise ValueError(f"draft vocab {size} exceeds the base vocabulary {vocab_size}")
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for i in range(len(seqs)):
+        s, p = seqs.get(i)
+        np.add.at(counts, s[p:].astype(np.int64), 1)
+    order = np.lexsort((np.arange(vocab_size), -counts))  # by count desc, then id asc
+    chosen = np.sort(order[:size])
+    covered = counts[chosen].sum() / max(counts.sum(), 1)
+    log.info("draft vocab: %d tokens cover %.2f%% of response tokens", size, 100 * covered)
+    return torch.from_numpy(chosen.astype(np.int64))
+
+
+@torch.no_grad()
+def init_head(head: Eagle3Head, base: LlamaModel, draft_to_base: torch.Tensor, seed: int = 0) -> None:
+    """lm_head/norm from the base's head rows of the draft vocab; midlayer from the base's last layer
+    (the 2H-wide q/k/v get half of the base weight on each input half); fc picks the high layer's
+    features (identity block) plus small noise."""
+    g = torch.Generator().manual_seed(seed)
+    head.set_vocab_map(draft_to_base)
+    d2b = draft_to_base.to(base.lm_head.weight.device)
+    head.lm_head.weight.copy_(base.lm_head.weight[d2b].float())
+    head.norm.weight.copy_(base.norm.weight.float())
+    last = base.layers[-1]
+    m = head.midlayer
+    if base.cfg.hidden_size == head.cfg.hidden_size and base.cfg.intermediate_size == head.cfg.intermediate_size:
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            getattr(m.mlp, name).weight.copy_(getattr(last.mlp, name).weight.float())
+        m.post_attention_layernorm.weight.copy_(last.post_attention_layernorm.weight.float())
+        m.input_layernorm.weight.copy_(last.input_layernorm.weight.float())
+        m.hidden_norm.weight.copy_(last.input_layernorm.weight.float())
+        if (base.cfg.num_heads, base.cfg.num_kv_heads, base.cfg.head_dim) == \
+                (head.cfg.num_heads, head.cfg.num_kv_heads, head.cfg.head_dim):
+            for name in ("q_proj", "k_proj", "v_proj"):
+                w = getattr(last.self_attn, name).weight.float()
+                getattr(m.self_attn, name).weight.copy_(torch.cat((0.5 * w, 0.5 * w), dim=1))
+            m.self_attn.o_proj.weight.copy_(last.self_attn.o_proj.weight.float())
+    h, ht = head.cfg.hidden_size, head.cfg.target_hidden_size
+    fc = torch.randn(h, 3 * ht, generator=g) * (0.02 / math.sqrt(3))
+    if h == ht:
+        fc[:, 2 * ht:] += torch.eye(h)
+    head.fc.weight.copy_(fc)
+
+
+def lr_at(cfg: TrainConfig, step: int, elapsed: float) -> float:
+    progress = step / cfg.steps
+    if cfg.minutes is not None:
+        progress = elapsed / (cfg.minutes * 60)
+    progress = min(max(progress, 0.0), 1.0)
+    warm = min(1.0, (step + 1) / cfg.warmup)
+    cos = cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return cfg.lr * warm * cos
+
+
+def epoch_batches(lengths: np.ndarray, batch_size: int, seed: int, epoch: int) -> list[np.ndarray]:
+    """Shuffled batches of similar-length sequences (sorted within chunks of 64 batches)."""
+    rng = np.random.default_rng(seed * 1000003 + epoch)
+    perm = rng.permutation(len(lengths))
+    chunk = batch_size * 64
+    batches = []
+    for c in range(0, len(perm), chunk):
+        part = perm[c:c + chunk]
+        part = part[np.argsort(lengths[part], kind="stable")]
+        batches += [part[i:i + batch_size] for i in range(0, len(part), batch_size)]
+    rng.shuffle(batches)
+    return batches
+
+
+class Trainer:
+    def __init__(self, base: LlamaModel, seqs: Sequences, workdir: Path, cfg: TrainConfig,
+                 device: torch.device, features: StoredFeatures | None = None) -> None:
+        self.base, self.seqs, self.cfg, self.device, self.features = base, seqs, cfg, device, features
+        self.dir = workdir / "train"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.head_dir = workdir / "head"
+        keep = [i for i in range(len(seqs)) if seqs.get(i)[0].shape[0] - seqs.get(i)[1] >= 2]
+        self.index = np.array(keep, dtype=np.int64)  # sequences with a response to learn from
+        if self.index.size == 0:
+            raise ValueError("no sequence has a response of 2 tokens or more")
+        self.lengths = np.array([min(len(seqs.get(int(i))[0]), cfg.max_len) for i in self.index])
+        self.hcfg = Eagle3Config.for_base(base.cfg, cfg.draft_vocab)
+        torch.manual_seed(cfg.seed)
+        self.head = Eagle3Head(self.hcfg)
+        self.step, self.epoch, self.pos, self.elapsed = 0, 0, 0, 0.0
+        state_path = self.dir / STATE_FILE
+        if state_path.exists():
+            st = torch.load(str(state_path), map_location="cpu", weights_only=False)
+            self.head.load_state_dict(st["head"])
+            self.step, self.epoch, self.pos, self.elapsed = st["step"], st["epoch"], st["pos"], st["elapsed"]
+            log.info("train: resumed at step %d (%.1f min trained)", self.step, self.elapsed / 60)
+        else:
+            d2b = draft_vocab(seqs, cfg.draft_vocab, base.cfg.vocab_size)
+            init_head(self.head, base, d2b, cfg.seed)
+            st = None
+        self.head.to(device)
+        self.head.train()
+        self.draft_to_base = self.head.d2t + torch.arange(cfg.draft_vocab, device=device)
+        params = [p for p in self.head.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+        if st is not None:
+            self.opt.load_state_dict(st["opt"])
+        self.autocast = device.type == "cuda"
+        self._epoch_cache: tuple[int, list[np.ndarray]] | None = None
+
+    def done(self) -> bool:
+        if self.cfg.minutes is not None:
+            return self.elapsed >= self.cfg.minutes * 60
+        return self.step >= self.cfg.steps
+
+    def save_state(self) -> None:
+        tmp = self.dir / (STATE_FILE + ".tmp")
+        torch.save({"head": self.head.state_dict(), "opt": self.opt.state_dict(), "step": self.step,
+                    "epoch": self.epoch, "pos": self.pos, "elapsed": self.elapsed, "config": asdict(self.cfg)},
+                   str(tmp))
+        tmp.replace(self.dir / STATE_FILE)
+
+    def export(self) -> list[Path]:
+        return save_eagle3(self.head, self.hcfg, self.head_dir, aux_layers=self.base.aux_layers)
+
+    def _batches(self) -> list[np.ndarray]:
+        if self._epoch_cache is None or self._epoch_cache[0] != self.epoch:
+            self._epoch_cache = (self.epoch, epoch_batches(self.lengths, self.cfg.batch_size, self.cfg.seed,
+                                                           self.epoch))
+        return self._epoch_cache[1]
+
+    def _next_batch(self) -> np.ndarray:
+        if self.pos >= len(self._batches()):
+            self.epoch, self.pos = self.epoch + 1, 0
+        b = self._batches()[self.pos]
+        self.pos += 1
+        return self.index[b]
+
+    def train_step(self) -> dict:
+        cfg = self.cfg
+        idx = self._next_batch()
+        pb = pad_batch([self.seqs.get(int(i)) for i in idx], cfg.max_len, self.device)
+        ids = pb.ids                                                   # [B, T]
+        b, t = ids.shape
+        if self.features is not None:
+            feats = self.features.batch([int(i) for i in idx], t, self.device)
+        else:
+            feats = base_features(self.base, ids)
+        r = torch.arange(t - 1, device=self.device)[None, :]
+        # row r predicts x_{r+2}: a real position (r + 1 < len) holding a response token (r + 2 >= prompt_len)
+        valid = (r + 1 < pb.lengths[:, None]) & (r + 2 >= pb.prompt_len[:, None])   # [B, T-1]
+        targets = make_targets(lambda h: self.base.lm_head(h.to(self.base.lm_head.weight.dtype)),
+                               feats.hidden[:, 1:], self.draft_to_base, self.head.t2d, valid)
+        with torch.no_grad():
+            embeds = self.base.embed_tokens(ids[:, 1:]).float()       # [B, T-1, H] embed(x_{r+1})
+        aux = feats.aux[:, :-1].float()                                # [B, T-1, 3H] a_r
+        lr = lr_at(cfg, self.step, self.elapsed)
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        with torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            res = ttt_forward(self.head, embeds, aux, targets, cfg.ttt_steps, cfg.step_weight)
+        self.opt.zero_grad(set_to_none=True)
+        res.loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(self.head.parameters(), cfg.grad_clip)
+        self.opt.step()
+        self.step += 1
+        return {"step": self.step, "lr": lr, "loss": float(res.loss.detach()), "grad_norm": float(gnorm),
+                "step_loss": res.step_loss, "step_acc": res.step_acc, "tokens": int(valid.sum())}
+
+    def run(self, deadline: float | None = None) -> bool:
+        """Train until done or the deadline; saves state on the way out. True when training finished."""
+        cfg = self.cfg
+        window: list[dict] = []
+        t_last = time.time()
+        with (self.dir / LOG_FILE).open("a") as logf:
+            while not self.done():
+                if deadline is not None and time.time() > deadline:
+                    self.save_state()
+                    log.info("train: time budget spent at step %d; state saved", self.step)
+                    return False
+                rec = self.train_step()
+                now = time.time()
+                self.elapsed += now - t_last
+                t_last = now
+                window.append(rec)
+                if self.step % cfg.log_every == 0 or self.done():
+                    avg = summarize(window)
+                    avg["elapsed_min"] = round(self.elapsed / 60, 2)
+                    logf.write(json.dumps(avg) + "\n")
+                    logf.flush()
+                    log.info("train step %d lr %.2e loss %.3f acc/step %s (%.1f min)", self.step, rec["lr"],
+                             avg["loss"], " ".join(f"{a:.2f}" for a in avg["step_acc"]), self.elapsed / 60)
+                    window = []
+                if self.step % cfg.save_every == 0:
+                    self.save_state()
+        self.save_state()
+        self.export()
+        (self.dir / "DONE").write_text(json.dumps({"step": self.step, "elapsed_min": self.elapsed / 60}) + "\n")
+        return True
+
+
+def summarize(recs: list[dict]) -> dict:
+    n = len(recs)
+    return {"step": recs[-1]["step"], "loss": sum(r["loss"] for r in recs) / n,
+            "step_loss": [sum(r["step_loss"][j] for r in recs) / n for j in range(len(recs[0]["step_loss"]))],
+            "step_acc": [sum(r["step_acc"][j] for r in recs) / n for j in range(len(recs[0]["step_acc"]))],
+            "tokens": sum(r["tokens"] for r in recs)}
