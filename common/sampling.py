@@ -23,7 +23,7 @@ def target_distribution(logits: np.ndarray, cfg: SamplingConfig) -> np.ndarray:
         order = np.argsort(-p, kind="stable")
         cum = np.cumsum(p[order])
         # keep the smallest prefix whose mass reaches top_p (always at least one token)
-        cut = int(np.searchsorted(cum, cfg.top_p, side="left")) + 1
+        cut = int(np.searchsorted(cum, cfg.top_p - 1e-9, side="left")) + 1  # tolerate rounding in the sum
         mask = np.zeros_like(p, dtype=bool)
         mask[order[:cut]] = True
         p = np.where(mask, p, 0.0)

@@ -1,0 +1,56 @@
+"""Shared fixtures: the embedded model (loaded once) and the three services as real processes."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.stack import Stack
+
+# Small context keeps the CPU KV caches small; everything else is the real model in float32.
+COMMON = ["--max-context", "512", "--max-sequences", "8", "--dtype", "float32", "--device", "cpu"]
+
+CHAT_PROMPTS = [
+    "Why is the sky blue?",
+    "Write a haiku about autumn leaves.",
+    "Explain what a hash table is in two sentences.",
+    "Give me three tips for learning to cook.",
+    "What is the capital of France and why is it famous?",
+    "Write a Python function that reverses a string.",
+    "Summarize the plot of Romeo and Juliet.",
+    "How do vaccines work?",
+]
+
+
+@pytest.fixture(scope="session")
+def checkpoint():
+    from common.weights import load_checkpoint
+
+    return load_checkpoint()
+
+
+def _stack(*draft_args: str):
+    s = Stack(common_args=COMMON, draft_args=list(draft_args))
+    s.start()
+    return s
+
+
+@pytest.fixture(scope="session")
+def stack():
+    """The default deployment: the shipped EAGLE-3 head."""
+    s = _stack()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="session")
+def greedy_oracle_stack():
+    s = _stack("--drafter", "oracle-greedy")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="session")
+def wrong_oracle_stack():
+    s = _stack("--drafter", "oracle-wrong")
+    yield s
+    s.stop()

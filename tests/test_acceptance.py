@@ -1,0 +1,61 @@
+"""Acceptance and KV compaction against hand-computed expectations, and losslessness of sampling."""
+
+import numpy as np
+
+from common.acceptance import accept_greedy, accept_sampled, compaction_plan
+from common.config import SamplingConfig
+from common.sampling import target_distribution
+
+A, B, C, D, X, Y, Z = 10, 11, 12, 13, 20, 21, 22
+TOKENS = np.array([A, B, C, D])
+PARENTS = np.array([-1, -1, 0, 1])
+
+
+def test_greedy_follows_the_matching_branch():
+    # root wants b (node 1), node 1 wants d (node 3), node 3 wants z -> bonus
+    acc = accept_greedy(TOKENS, PARENTS, np.array([B, X, D, Y, Z]))
+    assert acc.path == [1, 3]
+    assert acc.tokens == [B, D, Z]
+
+
+def test_greedy_rejects_everything():
+    acc = accept_greedy(TOKENS, PARENTS, np.array([X, A, A, A, A]))
+    assert acc.path == [] and acc.tokens == [X]
+
+
+def test_greedy_needs_the_parent_accepted():
+    # node 2 (c) matches what node 0 wants, but node 0 itself is rejected at the root
+    acc = accept_greedy(TOKENS, PARENTS, np.array([X, C, C, C, C]))
+    assert acc.tokens == [X]
+
+
+def test_compaction_plan_worked_example():
+    move = compaction_plan([1, 3], base_len=10)  # nodes at 12 and 14 -> 11 and 12
+    assert (move.src, move.dst) == ([12, 14], [11, 12])
+    assert compaction_plan([0, 2], base_len=5).src == [8]  # node 0 already at 6; node 2 (at 8) -> 7
+    assert compaction_plan([], base_len=5).src == []
+
+
+def test_sampled_acceptance_is_lossless():
+    """The first committed token is distributed exactly as the target p, whatever the drafts are."""
+    p = np.array([0.5, 0.3, 0.15, 0.05])
+    tokens = np.array([1, 3, 0])  # three siblings under the root, in draft order
+    parents = np.array([-1, -1, -1])
+    rng = np.random.default_rng(0)
+    n = 40000
+    counts = np.zeros(4)
+    for _ in range(n):
+        acc = accept_sampled(tokens, parents, lambda row: p if row == 0 else np.full(4, 0.25), rng)
+        counts[acc.tokens[0]] += 1
+    freq = counts / n
+    assert np.abs(freq - p).max() < 0.01, freq
+
+
+def test_target_distribution_top_k_top_p():
+    logits = np.log(np.array([0.5, 0.3, 0.15, 0.05]))
+    p = target_distribution(logits, SamplingConfig(temperature=1.0, top_k=2))
+    assert np.allclose(p, [0.625, 0.375, 0, 0])
+    p = target_distribution(logits, SamplingConfig(temperature=1.0, top_p=0.8))
+    assert np.allclose(p, [0.625, 0.375, 0, 0])  # 0.5 + 0.3 reaches 0.8
+    p = target_distribution(logits, SamplingConfig(temperature=1.0, top_p=0.81))
+    assert np.allclose(p, np.array([0.5, 0.3, 0.15, 0]) / 0.95)

@@ -1,0 +1,65 @@
+"""The three services as separate processes on loopback: speculative output equals the verifier's
+plain greedy decoding token for token, with the shipped head and with both oracle drafters."""
+
+import pytest
+
+from tests.conftest import CHAT_PROMPTS
+from tests.helpers import chat, complete_many
+
+pytestmark = pytest.mark.slow
+N_TOKENS = 64
+
+
+def speculative_vs_plain(addr, prompts, n_tokens):
+    spec = complete_many(addr, [chat(p, max_tokens=n_tokens, ignore_eos=True) for p in prompts])
+    plain = complete_many(addr, [chat(p, max_tokens=n_tokens, ignore_eos=True, speculative=False) for p in prompts])
+    return spec, plain
+
+
+def test_default_head_equals_plain_greedy(stack):
+    spec, plain = speculative_vs_plain(stack.gateway, CHAT_PROMPTS, N_TOKENS)
+    for p, s, r in zip(CHAT_PROMPTS, spec, plain):
+        assert len(s.token_ids) == N_TOKENS, p
+        assert list(s.token_ids) == list(r.token_ids), p
+        assert s.text == r.text
+        assert s.speculation.rounds > 0 and r.speculation.rounds == 0
+        assert s.usage.completion_tokens == N_TOKENS
+
+
+def test_greedy_oracle_accepts_whole_chains(greedy_oracle_stack):
+    prompts = CHAT_PROMPTS[:3]
+    spec, plain = speculative_vs_plain(greedy_oracle_stack.gateway, prompts, 48)
+    for s, r in zip(spec, plain):
+        assert list(s.token_ids) == list(r.token_ids)
+        # 6 drafted levels + bonus = 7 tokens a round, except a last round cut by max_tokens
+        assert s.speculation.rounds == -(-47 // 7)
+        assert s.speculation.mean_acceptance_length > 6.0
+
+
+def test_wrong_oracle_gets_one_token_per_round(wrong_oracle_stack):
+    prompts = CHAT_PROMPTS[3:5]
+    spec, plain = speculative_vs_plain(wrong_oracle_stack.gateway, prompts, 16)
+    for s, r in zip(spec, plain):
+        assert list(s.token_ids) == list(r.token_ids)
+        assert s.speculation.accepted_tokens == 0
+        assert s.speculation.rounds == 15  # the first token comes from prefill
+
+
+def test_sampling_is_reproducible_with_a_seed(stack):
+    reqs = [chat("Tell me a story about a cat.", max_tokens=24, temperature=0.8, top_p=0.9, seed=7)] * 2
+    a, b = complete_many(stack.gateway, reqs)
+    assert list(a.token_ids) == list(b.token_ids) and len(a.token_ids) > 0
+
+
+def test_stop_string_and_stream(stack):
+    import grpc
+
+    from specdec.v1 import generation_pb2_grpc as gpb_grpc
+
+    base = complete_many(stack.gateway, [chat("Why is the sky blue?", max_tokens=32)])[0]
+    word = base.text.split()[5]
+    with grpc.insecure_channel(stack.gateway) as ch:
+        msgs = list(gpb_grpc.GenerationStub(ch).Generate(chat("Why is the sky blue?", max_tokens=32, stop=[word])))
+    text = "".join(m.text for m in msgs)
+    assert word not in text and base.text.startswith(text)
+    assert msgs[-1].finish_reason == 1  # STOP

@@ -1,0 +1,54 @@
+"""The gateway's commit logic: stop rules applied token by token, text held back at stop prefixes."""
+
+from common.config import SamplingConfig
+from services.gateway.sequence import Finish, Generation, GenRequest
+
+EOS = 2
+
+
+class FakeDecoder:
+    """Each token id i decodes to the i-th entry of a fixed list of pieces."""
+
+    PIECES = {5: "Hel", 6: "lo", 7: " wor", 8: "ld", 9: "!", 2: ""}
+
+    def push(self, ids):
+        return "".join(self.PIECES[i] for i in ids)
+
+
+def gen(**kw):
+    req = GenRequest(prompt_ids=[1], max_tokens=kw.pop("max_tokens", 10), sampling=SamplingConfig(), **kw)
+    return Generation(request=req, decoder=FakeDecoder(), eos_token_id=EOS)
+
+
+def test_max_tokens_cuts_a_round():
+    g = gen(max_tokens=3)
+    d = g.commit([5, 6, 7, 8])
+    assert d.token_ids == [5, 6, 7] and d.finish == Finish.LENGTH and g.text == "Hello wor"
+
+
+def test_eos_ends_unless_ignored():
+    g = gen()
+    assert g.commit([5, EOS, 6]).finish == Finish.EOS
+    assert g.token_ids == [5, EOS]
+    g = gen(ignore_eos=True)
+    assert g.commit([5, EOS, 6]).finish is None and g.token_ids == [5, EOS, 6]
+
+
+def test_stop_token_ids():
+    g = gen(stop_token_ids=frozenset({7}))
+    d = g.commit([5, 6, 7, 8])
+    assert d.finish == Finish.STOP and g.token_ids == [5, 6, 7] and g.text == "Hello"
+
+
+def test_stop_string_across_tokens_is_held_then_cut():
+    g = gen(stop=("world",))
+    d1 = g.commit([5, 6, 7])  # "Hello wor": " wor" could start "world"? no, "wor" could: held
+    assert d1.text == "Hello " and d1.finish is None
+    d2 = g.commit([8, 9])
+    assert d2.finish == Finish.STOP and g.text == "Hello " and d2.text == ""
+
+
+def test_held_text_released_when_not_a_stop():
+    g = gen(stop=("world",), max_tokens=3)
+    d = g.commit([5, 6, 7])  # ends by length: the held "wor" is flushed
+    assert d.finish == Finish.LENGTH and g.text == "Hello wor"

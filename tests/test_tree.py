@@ -1,0 +1,65 @@
+"""Tree bookkeeping against hand-computed expectations (worked example in common/tree.py)."""
+
+import numpy as np
+import pytest
+
+from common.errors import InvalidRequest
+from common.tree import ancestor_mask, children_lists, depths, path_to_root, select_top_nodes, validate_tree
+
+PARENTS = np.array([-1, -1, 0, 1])  # r -> a, b; a -> c; b -> d
+
+
+def test_depths_children_and_paths():
+    assert depths(PARENTS).tolist() == [1, 1, 2, 2]
+    assert children_lists(PARENTS) == [[0, 1], [2], [3], [], []]
+    assert path_to_root(PARENTS, 3) == [1, 3]
+    assert path_to_root(PARENTS, 0) == [0]
+
+
+def test_ancestor_mask_worked_example():
+    expected = np.array([
+        [1, 0, 0, 0, 0],   # r
+        [1, 1, 0, 0, 0],   # a
+        [1, 0, 1, 0, 0],   # b
+        [1, 1, 0, 1, 0],   # c: r, a, c
+        [1, 0, 1, 0, 1],   # d: r, b, d
+    ], dtype=bool)
+    assert (ancestor_mask(PARENTS) == expected).all()
+
+
+@pytest.mark.parametrize("parents, message", [
+    ([-1, 5], "outside"),         # parent index out of range
+    ([-1, -2], "outside"),
+    ([1, -1], "does not precede"),  # forward reference: a cycle 0 -> 1 -> 0 is impossible to express
+    ([-1, 1], "does not precede"),  # self loop
+])
+def test_validate_rejects_malformed(parents, message):
+    with pytest.raises(InvalidRequest, match=message):
+        validate_tree(np.array([5, 6]), np.array(parents), np.array([]), max_nodes=8, vocab_size=100)
+
+
+def test_validate_rejects_size_and_vocab():
+    with pytest.raises(InvalidRequest, match="more than the limit"):
+        validate_tree(np.arange(5), np.full(5, -1), np.array([]), max_nodes=4, vocab_size=100)
+    with pytest.raises(InvalidRequest, match="outside the vocabulary"):
+        validate_tree(np.array([1, 100]), np.array([-1, 0]), np.array([]), max_nodes=4, vocab_size=100)
+    with pytest.raises(InvalidRequest, match="parent indices"):
+        validate_tree(np.array([1, 2]), np.array([-1]), np.array([]), max_nodes=4, vocab_size=100)
+
+
+def test_select_top_nodes_keeps_parents_and_reindexes():
+    # candidates in creation order: 0:a(-0.1) 1:b(-2.0) 2:c child of a(-0.5) 3:d child of b(-3.0) 4:e child of c(-0.6)
+    scores = np.array([-0.1, -2.0, -0.5, -3.0, -0.6])
+    parents = np.array([-1, -1, 0, 1, 2])
+    kept, new_parents = select_top_nodes(scores, parents, 3)
+    assert kept.tolist() == [0, 2, 4]          # a, c, e: the best three form a chain
+    assert new_parents.tolist() == [-1, 0, 1]  # [a, c, e] -> parents [root, a, c]
+
+
+def test_select_top_nodes_tie_prefers_parent():
+    # child with log-probability 0 ties with its parent: the earlier-created parent must win the last place
+    scores = np.array([-1.0, -1.0, -0.5])
+    parents = np.array([-1, 0, -1])
+    kept, new_parents = select_top_nodes(scores, parents, 2)
+    assert kept.tolist() == [0, 2]
+    assert new_parents.tolist() == [-1, -1]
