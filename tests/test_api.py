@@ -101,7 +101,8 @@ def test_verifier_rejects_malformed_trees(stack, tokens, parents, needle):
             pb.VerifyItem(seq_id="t", tree=pb.DraftTree(token_ids=tokens, parents=parents))])))
         assert code == grpc.StatusCode.INVALID_ARGUMENT and needle in details
         # the sequence is untouched and still verifies
-        ok = v.Verify(pb.VerifyRequest(items=[pb.VerifyItem(seq_id="t", tree=pb.DraftTree(token_ids=[5], parents=[-1]))]))
+        one = pb.DraftTree(token_ids=[5], parents=[-1])
+        ok = v.Verify(pb.VerifyRequest(items=[pb.VerifyItem(seq_id="t", tree=one)]))
         assert len(ok.results[0].accepted_tokens) >= 1
     finally:
         v.Release(pb.ReleaseRequest(seq_ids=["t"]))

@@ -135,7 +135,8 @@ class TorchVerifier:
             else:
                 rows = logits[i]
                 acc = accept_sampled(it.tree.tokens, it.tree.parents,
-                                     lambda r, rows=rows, st=st: target_distribution(rows[r].cpu().numpy(), st.sampling),
+                                     lambda r, rows=rows, st=st: target_distribution(rows[r].cpu().numpy(),
+                                                                                     st.sampling),
                                      st.rng)
             move = compaction_plan(acc.path, st.length)
             if move.src:

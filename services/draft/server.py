@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import time
 
 import grpc
 
@@ -40,7 +41,8 @@ class DraftServicer(pb_grpc.DraftServicer):
         return await self._guard(context, self._propose, request)
 
     async def Release(self, request, context):
-        return await self._guard(context, lambda: pb.ReleaseResponse(released=self.drafter.release(list(request.seq_ids))))
+        release = lambda: pb.ReleaseResponse(released=self.drafter.release(list(request.seq_ids)))
+        return await self._guard(context, release)
 
     async def Info(self, request, context):
         d = self.drafting
@@ -67,8 +69,10 @@ class DraftServicer(pb_grpc.DraftServicer):
                                       start=it.start, context_prefix=list(it.context_prefix),
                                       max_nodes=min(it.max_nodes or self.drafting.verify_tree_size,
                                                     self.drafting.verify_tree_size)))
+        t0 = time.perf_counter()
         trees = self.drafter.propose(items)
-        return pb.ProposeResponse(results=[
+        compute_us = int((time.perf_counter() - t0) * 1e6)
+        return pb.ProposeResponse(compute_us=compute_us, results=[
             pb.ProposeResult(seq_id=it.seq_id, tree=pb.DraftTree(token_ids=t.tokens.tolist(),
                                                                  parents=t.parents.tolist(),
                                                                  draft_probs=t.probs.tolist()))

@@ -24,6 +24,7 @@ class GatewayConfig:
     max_active: int = 8  # sequences per round
     max_waiting: int = 64
     connect_timeout: float = 120.0
+    metrics_port: int = 0  # Prometheus /metrics on 127.0.0.1 (0 = off)
 
     def __post_init__(self) -> None:
         if not self.address or not self.verifier:
@@ -36,6 +37,7 @@ async def main(cfg: GatewayConfig, port_file: str | None) -> None:
     from common.rpc import start_server
     from common.tokenizer import Tokenizer
     from services.gateway.clients import DraftClient, VerifierClient
+    from services.gateway.metrics import Metrics
     from services.gateway.scheduler import Scheduler, SchedulerConfig
     from services.gateway.server import GenerationServicer
     from specdec.v1 import generation_pb2_grpc
@@ -52,9 +54,12 @@ async def main(cfg: GatewayConfig, port_file: str | None) -> None:
         if dinfo.verify_tree_size > vinfo.max_tree_nodes:
             raise ValueError(f"draft proposes {dinfo.verify_tree_size} nodes; the verifier takes at most "
                              f"{vinfo.max_tree_nodes}")
+    metrics = Metrics()
+    if cfg.metrics_port:
+        metrics.serve(cfg.metrics_port)
     sched = Scheduler(verifier, draft, SchedulerConfig(max_active=min(cfg.max_active, vinfo.max_sequences),
                                                        max_waiting=cfg.max_waiting,
-                                                       tree_size=dinfo.verify_tree_size if dinfo else 1))
+                                                       tree_size=dinfo.verify_tree_size if dinfo else 1), metrics)
     sched.start()
     servicer = GenerationServicer(sched, tok, vinfo, dinfo)
     server = await start_server(cfg.address, [(generation_pb2_grpc.add_GenerationServicer_to_server, servicer)],
@@ -79,13 +84,15 @@ def cli() -> None:
                    "(default: $SPECDEC_GGUF or the embedded SmolLM2)")
     p.add_argument("--max-active", type=int, default=8)
     p.add_argument("--max-waiting", type=int, default=64)
+    p.add_argument("--metrics-port", type=int, default=int(os.environ.get("METRICS_PORT", "0")),
+                   help="serve Prometheus metrics on this port (0 = off)")
     p.add_argument("--port-file", default=None, help="write the bound port here once serving")
     p.add_argument("--log-level", default=os.environ.get("LOG_LEVEL", "INFO"))
     a = p.parse_args()
     logging.basicConfig(level=a.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     cfg = GatewayConfig(address=a.addr, verifier=a.verifier, draft=a.draft,
                         model=Path(a.model) if a.model else default_model_path(),
-                        max_active=a.max_active, max_waiting=a.max_waiting)
+                        max_active=a.max_active, max_waiting=a.max_waiting, metrics_port=a.metrics_port)
     asyncio.run(main(cfg, a.port_file))
 
 

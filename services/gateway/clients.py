@@ -27,6 +27,14 @@ class Verified:
     hidden: pb.TensorRef  # [num_accepted + 1, 3H]
 
 
+@dataclass(frozen=True)
+class Batched:
+    """Per-sequence results of one batched call, and the engine time the service reported."""
+
+    results: list
+    compute_s: float
+
+
 def sampling_msg(s: SamplingConfig) -> pb.SamplingParams:
     return pb.SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                              seed=s.seed or 0, has_seed=s.seed is not None)
@@ -58,10 +66,11 @@ class VerifierClient:
         r = (await _call(self.stub.Prefill, req, self.timeout)).results[0]
         return Prefilled(next_token=r.next_token, hidden=r.hidden)
 
-    async def verify(self, items: list[tuple[str, pb.DraftTree]]) -> list[Verified]:
+    async def verify(self, items: list[tuple[str, pb.DraftTree]]) -> Batched:
         req = pb.VerifyRequest(items=[pb.VerifyItem(seq_id=s, tree=t) for s, t in items])
         resp = await _call(self.stub.Verify, req, self.timeout)
-        return [Verified(tokens=list(r.accepted_tokens), hidden=r.hidden) for r in resp.results]
+        return Batched([Verified(tokens=list(r.accepted_tokens), hidden=r.hidden) for r in resp.results],
+                       resp.compute_us / 1e6)
 
     async def decode(self, seq_ids: list[str]) -> list[int]:
         req = pb.DecodeRequest(items=[pb.DecodeItem(seq_id=s) for s in seq_ids])
@@ -84,9 +93,9 @@ class DraftClient:
     async def info(self) -> pb.DraftInfoResponse:
         return await _call(self.stub.Info, pb.InfoRequest(), self.timeout)
 
-    async def propose(self, items: list[pb.ProposeItem]) -> list[pb.DraftTree]:
+    async def propose(self, items: list[pb.ProposeItem]) -> Batched:
         resp = await _call(self.stub.Propose, pb.ProposeRequest(items=items), self.timeout)
-        return [r.tree for r in resp.results]
+        return Batched([r.tree for r in resp.results], resp.compute_us / 1e6)
 
     async def release(self, seq_ids: list[str]) -> None:
         await _call(self.stub.Release, pb.ReleaseRequest(seq_ids=seq_ids), self.timeout)

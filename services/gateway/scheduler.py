@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from common.errors import CapacityExhausted
 from services.gateway.clients import DraftClient, VerifierClient
+from services.gateway.metrics import Metrics
 from services.gateway.sequence import Delta, Finish, Generation
 from specdec.v1 import internal_pb2 as pb
 
@@ -29,6 +30,7 @@ class Active:
     out: asyncio.Queue  # Delta items, then None; or an exception
     next_propose: pb.ProposeItem | None = None  # the draft's input for the next round (speculative)
     started: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -43,8 +45,10 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, verifier: VerifierClient, draft: DraftClient | None, cfg: SchedulerConfig) -> None:
+    def __init__(self, verifier: VerifierClient, draft: DraftClient | None, cfg: SchedulerConfig,
+                 metrics: Metrics | None = None) -> None:
         self.verifier, self.draft, self.cfg = verifier, draft, cfg
+        self.metrics = metrics or Metrics()
         self.waiting: list[Active] = []
         self.active: list[Active] = []
         self._wake = asyncio.Event()
@@ -91,21 +95,43 @@ class Scheduler:
         spec = [a for a in self.active if a.next_propose is not None]
         plain = [a for a in self.active if a.next_propose is None]
         if spec:
-            trees = await self.draft.propose([a.next_propose for a in spec])                      # propose
-            results = await self.verifier.verify([(a.seq_id, t) for a, t in zip(spec, trees)])  # verify
-            for a, tree, r in zip(spec, trees, results):                                         # commit
-                a.gen.stats.rounds += 1
-                a.gen.stats.drafted += len(tree.token_ids)
-                a.gen.stats.accepted += len(r.tokens) - 1
+            t0 = time.perf_counter()
+            proposed = await self.draft.propose([a.next_propose for a in spec])                   # propose
+            t1 = time.perf_counter()
+            verified = await self.verifier.verify([(a.seq_id, t) for a, t in zip(spec, proposed.results)])  # verify
+            t2 = time.perf_counter()
+            for a, tree, r in zip(spec, proposed.results, verified.results):
+                self._count_round(a, len(tree.token_ids), len(r.tokens) - 1)
                 a.next_propose = pb.ProposeItem(seq_id=a.seq_id, token_ids=r.tokens, hidden=r.hidden,
                                                 max_nodes=self.cfg.tree_size)
-                self._emit(a, a.gen.commit(r.tokens))                                          # stream
+                self._emit(a, a.gen.commit(r.tokens))                                          # commit, stream
+            self._time_round(t0, t1, t2, proposed.compute_s, verified.compute_s)
         if plain:
             for a, t in zip(plain, await self.verifier.decode([a.seq_id for a in plain])):
                 self._emit(a, a.gen.commit([t]))
         await self._retire()
 
+    def _count_round(self, a: Active, drafted: int, accepted: int) -> None:
+        a.gen.stats.rounds += 1
+        a.gen.stats.drafted += drafted
+        a.gen.stats.accepted += accepted
+        self.metrics.drafts.inc()
+        self.metrics.draft_tokens.inc(drafted)
+        self.metrics.accepted(accepted)
+
+    def _time_round(self, t0: float, t1: float, t2: float, draft_s: float, verify_s: float) -> None:
+        """Round breakdown: engine time in each service, RPC (call wall minus engine time), and the
+        gateway's own orchestration (commit, detokenize, stream)."""
+        phase = self.metrics.round_seconds
+        phase.labels("draft").observe(draft_s)
+        phase.labels("verify").observe(verify_s)
+        phase.labels("rpc").observe(max((t1 - t0) - draft_s, 0) + max((t2 - t1) - verify_s, 0))
+        phase.labels("orchestration").observe(time.perf_counter() - t2)
+        phase.labels("total").observe(time.perf_counter() - t0)
+
     async def _admit(self) -> None:
+        self.metrics.running.set(len(self.active))
+        self.metrics.waiting.set(len(self.waiting))
         while self.waiting and len(self.active) < self.cfg.max_active:
             a = self.waiting.pop(0)
             if a.gen.finish is not None:  # cancelled while waiting
@@ -117,6 +143,7 @@ class Scheduler:
         req = a.gen.request
         self.active.append(a)
         speculative = req.speculative and self.draft is not None
+        self.metrics.prompt_tokens.inc(len(req.prompt_ids))
         pre = await self.verifier.prefill(a.seq_id, req.prompt_ids, req.sampling, want_hidden=speculative)
         if speculative:
             a.next_propose = pb.ProposeItem(seq_id=a.seq_id, token_ids=req.prompt_ids[1:] + [pre.next_token],
@@ -125,10 +152,20 @@ class Scheduler:
         self._emit(a, a.gen.commit([pre.next_token]))
 
     def _emit(self, a: Active, delta: Delta) -> None:
+        now = time.perf_counter()
+        m = self.metrics
+        m.generation_tokens.inc(len(delta.token_ids))
+        if a.first_token_at is None and delta.token_ids:
+            a.first_token_at = now
+            m.ttft.observe(now - a.started)
         if delta.token_ids or delta.text or delta.finish is not None:
             a.out.put_nowait(delta)
         if delta.finish is not None:
             a.out.put_nowait(None)
+            m.e2e.observe(now - a.started)
+            n = len(a.gen.token_ids)
+            if n > 1 and a.first_token_at is not None:
+                m.itl.observe((now - a.first_token_at) / (n - 1))
 
     async def _retire(self) -> None:
         done = [a for a in self.active if a.gen.finish is not None]

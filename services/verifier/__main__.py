@@ -30,7 +30,8 @@ async def main(args: argparse.Namespace) -> None:
 def cli() -> None:
     p = argparse.ArgumentParser(prog="python -m services.verifier", description=__doc__)
     p.add_argument("--addr", default=os.environ.get("VERIFIER_ADDR", "127.0.0.1:50053"))
-    p.add_argument("--model", default=None, help="GGUF file or HF folder (default: $SPECDEC_GGUF or the embedded SmolLM2)")
+    p.add_argument("--model", default=None,
+                   help="GGUF file or HF folder (default: $SPECDEC_GGUF or the embedded SmolLM2)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--max-sequences", type=int, default=8, help="KV cache slots (concurrent sequences)")

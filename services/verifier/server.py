@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import time
 
 import grpc
 
@@ -54,7 +55,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         return await self._guard(context, self._decode, request)
 
     async def Release(self, request, context):
-        return await self._guard(context, lambda: pb.ReleaseResponse(released=self.engine.release(list(request.seq_ids))))
+        release = lambda: pb.ReleaseResponse(released=self.engine.release(list(request.seq_ids)))
+        return await self._guard(context, release)
 
     async def Info(self, request, context):
         i = self.engine.info
@@ -87,12 +89,15 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                  for it in request.items]
         if any(it.tree.size == 0 for it in items):
             raise InvalidRequest("a tree has no nodes")
+        t0 = time.perf_counter()
+        outs = self.engine.verify(items)
+        compute_us = int((time.perf_counter() - t0) * 1e6)
         results = []
-        for it, out in zip(items, self.engine.verify(items)):
+        for it, out in zip(items, outs):
             r = pb.VerifyResult(seq_id=it.seq_id, accepted_tokens=out.tokens)
             encode_inline(out.hidden, r.hidden)
             results.append(r)
-        return pb.VerifyResponse(results=results)
+        return pb.VerifyResponse(results=results, compute_us=compute_us)
 
     def _decode(self, request: pb.DecodeRequest) -> pb.DecodeResponse:
         if not request.items:
