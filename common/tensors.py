@@ -13,6 +13,15 @@ _NAMES = {v: k for k, v in _TORCH.items()}
 MAX_INLINE_BYTES = 256 << 20
 
 
+def encode_ipc(t: torch.Tensor, msg, buffer_id: str, offset_bytes: int, round_: int) -> None:
+    """Fill a TensorRef with a reference to rows already written to an exported buffer."""
+    msg.shape[:] = list(t.shape)
+    msg.dtype = _NAMES[t.dtype]
+    msg.ipc.buffer_id = buffer_id
+    msg.ipc.offset_bytes = offset_bytes
+    msg.ipc.round = round_
+
+
 def encode_inline(t: torch.Tensor, msg) -> None:
     """Fill a specdec.v1.TensorRef message with t's bytes (moved to host, C-contiguous)."""
     t = t.detach().contiguous()
@@ -24,6 +33,19 @@ def encode_inline(t: torch.Tensor, msg) -> None:
     msg.shape[:] = list(t.shape)
     msg.dtype = name
     msg.inline_data = raw.numpy().tobytes()
+
+
+def decode(msg, device: torch.device | str, mapped=None) -> torch.Tensor:
+    """Any TensorRef -> tensor on `device`. IPC references need the receiver's MappedBuffers and
+    return a view into the mapped buffer (no copy)."""
+    if msg.WhichOneof("payload") == "ipc":
+        if mapped is None:
+            raise InvalidRequest("tensor is an IPC reference but no IPC buffer is mapped here")
+        dtype = _TORCH.get(msg.dtype)
+        if dtype is None:
+            raise InvalidRequest(f"unknown tensor dtype {msg.dtype!r}")
+        return mapped.view(msg.ipc.buffer_id, msg.ipc.offset_bytes, tuple(int(s) for s in msg.shape), dtype)
+    return decode_inline(msg, device)
 
 
 def decode_inline(msg, device: torch.device | str = "cpu") -> torch.Tensor:

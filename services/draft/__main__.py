@@ -60,12 +60,14 @@ def build_drafter(args: argparse.Namespace):
 
 
 async def main(args: argparse.Namespace) -> None:
+    import torch
+
     from common.rpc import start_server
     from services.draft.server import DraftServicer
     from specdec.v1 import internal_pb2_grpc
 
     drafter, drafting, width = build_drafter(args)
-    servicer = DraftServicer(drafter, drafting, width)
+    servicer = DraftServicer(drafter, drafting, width, torch.device(args.device))
     server = await start_server(args.addr, [(internal_pb2_grpc.add_DraftServicer_to_server, servicer)],
                                 ["specdec.v1.Draft"])
     write_port_file(args.port_file, server.port)

@@ -8,13 +8,15 @@ import socket
 import time
 
 import grpc
+import torch
 
 from common.config import DraftingConfig
 from common.engine.base import Drafter, ProposeInput
 from common.errors import InvalidRequest, SpecdecError
+from common.ipc import ExportedBuffer, MappedBuffers, gpu_uuid
 from common.rpc import describe, status_for
 from common.slots import check_unique
-from common.tensors import decode_inline
+from common.tensors import decode
 from services.engine_runner import EngineRunner
 from specdec.v1 import internal_pb2 as pb
 from specdec.v1 import internal_pb2_grpc as pb_grpc
@@ -23,8 +25,10 @@ log = logging.getLogger(__name__)
 
 
 class DraftServicer(pb_grpc.DraftServicer):
-    def __init__(self, drafter: Drafter, drafting: DraftingConfig, hidden_width: int, gpu_uuid: str = "") -> None:
-        self.drafter, self.drafting, self.hidden_width, self.gpu_uuid = drafter, drafting, hidden_width, gpu_uuid
+    def __init__(self, drafter: Drafter, drafting: DraftingConfig, hidden_width: int, device: torch.device) -> None:
+        self.drafter, self.drafting, self.hidden_width, self.device = drafter, drafting, hidden_width, device
+        self.gpu_uuid = gpu_uuid(device)
+        self.mapped = MappedBuffers(device)
         self.runner = EngineRunner("draft")
 
     async def _guard(self, context, fn, *args):
@@ -44,6 +48,18 @@ class DraftServicer(pb_grpc.DraftServicer):
         release = lambda: pb.ReleaseResponse(released=self.drafter.release(list(request.seq_ids)))
         return await self._guard(context, release)
 
+    async def ImportBuffer(self, request, context):
+        return await self._guard(context, self._import, request)
+
+    def _import(self, request: pb.IpcBuffer) -> pb.ImportResponse:
+        if self.device.type != "cuda":
+            raise InvalidRequest("CUDA IPC needs the draft on a CUDA device")
+        self.mapped.add(ExportedBuffer(buffer_id=request.buffer_id, handle=request.handle,
+                                       offset_bytes=request.offset_bytes, nbytes=request.nbytes))
+        log.info("mapped the verifier's hidden-state buffer %s (%d bytes) through CUDA IPC",
+                 request.buffer_id, request.nbytes)
+        return pb.ImportResponse(mapped=True)
+
     async def Info(self, request, context):
         d = self.drafting
         return pb.DraftInfoResponse(drafter=self.drafter.name, drafting_top_k=d.top_k, drafting_steps=d.steps,
@@ -56,7 +72,7 @@ class DraftServicer(pb_grpc.DraftServicer):
         check_unique([it.seq_id for it in request.items])
         items = []
         for it in request.items:
-            hidden = decode_inline(it.hidden)
+            hidden = decode(it.hidden, self.device, self.mapped)
             if hidden.dim() != 2 or hidden.shape[1] != self.hidden_width:
                 raise InvalidRequest(f"sequence {it.seq_id!r}: hidden must be [num_new, {self.hidden_width}], "
                                      f"got {list(hidden.shape)}")
@@ -71,6 +87,8 @@ class DraftServicer(pb_grpc.DraftServicer):
                                                     self.drafting.verify_tree_size)))
         t0 = time.perf_counter()
         trees = self.drafter.propose(items)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # IPC reads done before we answer
         compute_us = int((time.perf_counter() - t0) * 1e6)
         return pb.ProposeResponse(compute_us=compute_us, results=[
             pb.ProposeResult(seq_id=it.seq_id, tree=pb.DraftTree(token_ids=t.tokens.tolist(),

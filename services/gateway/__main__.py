@@ -25,6 +25,7 @@ class GatewayConfig:
     max_waiting: int = 64
     connect_timeout: float = 120.0
     metrics_port: int = 0  # Prometheus /metrics on 127.0.0.1 (0 = off)
+    ipc: bool = True       # use CUDA IPC when draft and verifier share host and GPU
 
     def __post_init__(self) -> None:
         if not self.address or not self.verifier:
@@ -34,9 +35,11 @@ class GatewayConfig:
 
 
 async def main(cfg: GatewayConfig, port_file: str | None) -> None:
+    import grpc
+
     from common.rpc import start_server
     from common.tokenizer import Tokenizer
-    from services.gateway.clients import DraftClient, VerifierClient
+    from services.gateway.clients import DraftClient, VerifierClient, connect_ipc
     from services.gateway.metrics import Metrics
     from services.gateway.scheduler import Scheduler, SchedulerConfig
     from services.gateway.server import GenerationServicer
@@ -54,6 +57,13 @@ async def main(cfg: GatewayConfig, port_file: str | None) -> None:
         if dinfo.verify_tree_size > vinfo.max_tree_nodes:
             raise ValueError(f"draft proposes {dinfo.verify_tree_size} nodes; the verifier takes at most "
                              f"{vinfo.max_tree_nodes}")
+        if cfg.ipc:
+            try:
+                on = await connect_ipc(verifier, draft, vinfo, dinfo)
+            except grpc.aio.AioRpcError as e:
+                log.warning("CUDA IPC set-up failed (%s): hidden states travel inline", e.details())
+                on = False
+            log.info("hidden states between verifier and draft: %s", "CUDA IPC" if on else "inline bytes")
     metrics = Metrics()
     if cfg.metrics_port:
         metrics.serve(cfg.metrics_port)
@@ -86,13 +96,15 @@ def cli() -> None:
     p.add_argument("--max-waiting", type=int, default=64)
     p.add_argument("--metrics-port", type=int, default=int(os.environ.get("METRICS_PORT", "0")),
                    help="serve Prometheus metrics on this port (0 = off)")
+    p.add_argument("--no-ipc", action="store_true", help="always send hidden states as inline bytes")
     p.add_argument("--port-file", default=None, help="write the bound port here once serving")
     p.add_argument("--log-level", default=os.environ.get("LOG_LEVEL", "INFO"))
     a = p.parse_args()
     logging.basicConfig(level=a.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     cfg = GatewayConfig(address=a.addr, verifier=a.verifier, draft=a.draft,
                         model=Path(a.model) if a.model else default_model_path(),
-                        max_active=a.max_active, max_waiting=a.max_waiting, metrics_port=a.metrics_port)
+                        max_active=a.max_active, max_waiting=a.max_waiting, metrics_port=a.metrics_port,
+                        ipc=not a.no_ipc)
     asyncio.run(main(cfg, a.port_file))
 
 

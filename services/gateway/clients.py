@@ -80,6 +80,9 @@ class VerifierClient:
     async def release(self, seq_ids: list[str]) -> None:
         await _call(self.stub.Release, pb.ReleaseRequest(seq_ids=seq_ids), self.timeout)
 
+    async def export_hidden(self, enable: bool) -> pb.IpcBuffer:
+        return await _call(self.stub.ExportHidden, pb.ExportRequest(enable=enable), self.timeout)
+
     async def close(self) -> None:
         await self.channel.close()
 
@@ -100,5 +103,23 @@ class DraftClient:
     async def release(self, seq_ids: list[str]) -> None:
         await _call(self.stub.Release, pb.ReleaseRequest(seq_ids=seq_ids), self.timeout)
 
+    async def import_buffer(self, buf: pb.IpcBuffer) -> None:
+        await _call(self.stub.ImportBuffer, buf, self.timeout)
+
     async def close(self) -> None:
         await self.channel.close()
+
+
+async def connect_ipc(verifier: VerifierClient, draft: DraftClient, vinfo: pb.InfoResponse,
+                      dinfo: pb.DraftInfoResponse) -> bool:
+    """Connection set-up: when draft and verifier share a host and a GPU, the verifier exports its
+    hidden-state buffer once and the draft maps it. Returns whether hidden states now travel by IPC."""
+    if not (vinfo.gpu_uuid and vinfo.host_id == dinfo.host_id and vinfo.gpu_uuid == dinfo.gpu_uuid):
+        return False
+    buf = await verifier.export_hidden(True)
+    try:
+        await draft.import_buffer(buf)
+    except Exception:
+        await verifier.export_hidden(False)  # back to inline bytes
+        raise
+    return True

@@ -19,8 +19,9 @@ async def main(args: argparse.Namespace) -> None:
 
     cfg = VerifierConfig(max_sequences=args.max_sequences, max_context=args.max_context,
                          max_tree_nodes=args.max_tree_nodes, dtype=args.dtype, device=args.device)
-    engine = TorchVerifier(load_checkpoint(args.model, max_position=None), cfg)
-    servicer = VerifierServicer(engine)
+    ckpt = load_checkpoint(args.model)
+    engine = TorchVerifier(ckpt, cfg)
+    servicer = VerifierServicer(engine, hidden_width=3 * ckpt.config.hidden_size)
     server = await start_server(args.addr, [(internal_pb2_grpc.add_VerifierServicer_to_server, servicer)],
                                 ["specdec.v1.Verifier"])
     write_port_file(args.port_file, server.port)

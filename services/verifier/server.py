@@ -8,12 +8,14 @@ import socket
 import time
 
 import grpc
+import torch
 
 from common.config import SamplingConfig
 from common.engine.base import PrefillInput, VerifierEngine, VerifyInput
 from common.errors import InvalidRequest, SpecdecError
+from common.ipc import HiddenExport, gpu_uuid
 from common.rpc import describe, status_for
-from common.tensors import encode_inline
+from common.tensors import encode_inline, encode_ipc
 from common.tree import validate_tree
 from services.engine_runner import EngineRunner
 from specdec.v1 import internal_pb2 as pb
@@ -31,8 +33,11 @@ def sampling_config(msg: pb.SamplingParams) -> SamplingConfig:
 
 
 class VerifierServicer(pb_grpc.VerifierServicer):
-    def __init__(self, engine: VerifierEngine, gpu_uuid: str = "") -> None:
-        self.engine, self.gpu_uuid = engine, gpu_uuid
+    def __init__(self, engine: VerifierEngine, hidden_width: int) -> None:
+        self.engine, self.hidden_width = engine, hidden_width
+        self.device = torch.device(engine.info.device)
+        self.gpu_uuid = gpu_uuid(self.device)
+        self.export: HiddenExport | None = None  # set once the draft has mapped our buffer
         self.runner = EngineRunner("verifier")
 
     async def _guard(self, context, fn, *args):
@@ -55,8 +60,10 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         return await self._guard(context, self._decode, request)
 
     async def Release(self, request, context):
-        release = lambda: pb.ReleaseResponse(released=self.engine.release(list(request.seq_ids)))
-        return await self._guard(context, release)
+        return await self._guard(context, self._release, request)
+
+    async def ExportHidden(self, request, context):
+        return await self._guard(context, self._export_hidden, request)
 
     async def Info(self, request, context):
         i = self.engine.info
@@ -65,6 +72,37 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                                device=i.device, host_id=socket.gethostname(), gpu_uuid=self.gpu_uuid)
 
     # ---- conversion + engine calls (run on the engine thread) ----
+    def _hidden(self, seq_id: str, hidden: torch.Tensor, msg: pb.TensorRef) -> None:
+        """Hidden states out: a reference into the exported buffer when the draft mapped it, else bytes."""
+        if self.export is None:
+            encode_inline(hidden, msg)
+            return
+        offset, writes = self.export.write(seq_id, hidden)
+        encode_ipc(hidden, msg, self.export.exported.buffer_id, offset, writes)
+
+    def _export_hidden(self, request: pb.ExportRequest) -> pb.IpcBuffer:
+        if not request.enable:
+            self.export = None
+            return pb.IpcBuffer()
+        if self.device.type != "cuda":
+            raise InvalidRequest("CUDA IPC needs the verifier on a CUDA device")
+        if self.export is None:
+            i = self.engine.info
+            self.export = HiddenExport(i.max_sequences, i.max_context, self.hidden_width,
+                                       self._engine_dtype(), self.device)
+        e = self.export.exported
+        return pb.IpcBuffer(buffer_id=e.buffer_id, handle=e.handle, offset_bytes=e.offset_bytes, nbytes=e.nbytes)
+
+    def _engine_dtype(self) -> torch.dtype:
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.engine.info.dtype]
+
+    def _release(self, request: pb.ReleaseRequest) -> pb.ReleaseResponse:
+        ids = list(request.seq_ids)
+        if self.export is not None:
+            for s in ids:
+                self.export.release(s)
+        return pb.ReleaseResponse(released=self.engine.release(ids))
+
     def _prefill(self, request: pb.PrefillRequest) -> pb.PrefillResponse:
         if not request.items:
             raise InvalidRequest("prefill request has no items")
@@ -74,7 +112,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                                                    sampling=sampling_config(it.sampling)))
             r = pb.PrefillResult(seq_id=it.seq_id, next_token=out.next_token)
             if it.want_hidden:
-                encode_inline(out.hidden, r.hidden)
+                self._hidden(it.seq_id, out.hidden, r.hidden)
             results.append(r)
         return pb.PrefillResponse(results=results)
 
@@ -95,7 +133,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         results = []
         for it, out in zip(items, outs):
             r = pb.VerifyResult(seq_id=it.seq_id, accepted_tokens=out.tokens)
-            encode_inline(out.hidden, r.hidden)
+            self._hidden(it.seq_id, out.hidden, r.hidden)
             results.append(r)
         return pb.VerifyResponse(results=results, compute_us=compute_us)
 

@@ -1,0 +1,144 @@
+"""CUDA IPC for colocated services: the verifier exports one hidden-state buffer once, the draft maps
+it, and each round only a region reference (buffer, offset, shape, dtype) crosses gRPC.
+
+Synchronisation (why the draft never reads a half-written or reused region):
+1. Each sequence owns one region of the buffer (`HiddenExport`), so writers of different sequences
+   never overlap. A region is written only by Prefill/Verify of its sequence, and the verifier
+   synchronises its CUDA stream after the copy and before it answers: when the reference leaves the
+   verifier the bytes are complete in device memory.
+2. The gateway hands that reference to the draft in the next Propose; the draft copies the rows into
+   its own tensors and synchronises its stream before it answers.
+3. Only after the Propose answer does the gateway send that sequence's next Verify, the next writer
+   of the region. A released sequence's region is reused only by a later Prefill, after the gateway
+   has retired the old sequence (no Propose for it can be in flight).
+The `round` in each reference counts the region's writes; it is logged on mismatch for diagnosis,
+the ordering above is what guarantees correctness.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass
+
+import torch
+
+from common.errors import InvalidRequest
+from common.slots import SlotTable
+
+log = logging.getLogger(__name__)
+
+
+def gpu_uuid(device: torch.device) -> str:
+    """The GPU's UUID, or "" for a CPU device (no IPC then)."""
+    if device.type != "cuda":
+        return ""
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def _check(result):
+    err, *rest = result
+    if int(err) != 0:
+        raise RuntimeError(f"CUDA call failed: {err}")
+    return rest[0] if len(rest) == 1 else rest
+
+
+@dataclass(frozen=True)
+class ExportedBuffer:
+    buffer_id: str
+    handle: bytes      # 64-byte cudaIpcMemHandle_t of the allocation that holds the buffer
+    offset_bytes: int  # where the buffer starts inside that allocation
+    nbytes: int
+
+
+def export_buffer(t: torch.Tensor) -> ExportedBuffer:
+    """IPC handle of the allocation holding `t` (PyTorch's allocator may place it inside a larger
+    segment: the handle names the segment's base and we send the offset)."""
+    from cuda.bindings import driver, runtime
+
+    torch.cuda.synchronize(t.device)
+    ptr = t.data_ptr()
+    base, _size = _check(driver.cuMemGetAddressRange(ptr))
+    handle = _check(runtime.cudaIpcGetMemHandle(int(base)))
+    return ExportedBuffer(buffer_id=uuid.uuid4().hex, handle=bytes(handle.reserved),
+                          offset_bytes=ptr - int(base), nbytes=t.numel() * t.element_size())
+
+
+class _DevicePointer:
+    """Presents a raw device pointer to torch.as_tensor through __cuda_array_interface__."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
+                                         "version": 3, "strides": None}
+
+
+def map_buffer(exp: ExportedBuffer, device: torch.device) -> torch.Tensor:
+    """Map a buffer exported by another process: [nbytes] uint8 on `device`, no copy."""
+    from cuda.bindings import runtime
+
+    handle = runtime.cudaIpcMemHandle_t()
+    handle.reserved = exp.handle
+    with torch.cuda.device(device):
+        ptr = _check(runtime.cudaIpcOpenMemHandle(handle, runtime.cudaIpcMemLazyEnablePeerAccess))
+    return torch.as_tensor(_DevicePointer(int(ptr) + exp.offset_bytes, exp.nbytes), device=device)
+
+
+@dataclass
+class _Region:
+    writes: int = 0
+
+
+class HiddenExport:
+    """The verifier's exported hidden-state buffer: one region of `rows` rows per sequence.
+
+    buffer: [regions, rows, width] in the engine's dtype
+    """
+
+    def __init__(self, regions: int, rows: int, width: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.buffer = torch.zeros(regions, rows, width, dtype=dtype, device=device)
+        self.table: SlotTable[_Region] = SlotTable(regions)
+        self.exported = export_buffer(self.buffer)
+        self.row_bytes = width * self.buffer.element_size()
+        self.rows = rows
+
+    def write(self, seq_id: str, hidden: torch.Tensor) -> tuple[int, int]:
+        """Copy hidden [k, width] into the sequence's region and wait for the copy.
+        Returns (offset in bytes, write count)."""
+        try:
+            region, state = self.table.get(seq_id)
+        except KeyError:
+            self.table.acquire(seq_id, _Region())
+            region, state = self.table.get(seq_id)
+        k = hidden.shape[0]
+        if k > self.rows:
+            raise InvalidRequest(f"{k} hidden rows exceed the exported region of {self.rows}")
+        self.buffer[region, :k].copy_(hidden)
+        torch.cuda.current_stream(self.buffer.device).synchronize()
+        state.writes += 1
+        return region * self.rows * self.row_bytes, state.writes
+
+    def release(self, seq_id: str) -> None:
+        self.table.release(seq_id)
+
+
+class MappedBuffers:
+    """The draft's side: buffers mapped from the verifier, by id."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def add(self, exp: ExportedBuffer) -> None:
+        self.buffers[exp.buffer_id] = map_buffer(exp, self.device)
+
+    def view(self, buffer_id: str, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        buf = self.buffers.get(buffer_id)
+        if buf is None:
+            raise InvalidRequest(f"tensor refers to unknown IPC buffer {buffer_id!r}")
+        n = 1
+        for s in shape:
+            n *= s
+        nbytes = n * torch.empty((), dtype=dtype).element_size()
+        if offset < 0 or offset + nbytes > buf.numel():
+            raise InvalidRequest(f"IPC region [{offset}, {offset + nbytes}) is outside the buffer")
+        return buf[offset:offset + nbytes].view(dtype).view(shape)
