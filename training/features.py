@@ -99,7 +99,7 @@ class StoredFeatures:
 
         for f in self.files:
             with safe_open(str(f), framework="pt") as h:
-                for key in h.keys():
+                for key in h.keys():  # noqa: SIM118 (safe_open handle, not a dict)
                     if key.startswith("aux."):
                         self.where[int(key[4:])] = f
         self._loaded: tuple[Path, dict[str, torch.Tensor]] | None = None

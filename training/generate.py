@@ -93,7 +93,7 @@ def shard_path(outdir: Path, k: int) -> Path:
 
 def save_shard(path: Path, prompt_ids: list[list[int]], responses: list[list[int]], ids: list[str]) -> None:
     """tokens: all sequences (prompt + response) concatenated; offsets [N+1]; prompt_len [N]."""
-    seqs = [a + r for a, r in zip(prompt_ids, responses)]
+    seqs = [a + r for a, r in zip(prompt_ids, responses, strict=False)]
     offsets = np.zeros(len(seqs) + 1, dtype=np.int64)
     offsets[1:] = np.cumsum([len(s) for s in seqs])
     tokens = np.fromiter((t for s in seqs for t in s), dtype=np.int32, count=int(offsets[-1]))
@@ -152,7 +152,7 @@ def generate_stage(model: LlamaModel, rows: list[dict], outdir: Path, cfg: Gener
         for s in range(0, len(order), cfg.batch_size):
             idx = order[s:s + cfg.batch_size]
             outs = greedy_generate(model, [part[i]["prompt_ids"] for i in idx], cfg.max_new_tokens, eos_id, device)
-            for i, r in zip(idx, outs):
+            for i, r in zip(idx, outs, strict=False):
                 responses[i] = r
         n_tok = sum(len(r) for r in responses)
         save_shard(path, [r["prompt_ids"] for r in part], responses, [r["id"] for r in part])

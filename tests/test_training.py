@@ -1,0 +1,252 @@
+"""Training pipeline on tiny random models: vocab map, ShareGPT decoding, TTT masks, batched greedy
+generation, a short training run whose loss falls, and the speculative evaluation loop."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from common.config import LlamaConfig
+from common.engine.torch_draft import Eagle3Drafter
+from common.engine.torch_verifier import TorchVerifier, VerifierConfig
+from common.model.eagle3 import Eagle3Config, Eagle3Head
+from common.model.eagle3_io import load_eagle3
+from common.model.llama import Batch, KVCache, LlamaModel
+from common.weights import Checkpoint
+from training.evaluate import EvalConfig, evaluate_set
+from training.generate import greedy_generate, load_sequences, save_shard
+from training.prompts import first_human_turn, is_english, iter_json_array
+from training.train import TrainConfig, Trainer, draft_vocab
+from training.ttt import ttt_mask
+
+CPU = torch.device("cpu")
+# 8 layers: eagle_layers() = (2, 4, 5) are distinct (with 6, L//2 == L-3 and aux would be 2H wide)
+CFG = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=8, num_heads=4,
+                  num_kv_heads=2, head_dim=16, max_position=256)
+
+
+def tiny_base(seed: int = 0) -> LlamaModel:
+    torch.manual_seed(seed)
+    m = LlamaModel(CFG)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, 0.08)
+        for name, p in m.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+        m.embed_tokens.weight.normal_(0, 0.5)  # tied lm_head: peaked next-token distributions to learn
+    return m.eval().requires_grad_(False)
+
+
+# ---- vocabulary map ----
+def test_vocab_map_hand_example():
+    cfg = Eagle3Config(hidden_size=8, intermediate_size=16, num_heads=2, num_kv_heads=1, head_dim=4,
+                       vocab_size=12, draft_vocab_size=3, target_hidden_size=8)
+    head = Eagle3Head(cfg)
+    head.set_vocab_map(torch.tensor([3, 7, 9]))
+    assert head.d2t.tolist() == [3, 6, 7]
+    assert torch.nonzero(head.t2d).flatten().tolist() == [3, 7, 9]
+    assert head.to_base_ids(torch.tensor([0, 1, 2])).tolist() == [3, 7, 9]
+
+
+def test_draft_vocab_counts_response_tokens_only(tmp_path):
+    # prompt tokens (5) must not count; response tokens 7 x3, 9 x2, 3 x1
+    save_shard(tmp_path / "gen-00000.npz", [[5, 5, 5, 5], [5]], [[7, 7, 9, 3], [7, 9]], ["a", "b"])
+    seqs = load_sequences(tmp_path)
+    assert draft_vocab(seqs, 3, 12).tolist() == [3, 7, 9]
+    assert draft_vocab(seqs, 2, 12).tolist() == [7, 9]
+
+
+# ---- prompts ----
+def test_truncated_sharegpt_decoding(tmp_path):
+    text = ('[\n  {"id": "a", "conversations": [{"from": "human", "value": "Hello there"}, '
+            '{"from": "gpt", "value": "Hi"}]},\n'
+            '  {"id": "b", "conversations": [{"from": "gpt", "value": "I start"}]},\n'
+            '  {"id": "c", "conversations": [{"from": "human", "value": "  "}]},\n'
+            '  {"id": "d", "conversations": [{"from": "human", "value": "Tell me a story about [brackets] and '
+            '\\"quotes\\""}]},\n'
+            '  {"id": "e", "conversations": [{"from": "human", "value": "This one is cut off')
+    objs = list(iter_json_array(text))
+    assert [o["id"] for o in objs] == ["a", "b", "c", "d"]
+    turns = [first_human_turn(o) for o in objs]
+    assert turns == ["Hello there", None, None, 'Tell me a story about [brackets] and "quotes"']
+    assert list(iter_json_array('[{"id": 1}, {"id": 2}]')) == [{"id": 1}, {"id": 2}]
+
+
+def test_is_english():
+    assert is_english("Write a short essay about the sea.")
+    assert not is_english("我想撰写一篇机器学习论文")
+    assert not is_english("Напиши эссе")
+
+
+# ---- generation ----
+def test_batched_greedy_matches_unbatched():
+    m = tiny_base()
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 512, size=n).tolist() for n in (5, 11, 2, 8)]
+    batched = greedy_generate(m, prompts, 12, eos_id=2, device=CPU)
+    for p, out in zip(prompts, batched, strict=True):
+        single = greedy_generate(m, [p], 12, eos_id=2, device=CPU)[0]
+        assert out == single
+        # and equal to a plain causal forward, token by token
+        seq = list(p)
+        for tok in out:
+            ids = torch.tensor([seq])
+            t = len(seq)
+            cache = KVCache.allocate(CFG.num_layers, 1, t, CFG.num_kv_heads, CFG.head_dim, torch.float32, CPU)
+            pos = torch.arange(t)[None]
+            o = m(Batch(ids, pos, torch.tensor([0]), pos, torch.ones(t, t, dtype=torch.bool).tril()[None, None]),
+                  cache)
+            assert int(m.logits(o.hidden[0, -1]).argmax()) == tok
+            seq.append(tok)
+
+
+# ---- TTT ----
+def test_ttt_mask_diagonal():
+    m = ttt_mask(5, 2, CPU)  # [5, 15]
+    r = 4
+    seen = torch.nonzero(m[r]).flatten().tolist()
+    # step-0 rows <= r-2, step-1 row r-1 (col 5 + 3), step-2 row r (col 10 + 4)
+    assert seen == [0, 1, 2, 5 + 3, 10 + 4]
+    assert m[0].tolist().count(True) == 1  # row 0 at step 2 sees only itself
+
+
+def test_ttt_matches_drafter_chain():
+    """TTT step j at row r computes exactly what the drafter computes for a depth-j chain node."""
+    base = tiny_base()
+    torch.manual_seed(3)
+    hcfg = Eagle3Config.for_base(CFG, 64)
+    head = Eagle3Head(hcfg)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0, 0.1)
+    head.set_vocab_map(torch.arange(64))
+    head.eval()
+    from training.ttt import TTTTargets, ttt_forward
+
+    # a sequence whose continuation the drafter will follow: chain of draft argmax tokens
+    seq = torch.randint(3, 64, (1, 12))
+    t = seq.shape[1] - 1
+    from training.features import base_features
+
+    f = base_features(base, seq)
+    embeds = base.embed_tokens(seq[:, 1:])
+    valid = torch.ones(1, t, dtype=torch.bool)
+    tg = TTTTargets(target_p=torch.full((1, t, 64), 1 / 64), base_top=torch.zeros(1, t, dtype=torch.long),
+                    in_draft=valid, valid=valid)
+    # record per-step logp by hooking the loss inputs: rerun the loop manually via ttt_forward internals
+    outs = []
+    orig = head.forward
+
+    def spy(*a, **k):
+        o = orig(*a, **k)
+        outs.append(o.logp.detach())
+        return o
+
+    head.forward = spy
+    with torch.no_grad():
+        ttt_forward(head, embeds, f.aux[:, :-1], tg, steps=3)
+    head.forward = orig
+    # drafter: committed prefix of m pairs, then chain nodes use the TRUE next tokens (top_k=1 chain
+    # feeds its own argmax; here we compare the head computation directly with the same tokens)
+    m_pairs = 6
+    c = hcfg
+    cache = KVCache.allocate(1, 1, 32, c.num_kv_heads, c.head_dim, torch.float32, CPU)
+    with torch.no_grad():
+        pos = torch.arange(m_pairs)[None]
+        b = Batch(pos, pos, torch.tensor([0]), pos, torch.ones(m_pairs, m_pairs, dtype=torch.bool).tril()[None, None])
+        o = head(embeds[:, :m_pairs], f.aux[:, :m_pairs], b, cache)
+        h = o.hidden[:, -1:]
+        anc = []
+        for d in range(1, 3):
+            r = m_pairs + d - 1  # row of this node in TTT indexing, step d
+            write = 32 - 8 + d   # any scratch column
+            anc.append(write)
+            mask = torch.zeros(1, 1, 1, 32, dtype=torch.bool)
+            mask[..., :m_pairs] = True
+            mask[..., anc] = True
+            b = Batch(torch.tensor([[0]]), torch.tensor([[r]]), torch.tensor([0]), torch.tensor([[write]]), mask)
+            o = head(embeds[:, r:r + 1], h, b, cache)
+            assert torch.allclose(o.logp[0, 0], outs[d][0, r], atol=1e-5), d
+            h = o.hidden
+
+
+# ---- training ----
+def make_workdir(tmp_path: Path, base: LlamaModel, n: int = 48) -> Path:
+    """Sequences generated greedily by the tiny base from random prompts."""
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, 512, size=int(rng.integers(3, 8))).tolist() for _ in range(n)]
+    resp = greedy_generate(base, prompts, 20, eos_id=2, device=CPU)
+    (tmp_path / "gen").mkdir()
+    save_shard(tmp_path / "gen" / "gen-00000.npz", prompts, resp, [str(i) for i in range(n)])
+    return tmp_path
+
+
+def test_tiny_training_loss_falls(tmp_path):
+    base = tiny_base()
+    w = make_workdir(tmp_path, base, n=32)
+    seqs = load_sequences(w / "gen")
+    cfg = TrainConfig(draft_vocab=256, steps=30, batch_size=8, max_len=32, lr=3e-3, warmup=3, ttt_steps=6,
+                      save_every=15, log_every=10)
+    trainer = Trainer(base, seqs, w, cfg, CPU)
+    recs = [trainer.train_step() for _ in range(30)]
+    first = np.mean([r["loss"] for r in recs[:5]])
+    last = np.mean([r["loss"] for r in recs[-5:]])
+    assert last < 0.8 * first, (first, last)
+    assert len(recs[-1]["step_acc"]) == 6
+    trainer.save_state()
+    trainer.export()
+    head, hcfg = load_eagle3(w / "head")
+    assert hcfg.draft_vocab_size == 256
+    # resume continues from the saved step
+    again = Trainer(base, seqs, w, cfg, CPU)
+    assert again.step == 30
+    assert torch.equal(again.head.fc.weight, trainer.head.fc.weight)
+
+
+def test_run_resumes_and_exports(tmp_path):
+    base = tiny_base()
+    w = make_workdir(tmp_path, base, n=16)
+    seqs = load_sequences(w / "gen")
+    cfg = TrainConfig(draft_vocab=128, steps=4, batch_size=4, max_len=24, ttt_steps=2, save_every=2, log_every=2)
+    assert not Trainer(base, seqs, w, cfg, CPU).run(deadline=0.0)  # budget already spent: saves, stops
+    assert Trainer(base, seqs, w, cfg, CPU).run()
+    assert (w / "train" / "DONE").exists() and (w / "head" / "config.json").exists()
+    lines = (w / "train" / "train_log.jsonl").read_text().splitlines()
+    assert json.loads(lines[-1])["step"] == 4
+
+
+# ---- evaluation loop ----
+def test_eval_equals_greedy(tmp_path):
+    base = tiny_base()
+    sd = {k: v.clone() for k, v in base.state_dict().items() if not k.startswith("rope")}
+    ckpt = Checkpoint(name="tiny", config=CFG, state_dict=sd, path=tmp_path)
+    ver = TorchVerifier(ckpt, VerifierConfig(max_sequences=4, max_context=64, max_tree_nodes=64))
+    torch.manual_seed(0)
+    head = Eagle3Head(Eagle3Config.for_base(CFG, 256))
+    from training.train import init_head
+
+    init_head(head, base, torch.arange(256))
+    head.eval()
+
+    def make(dcfg):
+        return Eagle3Drafter(head, ver.model.embed_tokens, dcfg, 4, 64, CPU)
+
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(3, 512, size=6).tolist() for _ in range(5)]
+    res = evaluate_set(ver, make, prompts, EvalConfig(max_new_tokens=10, batch_size=4), eos=2,
+                       check_equal=True, name="t")
+    for k in ("tree", "chain"):
+        assert res[k]["equal_to_greedy"]
+        assert res[k]["mean_accept_len"] >= 1.0
+        assert len(res[k]["accept_rate_by_depth"]) == 6
+
+
+@pytest.mark.parametrize("bad", [dict(batch_size=0), dict(ttt_steps=0), dict(lr=0.0), dict(minutes=-1.0)])
+def test_train_config_validates(bad):
+    with pytest.raises(ValueError):
+        TrainConfig(**bad)

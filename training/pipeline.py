@@ -1,0 +1,247 @@
+"""CLI: python -m training.pipeline {prompts,generate,features,train,eval,all} --workdir W [options].
+
+Every stage is resumable and skips finished work; --minutes bounds one invocation's wall-clock time so
+that a call under a hard time limit ends cleanly with its progress saved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from common.model.llama import LlamaModel
+from common.weights import Checkpoint, load_checkpoint
+
+log = logging.getLogger(__name__)
+
+STAGES = ("prompts", "generate", "features", "train", "eval", "all")
+GEN_DIR, FEAT_DIR = "gen", "features"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m training.pipeline", description=__doc__)
+    p.add_argument("stage", choices=STAGES)
+    p.add_argument("--workdir", type=Path, required=True)
+    p.add_argument("--model", default=None, help="base model (GGUF or HF folder); default: the embedded SmolLM2")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                   help="base model dtype (default: bfloat16 on cuda, float32 on cpu)")
+    p.add_argument("--minutes", type=float, default=None, help="wall-clock budget of this invocation")
+    p.add_argument("--log-level", default="INFO")
+    g = p.add_argument_group("prompts")
+    g.add_argument("--max-prompt-tokens", type=int, default=512)
+    g.add_argument("--heldout", type=int, default=100)
+    g.add_argument("--max-train-prompts", type=int, default=None)
+    g = p.add_argument_group("generate")
+    g.add_argument("--max-new-tokens", type=int, default=None, help="generate: 256, eval: 128")
+    g.add_argument("--gen-batch", type=int, default=256)
+    g.add_argument("--shard-size", type=int, default=1024)
+    g.add_argument("--limit", type=int, default=None, help="generate/features: prompts; eval: prompts per set")
+    g = p.add_argument_group("train")
+    g.add_argument("--draft-vocab", type=int, default=8192)
+    g.add_argument("--train-steps", type=int, default=2000)
+    g.add_argument("--train-minutes", type=float, default=None, help="total training time (overrides steps)")
+    g.add_argument("--batch-size", type=int, default=16)
+    g.add_argument("--max-len", type=int, default=768)
+    g.add_argument("--lr", type=float, default=3e-4)
+    g.add_argument("--ttt-steps", type=int, default=6)
+    g.add_argument("--save-every", type=int, default=200)
+    g.add_argument("--log-every", type=int, default=20)
+    g.add_argument("--offline-features", action="store_true", help="train on stored features instead of online")
+    g = p.add_argument_group("eval")
+    g.add_argument("--head", type=Path, default=None, help="EAGLE-3 head folder (default: W/head)")
+    g.add_argument("--sets", default="sharegpt,humaneval,writingbench")
+    g.add_argument("--eval-batch", type=int, default=16)
+    g.add_argument("--eval-limit", type=int, default=None, help="prompts per eval set (default: --limit)")
+    g.add_argument("--out", type=Path, default=None, help="JSON results (default: W/eval.json)")
+    g.add_argument("--check-equal", action="store_true",
+                   help="compare with plain greedy decoding; exit status 1 if any output differs")
+    g.add_argument("--eval-max-new-tokens", type=int, default=128, help="all: eval's max new tokens")
+    g.add_argument("--eval-reserve-minutes", type=float, default=2.0,
+                   help="all: run eval only if this much of the budget is left")
+    return p
+
+
+class Context:
+    """Lazily loaded shared objects (the checkpoint is loaded once per invocation)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.device = torch.device(args.device)
+        self.dtype_name = args.dtype or ("bfloat16" if self.device.type == "cuda" else "float32")
+        self.start = time.time()
+        self.deadline = None if args.minutes is None else self.start + args.minutes * 60 - 20
+        self._ckpt: Checkpoint | None = None
+        self._model: LlamaModel | None = None
+        self._tok = None
+
+    def left_s(self) -> float:
+        return float("inf") if self.deadline is None else self.deadline - time.time()
+
+    @property
+    def ckpt(self) -> Checkpoint:
+        if self._ckpt is None:
+            self._ckpt = load_checkpoint(self.args.model)
+        return self._ckpt
+
+    @property
+    def tokenizer(self):
+        if self._tok is None:
+            from common.tokenizer import Tokenizer
+
+            self._tok = Tokenizer(self.ckpt.path)
+        return self._tok
+
+    @property
+    def model(self) -> LlamaModel:
+        if self._model is None:
+            from common.engine.torch_verifier import torch_dtype
+
+            m = LlamaModel(self.ckpt.config)
+            m.load_state_dict(self.ckpt.state_dict, strict=False)
+            m.to(device=self.device, dtype=torch_dtype(self.dtype_name)).eval()
+            m.rope_cos, m.rope_sin = m.rope_cos.float(), m.rope_sin.float()
+            m.requires_grad_(False)
+            self._model = m
+        return self._model
+
+
+def stage_prompts(ctx: Context) -> bool:
+    from training.prompts import MANIFEST, PromptConfig, build_prompts
+
+    w = ctx.args.workdir
+    if (w / MANIFEST).exists():
+        log.info("prompts: already built (%s)", w / MANIFEST)
+        return True
+    cfg = PromptConfig(max_prompt_tokens=ctx.args.max_prompt_tokens, heldout=ctx.args.heldout,
+                       max_train=ctx.args.max_train_prompts)
+    build_prompts(w, ctx.tokenizer, cfg)
+    return True
+
+
+def stage_generate(ctx: Context) -> bool:
+    from training.generate import GenerateConfig, generate_stage
+    from training.prompts import TRAIN_FILE, read_prompts
+
+    a, w = ctx.args, ctx.args.workdir
+    done = w / GEN_DIR / "DONE"
+    if done.exists():
+        log.info("generate: already done (%s)", done.read_text().strip())
+        return True
+    cfg = GenerateConfig(max_new_tokens=a.max_new_tokens or 256, batch_size=a.gen_batch,
+                         shard_size=a.shard_size, limit=a.limit)
+    rows = read_prompts(w / TRAIN_FILE)
+    ok = generate_stage(ctx.model, rows, w / GEN_DIR, cfg, ctx.ckpt.config.eos_token_id, ctx.device, ctx.deadline)
+    if ok:
+        n = len(rows) if cfg.limit is None else min(cfg.limit, len(rows))
+        done.write_text(json.dumps({"prompts": n, "max_new_tokens": cfg.max_new_tokens}) + "\n")
+    return ok
+
+
+def stage_features(ctx: Context) -> bool:
+    from training.features import features_stage
+    from training.generate import load_sequences
+
+    a, w = ctx.args, ctx.args.workdir
+    seqs = load_sequences(w / GEN_DIR)
+    return features_stage(ctx.model, seqs, w / FEAT_DIR, ctx.device, batch_size=a.batch_size, max_len=a.max_len,
+                          limit=a.limit, deadline=ctx.deadline)
+
+
+def stage_train(ctx: Context) -> bool:
+    from training.features import StoredFeatures
+    from training.generate import load_sequences
+    from training.train import TrainConfig, Trainer
+
+    a, w = ctx.args, ctx.args.workdir
+    if (w / "train" / "DONE").exists():
+        log.info("train: already done (%s)", (w / "train" / "DONE").read_text().strip())
+        return True
+    cfg = TrainConfig(draft_vocab=a.draft_vocab, steps=a.train_steps, minutes=a.train_minutes,
+                      batch_size=a.batch_size, max_len=a.max_len, lr=a.lr, ttt_steps=a.ttt_steps,
+                      save_every=a.save_every, log_every=a.log_every)
+    seqs = load_sequences(w / GEN_DIR)
+    feats = StoredFeatures(w / FEAT_DIR) if a.offline_features else None
+    trainer = Trainer(ctx.model, seqs, w, cfg, ctx.device, feats)
+    return trainer.run(ctx.deadline)
+
+
+def stage_eval(ctx: Context, max_new_tokens: int | None = None) -> bool:
+    """Returns False when --check-equal found an output that differs from plain greedy decoding."""
+    from common.engine.torch_draft import Eagle3Drafter
+    from common.engine.torch_verifier import TorchVerifier, VerifierConfig, torch_dtype
+    from common.model.eagle3_io import load_eagle3
+    from training.evaluate import EvalConfig, evaluate_set, format_table
+    from training.prompts import EVAL_FILES, package_versions, read_prompts
+
+    a, w = ctx.args, ctx.args.workdir
+    head_dir = a.head or (w / "head")
+    sets = [s.strip() for s in a.sets.split(",") if s.strip()]
+    unknown = [s for s in sets if s not in EVAL_FILES]
+    if unknown:
+        raise ValueError(f"unknown eval set {unknown[0]!r}: choose from {', '.join(EVAL_FILES)}")
+    cfg = EvalConfig(max_new_tokens=max_new_tokens or a.max_new_tokens or 128, batch_size=a.eval_batch,
+                     limit=a.eval_limit if a.eval_limit is not None else a.limit)
+    prompts = {s: [r["prompt_ids"] for r in read_prompts(w / EVAL_FILES[s])] for s in sets}
+    longest = max((len(p) for ps in prompts.values() for p in ps[:cfg.limit]), default=16)
+    vcfg = VerifierConfig(max_sequences=cfg.batch_size, max_context=longest + cfg.max_new_tokens + 16,
+                          max_tree_nodes=64, dtype=ctx.dtype_name, device=str(ctx.device))
+    verifier = TorchVerifier(ctx.ckpt, vcfg)
+    head, hcfg = load_eagle3(head_dir, device=ctx.device, dtype=torch_dtype(ctx.dtype_name))
+
+    def make_drafter(dcfg):
+        return Eagle3Drafter(head, verifier.model.embed_tokens, dcfg, cfg.batch_size, vcfg.max_context, ctx.device)
+
+    eos = ctx.ckpt.config.eos_token_id
+    results = {}
+    for s in sets:
+        results[s] = evaluate_set(verifier, make_drafter, prompts[s], cfg, eos, a.check_equal, s)
+    out = a.out or (w / "eval.json")
+    meta = {"head": str(head_dir), "device": str(ctx.device), "dtype": ctx.dtype_name,
+            "max_new_tokens": cfg.max_new_tokens, "limit": cfg.limit, "packages": package_versions()}
+    out.write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
+    sys.stdout.write(format_table(results))
+    sys.stdout.write(f"results written to {out}\n")
+    differing = [f"{s}/{t}" for s, r in results.items() for t, v in r.items()
+                 if isinstance(v, dict) and v.get("equal_to_greedy") is False]
+    if differing:
+        sys.stdout.write(f"CHECK FAILED: outputs differ from plain greedy decoding in {', '.join(differing)}\n")
+        return False
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    ctx = Context(args)
+    runners = {"prompts": stage_prompts, "generate": stage_generate, "features": stage_features,
+               "train": stage_train, "eval": stage_eval}
+    if args.stage == "eval":
+        return 0 if stage_eval(ctx) else 1
+    if args.stage != "all":
+        ok = runners[args.stage](ctx)
+        if not ok:
+            log.info("%s: stopped by the time budget; run the same command again to continue", args.stage)
+        return 0
+    for name in ("prompts", "generate", "train"):
+        if not runners[name](ctx):
+            log.info("all: stopped in %s by the time budget; run the same command again to continue", name)
+            return 0
+    if (args.workdir / "eval.json").exists() and args.out is None:
+        log.info("all: eval already done (%s)", args.workdir / "eval.json")
+        return 0
+    if ctx.left_s() < args.eval_reserve_minutes * 60:
+        log.info("all: %.0fs left, less than the eval reserve; run the same command again to evaluate",
+                 ctx.left_s())
+        return 0
+    return 0 if stage_eval(ctx, args.eval_max_new_tokens) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
