@@ -1,0 +1,1 @@
+"""Benchmarks (in-process engines and the service stack)."""

@@ -1,0 +1,159 @@
+"""Speculative decoding through the three services over gRPC, with CUDA IPC and with inline bytes.
+
+    python -m bench.services_bench --device cuda --prompts 16 --max-new-tokens 128 --concurrency 1,4,16
+
+Starts verifier, draft and gateway as separate processes on loopback (Stack), streams the same chat
+prompts as bench.engine_bench through the gateway at each concurrency (a closed loop: `concurrency`
+requests in flight, each new one sent when one finishes), and reads the round breakdown from the
+gateway's Prometheus metrics. Figures use the definitions of bench.engine_bench.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import socket
+import time
+import urllib.request
+from dataclasses import asdict
+from pathlib import Path
+
+import grpc
+
+from bench.engine_bench import QUESTIONS, RequestTrace, RunResult, summarize
+from services.stack import Stack
+from specdec.v1 import generation_pb2 as gpb
+from specdec.v1 import generation_pb2_grpc as gpb_grpc
+
+log = logging.getLogger("bench.services_bench")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def one_request(stub, text: str, max_new: int, t_start: float) -> tuple[RequestTrace, gpb.GenerateResponse]:
+    req = gpb.GenerateRequest(messages=[gpb.ChatMessage(role="user", content=text)], max_tokens=max_new,
+                              ignore_eos=True)
+    tr = RequestTrace(arrival=t_start)
+    last = None
+    async for msg in stub.Generate(req):
+        now = time.perf_counter()
+        tr.tokens += list(msg.token_ids)
+        tr.times += [now] * len(msg.token_ids)
+        last = msg
+    return tr, last
+
+
+async def closed_loop(addr: str, prompts: list[str], max_new: int, concurrency: int):
+    async with grpc.aio.insecure_channel(addr) as ch:
+        stub = gpb_grpc.GenerationStub(ch)
+        queue = list(prompts)
+        traces, finals = [], []
+
+        async def worker():
+            while queue:
+                text = queue.pop(0)
+                tr, fin = await one_request(stub, text, max_new, time.perf_counter())
+                traces.append(tr)
+                finals.append(fin)
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return traces, finals, time.perf_counter() - t0
+
+
+def per_round(before: dict, after: dict) -> dict[str, float]:
+    """Mean milliseconds per batched round of each phase between two scrapes."""
+    out = {}
+    for phase, (s1, n1) in after.items():
+        s0, n0 = before.get(phase, (0.0, 0.0))
+        if n1 > n0:
+            out[phase] = 1000 * (s1 - s0) / (n1 - n0)
+    return out
+
+
+def scrape_rounds(metrics_port: int) -> dict[str, tuple[float, float]]:
+    """(sum of seconds, count) of each round phase, from the gateway's specdec_round_seconds histogram."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    sums: dict[str, float] = {}
+    counts: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("specdec_round_seconds_sum") or line.startswith("specdec_round_seconds_count"):
+            name, value = line.rsplit(" ", 1)
+            phase = name.split('phase="')[1].split('"')[0]
+            (sums if "_sum" in name else counts)[phase] = float(value)
+    return {p: (sums[p], counts.get(p, 0.0)) for p in sums}
+
+
+def run(args) -> list[RunResult]:
+    prompts = [QUESTIONS[i % len(QUESTIONS)] for i in range(args.prompts)]
+    results = []
+    for ipc in args.ipc_modes:
+        mport = free_port()
+        common = ["--device", args.device, "--dtype", args.dtype, "--max-context", str(args.max_context),
+                  "--max-sequences", str(max(args.concurrency))]
+        draft = ["--top-k", str(args.top_k), "--steps", str(args.steps), "--verify-tree-size", str(args.tree_size)]
+        if args.head:
+            draft += ["--head", args.head]
+        gw = ["--metrics-port", str(mport), "--max-active", str(max(args.concurrency))] + ([] if ipc else ["--no-ipc"])
+        with Stack(common_args=common, draft_args=draft, gateway_args=gw) as stack:
+            gw_log = (stack.log_dir / "gateway.log").read_text()
+            mode = "ipc" if "CUDA IPC" in gw_log.split("hidden states between")[-1][:40] else "inline"
+            asyncio.run(closed_loop(stack.gateway, prompts[:2], 16, 1))  # warm-up
+            for c in args.concurrency:
+                before = scrape_rounds(mport)
+                traces, finals, wall = asyncio.run(closed_loop(stack.gateway, prompts, args.max_new_tokens, c))
+                rounds = sum(f.speculation.rounds for f in finals)
+                after = scrape_rounds(mport)
+                r = summarize(f"services-{mode}", c, traces, wall, rounds=rounds)
+                round_tokens = sum(f.usage.completion_tokens - 1 for f in finals)
+                r.acceptance_length = round_tokens / max(rounds, 1)
+                phase = per_round(before, after)
+                r.draft_ms_per_round = phase.get("draft")
+                r.verify_ms_per_round = phase.get("verify")
+                r.rpc_ms_per_round = phase.get("rpc")
+                r.host_ms_per_round = phase.get("orchestration")
+                log.info("%s c=%d: %.1f tok/s total, %.1f tok/s per request, acceptance %.2f", r.method, c,
+                         r.tok_s_total, r.tok_s_per_request, r.acceptance_length)
+                results.append(r)
+    return results
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m bench.services_bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--head", default=None)
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--concurrency", default="1,4,16")
+    p.add_argument("--max-context", type=int, default=1024)
+    p.add_argument("--top-k", type=int, default=10)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--tree-size", type=int, default=60)
+    p.add_argument("--ipc", default="on,off", help="comma list: on (IPC when colocated), off (inline bytes)")
+    p.add_argument("--out", default="bench_out")
+    a = p.parse_args(argv)
+    a.concurrency = [int(c) for c in a.concurrency.split(",")]
+    a.ipc_modes = [m == "on" for m in a.ipc.split(",")]
+    return a
+
+
+def main(argv=None) -> int:
+    logging.basicConfig(level="INFO", format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    args = parse_args(argv)
+    results = run(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "services.json").write_text(json.dumps([asdict(r) for r in results], indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
