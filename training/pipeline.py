@@ -54,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save-every", type=int, default=200)
     g.add_argument("--log-every", type=int, default=20)
     g.add_argument("--offline-features", action="store_true", help="train on stored features instead of online")
+    g.add_argument("--init-head", type=Path, default=None,
+                   help="continue training from this EAGLE-3 head folder (e.g. models/eagle3-smollm2)")
     g = p.add_argument_group("eval")
     g.add_argument("--head", type=Path, default=None, help="EAGLE-3 head folder (default: W/head)")
     g.add_argument("--sets", default="sharegpt,humaneval,writingbench")
@@ -168,7 +170,7 @@ def stage_train(ctx: Context) -> bool:
                       save_every=a.save_every, log_every=a.log_every)
     seqs = load_sequences(w / GEN_DIR)
     feats = StoredFeatures(w / FEAT_DIR) if a.offline_features else None
-    trainer = Trainer(ctx.model, seqs, w, cfg, ctx.device, feats)
+    trainer = Trainer(ctx.model, seqs, w, cfg, ctx.device, feats, init_from=a.init_head)
     return trainer.run(ctx.deadline)
 
 

@@ -130,7 +130,8 @@ def epoch_batches(lengths: np.ndarray, batch_size: int, seed: int, epoch: int) -
 
 class Trainer:
     def __init__(self, base: LlamaModel, seqs: Sequences, workdir: Path, cfg: TrainConfig,
-                 device: torch.device, features: StoredFeatures | None = None) -> None:
+                 device: torch.device, features: StoredFeatures | None = None,
+                 init_from: Path | None = None) -> None:
         self.base, self.seqs, self.cfg, self.device, self.features = base, seqs, cfg, device, features
         self.dir = workdir / "train"
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -150,6 +151,16 @@ class Trainer:
             self.head.load_state_dict(st["head"])
             self.step, self.epoch, self.pos, self.elapsed = st["step"], st["epoch"], st["pos"], st["elapsed"]
             log.info("train: resumed at step %d (%.1f min trained)", self.step, self.elapsed / 60)
+        elif init_from is not None:  # continue from a saved head (fresh optimizer and schedule)
+            from common.model.eagle3_io import load_eagle3
+
+            saved, saved_cfg = load_eagle3(init_from)
+            if saved_cfg.draft_vocab_size != cfg.draft_vocab:
+                raise ValueError(f"{init_from} has a draft vocabulary of {saved_cfg.draft_vocab_size}, "
+                                 f"not {cfg.draft_vocab}")
+            self.head.load_state_dict(saved.float().state_dict())
+            log.info("train: starting from the head in %s", init_from)
+            st = None
         else:
             d2b = draft_vocab(seqs, cfg.draft_vocab, base.cfg.vocab_size)
             init_head(self.head, base, d2b, cfg.seed)
