@@ -31,18 +31,38 @@ class DraftServicer(pb_grpc.DraftServicer):
         self.mapped = MappedBuffers(device)
         self.runner = EngineRunner("draft")
 
-    async def _guard(self, context, fn, *args):
-        """The draft service's error boundary."""
+    async def _run(self, fn, *args):
+        """The draft service's error boundary: (response, None), or (None, (code, details)) when fn raised."""
         try:
-            return await self.runner.run(fn, *args)
+            return await self.runner.run(fn, *args), None
         except Exception as e:  # noqa: BLE001 - the boundary
             code = status_for(e)
             if code == grpc.StatusCode.INTERNAL and not isinstance(e, SpecdecError):
                 log.exception("internal error", exc_info=e)
-            await context.abort(code, describe(e))
+            return None, (code, describe(e))
+
+    async def _guard(self, context, fn, *args):
+        """Unary calls: a failure ends the call with its status."""
+        resp, err = await self._run(fn, *args)
+        if err is not None:
+            await context.abort(*err)
+        return resp
+
+    async def _answer(self, fn, request, response_type):
+        """One call on a stream: a failure answers with `error` (the status the unary call would end
+        with) instead of ending the stream."""
+        resp, err = await self._run(fn, request)
+        if err is not None:
+            return response_type(error=pb.CallError(code=err[0].value[0], message=err[1]))
+        return resp
 
     async def Propose(self, request, context):
         return await self._guard(context, self._propose, request)
+
+    async def ProposeStream(self, request_iterator, context):
+        """One response per request, in order; the stream outlives failed calls."""
+        async for request in request_iterator:
+            yield await self._answer(self._propose, request, pb.ProposeResponse)
 
     async def Release(self, request, context):
         release = lambda: pb.ReleaseResponse(released=self.drafter.release(list(request.seq_ids)))
@@ -90,8 +110,10 @@ class DraftServicer(pb_grpc.DraftServicer):
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # IPC reads done before we answer
         compute_us = int((time.perf_counter() - t0) * 1e6)
-        return pb.ProposeResponse(compute_us=compute_us, results=[
-            pb.ProposeResult(seq_id=it.seq_id, tree=pb.DraftTree(token_ids=t.tokens.tolist(),
-                                                                 parents=t.parents.tolist(),
-                                                                 draft_probs=t.probs.tolist()))
-            for it, t in zip(items, trees)])
+        resp = pb.ProposeResponse(compute_us=compute_us)
+        for it, t in zip(items, trees):  # built in place, no copies of nested messages
+            tree = resp.results.add(seq_id=it.seq_id).tree
+            tree.token_ids.extend(t.tokens.tolist())
+            tree.parents.extend(t.parents.tolist())
+            tree.draft_probs.extend(t.probs.tolist())
+        return resp

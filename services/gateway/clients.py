@@ -1,9 +1,17 @@
 """The gateway's view of the draft and verifier services: batched calls over grpc.aio channels.
 Trees and tensors pass through as messages: the gateway never decodes a TensorRef, so an IPC
-reference reaches the draft exactly as the verifier wrote it."""
+reference reaches the draft exactly as the verifier wrote it.
+
+The two per-round calls (Draft.Propose, Verifier.Verify) travel on one long-lived bidirectional
+stream each (ProposeStream, VerifyStream): a stream round trip costs a fraction of a unary call's
+set-up. Each call writes one request and reads exactly one response; a call that failed on the
+service comes back as a response carrying `error`, raised here as the AioRpcError the unary call
+would have raised, and the stream stays open. Any other failure (timeout, cancellation, transport)
+drops the stream and the next call opens a new one."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 import grpc
@@ -40,14 +48,84 @@ def sampling_msg(s: SamplingConfig) -> pb.SamplingParams:
                              seed=s.seed or 0, has_seed=s.seed is not None)
 
 
+def _method_name(method) -> str:
+    return method._method.decode() if hasattr(method, "_method") else "peer"
+
+
+def _peer_error(e: grpc.aio.AioRpcError, name: str) -> Exception:
+    """What a failed call raises: PeerUnavailable when the service could not answer, else the error."""
+    if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return PeerUnavailable(f"{name}: {e.details()}")
+    return e
+
+
 async def _call(method, request, timeout: float):
     try:
         return await method(request, timeout=timeout)
     except grpc.aio.AioRpcError as e:
-        if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-            raise PeerUnavailable(f"{method._method.decode() if hasattr(method, '_method') else 'peer'}: "
-                                  f"{e.details()}") from e
-        raise
+        err = _peer_error(e, _method_name(method))
+        if err is e:
+            raise
+        raise err from e
+
+
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+class StreamedCall:
+    """A unary-shaped batched call carried on one long-lived bidirectional stream: each call writes
+    one request and awaits exactly one response. Calls are serialized (the scheduler makes one round
+    at a time; the lock keeps the one-request-one-response pairing even if not). The stream is opened
+    lazily and dropped after a timeout, a cancellation or a transport failure, so that a late answer
+    can never be paired with the next request; the next call opens a new one. A service without the
+    streaming method (UNIMPLEMENTED) gets the unary method from then on."""
+
+    def __init__(self, stream_method, unary_method, timeout: float) -> None:
+        self._open, self._unary, self.timeout = stream_method, unary_method, timeout
+        self._name = _method_name(stream_method)
+        self._stream: grpc.aio.StreamStreamCall | None = None
+        self._lock = asyncio.Lock()
+        self.streaming = True  # False once the service said UNIMPLEMENTED
+
+    async def __call__(self, request):
+        if not self.streaming:
+            return await _call(self._unary, request, self.timeout)
+        async with self._lock:
+            stream = self._stream
+            if stream is None or stream.done():  # first call, or the service ended it between calls
+                stream = self._stream = self._open()
+            try:
+                async with asyncio.timeout(self.timeout):
+                    await stream.write(request)
+                    resp = await stream.read()
+            except BaseException as e:
+                self._drop()
+                if isinstance(e, TimeoutError):
+                    raise PeerUnavailable(f"{self._name}: no answer within {self.timeout:g} s") from e
+                if isinstance(e, grpc.aio.AioRpcError):
+                    if e.code() == grpc.StatusCode.UNIMPLEMENTED:  # an older service: go unary
+                        self.streaming = False
+                        return await _call(self._unary, request, self.timeout)
+                    err = _peer_error(e, self._name)
+                    if err is not e:
+                        raise err from e
+                raise
+            if resp is grpc.aio.EOF:
+                self._drop()
+                raise PeerUnavailable(f"{self._name}: the service ended the stream")
+        if resp.HasField("error"):
+            raise _peer_error(grpc.aio.AioRpcError(_CODES.get(resp.error.code, grpc.StatusCode.UNKNOWN),
+                                                   grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                                   details=resp.error.message), self._name)
+        return resp
+
+    def _drop(self) -> None:
+        if self._stream is not None:
+            self._stream.cancel()
+            self._stream = None
+
+    def close(self) -> None:
+        self._drop()
 
 
 class VerifierClient:
@@ -55,6 +133,7 @@ class VerifierClient:
         self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         self.stub = pb_grpc.VerifierStub(self.channel)
         self.timeout = timeout
+        self._verify = StreamedCall(self.stub.VerifyStream, self.stub.Verify, timeout)
 
     async def info(self) -> pb.InfoResponse:
         return await _call(self.stub.Info, pb.InfoRequest(), self.timeout)
@@ -66,9 +145,12 @@ class VerifierClient:
         r = (await _call(self.stub.Prefill, req, self.timeout)).results[0]
         return Prefilled(next_token=r.next_token, hidden=r.hidden)
 
-    async def verify(self, items: list[tuple[str, pb.DraftTree]]) -> Batched:
-        req = pb.VerifyRequest(items=[pb.VerifyItem(seq_id=s, tree=t) for s, t in items])
-        resp = await _call(self.stub.Verify, req, self.timeout)
+    async def verify(self, items: list[tuple[str, pb.DraftTree]], stream: bool = True) -> Batched:
+        req = pb.VerifyRequest()
+        add = req.items.add
+        for s, t in items:
+            add(seq_id=s, tree=t)  # one copy of each tree (a VerifyItem list would copy twice)
+        resp = await (self._verify(req) if stream else _call(self.stub.Verify, req, self.timeout))
         return Batched([Verified(tokens=list(r.accepted_tokens), hidden=r.hidden) for r in resp.results],
                        resp.compute_us / 1e6)
 
@@ -84,6 +166,7 @@ class VerifierClient:
         return await _call(self.stub.ExportHidden, pb.ExportRequest(enable=enable), self.timeout)
 
     async def close(self) -> None:
+        self._verify.close()
         await self.channel.close()
 
 
@@ -92,12 +175,14 @@ class DraftClient:
         self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         self.stub = pb_grpc.DraftStub(self.channel)
         self.timeout = timeout
+        self._propose = StreamedCall(self.stub.ProposeStream, self.stub.Propose, timeout)
 
     async def info(self) -> pb.DraftInfoResponse:
         return await _call(self.stub.Info, pb.InfoRequest(), self.timeout)
 
-    async def propose(self, items: list[pb.ProposeItem]) -> Batched:
-        resp = await _call(self.stub.Propose, pb.ProposeRequest(items=items), self.timeout)
+    async def propose(self, items: list[pb.ProposeItem], stream: bool = True) -> Batched:
+        req = pb.ProposeRequest(items=items)
+        resp = await (self._propose(req) if stream else _call(self.stub.Propose, req, self.timeout))
         return Batched([r.tree for r in resp.results], resp.compute_us / 1e6)
 
     async def release(self, seq_ids: list[str]) -> None:
@@ -107,6 +192,7 @@ class DraftClient:
         await _call(self.stub.ImportBuffer, buf, self.timeout)
 
     async def close(self) -> None:
+        self._propose.close()
         await self.channel.close()
 
 

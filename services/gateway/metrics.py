@@ -31,11 +31,25 @@ class Metrics:
         self.round_seconds = Histogram("specdec_round_seconds", "One batched round, wall time", ["phase"],
                                        registry=r, buckets=LATENCY_BUCKETS)
         self.max_depth = max_depth
+        # Label children resolved once, on first use (labels() takes a lock and hashes on every call,
+        # and these run every round); created lazily so the exposition is as before.
+        self._phase: dict | None = None
+        self._per_pos: list = []
+
+    @property
+    def round_phase(self) -> dict:
+        if self._phase is None:
+            self._phase = {p: self.round_seconds.labels(p)
+                           for p in ("draft", "verify", "rpc", "orchestration", "total")}
+        return self._phase
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> None:
         start_http_server(port, addr=addr, registry=self.registry)
 
     def accepted(self, n: int) -> None:
         self.accepted_tokens.inc(n)
+        per_pos = self._per_pos
         for pos in range(min(n, self.max_depth)):
-            self.accepted_per_pos.labels(position=str(pos)).inc()
+            if pos == len(per_pos):
+                per_pos.append(self.accepted_per_pos.labels(position=str(pos)))
+            per_pos[pos].inc()

@@ -122,12 +122,13 @@ class Scheduler:
     def _time_round(self, t0: float, t1: float, t2: float, draft_s: float, verify_s: float) -> None:
         """Round breakdown: engine time in each service, RPC (call wall minus engine time), and the
         gateway's own orchestration (commit, detokenize, stream)."""
-        phase = self.metrics.round_seconds
-        phase.labels("draft").observe(draft_s)
-        phase.labels("verify").observe(verify_s)
-        phase.labels("rpc").observe(max((t1 - t0) - draft_s, 0) + max((t2 - t1) - verify_s, 0))
-        phase.labels("orchestration").observe(time.perf_counter() - t2)
-        phase.labels("total").observe(time.perf_counter() - t0)
+        phase = self.metrics.round_phase
+        phase["draft"].observe(draft_s)
+        phase["verify"].observe(verify_s)
+        phase["rpc"].observe(max((t1 - t0) - draft_s, 0) + max((t2 - t1) - verify_s, 0))
+        t3 = time.perf_counter()
+        phase["orchestration"].observe(t3 - t2)
+        phase["total"].observe(t3 - t0)
 
     async def _admit(self) -> None:
         self.metrics.running.set(len(self.active))

@@ -40,21 +40,41 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self.export: HiddenExport | None = None  # set once the draft has mapped our buffer
         self.runner = EngineRunner("verifier")
 
-    async def _guard(self, context, fn, *args):
-        """The verifier's error boundary."""
+    async def _run(self, fn, *args):
+        """The verifier's error boundary: (response, None), or (None, (code, details)) when fn raised."""
         try:
-            return await self.runner.run(fn, *args)
+            return await self.runner.run(fn, *args), None
         except Exception as e:  # noqa: BLE001 - the boundary
             code = status_for(e)
             if code == grpc.StatusCode.INTERNAL and not isinstance(e, SpecdecError):
                 log.exception("internal error", exc_info=e)
-            await context.abort(code, describe(e))
+            return None, (code, describe(e))
+
+    async def _guard(self, context, fn, *args):
+        """Unary calls: a failure ends the call with its status."""
+        resp, err = await self._run(fn, *args)
+        if err is not None:
+            await context.abort(*err)
+        return resp
+
+    async def _answer(self, fn, request, response_type):
+        """One call on a stream: a failure answers with `error` (the status the unary call would end
+        with) instead of ending the stream."""
+        resp, err = await self._run(fn, request)
+        if err is not None:
+            return response_type(error=pb.CallError(code=err[0].value[0], message=err[1]))
+        return resp
 
     async def Prefill(self, request, context):
         return await self._guard(context, self._prefill, request)
 
     async def Verify(self, request, context):
         return await self._guard(context, self._verify, request)
+
+    async def VerifyStream(self, request_iterator, context):
+        """One response per request, in order; the stream outlives failed calls."""
+        async for request in request_iterator:
+            yield await self._answer(self._verify, request, pb.VerifyResponse)
 
     async def Decode(self, request, context):
         return await self._guard(context, self._decode, request)
@@ -106,15 +126,14 @@ class VerifierServicer(pb_grpc.VerifierServicer):
     def _prefill(self, request: pb.PrefillRequest) -> pb.PrefillResponse:
         if not request.items:
             raise InvalidRequest("prefill request has no items")
-        results = []
+        resp = pb.PrefillResponse()
         for it in request.items:  # prefill is eager and per sequence
             out = self.engine.prefill(PrefillInput(seq_id=it.seq_id, token_ids=list(it.token_ids),
                                                    sampling=sampling_config(it.sampling)))
-            r = pb.PrefillResult(seq_id=it.seq_id, next_token=out.next_token)
+            r = resp.results.add(seq_id=it.seq_id, next_token=out.next_token)
             if it.want_hidden:
                 self._hidden(it.seq_id, out.hidden, r.hidden)
-            results.append(r)
-        return pb.PrefillResponse(results=results)
+        return resp
 
     def _verify(self, request: pb.VerifyRequest) -> pb.VerifyResponse:
         if not request.items:
@@ -130,12 +149,11 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         t0 = time.perf_counter()
         outs = self.engine.verify(items)
         compute_us = int((time.perf_counter() - t0) * 1e6)
-        results = []
-        for it, out in zip(items, outs):
-            r = pb.VerifyResult(seq_id=it.seq_id, accepted_tokens=out.tokens)
+        resp = pb.VerifyResponse(compute_us=compute_us)
+        for it, out in zip(items, outs):  # built in place: hidden bytes are written once, not copied
+            r = resp.results.add(seq_id=it.seq_id, accepted_tokens=out.tokens)
             self._hidden(it.seq_id, out.hidden, r.hidden)
-            results.append(r)
-        return pb.VerifyResponse(results=results, compute_us=compute_us)
+        return resp
 
     def _decode(self, request: pb.DecodeRequest) -> pb.DecodeResponse:
         if not request.items:
