@@ -42,6 +42,7 @@ class Eagle3Drafter:
     def __init__(self, head: Eagle3Head, embed: torch.nn.Embedding, drafting: DraftingConfig,
                  max_sequences: int, max_context: int, device: torch.device) -> None:
         self.head, self.embed, self.drafting, self.device = head, embed, drafting, device
+        head.fuse()  # fused q|k|v and gate|up weights, built before any CUDA graph capture
         c = head.cfg
         scratch = (drafting.steps - 1) * drafting.top_k
         dtype = next(head.parameters()).dtype

@@ -63,6 +63,7 @@ class TorchVerifier:
         self.model.load_state_dict(ckpt.state_dict, strict=False)
         self.model.to(device=self.device, dtype=torch_dtype(cfg.dtype)).eval()
         self.model.rope_cos, self.model.rope_sin = self.model.rope_cos.float(), self.model.rope_sin.float()
+        self.model.fuse()  # fused q|k|v and gate|up weights, built before any CUDA graph capture
         # capacity leaves room for one tree beyond the longest allowed sequence
         self.cache = KVCache.allocate(mcfg.num_layers, cfg.max_sequences, cfg.max_context + cfg.max_tree_nodes + 1,
                                       mcfg.num_kv_heads, mcfg.head_dim, torch_dtype(cfg.dtype), self.device)

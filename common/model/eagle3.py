@@ -6,13 +6,24 @@ Parameter names follow the EAGLE reference checkpoints (fc, midlayer.*, norm, lm
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
 from common.config import LlamaConfig
-from common.model.llama import MLP, Attention, Batch, KVCache, RMSNorm, apply_rope, rope_tables  # noqa: F401
+from common.model.llama import (  # noqa: F401
+    MLP,
+    Attention,
+    Batch,
+    KVCache,
+    RMSNorm,
+    apply_rope,
+    attention_bias,
+    fuse,
+    rope_angles,
+    rope_tables,
+)
 
 
 @dataclass(frozen=True)
@@ -91,6 +102,10 @@ class Eagle3Head(nn.Module):
         self.t2d.zero_()
         self.t2d[draft_to_base] = True
 
+    def fuse(self) -> Eagle3Head:
+        """Build the fused projection weights now (see common.model.llama.fuse); call before capture."""
+        return fuse(self)
+
     def to_base_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
 
@@ -101,9 +116,10 @@ class Eagle3Head(nn.Module):
         if hidden.shape[-1] != self.cfg.hidden_size:
             hidden = self.fc(hidden)
         layer = self.midlayer
-        cos = self.rope_cos[batch.positions][:, :, None, :]
-        sin = self.rope_sin[batch.positions][:, :, None, :]
         x = torch.cat((layer.input_layernorm(embeds), layer.hidden_norm(hidden)), dim=-1)
+        cos, sin = rope_angles(self.rope_cos, self.rope_sin, batch.positions, x.dtype)
+        batch = replace(batch, attn_bias=attention_bias(batch.mask, self.cfg.num_heads // self.cfg.num_kv_heads,
+                                                        x.dtype))
         h = hidden + layer.self_attn(x, batch, cos, sin, cache.k[layer_cache], cache.v[layer_cache])
         h = h + layer.mlp(layer.post_attention_layernorm(h))
         logits = self.lm_head(self.norm(h)).float()

@@ -83,7 +83,9 @@ def head_state(head: Eagle3Head, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     out = {}
     for k, v in head.state_dict().items():
         v = v.detach().cpu()
-        out[k] = (v.to(dtype) if v.is_floating_point() else v).contiguous()
+        # clone: fused projections make q/k/v (gate/up) views of one buffer, and safetensors refuses
+        # tensors that share memory
+        out[k] = (v.to(dtype) if v.is_floating_point() else v).contiguous().clone()
     return out
 
 
