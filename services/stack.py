@@ -95,7 +95,7 @@ def main() -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--demo", action="store_true", help="stream one generation through the gateway")
     p.add_argument("--device", default=os.environ.get("SPECDEC_DEVICE", "cpu"))
-    p.add_argument("--dtype", default=os.environ.get("SPECDEC_DTYPE", "float32"))
+    p.add_argument("--dtype", default=os.environ.get("SPECDEC_DTYPE", "auto"))
     p.add_argument("--drafter", default="eagle3")
     a = p.parse_args()
     logging.basicConfig(level="INFO", format="%(asctime)s %(name)s %(levelname)s %(message)s")

@@ -21,13 +21,14 @@ def build_drafter(args: argparse.Namespace):
     import torch
 
     from common.config import DraftingConfig
+    from common.engine.factory import make_drafter, pick_dtype
     from common.engine.torch_verifier import torch_dtype
     from common.model.llama import LlamaModel
     from common.weights import load_checkpoint
 
     drafting = DraftingConfig(top_k=args.top_k, steps=args.steps, verify_tree_size=args.verify_tree_size)
     ckpt = load_checkpoint(args.model)
-    device, dtype = torch.device(args.device), torch_dtype(args.dtype)
+    device, dtype = torch.device(args.device), torch_dtype(pick_dtype(args.device, args.dtype))
     base = LlamaModel(ckpt.config)
     base.load_state_dict(ckpt.state_dict, strict=False)
     base.to(device=device, dtype=dtype).eval()
@@ -38,7 +39,6 @@ def build_drafter(args: argparse.Namespace):
     if args.drafter == "oracle-wrong":
         from common.engine.oracle import WrongOracleDrafter
         return WrongOracleDrafter(base, drafting.steps, device), drafting, 3 * ckpt.config.hidden_size
-    from common.engine.torch_draft import Eagle3Drafter
     from common.model.eagle3 import Eagle3Config, Eagle3Head
 
     head_dir = Path(args.head) if args.head else DEFAULT_HEAD
@@ -55,7 +55,8 @@ def build_drafter(args: argparse.Namespace):
         head.set_vocab_map(torch.arange(head.cfg.draft_vocab_size))
     head.to(device=device, dtype=dtype).eval()
     head.rope_cos, head.rope_sin = head.rope_cos.float(), head.rope_sin.float()
-    drafter = Eagle3Drafter(head, base.embed_tokens, drafting, args.max_sequences, args.max_context, device)
+    drafter = make_drafter(head, base.embed_tokens, drafting, args.max_sequences, args.max_context, device,
+                           graphs=args.graphs)  # CUDA graphs on a GPU, eager on CPU
     return drafter, drafting, 3 * head.cfg.target_hidden_size
 
 
@@ -81,7 +82,10 @@ def cli() -> None:
     p.add_argument("--head", default=None, help=f"EAGLE-3 head folder (default: {DEFAULT_HEAD})")
     p.add_argument("--model", default=None, help="base model GGUF/HF folder (embeddings; the oracles run it)")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True,
+                   help="capture CUDA graphs at start-up (CUDA only)")
     p.add_argument("--top-k", type=int, default=10, help="drafting_top_k")
     p.add_argument("--steps", type=int, default=6, help="drafting_steps")
     p.add_argument("--verify-tree-size", type=int, default=60)
