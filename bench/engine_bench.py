@@ -81,6 +81,7 @@ class RunResult:
     draft_ms_per_round: float | None = None
     verify_ms_per_round: float | None = None
     host_ms_per_round: float | None = None
+    rpc_ms_per_round: float | None = None  # through the services only
     outputs: list[list[int]] = field(default_factory=list, repr=False)
 
 

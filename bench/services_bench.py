@@ -151,7 +151,8 @@ def main(argv=None) -> int:
     results = run(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "services.json").write_text(json.dumps([asdict(r) for r in results], indent=2))
+    rows = [{k: v for k, v in asdict(r).items() if k != "outputs"} for r in results]
+    (out / "services.json").write_text(json.dumps({"results": rows}, indent=2))
     return 0
 
 
