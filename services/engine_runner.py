@@ -1,12 +1,20 @@
-"""Runs blocking engine calls off the event loop, one at a time, so health checks and new
-connections are answered while a forward pass runs."""
+"""What the draft and verifier servicers share: blocking engine calls run off the event loop, one at a
+time (so health checks and new connections are answered while a forward pass runs), behind the
+service's error boundary."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
+
+import grpc
+
+from common.errors import SpecdecError
+from common.rpc import describe, status_for
+from specdec.v1 import internal_pb2 as pb
 
 T = TypeVar("T")
 
@@ -14,9 +22,36 @@ T = TypeVar("T")
 class EngineRunner:
     def __init__(self, name: str) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self.log = logging.getLogger(f"services.{name}")
 
     async def run(self, fn: Callable[..., T], *args) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def guarded(self, fn: Callable[..., T], *args) -> tuple[T | None, tuple[grpc.StatusCode, str] | None]:
+        """The service's error boundary: (response, None), or (None, (code, details)) when fn raised.
+        Our exception types map to specific codes; anything else is INTERNAL and logged once."""
+        try:
+            return await self.run(fn, *args), None
+        except Exception as e:  # noqa: BLE001 - the boundary
+            code = status_for(e)
+            if code == grpc.StatusCode.INTERNAL and not isinstance(e, SpecdecError):
+                self.log.exception("internal error", exc_info=e)
+            return None, (code, describe(e))
+
+    async def unary(self, context: grpc.aio.ServicerContext, fn: Callable[..., T], *args) -> T:
+        """Unary calls: a failure ends the call with its status."""
+        resp, err = await self.guarded(fn, *args)
+        if err is not None:
+            await context.abort(*err)
+        return resp
+
+    async def answer(self, fn: Callable, request, response_type):
+        """One call on a stream: a failure answers with `error` (the status the unary call would end
+        with) instead of ending the stream."""
+        resp, err = await self.guarded(fn, request)
+        if err is not None:
+            return response_type(error=pb.CallError(code=err[0].value[0], message=err[1]))
+        return resp
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

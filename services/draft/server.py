@@ -7,14 +7,12 @@ import logging
 import socket
 import time
 
-import grpc
 import torch
 
 from common.config import DraftingConfig
 from common.engine.base import Drafter, ProposeInput
-from common.errors import InvalidRequest, SpecdecError
+from common.errors import InvalidRequest
 from common.ipc import ExportedBuffer, MappedBuffers, gpu_uuid
-from common.rpc import describe, status_for
 from common.slots import check_unique
 from common.tensors import decode
 from services.engine_runner import EngineRunner
@@ -31,45 +29,20 @@ class DraftServicer(pb_grpc.DraftServicer):
         self.mapped = MappedBuffers(device)
         self.runner = EngineRunner("draft")
 
-    async def _run(self, fn, *args):
-        """The draft service's error boundary: (response, None), or (None, (code, details)) when fn raised."""
-        try:
-            return await self.runner.run(fn, *args), None
-        except Exception as e:  # noqa: BLE001 - the boundary
-            code = status_for(e)
-            if code == grpc.StatusCode.INTERNAL and not isinstance(e, SpecdecError):
-                log.exception("internal error", exc_info=e)
-            return None, (code, describe(e))
-
-    async def _guard(self, context, fn, *args):
-        """Unary calls: a failure ends the call with its status."""
-        resp, err = await self._run(fn, *args)
-        if err is not None:
-            await context.abort(*err)
-        return resp
-
-    async def _answer(self, fn, request, response_type):
-        """One call on a stream: a failure answers with `error` (the status the unary call would end
-        with) instead of ending the stream."""
-        resp, err = await self._run(fn, request)
-        if err is not None:
-            return response_type(error=pb.CallError(code=err[0].value[0], message=err[1]))
-        return resp
-
     async def Propose(self, request, context):
-        return await self._guard(context, self._propose, request)
+        return await self.runner.unary(context, self._propose, request)
 
     async def ProposeStream(self, request_iterator, context):
         """One response per request, in order; the stream outlives failed calls."""
         async for request in request_iterator:
-            yield await self._answer(self._propose, request, pb.ProposeResponse)
+            yield await self.runner.answer(self._propose, request, pb.ProposeResponse)
 
     async def Release(self, request, context):
         release = lambda: pb.ReleaseResponse(released=self.drafter.release(list(request.seq_ids)))
-        return await self._guard(context, release)
+        return await self.runner.unary(context, release)
 
     async def ImportBuffer(self, request, context):
-        return await self._guard(context, self._import, request)
+        return await self.runner.unary(context, self._import, request)
 
     def _import(self, request: pb.IpcBuffer) -> pb.ImportResponse:
         if self.device.type != "cuda":

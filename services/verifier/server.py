@@ -7,14 +7,12 @@ import logging
 import socket
 import time
 
-import grpc
 import torch
 
 from common.config import SamplingConfig
 from common.engine.base import PrefillInput, VerifierEngine, VerifyInput
-from common.errors import InvalidRequest, SpecdecError
+from common.errors import InvalidRequest
 from common.ipc import HiddenExport, gpu_uuid
-from common.rpc import describe, status_for
 from common.tensors import encode_inline, encode_ipc
 from common.tree import validate_tree
 from services.engine_runner import EngineRunner
@@ -40,50 +38,25 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self.export: HiddenExport | None = None  # set once the draft has mapped our buffer
         self.runner = EngineRunner("verifier")
 
-    async def _run(self, fn, *args):
-        """The verifier's error boundary: (response, None), or (None, (code, details)) when fn raised."""
-        try:
-            return await self.runner.run(fn, *args), None
-        except Exception as e:  # noqa: BLE001 - the boundary
-            code = status_for(e)
-            if code == grpc.StatusCode.INTERNAL and not isinstance(e, SpecdecError):
-                log.exception("internal error", exc_info=e)
-            return None, (code, describe(e))
-
-    async def _guard(self, context, fn, *args):
-        """Unary calls: a failure ends the call with its status."""
-        resp, err = await self._run(fn, *args)
-        if err is not None:
-            await context.abort(*err)
-        return resp
-
-    async def _answer(self, fn, request, response_type):
-        """One call on a stream: a failure answers with `error` (the status the unary call would end
-        with) instead of ending the stream."""
-        resp, err = await self._run(fn, request)
-        if err is not None:
-            return response_type(error=pb.CallError(code=err[0].value[0], message=err[1]))
-        return resp
-
     async def Prefill(self, request, context):
-        return await self._guard(context, self._prefill, request)
+        return await self.runner.unary(context, self._prefill, request)
 
     async def Verify(self, request, context):
-        return await self._guard(context, self._verify, request)
+        return await self.runner.unary(context, self._verify, request)
 
     async def VerifyStream(self, request_iterator, context):
         """One response per request, in order; the stream outlives failed calls."""
         async for request in request_iterator:
-            yield await self._answer(self._verify, request, pb.VerifyResponse)
+            yield await self.runner.answer(self._verify, request, pb.VerifyResponse)
 
     async def Decode(self, request, context):
-        return await self._guard(context, self._decode, request)
+        return await self.runner.unary(context, self._decode, request)
 
     async def Release(self, request, context):
-        return await self._guard(context, self._release, request)
+        return await self.runner.unary(context, self._release, request)
 
     async def ExportHidden(self, request, context):
-        return await self._guard(context, self._export_hidden, request)
+        return await self.runner.unary(context, self._export_hidden, request)
 
     async def Info(self, request, context):
         i = self.engine.info
