@@ -22,7 +22,6 @@ def probe(dtype: torch.dtype, kv_len: int = 1024, steps: int = 200) -> None:
     dev = torch.device("cuda")
     torch.manual_seed(0)
     m = LlamaModel(CFG).to(dev, dtype).eval()
-    m.rope_cos, m.rope_sin = m.rope_cos.float(), m.rope_sin.float()
     m.fuse()
     cache = KVCache.allocate(CFG.num_layers, 2, 2048, CFG.num_kv_heads, CFG.head_dim, dtype, dev)
     pos = torch.tensor([[100]], device=dev)

@@ -247,7 +247,6 @@ def load_head(head_dir: str | None, base_cfg, device: torch.device, dtype: str) 
         head = Eagle3Head(Eagle3Config.for_base(base_cfg, draft_vocab_size=min(8192, base_cfg.vocab_size)))
         head.set_vocab_map(torch.arange(head.cfg.draft_vocab_size))
     head.to(device=device, dtype=torch_dtype(dtype)).eval()
-    head.rope_cos, head.rope_sin = head.rope_cos.float(), head.rope_sin.float()
     return head
 
 

@@ -108,7 +108,6 @@ class Context:
             m = LlamaModel(self.ckpt.config)
             m.load_state_dict(self.ckpt.state_dict, strict=False)
             m.to(device=self.device, dtype=torch_dtype(self.dtype_name)).eval()
-            m.rope_cos, m.rope_sin = m.rope_cos.float(), m.rope_sin.float()
             m.requires_grad_(False)
             self._model = m
         return self._model

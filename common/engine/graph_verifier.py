@@ -20,14 +20,10 @@ import logging
 import numpy as np
 import torch
 
-from common.acceptance import accept_greedy, accept_sampled, compaction_plan
 from common.engine.base import PrefillInput, PrefillOutput, VerifyInput, VerifyOutput
 from common.engine.cuda_graphs import CudaGraphManager, GraphConfig, batch_buckets_for, pick_bucket, staging
 from common.engine.torch_verifier import TorchVerifier, VerifierConfig, torch_dtype
-from common.errors import CapacityExhausted
 from common.model.llama import Batch, KVCache
-from common.sampling import target_distribution
-from common.slots import check_unique
 from common.weights import Checkpoint
 
 log = logging.getLogger(__name__)
@@ -155,13 +151,7 @@ class GraphVerifier(TorchVerifier):
     # ---- verification ----
     @torch.inference_mode()
     def verify(self, items: list[VerifyInput]) -> list[VerifyOutput]:
-        check_unique([it.seq_id for it in items])
-        states = [self.seqs.get(it.seq_id) for it in items]
-        t = 1 + max(it.tree.size for it in items)
-        for it, (_, st) in zip(items, states):
-            if st.length + t > self.capacity:
-                raise CapacityExhausted(f"sequence {it.seq_id!r} has no room for a {t}-row tree "
-                                        f"at length {st.length}")
+        states, t = self._verify_states(items)
         b = len(items)
         bb, tb = pick_bucket(b, self.batch_buckets), pick_bucket(t, self.tree_buckets)
         if bb is None or tb is None:
@@ -181,62 +171,15 @@ class GraphVerifier(TorchVerifier):
             self._pad_verify(a, b, tb)
             hidden, aux, argmax = self.graphs.run(("verify", bb, tb), {"packed": stage})
             greedy_rows = argmax[:b].cpu().numpy()  # [B, T] the only thing the host needs for greedy
-            accs = []
-            for i, (it, (_, st)) in enumerate(zip(items, states)):
-                if st.sampling.greedy:
-                    accs.append(accept_greedy(it.tree.tokens, it.tree.parents, greedy_rows[i]))
-                else:
-                    rows = self.model.logits(hidden[i, :it.tree.size + 1])  # [size + 1, V] eager
-                    accs.append(accept_sampled(
-                        it.tree.tokens, it.tree.parents,
-                        lambda r, rows=rows, st=st: target_distribution(rows[r].cpu().numpy(), st.sampling),
-                        st.rng))
+            # sampling sequences recompute their rows' logits eagerly from the graph's hidden states
+            accs = self._accept(items, states, greedy_rows,
+                                lambda i: self.model.logits(hidden[i, :items[i].tree.size + 1]))
             return self._finish_verify(states, accs, aux)
-
-    def _finish_verify(self, states, accs, aux: torch.Tensor) -> list[VerifyOutput]:
-        """One H2D copy of all indices, then one batched KV compaction and one gather of the kept rows.
-
-        Index layout (worked example: two sequences, slot 3 at length 10 accepting path [1, 3], slot 0 at
-        length 5 accepting path [0]):
-            keep rows   batch [0 0 0 1 1]  row [0 2 4 0 1]     (root, then node p at row p + 1)
-            KV moves    slot [3 3]  src [12 14]  dst [11 12]   (sequence 2's path is already compact)
-        """
-        batch_idx, row_idx, counts = [], [], []
-        move_slot, move_src, move_dst = [], [], []
-        for i, ((slot, st), acc) in enumerate(zip(states, accs)):
-            rows = [0] + [p + 1 for p in acc.path]
-            batch_idx += [i] * len(rows)
-            row_idx += rows
-            counts.append(len(rows))
-            move = compaction_plan(acc.path, st.length)
-            move_slot += [slot] * len(move.src)
-            move_src += move.src
-            move_dst += move.dst
-        nk, nm = len(row_idx), len(move_src)
-        idx = torch.from_numpy(np.array(batch_idx + row_idx + move_slot + move_src + move_dst, dtype=np.int64))
-        idx = idx.to(self.device)
-        if nm:
-            sl, src, dst = idx[2 * nk:2 * nk + nm], idx[2 * nk + nm:2 * nk + 2 * nm], idx[2 * nk + 2 * nm:]
-            # gather everything first, then scatter: later sources lie beyond earlier destinations
-            # (common.acceptance.compaction_plan), so this equals copying one by one
-            self.cache.k[:, sl, dst] = self.cache.k[:, sl, src].clone()
-            self.cache.v[:, sl, dst] = self.cache.v[:, sl, src].clone()
-        kept = aux[idx[:nk], idx[nk:2 * nk]]  # [sum(num_accepted + 1), 3H], a fresh tensor
-        results = []
-        for (_, st), acc, hidden in zip(states, accs, torch.split(kept, counts)):
-            st.length += 1 + acc.num_accepted
-            st.pending = acc.tokens[-1]
-            results.append(VerifyOutput(tokens=acc.tokens, hidden=hidden))
-        return results
 
     # ---- plain decoding ----
     @torch.inference_mode()
     def decode(self, seq_ids: list[str]) -> list[int]:
-        check_unique(seq_ids)
-        states = [self.seqs.get(s) for s in seq_ids]
-        for s, (_, st) in zip(seq_ids, states):
-            if st.length + 1 > self.capacity:
-                raise CapacityExhausted(f"sequence {s!r} is at the end of its context")
+        states = self._decode_states(seq_ids)
         b = len(seq_ids)
         bb = pick_bucket(b, self.batch_buckets)
         if bb is None:
@@ -249,13 +192,7 @@ class GraphVerifier(TorchVerifier):
                 a[i] = (st.pending, st.length, slot)
             self._pad_decode(a, b)
             hidden, argmax = self.graphs.run(("decode", bb), {"packed": stage})
-            greedy = argmax[:b].cpu().numpy()  # [B]
-            tokens = []
-            for i, (_, st) in enumerate(states):
-                st.length += 1
-                st.pending = int(greedy[i]) if st.sampling.greedy else self._choose(self.model.logits(hidden[i]), st)
-                tokens.append(st.pending)
-            return tokens
+            return self._commit_decode(states, argmax[:b].cpu().numpy(), lambda i: self.model.logits(hidden[i]))
 
     def prefill(self, item: PrefillInput) -> PrefillOutput:
         """Eager (prompt lengths vary too much to bucket), on the engine's stream."""

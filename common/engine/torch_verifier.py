@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from common.acceptance import accept_greedy, accept_sampled, compaction_plan
+from common.acceptance import Acceptance, accept_greedy, accept_sampled, compaction_plan
 from common.config import LlamaConfig, SamplingConfig
 from common.engine.base import EngineInfo, PrefillInput, PrefillOutput, VerifyInput, VerifyOutput
 from common.errors import CapacityExhausted, InvalidRequest
@@ -62,11 +63,11 @@ class TorchVerifier:
         self.model = LlamaModel(mcfg)
         self.model.load_state_dict(ckpt.state_dict, strict=False)
         self.model.to(device=self.device, dtype=torch_dtype(cfg.dtype)).eval()
-        self.model.rope_cos, self.model.rope_sin = self.model.rope_cos.float(), self.model.rope_sin.float()
         self.model.fuse()  # fused q|k|v and gate|up weights, built before any CUDA graph capture
         # capacity leaves room for one tree beyond the longest allowed sequence
         self.cache = KVCache.allocate(mcfg.num_layers, cfg.max_sequences, cfg.max_context + cfg.max_tree_nodes + 1,
                                       mcfg.num_kv_heads, mcfg.head_dim, torch_dtype(cfg.dtype), self.device)
+        self.capacity = self.cache.capacity  # positions a sequence may use: its tokens plus one tree
         self.seqs: SlotTable[VerifierSeq] = SlotTable(cfg.max_sequences)
         self.info = EngineInfo(model=ckpt.name, vocab_size=mcfg.vocab_size, max_context=cfg.max_context,
                                max_sequences=cfg.max_sequences, max_tree_nodes=cfg.max_tree_nodes,
@@ -101,13 +102,7 @@ class TorchVerifier:
     # ---- verification ----
     @torch.inference_mode()
     def verify(self, items: list[VerifyInput]) -> list[VerifyOutput]:
-        check_unique([it.seq_id for it in items])
-        states = [self.seqs.get(it.seq_id) for it in items]
-        t = 1 + max(it.tree.size for it in items)  # rows: root + nodes, padded to the largest tree
-        for it, (_, st) in zip(items, states):
-            if st.length + t > self.cache.capacity:
-                raise CapacityExhausted(f"sequence {it.seq_id!r} has no room for a {t}-row tree "
-                                        f"at length {st.length}")
+        states, t = self._verify_states(items)
         kv_len = max(st.length for _, st in states) + t
         b = len(items)
         ids = np.zeros((b, t), dtype=np.int64)
@@ -128,22 +123,68 @@ class TorchVerifier:
                       write_pos=self._t(write), mask=torch.from_numpy(mask).to(self.device))
         out = self.model(batch, self.cache)
         logits = self.model.logits(out.hidden)  # [B, T, V]
-        greedy_rows = logits.argmax(-1).cpu().numpy()  # [B, T]
-        results = []
-        for i, (it, (slot, st)) in enumerate(zip(items, states)):
+        accs = self._accept(items, states, logits.argmax(-1).cpu().numpy(), lambda i: logits[i])
+        return self._finish_verify(states, accs, out.aux)
+
+    def _verify_states(self, items: list[VerifyInput]) -> tuple[list[tuple[int, VerifierSeq]], int]:
+        """Checks every verify path makes; returns (slot, state) per item and the rows per tree (root +
+        nodes, padded to the largest tree)."""
+        check_unique([it.seq_id for it in items])
+        states = [self.seqs.get(it.seq_id) for it in items]
+        t = 1 + max(it.tree.size for it in items)
+        for it, (_, st) in zip(items, states):
+            if st.length + t > self.capacity:
+                raise CapacityExhausted(f"sequence {it.seq_id!r} has no room for a {t}-row tree "
+                                        f"at length {st.length}")
+        return states, t
+
+    def _accept(self, items: list[VerifyInput], states, greedy_rows: np.ndarray,
+                logits_of: Callable[[int], torch.Tensor]) -> list[Acceptance]:
+        """greedy_rows [B, T]: base argmax per tree row. logits_of(i) gives item i's rows of logits [T, V],
+        asked for only by sequences that sample."""
+        accs = []
+        for i, (it, (_, st)) in enumerate(zip(items, states)):
             if st.sampling.greedy:
-                acc = accept_greedy(it.tree.tokens, it.tree.parents, greedy_rows[i])
-            else:
-                rows = logits[i]
-                acc = accept_sampled(it.tree.tokens, it.tree.parents,
-                                     lambda r, rows=rows, st=st: target_distribution(rows[r].cpu().numpy(),
-                                                                                     st.sampling),
-                                     st.rng)
+                accs.append(accept_greedy(it.tree.tokens, it.tree.parents, greedy_rows[i]))
+                continue
+            rows = logits_of(i)
+            accs.append(accept_sampled(it.tree.tokens, it.tree.parents,
+                                       lambda r, rows=rows, st=st: target_distribution(rows[r].cpu().numpy(),
+                                                                                       st.sampling),
+                                       st.rng))
+        return accs
+
+    def _finish_verify(self, states, accs: list[Acceptance], aux: torch.Tensor) -> list[VerifyOutput]:
+        """One H2D copy of all indices, then one batched KV compaction and one gather of the kept rows.
+        aux [B, T, 3H]: the forward's EAGLE features.
+
+        Index layout (worked example: two sequences, slot 3 at length 10 accepting path [1, 3], slot 0 at
+        length 5 accepting path [0]):
+            keep rows   batch [0 0 0 1 1]  row [0 2 4 0 1]     (root, then node p at row p + 1)
+            KV moves    slot [3 3]  src [12 14]  dst [11 12]   (sequence 2's path is already compact)
+        """
+        batch_idx, row_idx, counts = [], [], []
+        move_slot, move_src, move_dst = [], [], []
+        for i, ((slot, st), acc) in enumerate(zip(states, accs)):
+            rows = [0] + [p + 1 for p in acc.path]
+            batch_idx += [i] * len(rows)
+            row_idx += rows
+            counts.append(len(rows))
             move = compaction_plan(acc.path, st.length)
-            if move.src:
-                self.cache.move(slot, self._t(np.array(move.src)), self._t(np.array(move.dst)))
-            keep_rows = [0] + [p + 1 for p in acc.path]
-            hidden = out.aux[i, keep_rows]  # [num_accepted + 1, 3H]
+            move_slot += [slot] * len(move.src)
+            move_src += move.src
+            move_dst += move.dst
+        nk, nm = len(row_idx), len(move_src)
+        idx = self._t(np.array(batch_idx + row_idx + move_slot + move_src + move_dst, dtype=np.int64))
+        if nm:
+            sl, src, dst = idx[2 * nk:2 * nk + nm], idx[2 * nk + nm:2 * nk + 2 * nm], idx[2 * nk + 2 * nm:]
+            # gather everything first, then scatter: later sources lie beyond earlier destinations
+            # (common.acceptance.compaction_plan), so this equals copying one by one
+            self.cache.k[:, sl, dst] = self.cache.k[:, sl, src].clone()
+            self.cache.v[:, sl, dst] = self.cache.v[:, sl, src].clone()
+        kept = aux[idx[:nk], idx[nk:2 * nk]]  # [sum(num_accepted + 1), 3H], a fresh tensor
+        results = []
+        for (_, st), acc, hidden in zip(states, accs, torch.split(kept, counts)):
             st.length += 1 + acc.num_accepted
             st.pending = acc.tokens[-1]
             results.append(VerifyOutput(tokens=acc.tokens, hidden=hidden))
@@ -152,13 +193,8 @@ class TorchVerifier:
     # ---- plain decoding ----
     @torch.inference_mode()
     def decode(self, seq_ids: list[str]) -> list[int]:
-        check_unique(seq_ids)
-        states = [self.seqs.get(s) for s in seq_ids]
-        for s, (_, st) in zip(seq_ids, states):
-            if st.length + 1 > self.cache.capacity:
-                raise CapacityExhausted(f"sequence {s!r} is at the end of its context")
+        states = self._decode_states(seq_ids)
         kv_len = max(st.length for _, st in states) + 1
-        b = len(seq_ids)
         lengths = np.array([st.length for _, st in states])
         mask = np.arange(kv_len)[None, :] <= lengths[:, None]  # [B, K]
         batch = Batch(input_ids=self._t(np.array([[st.pending] for _, st in states])),
@@ -167,11 +203,22 @@ class TorchVerifier:
                       mask=torch.from_numpy(mask[:, None, None, :]).to(self.device))
         out = self.model(batch, self.cache)
         logits = self.model.logits(out.hidden[:, 0])  # [B, V]
+        return self._commit_decode(states, logits.argmax(-1).cpu().numpy(), lambda i: logits[i])
+
+    def _decode_states(self, seq_ids: list[str]) -> list[tuple[int, VerifierSeq]]:
+        check_unique(seq_ids)
+        states = [self.seqs.get(s) for s in seq_ids]
+        for s, (_, st) in zip(seq_ids, states):
+            if st.length + 1 > self.capacity:
+                raise CapacityExhausted(f"sequence {s!r} is at the end of its context")
+        return states
+
+    def _commit_decode(self, states, greedy: np.ndarray, logits_of: Callable[[int], torch.Tensor]) -> list[int]:
+        """greedy [B]: base argmax per sequence; logits_of(i) [V] only for sequences that sample."""
         tokens = []
-        for i in range(b):
-            st = states[i][1]
+        for i, (_, st) in enumerate(states):
             st.length += 1
-            st.pending = self._choose(logits[i], st)
+            st.pending = int(greedy[i]) if st.sampling.greedy else self._choose(logits_of(i), st)
             tokens.append(st.pending)
         return tokens
 

@@ -12,13 +12,13 @@ import torch
 from torch import nn
 
 from common.config import LlamaConfig
-from common.model.llama import (  # noqa: F401
+from common.model.llama import (
     MLP,
     Attention,
     Batch,
+    Float32RopeTables,
     KVCache,
     RMSNorm,
-    apply_rope,
     attention_bias,
     fuse,
     rope_angles,
@@ -81,7 +81,7 @@ class DraftOutput:
     logp: torch.Tensor    # [B, T, draft_vocab] log-probabilities over the draft vocabulary (float32)
 
 
-class Eagle3Head(nn.Module):
+class Eagle3Head(Float32RopeTables):
     def __init__(self, cfg: Eagle3Config) -> None:
         super().__init__()
         self.cfg = cfg

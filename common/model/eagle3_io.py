@@ -209,6 +209,5 @@ def load_eagle3(folder: str | os.PathLike, device: str | torch.device = "cpu",
     float_dtypes = {v.dtype for k, v in sd.items() if v.is_floating_point()}
     target = dtype or (float_dtypes.pop() if len(float_dtypes) == 1 else torch.float32)
     head.to(device=device, dtype=target)
-    head.rope_cos, head.rope_sin = head.rope_cos.float(), head.rope_sin.float()
     head.eval()
     return head, cfg

@@ -145,10 +145,6 @@ class KVCache:
     def capacity(self) -> int:
         return self.kv.shape[2]
 
-    def move(self, slot: int, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy positions src -> dst of one slot in every layer (src, dst: [M] long).
-        Gather first, then scatter, so overlapping moves read the old values."""
-        self.kv[:, slot, dst] = self.kv[:, slot, src].clone()
 
 
 def _joint_kv(k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor | None:
@@ -277,7 +273,17 @@ class ForwardOutput:
     aux: torch.Tensor     # [B, T, 3H] inputs of the three EAGLE layers, concatenated low|mid|high
 
 
-class LlamaModel(nn.Module):
+class Float32RopeTables(nn.Module):
+    """Modules holding `rope_cos`/`rope_sin` buffers: they follow .to(device) but stay float32 under
+    .to(dtype), so positions are exact whatever dtype the weights run in."""
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self.rope_cos, self.rope_sin = self.rope_cos.float(), self.rope_sin.float()
+        return self
+
+
+class LlamaModel(Float32RopeTables):
     """Parameter names follow Hugging Face's LlamaForCausalLM, so HF checkpoints load as they are."""
 
     def __init__(self, cfg: LlamaConfig) -> None:

@@ -32,7 +32,6 @@ def build_drafter(args: argparse.Namespace):
     base = LlamaModel(ckpt.config)
     base.load_state_dict(ckpt.state_dict, strict=False)
     base.to(device=device, dtype=dtype).eval()
-    base.rope_cos, base.rope_sin = base.rope_cos.float(), base.rope_sin.float()
     if args.drafter == "oracle-greedy":
         from common.engine.oracle import GreedyOracleDrafter
         return GreedyOracleDrafter(base, drafting.steps, device), drafting, 3 * ckpt.config.hidden_size
@@ -54,7 +53,6 @@ def build_drafter(args: argparse.Namespace):
         head = Eagle3Head(Eagle3Config.for_base(ckpt.config, draft_vocab_size=min(8192, ckpt.config.vocab_size)))
         head.set_vocab_map(torch.arange(head.cfg.draft_vocab_size))
     head.to(device=device, dtype=dtype).eval()
-    head.rope_cos, head.rope_sin = head.rope_cos.float(), head.rope_sin.float()
     drafter = make_drafter(head, base.embed_tokens, drafting, args.max_sequences, args.max_context, device,
                            graphs=args.graphs)  # CUDA graphs on a GPU, eager on CPU
     return drafter, drafting, 3 * head.cfg.target_hidden_size

@@ -46,7 +46,6 @@ def _head(ckpt, dtype: torch.dtype) -> Eagle3Head:
     head = Eagle3Head(Eagle3Config.for_base(ckpt.config, draft_vocab_size=8192))
     head.set_vocab_map(torch.arange(8192))
     head.to(device=DEV, dtype=dtype).eval()
-    head.rope_cos, head.rope_sin = head.rope_cos.float(), head.rope_sin.float()
     return head
 
 
