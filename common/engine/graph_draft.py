@@ -22,7 +22,6 @@ from common.config import DraftingConfig
 from common.engine.base import ProposeInput
 from common.engine.cuda_graphs import CudaGraphManager, GraphConfig, batch_buckets_for, pick_bucket, staging
 from common.engine.torch_draft import DraftSeq, Eagle3Drafter
-from common.errors import CapacityExhausted, InvalidRequest
 from common.model.eagle3 import Eagle3Head
 from common.model.llama import Batch, KVCache
 from common.slots import check_unique
@@ -134,13 +133,7 @@ class GraphEagle3Drafter(Eagle3Drafter):
 
     def _graph_accept(self, items: list[ProposeInput], bb: int, length: int) -> None:
         """Checks as Eagle3Drafter._accept, then the accept graph; the root lands in the expand inputs."""
-        states = [self.seqs.get(it.seq_id) for it in items]
-        for it, (_, st) in zip(items, states):
-            k = len(it.token_ids)
-            if k == 0 or it.hidden.shape[0] != k:
-                raise InvalidRequest(f"sequence {it.seq_id!r}: {k} new tokens but {it.hidden.shape[0]} hidden rows")
-            if st.length + k > self.max_context:
-                raise CapacityExhausted(f"sequence {it.seq_id!r} is at the end of the draft context")
+        states = self._accept_states(items)
         key = ("accept", bb, length)
         stage = self._stage[key]
         a = stage.numpy()  # [bb, 2L + 3]

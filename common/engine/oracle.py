@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from common.engine.base import ProposeInput
+from common.errors import UnknownSequence
 from common.model.llama import Batch, KVCache, LlamaModel
 from common.slots import check_unique
 from common.tree import Tree
@@ -61,7 +62,6 @@ class _OracleBase:
                 self.context[it.seq_id] = list(it.context_prefix)
             ctx = self.context.get(it.seq_id)
             if ctx is None:
-                from common.errors import UnknownSequence
                 raise UnknownSequence(f"unknown sequence id {it.seq_id!r}")
             ctx.extend(it.token_ids)
             trees.append(self.tree(self.greedy(ctx, self.steps), it.max_nodes))

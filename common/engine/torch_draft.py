@@ -70,8 +70,8 @@ class Eagle3Drafter:
         return self._expand(items, root)
 
     # ---- accept-token pass ----
-    def _accept(self, items: list[ProposeInput]) -> RootState:
-        """Append each sequence's new (hidden, token) pairs and return the head's output at the last."""
+    def _accept_states(self, items: list[ProposeInput]) -> list[tuple[int, DraftSeq]]:
+        """Checks every accept path makes; returns (slot, state) per item."""
         states = [self.seqs.get(it.seq_id) for it in items]
         for it, (_, st) in zip(items, states):
             k = len(it.token_ids)
@@ -79,6 +79,11 @@ class Eagle3Drafter:
                 raise InvalidRequest(f"sequence {it.seq_id!r}: {k} new tokens but {it.hidden.shape[0]} hidden rows")
             if st.length + k > self.max_context:
                 raise CapacityExhausted(f"sequence {it.seq_id!r} is at the end of the draft context")
+        return states
+
+    def _accept(self, items: list[ProposeInput]) -> RootState:
+        """Append each sequence's new (hidden, token) pairs and return the head's output at the last."""
+        states = self._accept_states(items)
         t = max(len(it.token_ids) for it in items)
         kv_len = max(st.length for _, st in states) + t
         b = len(items)

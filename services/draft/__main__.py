@@ -5,10 +5,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 from pathlib import Path
 
-from services.launch import serve_forever, write_port_file
+from services.launch import common_arguments, engine_arguments, parse_and_log, serve
 
 log = logging.getLogger("services.draft")
 
@@ -29,15 +28,16 @@ def build_drafter(args: argparse.Namespace):
     drafting = DraftingConfig(top_k=args.top_k, steps=args.steps, verify_tree_size=args.verify_tree_size)
     ckpt = load_checkpoint(args.model)
     device, dtype = torch.device(args.device), torch_dtype(pick_dtype(args.device, args.dtype))
-    base = LlamaModel(ckpt.config)
-    base.load_state_dict(ckpt.state_dict, strict=False)
-    base.to(device=device, dtype=dtype).eval()
-    if args.drafter == "oracle-greedy":
-        from common.engine.oracle import GreedyOracleDrafter
-        return GreedyOracleDrafter(base, drafting.steps, device), drafting, 3 * ckpt.config.hidden_size
-    if args.drafter == "oracle-wrong":
-        from common.engine.oracle import WrongOracleDrafter
-        return WrongOracleDrafter(base, drafting.steps, device), drafting, 3 * ckpt.config.hidden_size
+    if args.drafter in ("oracle-greedy", "oracle-wrong"):  # the test oracles run the whole base model
+        from common.engine.oracle import GreedyOracleDrafter, WrongOracleDrafter
+
+        base = LlamaModel(ckpt.config)
+        base.load_state_dict(ckpt.state_dict, strict=False)
+        base.to(device=device, dtype=dtype).eval()
+        oracle = GreedyOracleDrafter if args.drafter == "oracle-greedy" else WrongOracleDrafter
+        return oracle(base, drafting.steps, device), drafting, 3 * ckpt.config.hidden_size
+    # the EAGLE-3 head needs only the base model's token embeddings
+    embed = torch.nn.Embedding.from_pretrained(ckpt.state_dict["embed_tokens.weight"]).to(device=device, dtype=dtype)
     from common.model.eagle3 import Eagle3Config, Eagle3Head
 
     head_dir = Path(args.head) if args.head else DEFAULT_HEAD
@@ -53,7 +53,7 @@ def build_drafter(args: argparse.Namespace):
         head = Eagle3Head(Eagle3Config.for_base(ckpt.config, draft_vocab_size=min(8192, ckpt.config.vocab_size)))
         head.set_vocab_map(torch.arange(head.cfg.draft_vocab_size))
     head.to(device=device, dtype=dtype).eval()
-    drafter = make_drafter(head, base.embed_tokens, drafting, args.max_sequences, args.max_context, device,
+    drafter = make_drafter(head, embed, drafting, args.max_sequences, args.max_context, device,
                            graphs=args.graphs)  # CUDA graphs on a GPU, eager on CPU
     return drafter, drafting, 3 * head.cfg.target_hidden_size
 
@@ -61,38 +61,24 @@ def build_drafter(args: argparse.Namespace):
 async def main(args: argparse.Namespace) -> None:
     import torch
 
-    from common.rpc import start_server
     from services.draft.server import DraftServicer
     from specdec.v1 import internal_pb2_grpc
 
     drafter, drafting, width = build_drafter(args)
     servicer = DraftServicer(drafter, drafting, width, torch.device(args.device))
-    server = await start_server(args.addr, [(internal_pb2_grpc.add_DraftServicer_to_server, servicer)],
-                                ["specdec.v1.Draft"])
-    write_port_file(args.port_file, server.port)
-    await serve_forever(server)
+    await serve(args.addr, internal_pb2_grpc.add_DraftServicer_to_server, servicer, "specdec.v1.Draft", args.port_file)
 
 
 def cli() -> None:
     p = argparse.ArgumentParser(prog="python -m services.draft", description=__doc__)
-    p.add_argument("--addr", default=os.environ.get("DRAFT_ADDR", "127.0.0.1:50052"))
+    common_arguments(p, "DRAFT_ADDR", "127.0.0.1:50052")
+    engine_arguments(p)
     p.add_argument("--drafter", default="eagle3", choices=DRAFTERS)
     p.add_argument("--head", default=None, help=f"EAGLE-3 head folder (default: {DEFAULT_HEAD})")
-    p.add_argument("--model", default=None, help="base model GGUF/HF folder (embeddings; the oracles run it)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="auto: bfloat16 on CUDA, float32 on CPU")
-    p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True,
-                   help="capture CUDA graphs at start-up (CUDA only)")
     p.add_argument("--top-k", type=int, default=10, help="drafting_top_k")
     p.add_argument("--steps", type=int, default=6, help="drafting_steps")
     p.add_argument("--verify-tree-size", type=int, default=60)
-    p.add_argument("--max-sequences", type=int, default=8)
-    p.add_argument("--max-context", type=int, default=2048)
-    p.add_argument("--port-file", default=None)
-    p.add_argument("--log-level", default=os.environ.get("LOG_LEVEL", "INFO"))
-    a = p.parse_args()
-    logging.basicConfig(level=a.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    a = parse_and_log(p)
     asyncio.run(main(a))
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.weights import default_model_path
-from services.launch import serve_forever, write_port_file
+from services.launch import common_arguments, parse_and_log, serve_forever, write_port_file
 
 log = logging.getLogger("services.gateway")
 
@@ -86,7 +86,7 @@ async def main(cfg: GatewayConfig, port_file: str | None) -> None:
 
 def cli() -> None:
     p = argparse.ArgumentParser(prog="python -m services.gateway", description=__doc__)
-    p.add_argument("--addr", default=os.environ.get("GATEWAY_ADDR", "127.0.0.1:50051"))
+    common_arguments(p, "GATEWAY_ADDR", "127.0.0.1:50051")
     p.add_argument("--verifier", default=os.environ.get("VERIFIER_ADDR", "127.0.0.1:50053"))
     p.add_argument("--draft", default=os.environ.get("DRAFT_ADDR", "127.0.0.1:50052"),
                    help="draft service address; empty for plain decoding only")
@@ -97,10 +97,7 @@ def cli() -> None:
     p.add_argument("--metrics-port", type=int, default=int(os.environ.get("METRICS_PORT", "0")),
                    help="serve Prometheus metrics on this port (0 = off)")
     p.add_argument("--no-ipc", action="store_true", help="always send hidden states as inline bytes")
-    p.add_argument("--port-file", default=None, help="write the bound port here once serving")
-    p.add_argument("--log-level", default=os.environ.get("LOG_LEVEL", "INFO"))
-    a = p.parse_args()
-    logging.basicConfig(level=a.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    a = parse_and_log(p)
     cfg = GatewayConfig(address=a.addr, verifier=a.verifier, draft=a.draft,
                         model=Path(a.model) if a.model else default_model_path(),
                         max_active=a.max_active, max_waiting=a.max_waiting, metrics_port=a.metrics_port,
