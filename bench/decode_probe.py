@@ -1,65 +1,198 @@
-"""GPU probe (not run in CI, not yet run on a GPU): CUDA kernels per decode step (torch.profiler) and CUDA
-graph replay time of LlamaModel at SmolLM2-135M shape with random weights, batch 1, one token.
-    PYTHONPATH=. python bench/decode_probe.py [-v]     (-v lists the kernels by name)
+"""Engine-step probe on the real model: kernels per step (torch.profiler over one eager run of the step
+function that the graph captures) and CUDA graph replay time of plain decoding at several batch sizes,
+verification of a tree, and the draft's whole proposal, each at a stated context length.
+
+    PYTHONPATH=. python -m bench.decode_probe --out DIR [--context 256] [--batches 1,16,64] [-v]
+
+Writes DIR/decode_probe.json and prints a markdown table. Replays run back to back without a host sync
+in between (the graph time); "call ms" is the engine's public call (host packing, the H2D copy, replay,
+the one D2H read) for the same shape. -v lists the kernels of each step by name.
 """
 
-import collections
-import sys
-import time
+from __future__ import annotations
 
+import argparse
+import collections
+import json
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from common.config import LlamaConfig
-from common.model.llama import Batch, KVCache, LlamaModel
+from common.config import DraftingConfig, SamplingConfig
+from common.engine.base import PrefillInput, ProposeInput
+from common.engine.cuda_graphs import GraphConfig
+from common.engine.draft import Eagle3Drafter
+from common.engine.verifier import Verifier, VerifierConfig
 
-CFG = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
-                  num_kv_heads=3, head_dim=64, rope_theta=100000.0, rms_eps=1e-5, max_position=8192,
-                  tie_embeddings=True)
+log = logging.getLogger("bench.decode_probe")
+DEFAULT_HEAD = Path(__file__).resolve().parents[1] / "models" / "eagle3-smollm2"
 
 
-def probe(dtype: torch.dtype, kv_len: int = 1024, steps: int = 200) -> None:
-    dev = torch.device("cuda")
-    torch.manual_seed(0)
-    m = LlamaModel(CFG).to(dev, dtype).eval()
-    m.fuse()
-    cache = KVCache.allocate(CFG.num_layers, 2, 2048, CFG.num_kv_heads, CFG.head_dim, dtype, dev)
-    pos = torch.tensor([[100]], device=dev)
-    batch = Batch(input_ids=torch.tensor([[5]], device=dev), positions=pos, slots=torch.tensor([1], device=dev),
-                  write_pos=pos, mask=(torch.arange(kv_len, device=dev) <= 100)[None, None, None, :])
-
-    def body() -> torch.Tensor:
-        return m.logits(m(batch, cache).hidden[:, -1]).argmax(-1)
-
-    with torch.no_grad():
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                body()
-        torch.cuda.current_stream().wait_stream(side)
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            body()
-            torch.cuda.synchronize()
-        kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            body()
-        for _ in range(20):
-            graph.replay()
+def kernels(fn) -> list[str]:
+    """CUDA kernel names launched by one call of fn."""
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
         torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            graph.replay()
-        torch.cuda.synchronize()
-        ms = (time.perf_counter() - t0) / steps * 1e3
-    print(f"{dtype} kv_len={kv_len}: {len(kernels)} kernels/step ({len(kernels) / CFG.num_layers:.1f} per layer "
-          f"incl. fixed), graph replay {ms:.3f} ms/step")
-    if "-v" in sys.argv:
-        for name, n in collections.Counter(e.name[:100] for e in kernels).most_common():
-            print(f"  {n:5d} {name}")
+    return [e.name for e in prof.events() if e.device_type.name == "CUDA"]
+
+
+def timed(fn, iters: int = 200) -> float:
+    """Mean ms per call of fn, calls back to back, one sync at the end."""
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / iters * 1e3
+
+
+def probe_step(name: str, graphs, key, step, inputs: dict, verbose: bool) -> dict:
+    dev_inputs = {k: v.to("cuda") for k, v in inputs.items()}
+    with torch.inference_mode(), graphs.on_stream():
+        names = kernels(lambda: step(**dev_inputs))
+        replay = timed(lambda: graphs.run(key, step, inputs)) if graphs.is_captured(key) else None
+    row = {"step": name, "kernels": len(names), "replay_ms": replay, "captured": graphs.is_captured(key)}
+    if verbose:
+        row["by_name"] = collections.Counter(n[:90] for n in names).most_common()
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--model", default=None, help="GGUF or HF folder (default: the embedded model)")
+    ap.add_argument("--head", default=str(DEFAULT_HEAD))
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--context", type=int, default=256, help="committed tokens per sequence while probing")
+    ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("-v", "--verbose", action="store_true")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    from common.model.eagle3_io import load_eagle3
+    from common.weights import load_checkpoint
+
+    ckpt = load_checkpoint(args.model)
+    batches = [int(b) for b in args.batches.split(",")]
+    max_b = max(batches)
+    gc = GraphConfig(batch_buckets=tuple(sorted(set(batches) | {1})), tree_buckets=(16, 32, 64))
+    verifier = Verifier(
+        ckpt,
+        VerifierConfig(max_sequences=max_b, max_context=2048, max_tree_nodes=63, dtype=args.dtype, device="cuda"),
+        graphs=True,
+        graph_cfg=gc,
+    )
+    head, _ = load_eagle3(args.head)
+    head.to(device="cuda", dtype=verifier.model.embed_tokens.weight.dtype).eval()
+    drafting = DraftingConfig()
+    drafter = Eagle3Drafter(head, verifier.model.embed_tokens, drafting, max_b, 2048, "cuda", graphs=True, graph_cfg=gc)
+    rng = np.random.default_rng(0)
+    ids = [f"s{i}" for i in range(max_b)]
+    for s in ids:
+        verifier.prefill(PrefillInput(s, rng.integers(100, 20000, size=args.context).tolist(), SamplingConfig()))
+    rows = []
+    for b in batches:
+        block = verifier._decode_block(b)
+        for i in range(b):
+            slot, st = verifier.seqs.get(ids[i])
+            block[i] = torch.tensor([st.pending, st.length, slot])
+        row = probe_step(
+            f"decode B={b}", verifier.graphs, ("decode", b), verifier._decode_step, {"packed": block}, args.verbose
+        )
+        row["call_ms"] = timed(lambda b=b: _decode_same_length(verifier, ids[:b]), 50)
+        rows.append(row)
+    # verify: a 60-node tree (61 rows, bucket 64), batch 1
+    tree_rows = 1 + drafting.verify_tree_size
+    tb = 64
+    block = verifier._verify_block(1, tb)
+    slot, st = verifier.seqs.get(ids[0])
+    parents = np.concatenate(([-1], rng.integers(-1, np.arange(1, tree_rows - 1))))
+    a = block.numpy()
+    a[0, 1:tree_rows] = rng.integers(100, 20000, size=tree_rows - 1)
+    a[0, tb + 1 : tb + tree_rows] = parents + 1
+    a[0, 2 * tb], a[0, 2 * tb + 1] = st.length, slot
+    rows.append(
+        probe_step(
+            f"verify B=1, {tree_rows} rows",
+            verifier.graphs,
+            ("verify", 1, tb),
+            verifier._verify_step,
+            {"packed": block},
+            args.verbose,
+        )
+    )
+    # propose: batch 1, 4 new tokens (a typical round), tree 10/6/60
+    feats = 3 * ckpt.config.hidden_size
+    first = drafter.propose(
+        [
+            ProposeInput(
+                ids[0],
+                rng.integers(100, 20000, size=args.context).tolist(),
+                torch.randn(args.context, feats, device="cuda"),
+                True,
+                [1],
+                0,
+            )
+        ]
+    )
+    assert len(first[0].tokens) == drafting.verify_tree_size
+    packed, hidden = drafter._pack(
+        [ProposeInput(ids[0], [5, 6, 7, 8], torch.randn(4, feats, device="cuda"), False, [], 0)], 1, 4
+    )
+    rows.append(
+        probe_step(
+            "propose B=1, 10/6/60",
+            drafter.graphs,
+            ("propose", 1, 4),
+            drafter._propose_step,
+            {"packed": packed, "hidden": hidden},
+            args.verbose,
+        )
+    )
+    decode1 = next(r for r in rows if r["step"] == "decode B=1")["replay_ms"]
+    for r in rows:
+        r["x_decode_b1"] = r["replay_ms"] / decode1 if r["replay_ms"] and decode1 else None
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "device": torch.cuda.get_device_name(),
+        "dtype": args.dtype,
+        "context": args.context,
+        "torch": torch.__version__,
+    }
+    (out / "decode_probe.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    lines = [
+        f"# Engine steps ({meta['device']}, {args.dtype}, context {args.context})",
+        "",
+        "| step | kernels | replay ms | call ms | x decode B=1 |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        fmt = lambda v, d=3: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
+        lines.append(
+            f"| {r['step']} | {r['kernels']} | {fmt(r['replay_ms'])} | {fmt(r.get('call_ms'))} "
+            f"| {fmt(r['x_decode_b1'], 2)} |"
+        )
+    text = "\n".join(lines)
+    (out / "decode_probe.md").write_text(text + "\n")
+    log.info("\n%s", text)
+    if args.verbose:
+        for r in rows:
+            log.info("%s kernels:\n%s", r["step"], "\n".join(f"  {n:5d} {k}" for k, n in r["by_name"]))
+
+
+def _decode_same_length(verifier: Verifier, ids: list[str]) -> None:
+    """One public decode call, then the lengths rolled back so that every call sees the same context."""
+    verifier.decode(ids)
+    for s in ids:
+        verifier.seqs.get(s)[1].length -= 1
 
 
 if __name__ == "__main__":
-    for dt in (torch.bfloat16, torch.float32):
-        probe(dt)
+    main()

@@ -33,7 +33,7 @@ from common.config import DraftingConfig, SamplingConfig
 from common.engine.base import PrefillInput, ProposeInput, VerifyInput
 from common.engine.cuda_graphs import GraphConfig
 from common.engine.factory import make_drafter, make_verifier, pick_dtype
-from common.engine.torch_verifier import VerifierConfig, torch_dtype
+from common.engine.verifier import VerifierConfig, torch_dtype
 from common.model.eagle3 import Eagle3Config, Eagle3Head
 
 log = logging.getLogger("bench.engine_bench")

@@ -12,8 +12,16 @@ from common.model.eagle3 import Eagle3Config, Eagle3Head
 from common.model.eagle3_io import load_eagle3, save_eagle3
 from common.model.llama import Batch, KVCache
 
-BASE = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=6, num_heads=4,
-                   num_kv_heads=2, head_dim=16, max_position=128)
+BASE = LlamaConfig(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=6,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    max_position=128,
+)
 
 
 def make_head(draft_vocab: int = 100) -> tuple[Eagle3Head, Eagle3Config]:
@@ -34,8 +42,13 @@ def run(head: Eagle3Head) -> torch.Tensor:
     embeds = torch.randn(1, t, c.hidden_size)
     hidden = torch.randn(1, t, 3 * c.target_hidden_size)
     pos = torch.arange(t)[None]
-    batch = Batch(input_ids=pos, positions=pos, slots=torch.tensor([0]), write_pos=pos,
-                  mask=torch.ones(t, t, dtype=torch.bool).tril()[None, None])
+    batch = Batch.masked(
+        input_ids=pos,
+        positions=pos,
+        slots=torch.tensor([0]),
+        write_pos=pos,
+        mask=torch.ones(t, t, dtype=torch.bool).tril()[None, None],
+    )
     cache = KVCache.allocate(1, 1, t, c.num_kv_heads, c.head_dim, torch.float32, torch.device("cpu"))
     with torch.no_grad():
         return head(embeds, hidden, batch, cache).logp
@@ -98,7 +111,10 @@ def test_public_variants_load(tmp_path):
     b = tmp_path / "vllm"
     b.mkdir()
     save_eagle3(head, cfg, b, dtype="float32")
-    renamed = {("layers.0." + k.removeprefix("midlayer.")) if k.startswith("midlayer.") else k: v
-               for k, v in sd.items() if k != "t2d"}
+    renamed = {
+        ("layers.0." + k.removeprefix("midlayer.")) if k.startswith("midlayer.") else k: v
+        for k, v in sd.items()
+        if k != "t2d"
+    }
     save_file(renamed, str(b / "model.safetensors"))
     check_same(head, load_eagle3(b)[0])

@@ -6,7 +6,7 @@ import torch
 from common.config import SamplingConfig
 from common.engine.base import PrefillInput, ProposeInput, VerifyInput
 from common.engine.oracle import GreedyOracleDrafter, WrongOracleDrafter
-from common.engine.torch_verifier import TorchVerifier, VerifierConfig
+from common.engine.verifier import Verifier, VerifierConfig
 from common.errors import CapacityExhausted, InvalidRequest, UnknownSequence
 
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 4093, 198, 4898, 314, 260, 6376, 4461, 47]
@@ -14,7 +14,7 @@ PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 4093
 
 @pytest.fixture(scope="module")
 def verifier(checkpoint):
-    return TorchVerifier(checkpoint, VerifierConfig(max_sequences=3, max_context=128, max_tree_nodes=64))
+    return Verifier(checkpoint, VerifierConfig(max_sequences=3, max_context=128, max_tree_nodes=64))
 
 
 def run_spec(verifier, drafter, seq, n):

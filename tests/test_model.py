@@ -18,12 +18,18 @@ def test_logits_match_transformers(checkpoint):
     t = ids.shape[1]
     cache = KVCache.allocate(cfg.num_layers, 2, 32, cfg.num_kv_heads, cfg.head_dim, torch.float32, torch.device("cpu"))
     pos = torch.arange(t)[None]
-    batch = Batch(input_ids=ids, positions=pos, slots=torch.tensor([1]), write_pos=pos,
-                  mask=torch.ones(t, t, dtype=torch.bool).tril()[None, None])
+    batch = Batch.masked(
+        input_ids=ids,
+        positions=pos,
+        slots=torch.tensor([1]),
+        write_pos=pos,
+        mask=torch.ones(t, t, dtype=torch.bool).tril()[None, None],
+    )
     with torch.no_grad():
         ours = model.logits(model(batch, cache).hidden)
-        hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(checkpoint.path), gguf_file=checkpoint.path.name,
-                                                  dtype=torch.float32)
+        hf = AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(checkpoint.path), gguf_file=checkpoint.path.name, dtype=torch.float32
+        )
         ref = hf(ids).logits
     assert (ours - ref).abs().max() < 1e-3
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))

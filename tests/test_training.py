@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from common.config import LlamaConfig
-from common.engine.torch_draft import Eagle3Drafter
-from common.engine.torch_verifier import TorchVerifier, VerifierConfig
+from common.engine.draft import Eagle3Drafter
+from common.engine.verifier import Verifier, VerifierConfig
 from common.model.eagle3 import Eagle3Config, Eagle3Head
 from common.model.eagle3_io import load_eagle3
 from common.model.llama import Batch, KVCache, LlamaModel
@@ -25,8 +25,16 @@ from training.ttt import ttt_mask
 
 CPU = torch.device("cpu")
 # 8 layers: eagle_layers() = (2, 4, 5) are distinct (with 6, L//2 == L-3 and aux would be 2H wide)
-CFG = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=8, num_heads=4,
-                  num_kv_heads=2, head_dim=16, max_position=256)
+CFG = LlamaConfig(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=8,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    max_position=256,
+)
 
 
 def tiny_base(seed: int = 0) -> LlamaModel:
@@ -44,8 +52,16 @@ def tiny_base(seed: int = 0) -> LlamaModel:
 
 # ---- vocabulary map ----
 def test_vocab_map_hand_example():
-    cfg = Eagle3Config(hidden_size=8, intermediate_size=16, num_heads=2, num_kv_heads=1, head_dim=4,
-                       vocab_size=12, draft_vocab_size=3, target_hidden_size=8)
+    cfg = Eagle3Config(
+        hidden_size=8,
+        intermediate_size=16,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=4,
+        vocab_size=12,
+        draft_vocab_size=3,
+        target_hidden_size=8,
+    )
     head = Eagle3Head(cfg)
     head.set_vocab_map(torch.tensor([3, 7, 9]))
     assert head.d2t.tolist() == [3, 6, 7]
@@ -63,13 +79,15 @@ def test_draft_vocab_counts_response_tokens_only(tmp_path):
 
 # ---- prompts ----
 def test_truncated_sharegpt_decoding(tmp_path):
-    text = ('[\n  {"id": "a", "conversations": [{"from": "human", "value": "Hello there"}, '
-            '{"from": "gpt", "value": "Hi"}]},\n'
-            '  {"id": "b", "conversations": [{"from": "gpt", "value": "I start"}]},\n'
-            '  {"id": "c", "conversations": [{"from": "human", "value": "  "}]},\n'
-            '  {"id": "d", "conversations": [{"from": "human", "value": "Tell me a story about [brackets] and '
-            '\\"quotes\\""}]},\n'
-            '  {"id": "e", "conversations": [{"from": "human", "value": "This one is cut off')
+    text = (
+        '[\n  {"id": "a", "conversations": [{"from": "human", "value": "Hello there"}, '
+        '{"from": "gpt", "value": "Hi"}]},\n'
+        '  {"id": "b", "conversations": [{"from": "gpt", "value": "I start"}]},\n'
+        '  {"id": "c", "conversations": [{"from": "human", "value": "  "}]},\n'
+        '  {"id": "d", "conversations": [{"from": "human", "value": "Tell me a story about [brackets] and '
+        '\\"quotes\\""}]},\n'
+        '  {"id": "e", "conversations": [{"from": "human", "value": "This one is cut off'
+    )
     objs = list(iter_json_array(text))
     assert [o["id"] for o in objs] == ["a", "b", "c", "d"]
     turns = [first_human_turn(o) for o in objs]
@@ -99,8 +117,10 @@ def test_batched_greedy_matches_unbatched():
             t = len(seq)
             cache = KVCache.allocate(CFG.num_layers, 1, t, CFG.num_kv_heads, CFG.head_dim, torch.float32, CPU)
             pos = torch.arange(t)[None]
-            o = m(Batch(ids, pos, torch.tensor([0]), pos, torch.ones(t, t, dtype=torch.bool).tril()[None, None]),
-                  cache)
+            o = m(
+                Batch.masked(ids, pos, torch.tensor([0]), pos, torch.ones(t, t, dtype=torch.bool).tril()[None, None]),
+                cache,
+            )
             assert int(m.logits(o.hidden[0, -1]).argmax()) == tok
             seq.append(tok)
 
@@ -136,8 +156,12 @@ def test_ttt_matches_drafter_chain():
     f = base_features(base, seq)
     embeds = base.embed_tokens(seq[:, 1:])
     valid = torch.ones(1, t, dtype=torch.bool)
-    tg = TTTTargets(target_p=torch.full((1, t, 64), 1 / 64), base_top=torch.zeros(1, t, dtype=torch.long),
-                    in_draft=valid, valid=valid)
+    tg = TTTTargets(
+        target_p=torch.full((1, t, 64), 1 / 64),
+        base_top=torch.zeros(1, t, dtype=torch.long),
+        in_draft=valid,
+        valid=valid,
+    )
     # record per-step logp by hooking the loss inputs: rerun the loop manually via ttt_forward internals
     outs = []
     orig = head.forward
@@ -158,19 +182,21 @@ def test_ttt_matches_drafter_chain():
     cache = KVCache.allocate(1, 1, 32, c.num_kv_heads, c.head_dim, torch.float32, CPU)
     with torch.no_grad():
         pos = torch.arange(m_pairs)[None]
-        b = Batch(pos, pos, torch.tensor([0]), pos, torch.ones(m_pairs, m_pairs, dtype=torch.bool).tril()[None, None])
+        b = Batch.masked(
+            pos, pos, torch.tensor([0]), pos, torch.ones(m_pairs, m_pairs, dtype=torch.bool).tril()[None, None]
+        )
         o = head(embeds[:, :m_pairs], f.aux[:, :m_pairs], b, cache)
         h = o.hidden[:, -1:]
         anc = []
         for d in range(1, 3):
             r = m_pairs + d - 1  # row of this node in TTT indexing, step d
-            write = 32 - 8 + d   # any scratch column
+            write = 32 - 8 + d  # any scratch column
             anc.append(write)
             mask = torch.zeros(1, 1, 1, 32, dtype=torch.bool)
             mask[..., :m_pairs] = True
             mask[..., anc] = True
-            b = Batch(torch.tensor([[0]]), torch.tensor([[r]]), torch.tensor([0]), torch.tensor([[write]]), mask)
-            o = head(embeds[:, r:r + 1], h, b, cache)
+            b = Batch.masked(torch.tensor([[0]]), torch.tensor([[r]]), torch.tensor([0]), torch.tensor([[write]]), mask)
+            o = head(embeds[:, r : r + 1], h, b, cache)
             assert torch.allclose(o.logp[0, 0], outs[d][0, r], atol=1e-5), d
             h = o.hidden
 
@@ -190,8 +216,9 @@ def test_tiny_training_loss_falls(tmp_path):
     base = tiny_base()
     w = make_workdir(tmp_path, base, n=32)
     seqs = load_sequences(w / "gen")
-    cfg = TrainConfig(draft_vocab=256, steps=30, batch_size=8, max_len=32, lr=3e-3, warmup=3, ttt_steps=6,
-                      save_every=15, log_every=10)
+    cfg = TrainConfig(
+        draft_vocab=256, steps=30, batch_size=8, max_len=32, lr=3e-3, warmup=3, ttt_steps=6, save_every=15, log_every=10
+    )
     trainer = Trainer(base, seqs, w, cfg, CPU)
     recs = [trainer.train_step() for _ in range(30)]
     first = np.mean([r["loss"] for r in recs[:5]])
@@ -225,7 +252,7 @@ def test_eval_equals_greedy(tmp_path):
     base = tiny_base()
     sd = {k: v.clone() for k, v in base.state_dict().items() if not k.startswith("rope")}
     ckpt = Checkpoint(name="tiny", config=CFG, state_dict=sd, path=tmp_path)
-    ver = TorchVerifier(ckpt, VerifierConfig(max_sequences=4, max_context=64, max_tree_nodes=64))
+    ver = Verifier(ckpt, VerifierConfig(max_sequences=4, max_context=64, max_tree_nodes=64))
     torch.manual_seed(0)
     head = Eagle3Head(Eagle3Config.for_base(CFG, 256))
     from training.train import init_head
@@ -238,8 +265,9 @@ def test_eval_equals_greedy(tmp_path):
 
     rng = np.random.default_rng(2)
     prompts = [rng.integers(3, 512, size=6).tolist() for _ in range(5)]
-    res = evaluate_set(ver, make, prompts, EvalConfig(max_new_tokens=10, batch_size=4), eos=2,
-                       check_equal=True, name="t")
+    res = evaluate_set(
+        ver, make, prompts, EvalConfig(max_new_tokens=10, batch_size=4), eos=2, check_equal=True, name="t"
+    )
     for k in ("tree", "chain"):
         assert res[k]["equal_to_greedy"]
         assert res[k]["mean_accept_len"] >= 1.0

@@ -1,4 +1,4 @@
-"""Offline acceptance measurement: the in-process speculative loop (TorchVerifier + Eagle3Drafter),
+"""Offline acceptance measurement: the in-process speculative loop (Verifier + Eagle3Drafter),
 batched over sequences, greedy. Reports mean acceptance length (tokens per verification round,
 counting the bonus token) and the acceptance rate at each tree depth."""
 
@@ -12,8 +12,8 @@ import numpy as np
 
 from common.config import DraftingConfig, SamplingConfig
 from common.engine.base import PrefillInput, ProposeInput, VerifyInput
-from common.engine.torch_draft import Eagle3Drafter
-from common.engine.torch_verifier import TorchVerifier
+from common.engine.draft import Eagle3Drafter
+from common.engine.verifier import Verifier
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ def clip(out: list[int], eos: int, max_new: int) -> list[int]:
     return out[:out.index(eos) + 1] if eos in out else out
 
 
-def speculative(verifier: TorchVerifier, drafter: Eagle3Drafter, prompts: list[list[int]], max_new: int,
+def speculative(verifier: Verifier, drafter: Eagle3Drafter, prompts: list[list[int]], max_new: int,
                 eos: int, tree_size: int, stats: AcceptStats, tag: str) -> list[list[int]]:
     """Decode one batch of prompts together; returns each output clipped at EOS / max_new."""
     t0 = time.time()
@@ -96,7 +96,7 @@ def speculative(verifier: TorchVerifier, drafter: Eagle3Drafter, prompts: list[l
     return [clip(outs[f"{tag}-{i}"], eos, max_new) for i in range(len(prompts))]
 
 
-def plain_greedy(verifier: TorchVerifier, prompts: list[list[int]], max_new: int, eos: int,
+def plain_greedy(verifier: Verifier, prompts: list[list[int]], max_new: int, eos: int,
                  tag: str) -> list[list[int]]:
     outs: dict[str, list[int]] = {}
     live = []
@@ -120,7 +120,7 @@ def plain_greedy(verifier: TorchVerifier, prompts: list[list[int]], max_new: int
     return [clip(outs[f"{tag}-{i}"], eos, max_new) for i in range(len(prompts))]
 
 
-def evaluate_set(verifier: TorchVerifier, make_drafter, prompts: list[list[int]], cfg: EvalConfig, eos: int,
+def evaluate_set(verifier: Verifier, make_drafter, prompts: list[list[int]], cfg: EvalConfig, eos: int,
                  check_equal: bool, name: str) -> dict:
     """Run every drafting config in TREES over the prompts. make_drafter(DraftingConfig) -> Eagle3Drafter."""
     if cfg.limit is not None:

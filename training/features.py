@@ -20,8 +20,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class PaddedBatch:
-    ids: torch.Tensor         # [B, T] right-padded token ids (pad = 0)
-    lengths: torch.Tensor     # [B] real lengths
+    ids: torch.Tensor  # [B, T] right-padded token ids (pad = 0)
+    lengths: torch.Tensor  # [B] real lengths
     prompt_len: torch.Tensor  # [B]
 
 
@@ -33,13 +33,16 @@ def pad_batch(seqs: list[tuple[np.ndarray, int]], max_len: int, device: torch.de
         n = min(len(s), t)
         ids[i, :n] = s[:n]
         lens[i] = n
-    return PaddedBatch(ids=torch.from_numpy(ids).to(device), lengths=torch.from_numpy(lens).to(device),
-                       prompt_len=torch.tensor([p for _, p in seqs], device=device))
+    return PaddedBatch(
+        ids=torch.from_numpy(ids).to(device),
+        lengths=torch.from_numpy(lens).to(device),
+        prompt_len=torch.tensor([p for _, p in seqs], device=device),
+    )
 
 
 @dataclass
 class BaseFeatures:
-    aux: torch.Tensor     # [B, T, 3H] inputs of the three EAGLE layers
+    aux: torch.Tensor  # [B, T, 3H] inputs of the three EAGLE layers
     hidden: torch.Tensor  # [B, T, H] final-normed hidden (logits = base.lm_head(hidden))
 
 
@@ -53,14 +56,24 @@ def base_features(model: LlamaModel, ids: torch.Tensor) -> BaseFeatures:
     cache = KVCache.allocate(cfg.num_layers, b, t, cfg.num_kv_heads, cfg.head_dim, dtype, device)
     pos = torch.arange(t, device=device)[None, :].expand(b, t)
     mask = torch.ones(t, t, dtype=torch.bool, device=device).tril()[None, None].expand(b, 1, t, t)
-    out = model(Batch(input_ids=ids, positions=pos, slots=torch.arange(b, device=device), write_pos=pos,
-                      mask=mask), cache)
+    out = model(
+        Batch.masked(input_ids=ids, positions=pos, slots=torch.arange(b, device=device), write_pos=pos, mask=mask),
+        cache,
+    )
     return BaseFeatures(aux=out.aux, hidden=out.hidden)
 
 
-def features_stage(model: LlamaModel, seqs: Sequences, outdir: Path, device: torch.device,
-                   batch_size: int = 16, shard_size: int = 256, max_len: int = 1024,
-                   limit: int | None = None, deadline: float | None = None) -> bool:
+def features_stage(
+    model: LlamaModel,
+    seqs: Sequences,
+    outdir: Path,
+    device: torch.device,
+    batch_size: int = 16,
+    shard_size: int = 256,
+    max_len: int = 1024,
+    limit: int | None = None,
+    deadline: float | None = None,
+) -> bool:
     """Store features per sequence as bf16 safetensors shards feat-KKKKK.safetensors with keys
     aux.{i} [T, 3H] and hidden.{i} [T, H] (i = global sequence index). Resumable by shard."""
     outdir.mkdir(parents=True, exist_ok=True)

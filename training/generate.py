@@ -24,8 +24,8 @@ log = logging.getLogger(__name__)
 class GenerateConfig:
     max_new_tokens: int = 256
     batch_size: int = 256
-    shard_size: int = 1024      # prompts per output shard (the unit of resumption)
-    limit: int | None = None    # cap on training prompts
+    shard_size: int = 1024  # prompts per output shard (the unit of resumption)
+    limit: int | None = None  # cap on training prompts
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -37,8 +37,9 @@ class GenerateConfig:
 
 
 @torch.inference_mode()
-def greedy_generate(model: LlamaModel, prompts: list[list[int]], max_new_tokens: int, eos_id: int,
-                    device: torch.device) -> list[list[int]]:
+def greedy_generate(
+    model: LlamaModel, prompts: list[list[int]], max_new_tokens: int, eos_id: int, device: torch.device
+) -> list[list[int]]:
     """Greedy continuation of each prompt; a response ends with eos_id when it stopped by itself."""
     cfg = model.cfg
     b = len(prompts)
@@ -46,24 +47,24 @@ def greedy_generate(model: LlamaModel, prompts: list[list[int]], max_new_tokens:
     cap = p + max_new_tokens
     dtype = next(model.parameters()).dtype
     cache = KVCache.allocate(cfg.num_layers, b, cap, cfg.num_kv_heads, cfg.head_dim, dtype, device)
-    lens = torch.tensor([len(x) for x in prompts], device=device)             # [B]
-    ids = torch.zeros(b, p, dtype=torch.long, device=device)                 # [B, P] left-padded
+    lens = torch.tensor([len(x) for x in prompts], device=device)  # [B]
+    ids = torch.zeros(b, p, dtype=torch.long, device=device)  # [B, P] left-padded
     for i, x in enumerate(prompts):
-        ids[i, p - len(x):] = torch.tensor(x, device=device)
-    col = torch.arange(cap, device=device)                                    # [cap]
-    start = p - lens                                                          # [B] first real column
-    valid = col[None, :] >= start[:, None]                                    # [B, cap] real key columns
+        ids[i, p - len(x) :] = torch.tensor(x, device=device)
+    col = torch.arange(cap, device=device)  # [cap]
+    start = p - lens  # [B] first real column
+    valid = col[None, :] >= start[:, None]  # [B, cap] real key columns
     pos = (torch.arange(p, device=device)[None, :] - start[:, None]).clamp(min=0)  # [B, P]
     q = torch.arange(p, device=device)
-    causal = col[None, :p] <= q[:, None]                                      # [P, P]
-    eye = col[None, :p] == q[:, None]                                         # padding rows see themselves
-    mask = (causal[None] & valid[:, None, :p]) | eye[None]                    # [B, P, P]
+    causal = col[None, :p] <= q[:, None]  # [P, P]
+    eye = col[None, :p] == q[:, None]  # padding rows see themselves
+    mask = (causal[None] & valid[:, None, :p]) | eye[None]  # [B, P, P]
     slots = torch.arange(b, device=device)
     write = torch.arange(p, device=device)[None, :].expand(b, p)
-    out = model(Batch(input_ids=ids, positions=pos, slots=slots, write_pos=write, mask=mask[:, None]), cache)
-    nxt = model.logits(out.hidden[:, -1]).argmax(-1)                          # [B]
-    gen = torch.zeros(b, max_new_tokens, dtype=torch.long, device=device)    # [B, N]
-    done = torch.zeros(b, dtype=torch.bool, device=device)                   # [B]
+    out = model(Batch.masked(input_ids=ids, positions=pos, slots=slots, write_pos=write, mask=mask), cache)
+    nxt = model.logits(out.hidden[:, -1]).argmax(-1)  # [B]
+    gen = torch.zeros(b, max_new_tokens, dtype=torch.long, device=device)  # [B, N]
+    done = torch.zeros(b, dtype=torch.bool, device=device)  # [B]
     n_steps = max_new_tokens
     for t in range(max_new_tokens):
         gen[:, t] = nxt
@@ -74,16 +75,20 @@ def greedy_generate(model: LlamaModel, prompts: list[list[int]], max_new_tokens:
             n_steps = t + 1
             break
         c = p + t
-        batch = Batch(input_ids=nxt[:, None], positions=(lens + t)[:, None], slots=slots,
-                      write_pos=torch.full((b, 1), c, device=device, dtype=torch.long),
-                      mask=valid[:, None, None, :c + 1])
+        batch = Batch.masked(
+            input_ids=nxt[:, None],
+            positions=(lens + t)[:, None],
+            slots=slots,
+            write_pos=torch.full((b, 1), c, device=device, dtype=torch.long),
+            mask=valid[:, None, None, : c + 1],
+        )
         out = model(batch, cache)
         nxt = torch.where(done, eos_id, model.logits(out.hidden[:, 0]).argmax(-1))
     gen_np = gen[:, :n_steps].cpu().numpy()
     responses = []
     for row in gen_np:
         stop = np.nonzero(row == eos_id)[0]
-        responses.append(row[:stop[0] + 1].tolist() if stop.size else row.tolist())
+        responses.append(row[: stop[0] + 1].tolist() if stop.size else row.tolist())
     return responses
 
 
@@ -98,22 +103,27 @@ def save_shard(path: Path, prompt_ids: list[list[int]], responses: list[list[int
     offsets[1:] = np.cumsum([len(s) for s in seqs])
     tokens = np.fromiter((t for s in seqs for t in s), dtype=np.int32, count=int(offsets[-1]))
     tmp = path.with_name(path.stem + ".tmp.npz")
-    np.savez(tmp, tokens=tokens, offsets=offsets, prompt_len=np.array([len(a) for a in prompt_ids], dtype=np.int64),
-             ids=np.array(ids))
+    np.savez(
+        tmp,
+        tokens=tokens,
+        offsets=offsets,
+        prompt_len=np.array([len(a) for a in prompt_ids], dtype=np.int64),
+        ids=np.array(ids),
+    )
     tmp.replace(path)
 
 
 @dataclass
 class Sequences:
-    tokens: np.ndarray      # [total] int32 concatenated prompt+response tokens
-    offsets: np.ndarray     # [N+1] int64
+    tokens: np.ndarray  # [total] int32 concatenated prompt+response tokens
+    offsets: np.ndarray  # [N+1] int64
     prompt_len: np.ndarray  # [N] int64
 
     def __len__(self) -> int:
         return int(self.prompt_len.shape[0])
 
     def get(self, i: int) -> tuple[np.ndarray, int]:
-        return self.tokens[self.offsets[i]:self.offsets[i + 1]], int(self.prompt_len[i])
+        return self.tokens[self.offsets[i] : self.offsets[i + 1]], int(self.prompt_len[i])
 
 
 def load_sequences(gendir: Path) -> Sequences:
@@ -131,12 +141,19 @@ def load_sequences(gendir: Path) -> Sequences:
     return Sequences(tokens=np.concatenate(toks), offsets=np.concatenate(offs), prompt_len=np.concatenate(plen))
 
 
-def generate_stage(model: LlamaModel, rows: list[dict], outdir: Path, cfg: GenerateConfig, eos_id: int,
-                   device: torch.device, deadline: float | None = None) -> bool:
+def generate_stage(
+    model: LlamaModel,
+    rows: list[dict],
+    outdir: Path,
+    cfg: GenerateConfig,
+    eos_id: int,
+    device: torch.device,
+    deadline: float | None = None,
+) -> bool:
     """Generate responses shard by shard, skipping finished shards. Returns True when all are done."""
     outdir.mkdir(parents=True, exist_ok=True)
     if cfg.limit is not None:
-        rows = rows[:cfg.limit]
+        rows = rows[: cfg.limit]
     n_shards = (len(rows) + cfg.shard_size - 1) // cfg.shard_size
     for k in range(n_shards):
         path = shard_path(outdir, k)
@@ -145,18 +162,25 @@ def generate_stage(model: LlamaModel, rows: list[dict], outdir: Path, cfg: Gener
         if deadline is not None and time.time() > deadline:
             log.info("generate: time budget spent before shard %d/%d", k, n_shards)
             return False
-        part = rows[k * cfg.shard_size:(k + 1) * cfg.shard_size]
+        part = rows[k * cfg.shard_size : (k + 1) * cfg.shard_size]
         order = sorted(range(len(part)), key=lambda i: len(part[i]["prompt_ids"]))  # similar lengths together
         responses: list[list[int] | None] = [None] * len(part)
         t0 = time.time()
         for s in range(0, len(order), cfg.batch_size):
-            idx = order[s:s + cfg.batch_size]
+            idx = order[s : s + cfg.batch_size]
             outs = greedy_generate(model, [part[i]["prompt_ids"] for i in idx], cfg.max_new_tokens, eos_id, device)
             for i, r in zip(idx, outs, strict=False):
                 responses[i] = r
         n_tok = sum(len(r) for r in responses)
         save_shard(path, [r["prompt_ids"] for r in part], responses, [r["id"] for r in part])
         dt = time.time() - t0
-        log.info("generate: shard %d/%d, %d prompts, %d response tokens in %.1fs (%.0f tok/s)",
-                 k + 1, n_shards, len(part), n_tok, dt, n_tok / max(dt, 1e-9))
+        log.info(
+            "generate: shard %d/%d, %d prompts, %d response tokens in %.1fs (%.0f tok/s)",
+            k + 1,
+            n_shards,
+            len(part),
+            n_tok,
+            dt,
+            n_tok / max(dt, 1e-9),
+        )
     return True

@@ -103,7 +103,7 @@ class Context:
     @property
     def model(self) -> LlamaModel:
         if self._model is None:
-            from common.engine.torch_verifier import torch_dtype
+            from common.engine.verifier import torch_dtype
 
             m = LlamaModel(self.ckpt.config)
             m.load_state_dict(self.ckpt.state_dict, strict=False)
@@ -175,8 +175,8 @@ def stage_train(ctx: Context) -> bool:
 
 def stage_eval(ctx: Context, max_new_tokens: int | None = None) -> bool:
     """Returns False when --check-equal found an output that differs from plain greedy decoding."""
-    from common.engine.torch_draft import Eagle3Drafter
-    from common.engine.torch_verifier import TorchVerifier, VerifierConfig, torch_dtype
+    from common.engine.draft import Eagle3Drafter
+    from common.engine.verifier import Verifier, VerifierConfig, torch_dtype
     from common.model.eagle3_io import load_eagle3
     from training.evaluate import EvalConfig, evaluate_set, format_table
     from training.prompts import EVAL_FILES, package_versions, read_prompts
@@ -193,7 +193,7 @@ def stage_eval(ctx: Context, max_new_tokens: int | None = None) -> bool:
     longest = max((len(p) for ps in prompts.values() for p in ps[:cfg.limit]), default=16)
     vcfg = VerifierConfig(max_sequences=cfg.batch_size, max_context=longest + cfg.max_new_tokens + 16,
                           max_tree_nodes=64, dtype=ctx.dtype_name, device=str(ctx.device))
-    verifier = TorchVerifier(ctx.ckpt, vcfg)
+    verifier = Verifier(ctx.ckpt, vcfg)
     head, hcfg = load_eagle3(head_dir, device=ctx.device, dtype=torch_dtype(ctx.dtype_name))
 
     def make_drafter(dcfg):

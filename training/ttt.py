@@ -22,18 +22,18 @@ from common.model.llama import Batch, KVCache
 
 @dataclass
 class TTTTargets:
-    target_p: torch.Tensor   # [B, T, Vd] float32 base distribution over the draft vocab (softmax of its logits)
-    base_top: torch.Tensor   # [B, T] base argmax over the full vocab (the greedy next token)
-    in_draft: torch.Tensor   # [B, T] bool: base_top is in the draft vocab
-    valid: torch.Tensor      # [B, T] bool: row predicts a response token of a real position
+    target_p: torch.Tensor  # [B, T, Vd] float32 base distribution over the draft vocab (softmax of its logits)
+    base_top: torch.Tensor  # [B, T] base argmax over the full vocab (the greedy next token)
+    in_draft: torch.Tensor  # [B, T] bool: base_top is in the draft vocab
+    valid: torch.Tensor  # [B, T] bool: row predicts a response token of a real position
 
 
 @dataclass
 class TTTResult:
-    loss: torch.Tensor       # scalar, weighted sum over steps
-    step_loss: list[float]   # [steps]
-    step_acc: list[float]    # [steps] draft argmax == base argmax over valid rows (r >= step)
-    step_rows: list[int]     # [steps] rows counted
+    loss: torch.Tensor  # scalar, weighted sum over steps
+    step_loss: list[float]  # [steps]
+    step_acc: list[float]  # [steps] draft argmax == base argmax over valid rows (r >= step)
+    step_rows: list[int]  # [steps] rows counted
 
 
 def ttt_mask(t: int, step: int, device: torch.device) -> torch.Tensor:
@@ -46,18 +46,20 @@ def ttt_mask(t: int, step: int, device: torch.device) -> torch.Tensor:
     return torch.cat(parts, dim=1)
 
 
-def make_targets(base_logits_fn, hidden_next: torch.Tensor, draft_to_base: torch.Tensor,
-                 t2d: torch.Tensor, valid: torch.Tensor) -> TTTTargets:
+def make_targets(
+    base_logits_fn, hidden_next: torch.Tensor, draft_to_base: torch.Tensor, t2d: torch.Tensor, valid: torch.Tensor
+) -> TTTTargets:
     """hidden_next [B, T, H]: base final hidden at position r+1 for row r."""
     with torch.no_grad():
-        logits = base_logits_fn(hidden_next)                         # [B, T, V]
-        base_top = logits.argmax(-1)                                 # [B, T]
+        logits = base_logits_fn(hidden_next)  # [B, T, V]
+        base_top = logits.argmax(-1)  # [B, T]
         target_p = torch.softmax(logits[..., draft_to_base].float(), dim=-1)  # [B, T, Vd]
     return TTTTargets(target_p=target_p, base_top=base_top, in_draft=t2d[base_top], valid=valid)
 
 
-def ttt_forward(head: Eagle3Head, embeds: torch.Tensor, aux: torch.Tensor, targets: TTTTargets,
-                steps: int, step_weight: float = 0.8) -> TTTResult:
+def ttt_forward(
+    head: Eagle3Head, embeds: torch.Tensor, aux: torch.Tensor, targets: TTTTargets, steps: int, step_weight: float = 0.8
+) -> TTTResult:
     """embeds [B, T, H] = embed(x_{r+1}); aux [B, T, 3H_target] = a_r. Returns the weighted loss."""
     b, t, _ = embeds.shape
     device = embeds.device
@@ -72,15 +74,15 @@ def ttt_forward(head: Eagle3Head, embeds: torch.Tensor, aux: torch.Tensor, targe
     step_loss, step_acc, step_rows = [], [], []
     for j in range(steps):
         mask = ttt_mask(t, j, device)[None, None].expand(b, 1, t, (j + 1) * t)
-        batch = Batch(input_ids=pos, positions=pos, slots=slots, write_pos=pos + j * t, mask=mask)
+        batch = Batch.masked(input_ids=pos, positions=pos, slots=slots, write_pos=pos + j * t, mask=mask)
         out = head(embeds, hidden, batch, cache)
-        rows_ok = targets.valid & (rows >= j)[None, :]               # [B, T]
-        pmask = (rows_ok & targets.in_draft).float()                 # [B, T] reference: only in-vocab targets
-        ce = -(targets.target_p * out.logp).sum(-1)                  # [B, T]
+        rows_ok = targets.valid & (rows >= j)[None, :]  # [B, T]
+        pmask = (rows_ok & targets.in_draft).float()  # [B, T] reference: only in-vocab targets
+        ce = -(targets.target_p * out.logp).sum(-1)  # [B, T]
         loss = (ce * pmask).sum() / pmask.sum().clamp(min=1.0)
-        total = total + (step_weight ** j) * loss
+        total = total + (step_weight**j) * loss
         with torch.no_grad():
-            pred = head.to_base_ids(out.logp.argmax(-1))             # [B, T]
+            pred = head.to_base_ids(out.logp.argmax(-1))  # [B, T]
             n = int(rows_ok.sum())
             acc = float(((pred == targets.base_top) & rows_ok).sum()) / max(n, 1)
         step_loss.append(float(loss.detach()))

@@ -15,7 +15,7 @@ from common.tree import Tree
 class EngineInfo:
     model: str
     vocab_size: int
-    max_context: int      # prompt + generated tokens a sequence may hold
+    max_context: int  # prompt + generated tokens a sequence may hold
     max_sequences: int
     max_tree_nodes: int
     dtype: str
@@ -43,7 +43,7 @@ class VerifyInput:
 
 @dataclass(frozen=True)
 class VerifyOutput:
-    tokens: list[int]     # [num_accepted + 1] accepted drafted tokens, then the bonus token
+    tokens: list[int]  # [num_accepted + 1] accepted drafted tokens, then the bonus token
     hidden: torch.Tensor  # [num_accepted + 1, 3H] features of the root and each accepted node
 
 
@@ -61,7 +61,7 @@ class ProposeInput:
     seq_id: str
     token_ids: list[int]  # [num_new] committed tokens; token_ids[i] follows the position of hidden[i]
     hidden: torch.Tensor  # [num_new, 3H]
-    start: bool           # first call for this sequence
+    start: bool  # first call for this sequence
     context_prefix: list[int]  # tokens before the first pair (on start: the prompt's first token)
     max_nodes: int
 

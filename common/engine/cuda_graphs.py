@@ -1,22 +1,21 @@
 """A small CUDA graph manager for the engines (in the spirit of vLLM's EagleCudaGraphManager and
 nano-vllm's capture_cudagraph).
 
-An engine registers one *body* per bucket key (e.g. (batch_bucket, tree_rows)). A body is a function
-of no arguments that reads only static input tensors (allocated once, at the bucket's full shape) and
-returns its outputs (a tensor, or a tuple/dict of tensors). At start-up `capture_all` runs each body a
-few times eagerly on the manager's stream (warm-up: cuBLAS handles, autotuning, lazy buffers) and then
-captures it into a `torch.cuda.CUDAGraph` that shares one memory pool with the manager's other graphs.
-`run(key, feeds)` copies the feeds into the static inputs and replays the graph, returning the static
-outputs (valid until the next `run` of any graph of this manager: copy what you keep).
+The engines' step functions are plain methods of tensors: `step(**inputs) -> outputs` (a tensor, or a
+tuple/dataclass of tensors). They run eagerly on CPU and for shapes without a graph, and the very same
+functions are captured here on a GPU, one graph per bucket key:
 
-On CPU, or when capture is disabled or fails, `run` calls the body eagerly on the same static buffers,
-so the engines have exactly one code path and the CPU tests exercise it. The model code never knows
-whether it is being captured.
+    graphs.capture(key, step, example_inputs)   # static copies of the inputs, warm-up, capture
+    graphs.run(key, step, inputs)               # replay when key was captured, else step(**inputs)
 
-Rules for bodies (violations make capture fail, which falls back to eager with a warning):
+`run` copies the inputs into the graph's static buffers (host tensors through a pinned staging buffer,
+so the copy is asynchronous) and returns the static outputs, valid until the next `run` of any graph of
+this manager: copy what must survive. The model code never knows whether it is being captured.
+
+Rules for steps (violations make capture fail, which falls back to eager with a warning):
   * no host synchronisation: no .item(), .cpu(), int(tensor), nonzero(), boolean-mask indexing;
-  * no tensors created from Python lists or CPU tensors on the GPU (pageable H2D copies);
-  * shapes depend only on the bucket key, never on the data.
+  * no tensors created from Python lists or CPU tensors;
+  * shapes depend only on the input shapes, never on the data.
 """
 
 from __future__ import annotations
@@ -73,12 +72,11 @@ class GraphConfig:
 
 
 @dataclass
-class _Entry:
-    body: Callable[[], Any]
-    inputs: dict[str, torch.Tensor]   # static input buffers, read by body
-    graph: torch.cuda.CUDAGraph | None = None
-    outputs: Any = None               # static outputs of the captured graph
-    size: int = 0                     # ordering hint: larger buckets are captured first
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    inputs: dict[str, torch.Tensor]  # static input buffers the graph reads
+    staging: dict[str, torch.Tensor]  # pinned host twins of the inputs (for host-side feeds)
+    outputs: Any  # static outputs the graph writes
 
 
 @dataclass
@@ -91,92 +89,93 @@ class CaptureReport:
 class CudaGraphManager:
     """Owns the graphs, static inputs and outputs of one engine, keyed by bucket."""
 
-    def __init__(self, device: torch.device, *, name: str = "graphs", enabled: bool = True,
-                 warmup_iters: int = 2, stream: torch.cuda.Stream | None = None) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        *,
+        name: str = "graphs",
+        enabled: bool = True,
+        warmup_iters: int = 2,
+        stream: torch.cuda.Stream | None = None,
+    ) -> None:
         self.device = torch.device(device)
         self.name = name
         self.warmup_iters = warmup_iters
-        self.use_graphs = bool(enabled) and self.device.type == "cuda"
+        self.enabled = bool(enabled) and self.device.type == "cuda"
         self.stream = None
         self.pool = None
         if self.device.type == "cuda":
             # the engine's own stream: capture is illegal on the legacy default stream, and running all
             # of the engine's work on one stream keeps eager ops and replays ordered
             self.stream = stream or torch.cuda.Stream(self.device)
-            if self.use_graphs:
+            if self.enabled:
                 self.pool = torch.cuda.graph_pool_handle()
-        self._entries: dict[Hashable, _Entry] = {}
+        self._graphs: dict[Hashable, _Graph] = {}
         self.report = CaptureReport()
 
-    # ---- registration ----
-    def register(self, key: Hashable, body: Callable[[], Any], inputs: dict[str, torch.Tensor] | None = None,
-                 size: int = 0) -> None:
-        if key in self._entries:
-            raise ValueError(f"{self.name}: graph key {key!r} registered twice")
-        self._entries[key] = _Entry(body=body, inputs=dict(inputs or {}), size=size)
+    def is_captured(self, key: Hashable) -> bool:
+        return key in self._graphs
 
     def keys(self) -> list[Hashable]:
-        return list(self._entries)
-
-    def inputs(self, key: Hashable) -> dict[str, torch.Tensor]:
-        return self._entries[key].inputs
-
-    def is_captured(self, key: Hashable) -> bool:
-        return self._entries[key].graph is not None
+        return list(self._graphs)
 
     # ---- capture ----
-    def capture_all(self) -> CaptureReport:
-        """Warm up and capture every registered body, largest first (their intermediates then fit in
-        the blocks the largest graph leaves in the shared pool). A no-op on CPU."""
-        if not self.use_graphs:
-            return self.report
+    def capture(self, key: Hashable, step: Callable[..., Any], inputs: dict[str, torch.Tensor]) -> bool:
+        """Capture step(**static copies of inputs) under key. Capture larger buckets first: later graphs
+        reuse the blocks the largest leaves in the shared pool. False (and a warning) when capture is
+        off or fails; run() then calls the step eagerly."""
+        if not self.enabled or key in self._graphs:
+            return key in self._graphs
         t0 = time.perf_counter()
-        order = sorted(self._entries.items(), key=lambda kv: -kv[1].size)
-        for key, entry in order:
-            if entry.graph is not None:
-                continue
-            try:
-                self._capture(entry)
-                self.report.captured.append(key)
-            except Exception as exc:  # noqa: BLE001 - any capture failure falls back to eager
-                entry.graph, entry.outputs = None, None
-                self.report.failed.append(key)
-                log.warning("%s: CUDA graph capture failed for %r, running it eagerly: %s", self.name, key, exc)
-                with contextlib.suppress(Exception):
-                    torch.cuda.synchronize(self.device)
+        static = {k: v.to(self.device).clone() for k, v in inputs.items()}
+        try:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.stream):
+                for _ in range(self.warmup_iters):
+                    step(**static)
+            self.stream.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
+                outputs = step(**static)
+            self.stream.synchronize()
+        except Exception as exc:  # noqa: BLE001 - any capture failure falls back to eager
+            self.report.failed.append(key)
+            log.warning("%s: CUDA graph capture failed for %r, running it eagerly: %s", self.name, key, exc)
+            with contextlib.suppress(Exception):
+                torch.cuda.synchronize(self.device)
+            return False
+        staging = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=True) for k, v in static.items()}
+        self._graphs[key] = _Graph(graph=graph, inputs=static, staging=staging, outputs=outputs)
+        self.report.captured.append(key)
         self.report.seconds += time.perf_counter() - t0
-        log.info("%s: captured %d CUDA graphs (%d failed) in %.1f s", self.name, len(self.report.captured),
-                 len(self.report.failed), self.report.seconds)
-        return self.report
+        return True
 
-    def _capture(self, entry: _Entry) -> None:
-        assert self.stream is not None
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
-            for _ in range(self.warmup_iters):
-                entry.body()
-        self.stream.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
-            outputs = entry.body()
-        self.stream.synchronize()
-        entry.graph, entry.outputs = graph, outputs
+    def log_report(self) -> None:
+        log.info(
+            "%s: captured %d CUDA graphs (%d failed) in %.1f s",
+            self.name,
+            len(self.report.captured),
+            len(self.report.failed),
+            self.report.seconds,
+        )
 
     # ---- running ----
-    def run(self, key: Hashable, feeds: dict[str, torch.Tensor] | None = None) -> Any:
-        """Copy feeds into the static inputs (a feed may cover a leading slice of the batch dimension),
-        then replay the graph (or call the body eagerly). Returns the static outputs: they are overwritten
-        by the next run of any graph of this manager, so copy what must survive."""
-        entry = self._entries[key]
-        for name, value in (feeds or {}).items():
-            dst = entry.inputs[name]
-            if value.shape != dst.shape:
-                dst = dst[: value.shape[0]]
-            dst.copy_(value, non_blocking=True)
-        if entry.graph is None:
-            return entry.body()
-        entry.graph.replay()
-        return entry.outputs
+    def run(self, key: Hashable, step: Callable[..., Any], inputs: dict[str, torch.Tensor]) -> Any:
+        """Replay key's graph on inputs (copied into its static buffers), or step(**inputs) eagerly on
+        the device when key has no graph. Returns the outputs (a graph's are overwritten by its next
+        run: copy what must survive)."""
+        g = self._graphs.get(key)
+        if g is None:
+            return step(**{k: v.to(self.device, non_blocking=True) for k, v in inputs.items()})
+        for name, value in inputs.items():
+            dst = g.inputs[name]
+            if value.device.type == "cpu":
+                g.staging[name].copy_(value)
+                dst.copy_(g.staging[name], non_blocking=True)
+            else:
+                dst.copy_(value)
+        g.graph.replay()
+        return g.outputs
 
     @contextlib.contextmanager
     def on_stream(self) -> Iterator[None]:
@@ -192,11 +191,3 @@ class CudaGraphManager:
                 yield
         finally:
             caller.wait_stream(self.stream)
-
-
-def staging(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Host buffer for one H2D copy per call: pinned when the target is a GPU (non_blocking copies from
-    it are asynchronous, so it must not be rewritten before that copy ran: the engines synchronise on
-    their results every call)."""
-    pin = torch.device(device).type == "cuda"
-    return torch.zeros(shape, dtype=dtype, pin_memory=pin)

@@ -1,4 +1,4 @@
-"""Pick the engine classes: CUDA-graph engines on a GPU when asked for, the eager ones otherwise."""
+"""Build the engines: CUDA graphs on a GPU when asked for, the same steps eagerly otherwise."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import torch
 
 from common.config import DraftingConfig
 from common.engine.cuda_graphs import GraphConfig
-from common.engine.torch_draft import Eagle3Drafter
-from common.engine.torch_verifier import TorchVerifier, VerifierConfig
+from common.engine.draft import Eagle3Drafter
+from common.engine.verifier import Verifier, VerifierConfig
 from common.model.eagle3 import Eagle3Head
 from common.weights import Checkpoint
 
@@ -29,31 +29,29 @@ def pick_dtype(device: str | torch.device, requested: str | None = None) -> str:
 
 
 def _graphs_wanted(device: str | torch.device, graphs: bool) -> bool:
-    if not graphs:
-        return False
-    if torch.device(device).type != "cuda":
-        log.info("CUDA graphs requested on %s: using the eager engines", device)
-        return False
-    return True
+    if graphs and torch.device(device).type != "cuda":
+        log.info("CUDA graphs requested on %s: the steps run eagerly", device)
+    return graphs and torch.device(device).type == "cuda"
 
 
-def make_verifier(ckpt: Checkpoint, cfg: VerifierConfig, graphs: bool,
-                  graph_cfg: GraphConfig | None = None) -> TorchVerifier:
-    """GraphVerifier on CUDA when graphs is True, TorchVerifier otherwise (same API, same results)."""
-    if _graphs_wanted(cfg.device, graphs):
-        from common.engine.graph_verifier import GraphVerifier
-
-        return GraphVerifier(ckpt, cfg, graph_cfg)
-    return TorchVerifier(ckpt, cfg)
+def make_verifier(
+    ckpt: Checkpoint, cfg: VerifierConfig, graphs: bool, graph_cfg: GraphConfig | None = None
+) -> Verifier:
+    """The verifier engine; its steps are captured as CUDA graphs on a GPU when graphs is True."""
+    return Verifier(ckpt, cfg, _graphs_wanted(cfg.device, graphs), graph_cfg)
 
 
-def make_drafter(head: Eagle3Head, embed: torch.nn.Embedding, drafting: DraftingConfig, max_sequences: int,
-                 max_context: int, device: str | torch.device, graphs: bool,
-                 graph_cfg: GraphConfig | None = None) -> Eagle3Drafter:
-    """GraphEagle3Drafter on CUDA when graphs is True, Eagle3Drafter otherwise (same trees)."""
-    device = torch.device(device)
-    if _graphs_wanted(device, graphs):
-        from common.engine.graph_draft import GraphEagle3Drafter
-
-        return GraphEagle3Drafter(head, embed, drafting, max_sequences, max_context, device, graph_cfg)
-    return Eagle3Drafter(head, embed, drafting, max_sequences, max_context, device)
+def make_drafter(
+    head: Eagle3Head,
+    embed: torch.nn.Embedding,
+    drafting: DraftingConfig,
+    max_sequences: int,
+    max_context: int,
+    device: str | torch.device,
+    graphs: bool,
+    graph_cfg: GraphConfig | None = None,
+) -> Eagle3Drafter:
+    """The EAGLE-3 drafter; its steps are captured as CUDA graphs on a GPU when graphs is True."""
+    return Eagle3Drafter(
+        head, embed, drafting, max_sequences, max_context, device, _graphs_wanted(device, graphs), graph_cfg
+    )

@@ -37,16 +37,28 @@ class _OracleBase:
     def greedy(self, tokens: list[int], steps: int) -> list[int]:
         """The base model's next `steps` greedy tokens after `tokens`."""
         cfg = self.model.cfg
-        cache = KVCache.allocate(cfg.num_layers, 1, len(tokens) + steps, cfg.num_kv_heads, cfg.head_dim,
-                                 self.model.embed_tokens.weight.dtype, self.device)
+        cache = KVCache.allocate(
+            cfg.num_layers,
+            1,
+            len(tokens) + steps,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            self.model.embed_tokens.weight.dtype,
+            self.device,
+        )
         out, ids = [], list(tokens)
         start = 0
         for _ in range(steps):
             n = len(ids)
             pos = torch.arange(start, n, device=self.device)[None]
             mask = (torch.arange(n, device=self.device)[None, :] <= pos[0][:, None])[None, None]
-            batch = Batch(input_ids=torch.tensor([ids[start:]], device=self.device), positions=pos,
-                          slots=torch.zeros(1, dtype=torch.long, device=self.device), write_pos=pos, mask=mask)
+            batch = Batch.masked(
+                input_ids=torch.tensor([ids[start:]], device=self.device),
+                positions=pos,
+                slots=torch.zeros(1, dtype=torch.long, device=self.device),
+                write_pos=pos,
+                mask=mask,
+            )
             h = self.model(batch, cache).hidden[0, -1]
             nxt = int(self.model.logits(h).argmax())
             out.append(nxt)
@@ -95,8 +107,11 @@ class GreedyOracleDrafter(_OracleBase):
             parents.append(prev_good)
             prev_good = len(tokens) - 1
         n = len(tokens)
-        return Tree(tokens=np.array(tokens, dtype=np.int64), parents=np.array(parents, dtype=np.int64),
-                    probs=np.full(n, 0.5, dtype=np.float32))
+        return Tree(
+            tokens=np.array(tokens, dtype=np.int64),
+            parents=np.array(parents, dtype=np.int64),
+            probs=np.full(n, 0.5, dtype=np.float32),
+        )
 
 
 class WrongOracleDrafter(_OracleBase):
@@ -113,5 +128,8 @@ class WrongOracleDrafter(_OracleBase):
             tokens.append(g)  # right token under a wrong parent: must still be rejected
             parents.append(len(tokens) - 2 if len(tokens) > 2 else 0)
         tokens, parents = tokens[:max_nodes], parents[:max_nodes]
-        return Tree(tokens=np.array(tokens, dtype=np.int64), parents=np.array(parents, dtype=np.int64),
-                    probs=np.full(len(tokens), 0.5, dtype=np.float32))
+        return Tree(
+            tokens=np.array(tokens, dtype=np.int64),
+            parents=np.array(parents, dtype=np.int64),
+            probs=np.full(len(tokens), 0.5, dtype=np.float32),
+        )

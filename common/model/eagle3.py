@@ -11,19 +11,9 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
+from common import kernels
 from common.config import LlamaConfig
-from common.model.llama import (
-    MLP,
-    Attention,
-    Batch,
-    Float32RopeTables,
-    KVCache,
-    RMSNorm,
-    attention_bias,
-    fuse,
-    rope_angles,
-    rope_tables,
-)
+from common.model.llama import MLP, Attention, Batch, Float32RopeTables, KVCache, RMSNorm, fuse, rope_tables
 
 
 @dataclass(frozen=True)
@@ -33,7 +23,7 @@ class Eagle3Config:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    vocab_size: int        # the base model's vocabulary
+    vocab_size: int  # the base model's vocabulary
     draft_vocab_size: int  # the head's reduced vocabulary
     target_hidden_size: int  # the base model's hidden size (fc input is 3x this)
     rms_eps: float = 1e-5
@@ -48,18 +38,33 @@ class Eagle3Config:
 
     @classmethod
     def for_base(cls, base: LlamaConfig, draft_vocab_size: int) -> Eagle3Config:
-        return cls(hidden_size=base.hidden_size, intermediate_size=base.intermediate_size,
-                   num_heads=base.num_heads, num_kv_heads=base.num_kv_heads, head_dim=base.head_dim,
-                   vocab_size=base.vocab_size, draft_vocab_size=draft_vocab_size,
-                   target_hidden_size=base.hidden_size, rms_eps=base.rms_eps,
-                   rope_theta=base.rope_theta, max_position=base.max_position)
+        return cls(
+            hidden_size=base.hidden_size,
+            intermediate_size=base.intermediate_size,
+            num_heads=base.num_heads,
+            num_kv_heads=base.num_kv_heads,
+            head_dim=base.head_dim,
+            vocab_size=base.vocab_size,
+            draft_vocab_size=draft_vocab_size,
+            target_hidden_size=base.hidden_size,
+            rms_eps=base.rms_eps,
+            rope_theta=base.rope_theta,
+            max_position=base.max_position,
+        )
 
     def as_llama(self) -> LlamaConfig:
-        return LlamaConfig(vocab_size=self.vocab_size, hidden_size=self.hidden_size,
-                           intermediate_size=self.intermediate_size, num_layers=1,
-                           num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-                           head_dim=self.head_dim, rope_theta=self.rope_theta, rms_eps=self.rms_eps,
-                           max_position=self.max_position)
+        return LlamaConfig(
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_layers=1,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            rope_theta=self.rope_theta,
+            rms_eps=self.rms_eps,
+            max_position=self.max_position,
+        )
 
 
 class Eagle3Layer(nn.Module):
@@ -78,7 +83,14 @@ class Eagle3Layer(nn.Module):
 @dataclass
 class DraftOutput:
     hidden: torch.Tensor  # [B, T, H] the layer's output before the final norm (fed back as next hidden)
-    logp: torch.Tensor    # [B, T, draft_vocab] log-probabilities over the draft vocabulary (float32)
+    logp: torch.Tensor  # [B, T, draft_vocab] log-probabilities over the draft vocabulary (float32)
+
+
+@dataclass
+class DraftTopK:
+    hidden: torch.Tensor  # [B, T, H] the layer's output before the final norm
+    logp: torch.Tensor  # [B, T, k] the k best draft log-probabilities, descending (float32)
+    ids: torch.Tensor  # [B, T, k] their draft-vocabulary ids
 
 
 class Eagle3Head(Float32RopeTables):
@@ -109,18 +121,35 @@ class Eagle3Head(Float32RopeTables):
     def to_base_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
 
-    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, batch: Batch, cache: KVCache,
-                layer_cache: int = 0) -> DraftOutput:
+    def hidden_and_normed(
+        self, embeds: torch.Tensor, hidden: torch.Tensor, batch: Batch, cache: KVCache, layer_cache: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """embeds [B, T, H] token embeddings; hidden [B, T, 3*H_target] base features or [B, T, H] the
-        head's own earlier output (training-time test feeds those back)."""
+        head's own earlier output (fed back while drafting and in training-time test).
+        Returns (the layer's output [B, T, H], fed back as the next hidden; its final norm [B, T, H],
+        the lm_head's input)."""
         if hidden.shape[-1] != self.cfg.hidden_size:
             hidden = self.fc(hidden)
         layer = self.midlayer
         x = torch.cat((layer.input_layernorm(embeds), layer.hidden_norm(hidden)), dim=-1)
-        cos, sin = rope_angles(self.rope_cos, self.rope_sin, batch.positions, x.dtype)
-        batch = replace(batch, attn_bias=attention_bias(batch.mask, self.cfg.num_heads // self.cfg.num_kv_heads,
-                                                        x.dtype))
-        h = hidden + layer.self_attn(x, batch, cos, sin, cache.k[layer_cache], cache.v[layer_cache])
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
-        logits = self.lm_head(self.norm(h)).float()
-        return DraftOutput(hidden=h, logp=torch.log_softmax(logits, dim=-1))
+        batch = replace(
+            batch,
+            plan=kernels.attention_plan(x, batch.prefix_len, batch.window, self.cfg.num_heads // self.cfg.num_kv_heads),
+        )
+        attn = layer.self_attn(x, batch, self.rope_cos, self.rope_sin, cache.kv[layer_cache])
+        normed, h = layer.post_attention_layernorm.add(attn, hidden)
+        normed, h = self.norm.add(layer.mlp(normed), h)
+        return h, normed
+
+    def forward(
+        self, embeds: torch.Tensor, hidden: torch.Tensor, batch: Batch, cache: KVCache, layer_cache: int = 0
+    ) -> DraftOutput:
+        """Full log-probabilities over the draft vocabulary (training and evaluation)."""
+        h, normed = self.hidden_and_normed(embeds, hidden, batch, cache, layer_cache)
+        return DraftOutput(hidden=h, logp=torch.log_softmax(self.lm_head(normed).float(), dim=-1))
+
+    def top_k(self, embeds: torch.Tensor, hidden: torch.Tensor, batch: Batch, cache: KVCache, k: int) -> DraftTopK:
+        """The k best children of every row (drafting): one fused log-softmax + top-k on a GPU."""
+        h, normed = self.hidden_and_normed(embeds, hidden, batch, cache)
+        logp, ids = kernels.topk_logprobs(self.lm_head(normed), k)
+        return DraftTopK(hidden=h, logp=logp, ids=ids)

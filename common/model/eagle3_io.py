@@ -89,9 +89,14 @@ def head_state(head: Eagle3Head, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_eagle3(head: Eagle3Head, cfg: Eagle3Config, out_dir: str | os.PathLike,
-                max_shard_bytes: int = 15 * 2**20, dtype: str = "bfloat16",
-                aux_layers: tuple[int, ...] | None = None) -> list[Path]:
+def save_eagle3(
+    head: Eagle3Head,
+    cfg: Eagle3Config,
+    out_dir: str | os.PathLike,
+    max_shard_bytes: int = 15 * 2**20,
+    dtype: str = "bfloat16",
+    aux_layers: tuple[int, ...] | None = None,
+) -> list[Path]:
     """Write config.json and the weights; returns the files written. Shards stay under max_shard_bytes
     (a single tensor larger than that is an error, so every file respects the limit)."""
     if dtype not in DTYPES:
@@ -176,8 +181,9 @@ def _normalize_key(key: str) -> str:
     return key
 
 
-def load_eagle3(folder: str | os.PathLike, device: str | torch.device = "cpu",
-                dtype: torch.dtype | None = None) -> tuple[Eagle3Head, Eagle3Config]:
+def load_eagle3(
+    folder: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+) -> tuple[Eagle3Head, Eagle3Config]:
     """Build an Eagle3Head from a public-layout folder. Float weights keep their stored dtype unless
     dtype is given. A head without d2t/t2d (full vocabulary) gets the identity map."""
     p = Path(folder)

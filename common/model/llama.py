@@ -1,9 +1,10 @@
 """Llama-family decoder in PyTorch (RMSNorm, RoPE, GQA, SwiGLU) over a static, slotted KV cache.
 
-Every call writes the new tokens' K/V into the cache first and then attends over the cache with an
-explicit boolean mask, so prefill, single-token decoding and tree verification are one code path:
-the caller decides positions, where K/V land, and who sees whom. The model does not know whether it
-is being captured in a CUDA graph.
+Every call writes the new tokens' K/V into the cache first and then attends over the cache with a
+prefix-and-window mask (Batch), so prefill, single-token decoding and tree verification are one code
+path: the caller decides positions, where K/V land, and who sees whom. The fused operations come from
+common.kernels (Triton on a GPU, PyTorch elsewhere). The model does not know whether it is being
+captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from common import kernels
 from common.config import LlamaConfig
 
 
@@ -24,10 +26,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # one fused kernel on CUDA, accumulating in float32 (opmath) for half inputs too
-        if x.dtype == self.weight.dtype:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
+        return kernels.add_rms_norm(x, None, self.weight, self.eps)[0]
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual) in one kernel on a GPU; residual None is zero."""
+        return kernels.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def rope_tables(head_dim: int, max_position: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,33 +39,6 @@ def rope_tables(head_dim: int, max_position: int, theta: float) -> tuple[torch.T
     freqs = torch.outer(torch.arange(max_position, dtype=torch.float64), inv)
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().float(), emb.sin().float()
-
-
-def rope_angles(cos_table: torch.Tensor, sin_table: torch.Tensor, positions: torch.Tensor,
-                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-forward RoPE factors for Attention: cos [B, T, 1, D] and *signed* sin [B, T, 1, D] (first half
-    negated, so that rotate_half(x) * sin == swap_halves(x) * signed_sin), both in the compute dtype.
-    Built once per forward and shared by every layer."""
-    half = cos_table.shape[-1] // 2
-    cos = cos_table[positions]
-    sin = sin_table[positions]
-    sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-    return cos.to(dtype)[:, :, None, :], sin.to(dtype)[:, :, None, :]
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Reference RoPE (Hugging Face layout). x: [B, T, H, D]; cos, sin: [B, T, 1, D] (unsigned sin)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
-
-
-def rope_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """RoPE in place on x [B, T, H, D] (any head stride) in 3 kernels: swap halves, x *= cos,
-    x += swapped * signed_sin. cos, signed_sin: [B, T, 1, D] from rope_angles."""
-    b, t, h, d = x.shape
-    swapped = x.unflatten(-1, (2, d // 2)).flip(-2).flatten(-2)
-    return x.mul_(cos).addcmul_(swapped, signed_sin)
 
 
 def _fused_weight(owner: nn.Module, attr: str, parts: tuple[nn.Linear, ...]) -> torch.Tensor:
@@ -82,13 +58,15 @@ def _fused_weight(owner: nn.Module, attr: str, parts: tuple[nn.Linear, ...]) -> 
     if torch.is_grad_enabled() and any(w.requires_grad for w in ws):
         return torch.cat(ws)
     if fused_capture_guard(ws[0]):
-        raise RuntimeError("fused weights must be built before CUDA graph capture: call model.fuse() "
-                           "(or run one eager forward) after loading weights and moving the model")
+        raise RuntimeError(
+            "fused weights must be built before CUDA graph capture: call model.fuse() "
+            "(or run one eager forward) after loading weights and moving the model"
+        )
     fused = torch.cat([w.detach() for w in ws])
     off = 0
     for w in ws:
         n = w.shape[0]
-        w.data = fused[off:off + n]
+        w.data = fused[off : off + n]
         off += n
     owner.__dict__[attr] = fused
     return fused
@@ -98,8 +76,12 @@ def _is_fused(fused: torch.Tensor, ws: list[torch.Tensor]) -> bool:
     ptr, step = fused.data_ptr(), fused.stride(0) * fused.element_size()
     off = 0
     for w in ws:
-        if (w.dtype != fused.dtype or w.device != fused.device or w.data_ptr() != ptr + off * step
-                or w.stride() != fused.stride()):
+        if (
+            w.dtype != fused.dtype
+            or w.device != fused.device
+            or w.data_ptr() != ptr + off * step
+            or w.stride() != fused.stride()
+        ):
             return False
         off += w.shape[0]
     return off == fused.shape[0]
@@ -129,8 +111,16 @@ class KVCache:
     kv: torch.Tensor  # [L, slots, capacity, 2, kv_heads, head_dim]
 
     @classmethod
-    def allocate(cls, layers: int, slots: int, capacity: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device) -> KVCache:
+    def allocate(
+        cls,
+        layers: int,
+        slots: int,
+        capacity: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> KVCache:
         return cls(kv=torch.zeros((layers, slots, capacity, 2, kv_heads, head_dim), dtype=dtype, device=device))
 
     @property
@@ -146,41 +136,44 @@ class KVCache:
         return self.kv.shape[2]
 
 
-
-def _joint_kv(k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor | None:
-    """The [slots, capacity, 2, kv_heads, D] tensor behind one layer's k/v views of a KVCache, or None
-    when k_cache and v_cache are not interleaved that way (then they are written separately)."""
-    if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride() or k_cache.dtype != v_cache.dtype:
-        return None
-    s0, s1, s2, s3 = k_cache.stride()
-    gap = (v_cache.data_ptr() - k_cache.data_ptr()) // k_cache.element_size()
-    if gap != k_cache.shape[2] * s2 or s1 != 2 * gap or v_cache.data_ptr() <= k_cache.data_ptr():
-        return None
-    n0, n1, n2, n3 = k_cache.shape
-    return k_cache.as_strided((n0, n1, 2, n2, n3), (s0, s1, gap, s2, s3))
-
-
 @dataclass
 class Batch:
-    """Where a forward's tokens sit and what they see."""
+    """Where a forward's tokens sit and what they see.
+
+    Row t of sequence b sees cache positions [0, prefix_len[b]) and, beyond them, position
+    prefix_len[b] + w wherever window[b, t, w]. Decoding: prefix_len = n, window [[1]]. Verifying a tree
+    written at n, n + 1, ...: prefix_len = n, window = the tree's ancestor mask. Prefill: prefix_len 0,
+    window causal. Any dense mask is prefix_len 0 with the mask as window (Batch.masked).
+    Attention then costs prefix_len + W positions, whatever the cache's capacity.
+    """
 
     input_ids: torch.Tensor  # [B, T] token ids
     positions: torch.Tensor  # [B, T] RoPE positions
-    slots: torch.Tensor      # [B] KV cache slot of each sequence
+    slots: torch.Tensor  # [B] KV cache slot of each sequence
     write_pos: torch.Tensor  # [B, T] cache position each token's K/V is written to
-    mask: torch.Tensor       # [B, 1, T, K] bool, True = may attend; K = attended cache length
-    # additive float form of mask for grouped queries, [B, 1, G * T, K] (G = heads per KV head) in the
-    # compute dtype: the models fill it once per forward (attention_bias) so that layers share it
-    attn_bias: torch.Tensor | None = None
+    prefix_len: torch.Tensor  # [B] cache positions every row sees
+    window: torch.Tensor  # [B, T, W] bool: row t also sees position prefix_len + w
+    # the PyTorch attention's mask, shared by the layers of one forward (filled by the models; None on
+    # the Triton path, which reads prefix_len and window directly)
+    plan: kernels.AttentionPlan | None = None
 
-
-def attention_bias(mask: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:
-    """mask [B, 1, T, K] bool -> additive bias [B, 1, groups * T, K]: 0 where allowed, the dtype's most
-    negative finite value where not (finite, so a fully masked padding row stays finite, never NaN).
-    Row g * T + t belongs to query t of the g-th query head of a KV group (see Attention.forward)."""
-    b, _, t, k = mask.shape
-    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
-    return bias[:, :, None].expand(b, 1, groups, t, k).reshape(b, 1, groups * t, k)
+    @classmethod
+    def masked(
+        cls,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        write_pos: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> Batch:
+        """A batch with a dense mask [B, 1, T, K] or [B, T, K] over cache positions [0, K)."""
+        window = mask[:, 0] if mask.dim() == 4 else mask
+        b = input_ids.shape[0]
+        window = window.expand(b, *window.shape[1:])
+        zeros = torch.zeros(b, dtype=torch.long, device=input_ids.device)
+        return cls(
+            input_ids=input_ids, positions=positions, slots=slots, write_pos=write_pos, prefix_len=zeros, window=window
+        )
 
 
 class Attention(nn.Module):
@@ -197,40 +190,17 @@ class Attention(nn.Module):
         """[(H + 2 KVH) * D, d]: q|k|v rows (see _fused_weight)."""
         return _fused_weight(self, "_qkv_weight", (self.q_proj, self.k_proj, self.v_proj))
 
-    def forward(self, x: torch.Tensor, batch: Batch, cos: torch.Tensor, sin: torch.Tensor,
-                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        """x: [B, T, d]; cos, sin: [B, T, 1, D] from rope_angles (sin signed, compute dtype);
-        k_cache, v_cache: [slots, capacity, kv_heads, head_dim] (one layer, views of KVCache.kv)."""
+    def forward(
+        self, x: torch.Tensor, batch: Batch, rope_cos: torch.Tensor, rope_sin: torch.Tensor, kv: torch.Tensor
+    ) -> torch.Tensor:
+        """x: [B, T, d]; rope_cos, rope_sin: [max_position, D] float32 tables;
+        kv: [slots, capacity, 2, kv_heads, head_dim], one layer of KVCache.kv. Returns [B, T, hidden]."""
         b, t, _ = x.shape
         h, kvh = self.num_heads, self.num_kv_heads
-        qkv = F.linear(x, self.fused_weight()).view(b, t, h + 2 * kvh, self.head_dim)
-        rope_(qkv[:, :, :h + kvh], cos, sin)  # q and k together, in place
-        q = qkv[:, :, :h]
-        kv_new = qkv[:, :, h:].unflatten(2, (2, kvh))  # [B, T, 2, KVH, D]: rotated k, then v
-        slot_idx = batch.slots[:, None].expand(b, t)
-        kv_len = batch.mask.shape[-1]
-        joint = _joint_kv(k_cache, v_cache)
-        if joint is not None:
-            joint[slot_idx, batch.write_pos] = _as(kv_new, joint.dtype)
-            kv = joint[batch.slots, :kv_len]                   # [B, K, 2, KVH, D]
-            keys, values = kv[:, :, 0], kv[:, :, 1]
-        else:
-            k_cache[slot_idx, batch.write_pos] = _as(kv_new[:, :, 0], k_cache.dtype)
-            v_cache[slot_idx, batch.write_pos] = _as(kv_new[:, :, 1], v_cache.dtype)
-            keys, values = k_cache[batch.slots, :kv_len], v_cache[batch.slots, :kv_len]
-        # GQA without repeating K/V: the G query heads of a KV head become G * T query rows of one
-        # head (a view when T == 1), so SDPA sees plain multi-head attention with KVH heads and an
-        # additive mask, which the fused (memory-efficient) CUDA kernel takes; enable_gqa with a mask
-        # would fall back to the many-kernel math path.
-        g, d = h // kvh, self.head_dim
-        bias = batch.attn_bias
-        if bias is None or bias.shape[-2] != g * t or bias.dtype != q.dtype:
-            bias = attention_bias(batch.mask, g, q.dtype)
-        qg = q.view(b, t, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(b, kvh, g * t, d)
-        out = F.scaled_dot_product_attention(qg, _as(keys, q.dtype).transpose(1, 2),
-                                             _as(values, q.dtype).transpose(1, 2), attn_mask=bias)
-        out = out.view(b, kvh, g, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, h * d)
-        return self.o_proj(out)
+        qkv = F.linear(x, self.fused_weight())  # [B, T, (H + 2 KVH) * D]
+        kernels.rope_kv_write(qkv, rope_cos, rope_sin, batch.positions, batch.slots, batch.write_pos, kv, h, kvh)
+        q = qkv.view(b, t, h + 2 * kvh, self.head_dim)[:, :, :h]  # rotated in place
+        return self.o_proj(kernels.attention(q, kv, batch.slots, batch.prefix_len, batch.window, batch.plan))
 
 
 def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -249,8 +219,7 @@ class MLP(nn.Module):
         return _fused_weight(self, "_gate_up_weight", (self.gate_proj, self.up_proj))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.fused_weight()).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(kernels.swiglu(F.linear(x, self.fused_weight())))
 
 
 class DecoderLayer(nn.Module):
@@ -261,16 +230,27 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x: torch.Tensor, batch: Batch, cos: torch.Tensor, sin: torch.Tensor,
-                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), batch, cos, sin, k_cache, v_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        batch: Batch,
+        rope_cos: torch.Tensor,
+        rope_sin: torch.Tensor,
+        kv: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The residual stream entering the layer is x + residual (residual None: x alone). Returns
+        (mlp output, residual, the stream entering the layer): the next layer's input is their sum, which
+        it adds inside its first norm kernel."""
+        h, stream = self.input_layernorm.add(x, residual)
+        h, residual = self.post_attention_layernorm.add(self.self_attn(h, batch, rope_cos, rope_sin, kv), stream)
+        return self.mlp(h), residual, stream
 
 
 @dataclass
 class ForwardOutput:
     hidden: torch.Tensor  # [B, T, H] final hidden states after the last norm (feed lm_head)
-    aux: torch.Tensor     # [B, T, 3H] inputs of the three EAGLE layers, concatenated low|mid|high
+    aux: torch.Tensor  # [B, T, 3H] inputs of the three EAGLE layers, concatenated low|mid|high
 
 
 class Float32RopeTables(nn.Module):
@@ -301,17 +281,19 @@ class LlamaModel(Float32RopeTables):
         self.aux_layers = cfg.eagle_layers()
 
     def forward(self, batch: Batch, cache: KVCache) -> ForwardOutput:
-        x = self.embed_tokens(batch.input_ids)
-        cos, sin = rope_angles(self.rope_cos, self.rope_sin, batch.positions, x.dtype)
-        batch = replace(batch, attn_bias=attention_bias(batch.mask, self.cfg.num_heads // self.cfg.num_kv_heads,
-                                                        x.dtype))
+        x, residual = self.embed_tokens(batch.input_ids), None
+        batch = replace(
+            batch,
+            plan=kernels.attention_plan(x, batch.prefix_len, batch.window, self.cfg.num_heads // self.cfg.num_kv_heads),
+        )
         taps: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
+            x, residual, stream = layer(x, residual, batch, self.rope_cos, self.rope_sin, cache.kv[i])
             if i in self.aux_layers:
-                taps[i] = x
-            x = layer(x, batch, cos, sin, cache.k[i], cache.v[i])
+                taps[i] = stream
+        hidden, _ = self.norm.add(x, residual)
         # a small model may name one layer twice (6 layers -> (2, 3, 3)): still 3 * H wide
-        return ForwardOutput(hidden=self.norm(x), aux=torch.cat([taps[i] for i in self.aux_layers], dim=-1))
+        return ForwardOutput(hidden=hidden, aux=torch.cat([taps[i] for i in self.aux_layers], dim=-1))
 
     def fuse(self) -> LlamaModel:
         """Build the fused projection weights now (see fuse); call before CUDA graph capture."""
@@ -320,3 +302,8 @@ class LlamaModel(Float32RopeTables):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., H] -> logits [..., V] in float32."""
         return self.lm_head(hidden).float()
+
+    def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., H] -> argmax token ids [...]: the argmax of the logits in the compute dtype, which
+        is the argmax of their float32 copy (the cast is exact), without the cast's kernel."""
+        return self.lm_head(hidden).argmax(-1)

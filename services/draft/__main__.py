@@ -21,7 +21,7 @@ def build_drafter(args: argparse.Namespace):
 
     from common.config import DraftingConfig
     from common.engine.factory import make_drafter, pick_dtype
-    from common.engine.torch_verifier import torch_dtype
+    from common.engine.verifier import torch_dtype
     from common.model.llama import LlamaModel
     from common.weights import load_checkpoint
 

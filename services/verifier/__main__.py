@@ -10,7 +10,7 @@ from services.launch import common_arguments, engine_arguments, parse_and_log, s
 
 async def main(args: argparse.Namespace) -> None:
     from common.engine.factory import make_verifier, pick_dtype
-    from common.engine.torch_verifier import VerifierConfig
+    from common.engine.verifier import VerifierConfig
     from common.weights import load_checkpoint
     from services.verifier.server import VerifierServicer
     from specdec.v1 import internal_pb2_grpc

@@ -1,0 +1,393 @@
+"""The verifier engine: prefill, tree verification with greedy acceptance and KV compaction on the
+device, and plain decoding, over the base model's slotted KV cache.
+
+Verification and decoding are step functions of static-shape tensors (_verify_step, _decode_step). On
+CPU they run eagerly at the exact batch and tree size; on a GPU the same functions are captured as CUDA
+graphs per (batch bucket, tree-rows bucket) and replayed, with batches padded by rows that write to a
+spare "trash" slot and trees padded by rows that see only the prefix and themselves. Attention reads
+each sequence's real length (common.kernels), so a graph costs what the context costs.
+
+One verify call moves: the host packs one int64 block [B, 2T + 3] (tokens, parent rows, length, slot,
+greedy flag); the step builds the tree mask and positions, runs the model, accepts greedily, compacts
+the accepted path's K/V in every layer, and gathers the kept EAGLE features; the host reads back one
+[B, T + 1] block (accepted count, tokens). Sequences that sample accept on the host from their logits
+rows (common.acceptance.accept_sampled) and compact afterwards.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from common.acceptance import Acceptance, accept_sampled, compaction_plan
+from common.config import LlamaConfig, SamplingConfig
+from common.engine.base import EngineInfo, PrefillInput, PrefillOutput, VerifyInput, VerifyOutput
+from common.engine.cuda_graphs import CudaGraphManager, GraphConfig, batch_buckets_for, pick_bucket
+from common.errors import CapacityExhausted, InvalidRequest
+from common.model.llama import Batch, KVCache, LlamaModel
+from common.sampling import target_distribution
+from common.slots import SlotTable, check_unique
+from common.weights import Checkpoint
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class VerifierSeq:
+    length: int  # tokens whose K/V are in the cache
+    pending: int  # last chosen token, not yet in the cache (the next tree's root)
+    sampling: SamplingConfig
+    rng: np.random.Generator
+
+
+@dataclass(frozen=True)
+class VerifierConfig:
+    max_sequences: int = 8
+    max_context: int = 2048
+    max_tree_nodes: int = 64
+    dtype: str = "float32"
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.max_sequences < 1:
+            raise ValueError(f"max_sequences must be >= 1, got {self.max_sequences}")
+        if self.max_context < 16:
+            raise ValueError(f"max_context must be >= 16, got {self.max_context}")
+        if self.max_tree_nodes < 1:
+            raise ValueError(f"max_tree_nodes must be >= 1, got {self.max_tree_nodes}")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def tree_ancestors(parent_rows: torch.Tensor) -> torch.Tensor:
+    """parent_rows [B, T] (row 0 = root, row i+1 = node i; the root and padding rows name themselves)
+    -> [B, T, T] bool, anc[b, i, j] = row j is row i or one of its ancestors (common.tree.ancestor_mask).
+
+    Pointer doubling, ceil(log2(T - 1)) rounds with static shapes: after round r every row holds its
+    ancestors up to distance 2^r, and jump[i] is its 2^r-th ancestor (the root points at itself).
+    Worked example (tokens [a, b, c, d], parents [-1, -1, 0, 1], then one padding row p):
+        row          r  a  b  c  d  p
+        parent_rows  0  0  0  1  2  5
+        start        anc = self + parent:  r {r}  a {a,r}  b {b,r}  c {c,a}  d {d,b}  p {p}
+        round 1      anc[c] |= anc[jump[c] = a] -> {c,a,r};  jump[c] <- jump[a] = r   (d likewise)
+        depth = |anc| - 1:  r 0  a 1  b 1  c 2  d 2  p 0
+    """
+    b, t = parent_rows.shape
+    anc = torch.eye(t, dtype=torch.bool, device=parent_rows.device).expand(b, t, t).clone()  # [B, T, T]
+    anc.scatter_(2, parent_rows[:, :, None], True)
+    jump = parent_rows  # [B, T]
+    for _ in range(max(t - 2, 0).bit_length()):  # ceil(log2(T - 1)) rounds cover depth T - 1
+        anc = anc | anc.gather(1, jump[:, :, None].expand(b, t, t))
+        jump = jump.gather(1, jump)
+    return anc
+
+
+@dataclass(frozen=True)
+class GreedyPath:
+    """Greedy acceptance of a batch of trees, on the device."""
+
+    count: torch.Tensor  # [B] accepted drafted nodes
+    src_rows: torch.Tensor  # [B, T] row that lands at tree position k: the root, the path, then k itself
+    bonus: torch.Tensor  # [B] the base model's choice after the last accepted node
+
+
+def accept_greedy_device(
+    ids: torch.Tensor, parent_rows: torch.Tensor, anc: torch.Tensor, target: torch.Tensor
+) -> GreedyPath:
+    """Batched common.acceptance.accept_greedy. ids, parent_rows, target [B, T] (row 0 the root; target
+    the base argmax at each row); anc [B, T, T] from tree_ancestors.
+
+    A node row is right when its token is its parent row's target; it is accepted when it and all its
+    ancestors are right; the deepest accepted row wins (ties: the first row, as the host rule's first
+    matching child). Padding rows (their own parent, after the root) are never right.
+    Worked example (tokens [a, b, c, d], parents [-1, -1, 0, 1], target [b, x, d, y, z]):
+        row           r  a  b  c  d
+        right         1  0  1  0  1        (a != target[r] = b;  d == target[b] = d)
+        accepted      1  0  1  0  1        depth 0 1 1 2 2  -> best row 4 (d), count 2
+        src_rows      [0, 2, 4, 3, 4]      root, b, d, then positions 3 and 4 keep their own rows
+        bonus         target[4] = z        tokens b, d, z
+    """
+    b, t = ids.shape
+    rows = torch.arange(t, device=ids.device)
+    node = parent_rows != rows[None, :]  # [B, T] a real node row
+    right = (ids == target.gather(1, parent_rows)) & node
+    right = right | (rows == 0)[None, :]
+    accepted = ~(anc & ~right[:, None, :]).any(-1)  # [B, T]
+    depth = anc.sum(-1) - 1  # [B, T]
+    score = torch.where(accepted, depth * t + (t - 1 - rows)[None, :], -1)
+    best = score.argmax(-1)  # [B]
+    count = depth.gather(1, best[:, None])[:, 0]  # [B]
+    on_path = anc.gather(1, best[:, None, None].expand(b, 1, t))[:, 0]  # [B, T] root and path rows
+    ordered = torch.where(on_path, rows[None, :], t + rows[None, :]).sort(-1).values  # path rows first
+    src_rows = torch.where(rows[None, :] <= count[:, None], ordered, rows[None, :])
+    return GreedyPath(count=count, src_rows=src_rows, bonus=target.gather(1, best[:, None])[:, 0])
+
+
+@dataclass(frozen=True)
+class VerifyStep:
+    """Outputs of _verify_step (static buffers under a graph)."""
+
+    result: torch.Tensor  # [B, T + 1] int64: accepted count, then the accepted tokens and the bonus
+    kept: torch.Tensor  # [B, T, 3H] EAGLE features of the root and the accepted nodes, in path order
+    hidden: torch.Tensor  # [B, T, H] final hidden states (sampling sequences compute logits from them)
+    aux: torch.Tensor  # [B, T, 3H] EAGLE features of every row
+
+
+class Verifier:
+    """The base model's engine. On CUDA with graphs on, verify and decode replay captured graphs."""
+
+    def __init__(
+        self, ckpt: Checkpoint, cfg: VerifierConfig, graphs: bool = False, graph_cfg: GraphConfig | None = None
+    ) -> None:
+        self.cfg = cfg
+        self.device = torch.device(cfg.device)
+        mcfg: LlamaConfig = ckpt.config
+        self.max_rows = cfg.max_tree_nodes + 1
+        if cfg.max_context + 2 * self.max_rows > mcfg.max_position:
+            mcfg = LlamaConfig(**{**mcfg.__dict__, "max_position": cfg.max_context + 2 * self.max_rows})
+        self.model = LlamaModel(mcfg)
+        self.model.load_state_dict(ckpt.state_dict, strict=False)
+        self.model.to(device=self.device, dtype=torch_dtype(cfg.dtype)).eval()
+        self.model.fuse()  # fused q|k|v and gate|up weights, built before any CUDA graph capture
+        # Capacity (what requests may use) leaves room for one tree beyond the longest allowed sequence;
+        # the cache gets one spare slot for batch padding rows and max_rows of headroom, so that a tree
+        # padded to its bucket never runs off its slot.
+        self.capacity = cfg.max_context + self.max_rows
+        self.trash_slot = cfg.max_sequences
+        self.cache = KVCache.allocate(
+            mcfg.num_layers,
+            cfg.max_sequences + 1,
+            self.capacity + self.max_rows,
+            mcfg.num_kv_heads,
+            mcfg.head_dim,
+            torch_dtype(cfg.dtype),
+            self.device,
+        )
+        self.seqs: SlotTable[VerifierSeq] = SlotTable(cfg.max_sequences)
+        self.info = EngineInfo(
+            model=ckpt.name,
+            vocab_size=mcfg.vocab_size,
+            max_context=cfg.max_context,
+            max_sequences=cfg.max_sequences,
+            max_tree_nodes=cfg.max_tree_nodes,
+            dtype=cfg.dtype,
+            device=str(self.device),
+        )
+        gc = graph_cfg or GraphConfig()
+        self.graphs = CudaGraphManager(
+            self.device, name="verifier", enabled=graphs and gc.capture, warmup_iters=gc.warmup_iters
+        )
+        self.batch_buckets = batch_buckets_for(cfg.max_sequences, gc.batch_buckets)
+        self.tree_buckets = tuple(sorted({t for t in gc.tree_buckets if t <= self.max_rows} | {self.max_rows}))
+        self.pad_to_buckets = graphs
+        if self.graphs.enabled:
+            self._capture()
+
+    def _capture(self) -> None:
+        with torch.inference_mode(), self.graphs.on_stream():
+            for bb in sorted(self.batch_buckets, reverse=True):
+                for tb in sorted(self.tree_buckets, reverse=True):
+                    self.graphs.capture(("verify", bb, tb), self._verify_step, {"packed": self._verify_block(bb, tb)})
+                self.graphs.capture(("decode", bb), self._decode_step, {"packed": self._decode_block(bb)})
+        self.graphs.log_report()
+
+    def _bucket(self, n: int, buckets: tuple[int, ...]) -> int:
+        """The padded size a call runs at: its graph bucket with graphs on (also on CPU, where nothing is
+        captured, so that CPU tests run the padded shapes), the exact size otherwise."""
+        return (pick_bucket(n, buckets) or n) if self.pad_to_buckets else n
+
+    # ---- prefill (eager: prompt lengths vary too much to bucket) ----
+    @torch.inference_mode()
+    def prefill(self, item: PrefillInput) -> PrefillOutput:
+        n = len(item.token_ids)
+        if n == 0:
+            raise InvalidRequest("prompt is empty")
+        if n >= self.cfg.max_context:
+            raise InvalidRequest(f"prompt has {n} tokens; the context holds {self.cfg.max_context}")
+        self._check_tokens(item.token_ids)
+        rng = np.random.default_rng(item.sampling.seed)
+        slot = self.seqs.acquire(item.seq_id, VerifierSeq(length=0, pending=-1, sampling=item.sampling, rng=rng))
+        try:
+            with self.graphs.on_stream():
+                dev = self.device
+                pos = torch.arange(n, device=dev)[None]
+                batch = Batch(
+                    input_ids=torch.tensor([item.token_ids], device=dev),
+                    positions=pos,
+                    slots=torch.tensor([slot], device=dev),
+                    write_pos=pos,
+                    prefix_len=torch.zeros(1, dtype=torch.long, device=dev),
+                    window=torch.ones(n, n, dtype=torch.bool, device=dev).tril()[None],
+                )
+                out = self.model(batch, self.cache)
+                logits = self.model.logits(out.hidden[0, -1])  # [V]
+                _, state = self.seqs.get(item.seq_id)
+                state.length = n
+                state.pending = self._choose(logits, state)
+                return PrefillOutput(next_token=state.pending, hidden=out.aux[0])
+        except BaseException:
+            self.seqs.release(item.seq_id)
+            raise
+
+    # ---- verification ----
+    def _verify_block(self, b: int, t: int) -> torch.Tensor:
+        """An all-padding verify block [b, 2t + 3]: token 0, every row its own parent, length 0, the
+        trash slot, greedy."""
+        a = np.zeros((b, 2 * t + 3), dtype=np.int64)
+        a[:, t : 2 * t] = np.arange(t)
+        a[:, 2 * t + 1] = self.trash_slot
+        a[:, 2 * t + 2] = 1
+        return torch.from_numpy(a)
+
+    def _verify_step(self, packed: torch.Tensor) -> VerifyStep:
+        """packed [B, 2T + 3]: columns [0, T) the root token then the tree's tokens, [T, 2T) each row's
+        parent row (the root and padding rows their own), 2T the committed length n (the root's cache
+        position), 2T + 1 the slot, 2T + 2 whether the sequence is greedy."""
+        b, t = packed.shape[0], (packed.shape[1] - 3) // 2
+        ids, parent_rows = packed[:, :t], packed[:, t : 2 * t]  # [B, T] each
+        n, slots, greedy = packed[:, 2 * t], packed[:, 2 * t + 1], packed[:, 2 * t + 2] != 0  # [B] each
+        anc = tree_ancestors(parent_rows)  # [B, T, T]
+        rows = torch.arange(t, device=packed.device)
+        batch = Batch(
+            input_ids=ids,
+            positions=n[:, None] + anc.sum(-1) - 1,
+            slots=slots,
+            write_pos=n[:, None] + rows[None, :],
+            prefix_len=n,
+            window=anc,
+        )
+        out = self.model(batch, self.cache)
+        path = accept_greedy_device(ids, parent_rows, anc, self.model.greedy(out.hidden))
+        # greedy sequences: K/V of the accepted path move next to the root, all layers in one gather and
+        # one scatter (all sources are read before any write; see common.acceptance.compaction_plan);
+        # sampling sequences keep their rows (the host compacts them after acceptance)
+        src = torch.where(greedy[:, None], path.src_rows, rows[None, :])  # [B, T]
+        slot_idx = slots[:, None].expand(b, t)
+        self.cache.kv[:, slot_idx, n[:, None] + rows[None, :]] = self.cache.kv[:, slot_idx, n[:, None] + src]
+        tokens = ids.gather(1, path.src_rows)  # [B, T] root, path...
+        tokens = torch.cat((tokens[:, 1:], tokens[:, :1]), dim=1)  # path, ... (shift out root)
+        tokens = tokens.scatter(1, path.count[:, None], path.bonus[:, None])
+        kept = out.aux.gather(1, src[:, :, None].expand(b, t, out.aux.shape[-1]))  # [B, T, 3H]
+        return VerifyStep(
+            result=torch.cat((path.count[:, None], tokens), dim=1), kept=kept, hidden=out.hidden, aux=out.aux
+        )
+
+    @torch.inference_mode()
+    def verify(self, items: list[VerifyInput]) -> list[VerifyOutput]:
+        check_unique([it.seq_id for it in items])
+        states = [self.seqs.get(it.seq_id) for it in items]
+        t = 1 + max(it.tree.size for it in items)
+        for it, (_, st) in zip(items, states):
+            if st.length + t > self.capacity:
+                raise CapacityExhausted(f"sequence {it.seq_id!r} has no room for a {t}-row tree at length {st.length}")
+        b = len(items)
+        bb, tb = self._bucket(b, self.batch_buckets), self._bucket(t, self.tree_buckets)
+        block = self._verify_block(bb, tb)
+        a = block.numpy()  # [bb, 2 tb + 3]
+        for i, (it, (slot, st)) in enumerate(zip(items, states)):
+            size = it.tree.size
+            a[i, 0], a[i, 1 : size + 1] = st.pending, it.tree.tokens
+            a[i, tb + 1 : tb + 1 + size] = np.asarray(it.tree.parents) + 1
+            a[i, 2 * tb], a[i, 2 * tb + 1], a[i, 2 * tb + 2] = st.length, slot, st.sampling.greedy
+        with self.graphs.on_stream():
+            out = self.graphs.run(("verify", bb, tb), self._verify_step, {"packed": block})
+            result = out.result[:b].cpu().numpy()  # [B, T + 1] the one host synchronisation of the call
+            counts = [int(result[i, 0]) + 1 if st.sampling.greedy else 0 for i, (_, st) in enumerate(states)]
+            kept = out.kept[:b, : max(counts)].clone() if max(counts) else None  # outlives the next replay
+            outputs = []
+            for i, (it, (slot, st)) in enumerate(zip(items, states)):
+                if st.sampling.greedy:
+                    tokens, hidden = result[i, 1 : counts[i] + 1].tolist(), kept[i, : counts[i]]
+                else:
+                    tokens, hidden = self._verify_sampled(it, slot, st, out.hidden[i], out.aux[i])
+                st.length += len(tokens)
+                st.pending = tokens[-1]
+                outputs.append(VerifyOutput(tokens=tokens, hidden=hidden))
+            return outputs
+
+    def _verify_sampled(
+        self, it: VerifyInput, slot: int, st: VerifierSeq, hidden: torch.Tensor, aux: torch.Tensor
+    ) -> tuple[list[int], torch.Tensor]:
+        """Host-side lossless acceptance for a sampling sequence, then its KV compaction.
+        hidden [T, H], aux [T, 3H]: the step's rows for this sequence."""
+        logits = self.model.logits(hidden[: it.tree.size + 1])  # [size + 1, V]
+        acc: Acceptance = accept_sampled(
+            it.tree.tokens, it.tree.parents, lambda r: target_distribution(logits[r].cpu().numpy(), st.sampling), st.rng
+        )
+        move = compaction_plan(acc.path, st.length)
+        if move.src:
+            src, dst = self._t(np.array(move.src)), self._t(np.array(move.dst))
+            self.cache.kv[:, slot, dst] = self.cache.kv[:, slot, src]  # gathered before written
+        rows = self._t(np.array([0] + [p + 1 for p in acc.path]))
+        return acc.tokens, aux[rows]
+
+    # ---- plain decoding ----
+    def _decode_block(self, b: int) -> torch.Tensor:
+        """An all-padding decode block [b, 3]: token 0, length 0, the trash slot."""
+        a = np.zeros((b, 3), dtype=np.int64)
+        a[:, 2] = self.trash_slot
+        return torch.from_numpy(a)
+
+    def _decode_step(self, packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """packed [B, 3]: pending token, committed length n, slot. Returns the final hidden [B, H] and the
+        greedy next tokens [B]."""
+        n = packed[:, 1]
+        batch = Batch(
+            input_ids=packed[:, 0:1],
+            positions=n[:, None],
+            slots=packed[:, 2],
+            write_pos=n[:, None],
+            prefix_len=n,
+            window=torch.ones_like(packed[:, :1, None], dtype=torch.bool),
+        )
+        hidden = self.model(batch, self.cache).hidden[:, 0]
+        return hidden, self.model.greedy(hidden)
+
+    @torch.inference_mode()
+    def decode(self, seq_ids: list[str]) -> list[int]:
+        check_unique(seq_ids)
+        states = [self.seqs.get(s) for s in seq_ids]
+        for s, (_, st) in zip(seq_ids, states):
+            if st.length + 1 > self.capacity:
+                raise CapacityExhausted(f"sequence {s!r} is at the end of its context")
+        b = len(seq_ids)
+        bb = self._bucket(b, self.batch_buckets)
+        block = self._decode_block(bb)
+        a = block.numpy()  # [bb, 3]
+        for i, (slot, st) in enumerate(states):
+            a[i] = (st.pending, st.length, slot)
+        with self.graphs.on_stream():
+            hidden, greedy = self.graphs.run(("decode", bb), self._decode_step, {"packed": block})
+            greedy = greedy[:b].cpu().numpy()
+            tokens = []
+            for i, (_, st) in enumerate(states):
+                st.length += 1
+                st.pending = int(greedy[i]) if st.sampling.greedy else self._choose(self.model.logits(hidden[i]), st)
+                tokens.append(st.pending)
+            return tokens
+
+    def release(self, seq_ids: list[str]) -> int:
+        return sum(self.seqs.release(s) for s in seq_ids)
+
+    # ---- helpers ----
+    def _choose(self, logits: torch.Tensor, st: VerifierSeq) -> int:
+        if st.sampling.greedy:
+            return int(logits.argmax())
+        p = target_distribution(logits.cpu().numpy(), st.sampling)
+        return int(st.rng.choice(p.shape[0], p=p))
+
+    def _check_tokens(self, ids: list[int]) -> None:
+        v = self.info.vocab_size
+        bad = [i for i in ids if not 0 <= i < v]
+        if bad:
+            raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary [0, {v})")
+
+    def _t(self, a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(self.device)

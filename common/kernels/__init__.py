@@ -1,0 +1,118 @@
+"""The model's fused operations, one entry point each: Triton kernels on a CUDA device when no gradient is
+needed (serving, CUDA graph capture), the PyTorch reference otherwise (CPU, training with autograd).
+
+The model calls these and never asks which path runs; both compute the same function (tests compare
+them, on CPU through Triton's interpreter). SPECDEC_KERNELS=reference forces the PyTorch path everywhere
+(for A/B measurements and debugging).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+
+import torch
+
+from common.kernels import reference
+
+_MODE = os.environ.get("SPECDEC_KERNELS", "auto")
+if _MODE not in ("auto", "reference", "triton"):
+    raise ValueError(f"SPECDEC_KERNELS must be auto, reference or triton, got {_MODE!r}")
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+_triton = None
+
+
+def _ops():
+    global _triton
+    if _triton is None:
+        from common.kernels import triton_ops
+
+        _triton = triton_ops
+    return _triton
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """Triton on CUDA tensors without autograd; SPECDEC_KERNELS=triton also on CPU (Triton's
+    interpreter, TRITON_INTERPRET=1, for tests)."""
+    if not HAVE_TRITON or _MODE == "reference" or (torch.is_grad_enabled() and x.requires_grad):
+        return False
+    return x.is_cuda or _MODE == "triton"
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual) * weight, x + residual); x, residual [..., H]."""
+    if use_triton(x):
+        return _ops().add_rms_norm(x, residual, weight, eps)
+    return reference.add_rms_norm(x, residual, weight, eps)
+
+
+def rope_kv_write(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    write_pos: torch.Tensor,
+    kv: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+) -> None:
+    """Rotate q (in place in qkv) and k, write k and v into the cache; see reference.rope_kv_write."""
+    if use_triton(qkv) and qkv.is_contiguous() and kv.stride(-1) == 1:
+        _ops().rope_kv_write(qkv, cos, sin, positions, slots, write_pos, kv, num_heads, num_kv_heads)
+    else:
+        reference.rope_kv_write(qkv, cos, sin, positions, slots, write_pos, kv, num_heads, num_kv_heads)
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up; gate_up [..., 2I]."""
+    if use_triton(gate_up):
+        return _ops().swiglu(gate_up)
+    return reference.swiglu(gate_up)
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """What the PyTorch attention shares across the layers of one forward (the Triton kernel needs none)."""
+
+    kv_len: int  # cache positions read: the longest prefix plus W
+    bias: torch.Tensor  # [B, 1, G * T, kv_len] additive mask in the compute dtype (see reference.attention)
+
+
+def attention_plan(
+    witness: torch.Tensor, prefix_len: torch.Tensor, window: torch.Tensor, groups: int
+) -> AttentionPlan | None:
+    """Built once per forward by the model; None when the Triton kernel will run. witness: a tensor of
+    the forward's device and compute dtype."""
+    return None if use_triton(witness) else _reference_plan(prefix_len, window, groups, witness.dtype)
+
+
+def _reference_plan(prefix_len: torch.Tensor, window: torch.Tensor, groups: int, dtype: torch.dtype) -> AttentionPlan:
+    kv_len = int(prefix_len.max()) + window.shape[-1]
+    return AttentionPlan(kv_len=kv_len, bias=reference.attention_bias(prefix_len, window, kv_len, groups, dtype))
+
+
+def attention(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    slots: torch.Tensor,
+    prefix_len: torch.Tensor,
+    window: torch.Tensor,
+    plan: AttentionPlan | None = None,
+) -> torch.Tensor:
+    """q [B, T, H, D] over the cache kv [S, C, 2, KVH, D]; see reference.attention. [B, T, H * D]"""
+    if use_triton(q) and q.dtype == kv.dtype and window.stride(-1) == 1:
+        return _ops().attention(q, kv, slots, prefix_len, window)
+    if plan is None:
+        plan = _reference_plan(prefix_len, window, q.shape[2] // kv.shape[3], q.dtype)
+    return reference.attention(q, kv, slots, plan.kv_len, plan.bias)
+
+
+def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k best log-probabilities [..., k] (float32, descending) and their ids [..., k] of logits [..., V]."""
+    if use_triton(logits) and logits.shape[-1] <= 65536:
+        return _ops().topk_logprobs(logits, k)
+    return reference.topk_logprobs(logits, k)

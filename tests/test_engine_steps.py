@@ -1,0 +1,319 @@
+"""The engines' step functions, which run eagerly on CPU and are captured as CUDA graphs on a GPU.
+
+Device-side tree logic (ancestors, greedy acceptance, top-N selection) is checked against the numpy
+bookkeeping of common.tree and common.acceptance, which is checked by hand in test_tree.py and
+test_acceptance.py. The engines are checked padded to graph buckets (what a GPU replays: batch padding
+rows in the trash slot, tree padding rows) against the same engines at exact sizes, on the real model.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from common.acceptance import accept_greedy
+from common.config import DraftingConfig, SamplingConfig
+from common.engine.base import PrefillInput, ProposeInput, VerifyInput
+from common.engine.cuda_graphs import CudaGraphManager, GraphConfig, batch_buckets_for, pick_bucket
+from common.engine.draft import Eagle3Drafter, select_top_nodes_device
+from common.engine.factory import make_drafter, make_verifier, pick_dtype
+from common.engine.oracle import GreedyOracleDrafter
+from common.engine.verifier import Verifier, VerifierConfig, accept_greedy_device, tree_ancestors
+from common.model.eagle3 import Eagle3Config, Eagle3Head
+from common.tree import Tree, ancestor_mask, depths, select_top_nodes
+
+CPU = torch.device("cpu")
+PROMPTS = [
+    [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 2, 198, 1, 4093, 198],
+    [1, 4093, 198, 4898, 314, 260, 6376, 4461, 47, 2, 198, 1, 520, 9531, 198],
+    [1, 520, 9531, 198, 504],
+]
+
+
+# ---- helpers ----
+def random_tree(rng: np.random.Generator, n: int) -> np.ndarray:
+    """parents [n] with parents[i] < i (or -1)."""
+    return np.array([-1 if i == 0 or rng.random() < 0.3 else int(rng.integers(0, i)) for i in range(n)])
+
+
+def tied_candidates(rng: np.random.Generator, c: int) -> tuple[np.ndarray, np.ndarray]:
+    """Candidates in creation order whose scores never exceed their parent's, with many exact ties."""
+    parents = random_tree(rng, c)
+    scores = np.zeros(c, dtype=np.float32)
+    for i, p in enumerate(parents):
+        scores[i] = (0.0 if p < 0 else scores[p]) - rng.choice([0.0, 0.5, 1.0, 1.5])
+    return scores, parents
+
+
+def parent_rows(parents: np.ndarray, t: int) -> torch.Tensor:
+    """The verifier's row layout: row 0 the root, node i at row i + 1; root and padding rows are their
+    own parent."""
+    rows = np.arange(t)
+    rows[1 : parents.shape[0] + 1] = parents + 1
+    return torch.from_numpy(rows)
+
+
+# ---- pure functions ----
+def test_pick_bucket_and_config() -> None:
+    assert pick_bucket(3, (1, 2, 4, 8)) == 4
+    assert pick_bucket(1, (4, 1)) == 1
+    assert pick_bucket(9, (1, 2, 4, 8)) is None
+    assert batch_buckets_for(12) == (1, 2, 4, 8, 12)
+    assert batch_buckets_for(3, (1, 2, 4)) == (1, 2, 3)
+    for bad in (dict(batch_buckets=(0, 2)), dict(tree_buckets=(1,)), dict(warmup_iters=0)):
+        with pytest.raises(ValueError):
+            GraphConfig(**bad)
+
+
+def test_manager_runs_steps_eagerly_on_cpu() -> None:
+    mgr = CudaGraphManager(CPU)
+    assert not mgr.capture("k", lambda x: x.sum(-1), {"x": torch.zeros(4, 2)})
+    out = mgr.run("k", lambda x: x.sum(-1), {"x": torch.tensor([[1, 2], [3, 4]])})
+    assert out.tolist() == [3, 7] and not mgr.is_captured("k")
+    with mgr.on_stream():
+        pass
+
+
+def test_tree_ancestors_and_depths_match_numpy() -> None:
+    rng = np.random.default_rng(0)
+    for n in (1, 2, 5, 17, 40):
+        trees = [random_tree(rng, n) for _ in range(3)]
+        t = n + 1 + 3  # three padding rows
+        anc = tree_ancestors(torch.stack([parent_rows(p, t) for p in trees]))  # [3, T, T]
+        for b, parents in enumerate(trees):
+            assert np.array_equal(anc[b, : n + 1, : n + 1].numpy(), ancestor_mask(parents))
+            assert np.array_equal((anc[b].sum(-1) - 1)[1 : n + 1].numpy(), depths(parents))
+            assert np.array_equal(anc[b, n + 1 :].numpy(), np.eye(t, dtype=bool)[n + 1 :])  # padding: itself
+
+
+def test_device_greedy_acceptance_docstring_example() -> None:
+    a, b, c, d, x, y, z = 10, 11, 12, 13, 20, 21, 22
+    ids = torch.tensor([[0, a, b, c, d]])
+    rows = parent_rows(np.array([-1, -1, 0, 1]), 5)[None]
+    path = accept_greedy_device(ids, rows, tree_ancestors(rows), torch.tensor([[b, x, d, y, z]]))
+    assert path.count.tolist() == [2] and path.src_rows.tolist() == [[0, 2, 4, 3, 4]] and path.bonus.tolist() == [z]
+
+
+def test_device_greedy_acceptance_matches_host_rule() -> None:
+    """Random trees with few distinct tokens (so that paths get long), padded rows, against
+    common.acceptance.accept_greedy."""
+    rng = np.random.default_rng(1)
+    for n in (1, 3, 9, 30):
+        b, t = 8, n + 3
+        trees = [random_tree(rng, n) for _ in range(b)]
+        tokens = rng.integers(0, 3, size=(b, n))
+        target = torch.from_numpy(rng.integers(0, 3, size=(b, t)))
+        ids = torch.zeros(b, t, dtype=torch.long)
+        ids[:, 1 : n + 1] = torch.from_numpy(tokens)
+        rows = torch.stack([parent_rows(p, t) for p in trees])
+        path = accept_greedy_device(ids, rows, tree_ancestors(rows), target)
+        for i in range(b):
+            want = accept_greedy(tokens[i], trees[i], target[i].numpy())
+            got_tokens = ids[i, path.src_rows[i, 1 : path.count[i] + 1]].tolist() + [int(path.bonus[i])]
+            assert len(got_tokens) >= len(want.tokens)  # the deepest accepted path, at least the host's
+            # with distinct siblings the accepted path is unique, so both rules find the same one
+            if _distinct_siblings(trees[i], tokens[i]):
+                assert got_tokens == want.tokens
+                assert (path.src_rows[i, 1 : path.count[i] + 1] - 1).tolist() == want.path
+
+
+def _distinct_siblings(parents: np.ndarray, tokens: np.ndarray) -> bool:
+    seen = set()
+    for p, tok in zip(parents.tolist(), tokens.tolist()):
+        if (p, tok) in seen:
+            return False
+        seen.add((p, tok))
+    return True
+
+
+def test_device_selection_equals_select_top_nodes_with_ties() -> None:
+    rng = np.random.default_rng(2)
+    b, c, n = 6, 50, 20
+    cands = [tied_candidates(rng, c) for _ in range(b)]
+    keep = np.array([20, 1, 7, 20, 13, 2])
+    scores = torch.from_numpy(np.stack([s for s, _ in cands]))
+    parents = torch.from_numpy(np.stack([p for _, p in cands]))
+    kept, new_parents = select_top_nodes_device(scores, parents, torch.from_numpy(keep), n)
+    for i, (s, p) in enumerate(cands):
+        want_kept, want_parents = select_top_nodes(s, p, int(keep[i]))
+        assert kept[i, : keep[i]].tolist() == want_kept.tolist()
+        assert new_parents[i, : keep[i]].tolist() == want_parents.tolist()
+
+
+def test_device_selection_docstring_example() -> None:
+    kept, par = select_top_nodes_device(
+        torch.tensor([[-0.1, -2.0, -0.5, -0.5]]), torch.tensor([[-1, -1, 0, 0]]), torch.tensor([3]), 4
+    )
+    assert kept[0, :3].tolist() == [0, 2, 3] and par[0, :3].tolist() == [-1, 0, 0]
+
+
+# ---- engines on the real model ----
+@pytest.fixture(scope="module")
+def ckpt():
+    from common.weights import load_checkpoint
+
+    return load_checkpoint()
+
+
+def _head(ckpt) -> Eagle3Head:
+    torch.manual_seed(0)
+    cfg = Eagle3Config.for_base(ckpt.config, draft_vocab_size=4096)
+    head = Eagle3Head(cfg)
+    head.set_vocab_map(torch.arange(cfg.draft_vocab_size) * 7)  # a non-trivial draft -> base map
+    return head.eval()
+
+
+def test_factory_and_dtype_on_cpu(ckpt) -> None:
+    assert pick_dtype("cpu") == "float32" and pick_dtype("cuda:0") == "bfloat16"
+    assert pick_dtype("cuda", "float32") == "float32" and pick_dtype("cpu", "auto") == "float32"
+    with pytest.raises(ValueError):
+        pick_dtype("cpu", "int8")
+    v = make_verifier(ckpt, VerifierConfig(max_sequences=1, max_context=32, max_tree_nodes=4), graphs=True)
+    assert not v.graphs.enabled and not v.pad_to_buckets
+    d = make_drafter(
+        _head(ckpt),
+        v.model.embed_tokens,
+        DraftingConfig(top_k=2, steps=2, verify_tree_size=4),
+        1,
+        32,
+        "cpu",
+        graphs=True,
+    )
+    assert not d.graphs.enabled and not d.pad_to_buckets
+
+
+@pytest.fixture(scope="module")
+def verifiers(ckpt):
+    cfg = VerifierConfig(max_sequences=4, max_context=256, max_tree_nodes=24)
+    exact = Verifier(ckpt, cfg)
+    padded = Verifier(ckpt, cfg, graphs=True, graph_cfg=GraphConfig(batch_buckets=(1, 2, 4), tree_buckets=(8, 16)))
+    return exact, padded
+
+
+def _count_runs(engine) -> list:
+    keys: list = []
+    run = engine.graphs.run
+
+    def counting(key, step, inputs):
+        keys.append(key)
+        return run(key, step, inputs)
+
+    engine.graphs.run = counting
+    return keys
+
+
+def test_padded_verifier_matches_exact(verifiers) -> None:
+    exact, padded = verifiers
+    keys = _count_runs(padded)
+    sampling = [SamplingConfig(), SamplingConfig(), SamplingConfig(temperature=0.8, top_p=0.9, seed=7)]
+    ids = ["a", "b", "c"]
+    firsts = []
+    for v in (exact, padded):
+        firsts.append([v.prefill(PrefillInput(s, p, smp)).next_token for s, p, smp in zip(ids, PROMPTS, sampling)])
+    assert firsts[0] == firsts[1]
+    oracle = GreedyOracleDrafter(exact.model, 4, CPU)
+    items = [ProposeInput(s, p[1:] + [f], None, True, p[:1], 16) for s, p, f in zip(ids, PROMPTS, firsts[0])]
+    rng = np.random.default_rng(3)
+    for rnd in range(3):
+        trees = oracle.propose(items)
+        if rnd == 2:  # random trees: rejection early, compaction of odd paths, different sizes
+            trees = [
+                Tree(tokens=rng.integers(0, 1000, size=n), parents=random_tree(rng, n), probs=np.ones(n, np.float32))
+                for n in (3, 11, 6)
+            ]
+        batch = [VerifyInput(s, t) for s, t in zip(ids, trees)]
+        want, got = exact.verify(batch), padded.verify(batch)
+        for w, g in zip(want, got):
+            assert w.tokens == g.tokens
+            torch.testing.assert_close(g.hidden, w.hidden, rtol=1e-4, atol=1e-3)
+        if rnd < 2:  # the greedy oracle's path is accepted whole
+            assert len(want[0].tokens) == 5 and len(want[1].tokens) == 5
+        items = [ProposeInput(s, w.tokens, w.hidden, False, [], 16) for s, w in zip(ids, want)]
+    assert [k[0] for k in keys] == ["verify"] * 3 and all(k[1] == 4 for k in keys)  # batch of 3 padded to 4
+    for sub in (ids, ["c", "a"], ["b"]):
+        assert exact.decode(sub) == padded.decode(sub)
+    assert ("decode", 2) in keys and ("decode", 1) in keys
+    for s in ids:  # the caches hold the same committed entries
+        (es, est), (ps, pst) = exact.seqs.get(s), padded.seqs.get(s)
+        assert est.length == pst.length and est.pending == pst.pending
+        torch.testing.assert_close(
+            padded.cache.kv[:, ps, : pst.length], exact.cache.kv[:, es, : est.length], rtol=1e-4, atol=1e-3
+        )
+    exact.release(ids)
+    padded.release(ids)
+
+
+def test_verifier_plain_equals_speculative(verifiers) -> None:
+    _, padded = verifiers
+    prompt, n = PROMPTS[0], 24
+    out = [padded.prefill(PrefillInput("p", prompt, SamplingConfig())).next_token]
+    while len(out) < n:
+        out += padded.decode(["p"])
+    padded.release(["p"])
+    oracle = GreedyOracleDrafter(padded.model, 4, CPU)
+    first = padded.prefill(PrefillInput("s", prompt, SamplingConfig())).next_token
+    spec, item = [first], ProposeInput("s", prompt[1:] + [first], None, True, prompt[:1], 16)
+    while len(spec) < n:
+        res = padded.verify([VerifyInput("s", oracle.propose([item])[0])])[0]
+        spec += res.tokens
+        item = ProposeInput("s", res.tokens, res.hidden, False, [], 16)
+    padded.release(["s"])
+    assert spec[:n] == out
+
+
+@pytest.fixture(scope="module")
+def drafters(ckpt, verifiers):
+    exact_v, _ = verifiers
+    head = _head(ckpt)
+    drafting = DraftingConfig(top_k=4, steps=4, verify_tree_size=20)
+    embed = exact_v.model.embed_tokens
+    exact = Eagle3Drafter(head, embed, drafting, 4, 256, CPU)
+    padded = Eagle3Drafter(
+        head, embed, drafting, 4, 256, CPU, graphs=True, graph_cfg=GraphConfig(batch_buckets=(1, 2, 4))
+    )
+    return exact, padded
+
+
+def _same_trees(want: list[Tree], got: list[Tree]) -> None:
+    for w, g in zip(want, got):
+        assert w.tokens.tolist() == g.tokens.tolist()
+        assert w.parents.tolist() == g.parents.tolist()
+        np.testing.assert_allclose(g.probs, w.probs, rtol=1e-4, atol=1e-6)
+
+
+def test_padded_drafter_matches_exact(drafters, ckpt) -> None:
+    exact, padded = drafters
+    keys = _count_runs(padded)
+    width = 3 * ckpt.config.hidden_size
+    gen = torch.Generator().manual_seed(5)
+    rng = np.random.default_rng(5)
+
+    def hidden(k: int) -> torch.Tensor:
+        return torch.randn(k, width, generator=gen)
+
+    ids = ["x", "y", "z"]
+    items = [
+        ProposeInput(s, p[1:] + [42], hidden(len(p)), True, p[:1], keep) for s, p, keep in zip(ids, PROMPTS, (20, 9, 0))
+    ]  # max_nodes 0 = the drafter's size
+    for rnd in range(5):
+        _same_trees(exact.propose(items), padded.propose(items))
+        lengths = [1 + (rnd + j) % 5 for j in range(3)]  # 1 .. steps + 1 new tokens
+        items = [
+            ProposeInput(s, rng.integers(0, 5000, size=k).tolist(), hidden(k), False, [], 20)
+            for s, k in zip(ids, lengths)
+        ]
+    # one sequence alone (bucket 1), then a start joining a running one (eager accepts, expand step)
+    single = [ProposeInput("y", [7, 8], hidden(2), False, [], 20)]
+    _same_trees(exact.propose(single), padded.propose(single))
+    mixed = [
+        ProposeInput("x", [9], hidden(1), False, [], 20),
+        ProposeInput("w", PROMPTS[2][1:] + [3], hidden(len(PROMPTS[2])), True, PROMPTS[2][:1], 20),
+    ]
+    _same_trees(exact.propose(mixed), padded.propose(mixed))
+    propose_keys = {k for k in keys if k[0] == "propose"}
+    assert {k[2] for k in propose_keys} >= {3, 4, 5} and ("propose", 1, 2) in propose_keys
+    assert all(k[1] == 4 for k in propose_keys if k != ("propose", 1, 2))  # batch of 3 padded to 4
+    assert ("expand", 4) in keys and ("expand", 2) in keys
+    for d in (exact, padded):
+        assert d.release(ids + ["w"]) == 4
