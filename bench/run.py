@@ -4,6 +4,8 @@ same run, on the same prompts.
     python -m bench.run --out bench-results [--device cuda] [--prompts 16] [--max-new-tokens 128]
                         [--concurrency 1,4,16] [--head models/eagle3-smollm2]
 
+0. bench.decode_probe (GPU): kernels per step and graph replay time of decode (batch 1, 16, 64), verify
+   of a 60-node tree and the draft's proposal, on the real model.
 1. bench.engine_bench (in one process): Hugging Face `generate` (same model and dtype), the project's
    plain decoding, speculative decoding without gRPC.
 2. bench.services_bench: speculative decoding through the three services over gRPC, with CUDA IPC and
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import subprocess
 import sys
 from pathlib import Path
 
@@ -123,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
         "float32" if a.dtype == "auto" else a.dtype)
     common = ["--device", a.device, "--prompts", str(a.prompts), "--max-new-tokens", str(a.max_new_tokens),
               "--concurrency", a.concurrency, "--head", a.head]
+    if a.device.startswith("cuda"):  # kernels per step and replay times of decode, verify and propose
+        subprocess.run([sys.executable, "-m", "bench.decode_probe", "--out", str(out), "--dtype", dtype], check=True)
     rc = engine_bench.main([*common, "--dtype", dtype, "--hf-prompts", str(a.hf_prompts), "--out", str(out)])
     if rc:
         return rc

@@ -89,7 +89,9 @@ def add_rms_norm(
 # PyTorch: gather cos/sin at the positions, swap halves, two multiplies for q and k, a cast, and an
 # index_put into the cache (7 launches per layer). Here one program per (token, head) rotates a q or k
 # head in float32 and writes k and v straight into the cache slot.
-@triton.jit
+# Sizes and strides that vary between calls are not specialised on (Triton would compile a variant per
+# value class, 1 / multiple of 16 / other, and an eager call meeting a new class pays a compile).
+@triton.jit(do_not_specialize=["T", "sp_b", "sp_t", "ss_b", "sw_b", "sw_t"])
 def _rope_kv_kernel(
     qkv_ptr,
     cos_ptr,
@@ -220,7 +222,7 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
 # gathered length is fixed at capture, so every step paid for the whole slot. This kernel reads K/V in
 # place and loops over prefix_len + W positions read at run time: a captured graph's attention costs
 # what the sequence's real length costs.
-@triton.jit
+@triton.jit(do_not_specialize=["T", "W", "n_rows", "ss_b", "sp_b", "sq_b", "sq_t", "sw_b", "sw_t", "so_b", "so_t"])
 def _attention_kernel(
     q_ptr,
     kv_ptr,
