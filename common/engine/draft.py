@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from common.config import DraftingConfig
 from common.engine.base import ProposeInput
@@ -122,6 +123,8 @@ class Eagle3Drafter:
         # in the step, so that capture never meets one_hot's host-side range checks)
         self._own = torch.zeros(max(steps - 1, 1), k, max(self.scratch, 1), dtype=torch.bool, device=self.device)
         self._own.view(-1, max(self.scratch, 1))[torch.arange(self.scratch), torch.arange(self.scratch)] = True
+        with torch.inference_mode():  # base-model embeddings of the draft vocabulary [Vd, H]
+            self._draft_embed = self.embed(head.to_base_ids(torch.arange(c.draft_vocab_size, device=self.device)))
         gc = graph_cfg or GraphConfig()
         self.graphs = CudaGraphManager(
             self.device, name="drafter", enabled=graphs and gc.capture, warmup_iters=gc.warmup_iters
@@ -201,16 +204,16 @@ class Eagle3Drafter:
         for depth in range(1, steps):
             own = (depth - 1) * k + torch.arange(k, device=dev)  # [K] scratch entries
             anc = front_anc | self._own[depth - 1][None]  # [B, K, S]
-            ids = self.head.to_base_ids(front_tok)
             batch = Batch(
-                input_ids=ids,
+                input_ids=front_tok,  # draft ids; the head reads only the embeddings below
                 positions=(m + depth - 1)[:, None].expand(bb, k).clamp(max=self.rope_len - 1),
                 slots=slots,
                 write_pos=m[:, None] + own[None, :],
                 prefix_len=m,
                 window=anc,
             )
-            out = self.head.top_k(self.embed(ids), front_hidden, batch, self.cache, k)
+            embeds = F.embedding(front_tok, self._draft_embed)  # one gather: no d2t mapping per level
+            out = self.head.top_k(embeds, front_hidden, batch, self.cache, k)
             scores = (front_score[:, :, None] + out.logp).reshape(bb, k * k)  # [B, K*K]
             child_tok = out.ids.reshape(bb, k * k)
             cand_tok.append(child_tok)

@@ -93,7 +93,7 @@ def attention(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, kv_len: in
     b, t, h, d = q.shape
     kvh = kv.shape[3]
     g = h // kvh
-    keys = kv[slots, :kv_len]  # [B, K, 2, KVH, D]
+    keys = kv.narrow(1, 0, kv_len).index_select(0, slots)  # [B, K, 2, KVH, D]
     qg = q.reshape(b, t, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(b, kvh, g * t, d)
     k = keys[:, :, 0].to(q.dtype).transpose(1, 2)  # [B, KVH, K, D]
     v = keys[:, :, 1].to(q.dtype).transpose(1, 2)
