@@ -192,14 +192,15 @@ def verifiers(ckpt):
 
 
 def _count_runs(engine) -> list:
+    """Record the graph key of every step call (each one feeds its inputs first)."""
     keys: list = []
-    run = engine.graphs.run
+    feed = engine.graphs.feed
 
-    def counting(key, step, inputs):
+    def counting(key, inputs):
         keys.append(key)
-        return run(key, step, inputs)
+        return feed(key, inputs)
 
-    engine.graphs.run = counting
+    engine.graphs.feed = counting
     return keys
 
 
@@ -317,3 +318,26 @@ def test_padded_drafter_matches_exact(drafters, ckpt) -> None:
     assert ("expand", 4) in keys and ("expand", 2) in keys
     for d in (exact, padded):
         assert d.release(ids + ["w"]) == 4
+
+
+def test_multi_step_decode_equals_single_steps(verifiers) -> None:
+    """decode_steps chains the step on the device: the same tokens as one call per token, for a batch
+    padded to its bucket, and a sampling sequence in the batch falls back to one step."""
+    exact, padded = verifiers
+    ids = ["m0", "m1", "m2"]
+    for s, p in zip(ids, PROMPTS):
+        exact.prefill(PrefillInput(s, p, SamplingConfig()))
+        padded.prefill(PrefillInput(s, p, SamplingConfig()))
+    want = [[] for _ in ids]
+    for _ in range(7):
+        for w, t in zip(want, exact.decode(ids)):
+            w.append(t)
+    assert padded.decode_steps(ids, 7) == want
+    assert [padded.seqs.get(s)[1].length for s in ids] == [exact.seqs.get(s)[1].length for s in ids]
+    assert padded.decode(ids) == exact.decode(ids)  # the state after the chained steps is consistent
+    padded.prefill(PrefillInput("m3", PROMPTS[0], SamplingConfig(temperature=0.7, seed=1)))
+    assert [len(t) for t in padded.decode_steps(["m0", "m3"], 5)] == [1, 1]
+    with pytest.raises(Exception, match="steps must be >= 1"):
+        padded.decode_steps(["m0"], 0)
+    exact.release(ids)
+    padded.release(ids + ["m3"])

@@ -164,9 +164,15 @@ class CudaGraphManager:
         """Replay key's graph on inputs (copied into its static buffers), or step(**inputs) eagerly on
         the device when key has no graph. Returns the outputs (a graph's are overwritten by its next
         run: copy what must survive)."""
+        return self.replay(key, step, self.feed(key, inputs))
+
+    def feed(self, key: Hashable, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The inputs on the device: key's static buffers, filled (host tensors through pinned staging), or
+        plain device copies when key has no graph. Device ops may update them between replays (a step
+        chained on its own outputs, as multi-step decoding does)."""
         g = self._graphs.get(key)
         if g is None:
-            return step(**{k: v.to(self.device, non_blocking=True) for k, v in inputs.items()})
+            return {k: v.to(self.device, non_blocking=True) for k, v in inputs.items()}
         for name, value in inputs.items():
             dst = g.inputs[name]
             if value.device.type == "cpu":
@@ -174,6 +180,13 @@ class CudaGraphManager:
                 dst.copy_(g.staging[name], non_blocking=True)
             else:
                 dst.copy_(value)
+        return g.inputs
+
+    def replay(self, key: Hashable, step: Callable[..., Any], fed: dict[str, torch.Tensor]) -> Any:
+        """One run of key on inputs returned by feed(key, ...)."""
+        g = self._graphs.get(key)
+        if g is None:
+            return step(**fed)
         g.graph.replay()
         return g.outputs
 

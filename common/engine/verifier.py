@@ -352,26 +352,51 @@ class Verifier:
 
     @torch.inference_mode()
     def decode(self, seq_ids: list[str]) -> list[int]:
+        """One plain decoding step for each sequence: its next token."""
+        return [t[0] for t in self.decode_steps(seq_ids, 1)]
+
+    @torch.inference_mode()
+    def decode_steps(self, seq_ids: list[str], steps: int) -> list[list[int]]:
+        """Up to `steps` plain decoding steps for each sequence with one host synchronisation: the step
+        writes its token and length back into its input block on the device, and the graph is replayed
+        again. The caller applies stop rules to the tokens (steps past a stop are wasted, not wrong).
+        Batches with a sampling sequence (host-side sampling) and sequences near the end of their context
+        take fewer steps; every sequence gets the same number of tokens."""
+        if steps < 1:
+            raise InvalidRequest(f"decode steps must be >= 1, got {steps}")
         check_unique(seq_ids)
         states = [self.seqs.get(s) for s in seq_ids]
         for s, (_, st) in zip(seq_ids, states):
             if st.length + 1 > self.capacity:
                 raise CapacityExhausted(f"sequence {s!r} is at the end of its context")
+        if not all(st.sampling.greedy for _, st in states):
+            steps = 1
+        steps = min(steps, min(self.capacity - st.length for _, st in states))
         b = len(seq_ids)
         bb = self._bucket(b, self.batch_buckets)
         block = self._decode_block(bb)
         a = block.numpy()  # [bb, 3]
         for i, (slot, st) in enumerate(states):
             a[i] = (st.pending, st.length, slot)
+        key = ("decode", bb)
         with self.graphs.on_stream():
-            hidden, greedy = self.graphs.run(("decode", bb), self._decode_step, {"packed": block})
-            greedy = greedy[:b].cpu().numpy()
-            tokens = []
+            fed = self.graphs.feed(key, {"packed": block})
+            tokens = torch.empty(bb, steps, dtype=torch.long, device=self.device)  # [B, steps]
+            for j in range(steps):
+                hidden, greedy = self.graphs.replay(key, self._decode_step, fed)
+                tokens[:, j] = greedy
+                if j + 1 < steps:  # the next step's input: this token at the next position
+                    fed["packed"][:, 0] = greedy
+                    fed["packed"][:, 1] += 1
+            out = tokens[:b].cpu().numpy()
+            result = []
             for i, (_, st) in enumerate(states):
-                st.length += 1
-                st.pending = int(greedy[i]) if st.sampling.greedy else self._choose(self.model.logits(hidden[i]), st)
-                tokens.append(st.pending)
-            return tokens
+                if not st.sampling.greedy:  # steps == 1 here
+                    out[i, 0] = self._choose(self.model.logits(hidden[i]), st)
+                st.length += steps
+                st.pending = int(out[i, -1])
+                result.append(out[i].tolist())
+            return result
 
     def release(self, seq_ids: list[str]) -> int:
         return sum(self.seqs.release(s) for s in seq_ids)
