@@ -1,8 +1,8 @@
 """make bench: every figure of the GPU fast path from one command, with the baselines measured in the
 same run, on the same prompts.
 
-    python -m bench.run --out bench-results [--device cuda] [--prompts 16] [--max-new-tokens 128]
-                        [--concurrency 1,4,16] [--head models/eagle3-smollm2]
+    python -m bench.run --out bench-results [--device cuda] [--prompts 64] [--max-new-tokens 128]
+                        [--concurrency 1,16,64] [--head models/eagle3-smollm2]
 
 0. bench.decode_probe (GPU): kernels per step and graph replay time of decode (batch 1, 16, 64), verify
    of a 60-node tree and the draft's proposal, on the real model.
@@ -62,19 +62,27 @@ def summarize(rows: list[dict], concurrency: list[int], meta: dict) -> tuple[str
                      f"| {fmt(r.get('rpc_ms_per_round'), 2)} | {fmt(r.get('host_ms_per_round'), 2)} |")
     ratios = {}
     lines += ["", "| concurrency | plain ms/token (per request) | spec / plain | spec / HF | services-ipc / in-process "
-              "| services-inline / in-process |", "|---:|---:|---:|---:|---:|---:|"]
+              "| services-inline / in-process | gateway plain / engine plain | services spec / gateway plain "
+              "| services tok/s total |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     hf = _get(rows, "hf-generate", 1)
     for c in concurrency:
         plain, spec = _get(rows, "plain", c), _get(rows, "speculative", c)
         ipc, inline = _get(rows, "services-ipc", c), _get(rows, "services-inline", c)
+        gw_plain = _get(rows, "services-ipc-plain", c) or _get(rows, "services-inline-plain", c)
         entry = {"plain_ms_per_token": 1000 / per(plain) if plain and per(plain) else None,
                  "spec_over_plain": ratio(spec, plain), "spec_over_hf": ratio(spec, hf),
                  "services_ipc_over_inprocess": ratio(ipc, spec), "services_inline_over_inprocess": ratio(inline, spec),
-                 "services_ipc_over_plain": ratio(ipc, plain), "services_ipc_over_hf": ratio(ipc, hf)}
+                 "services_ipc_over_plain": ratio(ipc, plain), "services_ipc_over_hf": ratio(ipc, hf),
+                 "gateway_plain_over_engine_plain": ratio(gw_plain, plain),
+                 "services_spec_over_gateway_plain": ratio(ipc, gw_plain),
+                 "services_ipc_tok_s_total": ipc["tok_s_total"] if ipc else None}
         ratios[c] = entry
         lines.append(f"| {c} | {fmt(entry['plain_ms_per_token'], 2)} | {fmt(entry['spec_over_plain'], 2)}x "
                      f"| {fmt(entry['spec_over_hf'], 1)}x | {fmt(entry['services_ipc_over_inprocess'], 2)}x "
-                     f"| {fmt(entry['services_inline_over_inprocess'], 2)}x |")
+                     f"| {fmt(entry['services_inline_over_inprocess'], 2)}x "
+                     f"| {fmt(entry['gateway_plain_over_engine_plain'], 2)}x "
+                     f"| {fmt(entry['services_spec_over_gateway_plain'], 2)}x "
+                     f"| {fmt(entry['services_ipc_tok_s_total'], 0)} |")
     lines += ["", "Ratios compare tokens/s per request at the same concurrency (HF: batch 1 only)."]
     return "\n".join(lines) + "\n", ratios
 
@@ -112,9 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="bench-results")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--prompts", type=int, default=64)
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--concurrency", default="1,4,16")
+    p.add_argument("--concurrency", default="1,16,64")
     p.add_argument("--hf-prompts", type=int, default=3)
     p.add_argument("--head", default=str(DEFAULT_HEAD))
     p.add_argument("--skip-services", action="store_true")
@@ -133,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         return rc
     rows = _rows(out / "engine_bench.json")
     if not a.skip_services:
-        services_bench.main([*common, "--dtype", dtype, "--out", str(out)])
+        services_bench.main([*common, "--dtype", dtype, "--modes", "spec,plain", "--out", str(out)])
         rows += _rows(out / "services.json")
     meta = {"device_name": engine_bench.device_name(a.device), "dtype": dtype, "prompts": a.prompts,
             "max_new_tokens": a.max_new_tokens, "command": "python -m bench.run " + " ".join(argv or sys.argv[1:])}

@@ -36,9 +36,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-async def one_request(stub, text: str, max_new: int, t_start: float) -> tuple[RequestTrace, gpb.GenerateResponse]:
+async def one_request(stub, text: str, max_new: int, t_start: float,
+                      speculative: bool = True) -> tuple[RequestTrace, gpb.GenerateResponse]:
     req = gpb.GenerateRequest(messages=[gpb.ChatMessage(role="user", content=text)], max_tokens=max_new,
-                              ignore_eos=True)
+                              ignore_eos=True, speculative=speculative)
     tr = RequestTrace(arrival=t_start)
     last = None
     async for msg in stub.Generate(req):
@@ -49,7 +50,8 @@ async def one_request(stub, text: str, max_new: int, t_start: float) -> tuple[Re
     return tr, last
 
 
-async def closed_loop(addr: str, prompts: list[str], max_new: int, concurrency: int):
+async def closed_loop(addr: str, prompts: list[str], max_new: int, concurrency: int, speculative: bool = True):
+    """`concurrency` workers each send one request at a time until the prompts are used up."""
     async with grpc.aio.insecure_channel(addr) as ch:
         stub = gpb_grpc.GenerationStub(ch)
         queue = list(prompts)
@@ -58,7 +60,7 @@ async def closed_loop(addr: str, prompts: list[str], max_new: int, concurrency: 
         async def worker():
             while queue:
                 text = queue.pop(0)
-                tr, fin = await one_request(stub, text, max_new, time.perf_counter())
+                tr, fin = await one_request(stub, text, max_new, time.perf_counter(), speculative)
                 traces.append(tr)
                 finals.append(fin)
 
@@ -105,20 +107,23 @@ def run(args) -> list[RunResult]:
             gw_log = (stack.log_dir / "gateway.log").read_text()
             mode = "ipc" if "CUDA IPC" in gw_log.split("hidden states between")[-1][:40] else "inline"
             asyncio.run(closed_loop(stack.gateway, prompts[:2], 16, 1))  # warm-up
-            for c in args.concurrency:
+            for c, speculative in [(c, m) for c in args.concurrency for m in args.spec_modes]:
+                n = max(len(prompts), args.requests_per_worker * c)  # every worker busy for the whole run
+                load = [prompts[i % len(prompts)] for i in range(n)]
                 before = scrape_rounds(mport)
-                traces, finals, wall = asyncio.run(closed_loop(stack.gateway, prompts, args.max_new_tokens, c))
+                traces, finals, wall = asyncio.run(closed_loop(stack.gateway, load, args.max_new_tokens, c,
+                                                               speculative))
                 rounds = sum(f.speculation.rounds for f in finals)
                 after = scrape_rounds(mport)
-                r = summarize(f"services-{mode}", c, traces, wall, rounds=rounds)
+                r = summarize(f"services-{mode}" + ("" if speculative else "-plain"), c, traces, wall, rounds=rounds)
                 round_tokens = sum(f.usage.completion_tokens - 1 for f in finals)
-                r.acceptance_length = round_tokens / max(rounds, 1)
+                r.acceptance_length = round_tokens / max(rounds, 1) if speculative else None
                 phase = per_round(before, after)
                 r.draft_ms_per_round = phase.get("draft")
                 r.verify_ms_per_round = phase.get("verify")
                 r.rpc_ms_per_round = phase.get("rpc")
                 r.host_ms_per_round = phase.get("orchestration")
-                log.info("%s c=%d: %.1f tok/s total, %.1f tok/s per request, acceptance %.2f", r.method, c,
+                log.info("%s c=%d: %.1f tok/s total, %.1f tok/s per request, acceptance %s", r.method, c,
                          r.tok_s_total, r.tok_s_per_request, r.acceptance_length)
                 results.append(r)
     return results
@@ -138,10 +143,13 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--tree-size", type=int, default=60)
     p.add_argument("--ipc", default="on,off", help="comma list: on (IPC when colocated), off (inline bytes)")
+    p.add_argument("--modes", default="spec", help="comma list: spec (speculative requests), plain")
+    p.add_argument("--requests-per-worker", type=int, default=2, help="requests = max(prompts, this x concurrency)")
     p.add_argument("--out", default="bench_out")
     a = p.parse_args(argv)
     a.concurrency = [int(c) for c in a.concurrency.split(",")]
     a.ipc_modes = [m == "on" for m in a.ipc.split(",")]
+    a.spec_modes = [m == "spec" for m in a.modes.split(",")]
     return a
 
 
