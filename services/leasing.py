@@ -9,7 +9,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from common.errors import PeerUnavailable
+from common.errors import InvalidRequest, PeerUnavailable
 from common.leases import LeaseTable
 from services.engine_runner import EngineRunner
 from specdec.v1 import internal_pb2 as pb
@@ -30,6 +30,8 @@ class SequenceLeases:
 
     async def lease(self, request: pb.LeaseRequest) -> pb.LeaseResponse:
         now = self._clock()
+        if not request.instance_id:
+            raise InvalidRequest("a lease needs the gateway's instance id")
         if request.takeover:
             freed = self.table.connect(request.instance_id, request.name, now)
             if freed:
@@ -37,8 +39,6 @@ class SequenceLeases:
                          request.instance_id, request.name, len(freed))
                 await self._runner.run(self._free, freed)
         else:
-            if not request.instance_id:
-                raise ValueError("instance id must not be empty")
             self.table.renew(request.instance_id, now, request.name)
             freed = []
         return pb.LeaseResponse(ttl_s=self.table.ttl_s, freed=len(freed))
