@@ -21,8 +21,13 @@ class SequenceLeases:
     """`free(seq_ids)` releases sequences in the engine; it runs on the engine thread, in turn with the
     engine's other calls. Every method here runs on the event loop, so the table needs no lock."""
 
-    def __init__(self, ttl_s: float, free: Callable[[list[str]], object], runner: EngineRunner,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        ttl_s: float,
+        free: Callable[[list[str]], object],
+        runner: EngineRunner,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.table = LeaseTable(ttl_s)
         self._free, self._runner, self._clock = free, runner, clock
         self.draining = False
@@ -35,8 +40,12 @@ class SequenceLeases:
         if request.takeover:
             freed = self.table.connect(request.instance_id, request.name, now)
             if freed:
-                log.info("instance %s (%s) took over: freeing %d sequence(s) of its predecessor",
-                         request.instance_id, request.name, len(freed))
+                log.info(
+                    "instance %s (%s) took over: freeing %d sequence(s) of its predecessor",
+                    request.instance_id,
+                    request.name,
+                    len(freed),
+                )
                 await self._runner.run(self._free, freed)
         else:
             self.table.renew(request.instance_id, now, request.name)

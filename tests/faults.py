@@ -32,8 +32,10 @@ class Streams:
 
     def __init__(self, addr: str, requests: list[gpb.GenerateRequest], timeout: float = 300) -> None:
         self.outcomes = [Outcome() for _ in requests]
-        self._threads = [threading.Thread(target=self._run, args=(addr, r, o, timeout), daemon=True)
-                         for r, o in zip(requests, self.outcomes)]
+        self._threads = [
+            threading.Thread(target=self._run, args=(addr, r, o, timeout), daemon=True)
+            for r, o in zip(requests, self.outcomes)
+        ]
         for t in self._threads:
             t.start()
 
@@ -72,8 +74,7 @@ def info(addr: str, draft: bool = False):
 
 def held(stack) -> tuple[int, int]:
     """(verifier, draft) sequences held now."""
-    return (info(stack.address("verifier")).active_sequences,
-            info(stack.address("draft"), draft=True).active_sequences)
+    return (info(stack.address("verifier")).active_sequences, info(stack.address("draft"), draft=True).active_sequences)
 
 
 def wait_for(predicate, timeout: float, interval: float = 0.1) -> float:
@@ -103,5 +104,8 @@ def complete(addr: str, request: gpb.GenerateRequest, timeout: float = 120) -> g
 
 def figures(name: str, **numbers) -> None:
     """The measured figures of one fault, in one greppable line."""
-    log.info("FAULT %s: %s", name, ", ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
-                                             for k, v in numbers.items()))
+    log.info(
+        "FAULT %s: %s",
+        name,
+        ", ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in numbers.items()),
+    )

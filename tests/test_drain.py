@@ -48,8 +48,13 @@ def _start_stack(tmp_path: Path, grace: float) -> tuple[subprocess.Popen, str]:
     addr = f"127.0.0.1:{_free_port()}"
     env = {**os.environ, "GATEWAY_ADDR": addr, "PYTHONPATH": str(ROOT)}
     log = open(tmp_path / "stack.log", "w")  # noqa: SIM115 - closed with the process
-    p = subprocess.Popen([sys.executable, "-m", "services.stack", "--drain-grace", str(grace)], cwd=ROOT, env=env,
-                         stdout=log, stderr=subprocess.STDOUT)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "services.stack", "--drain-grace", str(grace)],
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     wait_for(lambda: health(addr) == "SERVING" or p.poll() is not None, timeout=300, interval=0.2)
     assert p.poll() is None, (tmp_path / "stack.log").read_text()[-3000:]
     return p, addr
@@ -74,8 +79,14 @@ def test_sigterm_drains_in_flight_and_leaves_no_orphans(tmp_path):
         stack.wait(timeout=60)
         exited = time.monotonic() - t0
         assert not [c for c in children if _alive(c)]
-        figures("sigterm-drain", sent=len(outcomes), failed=len(streams.failed), completed=len(outcomes),
-                exit_after_s=exited, orphans=0)
+        figures(
+            "sigterm-drain",
+            sent=len(outcomes),
+            failed=len(streams.failed),
+            completed=len(outcomes),
+            exit_after_s=exited,
+            orphans=0,
+        )
     finally:
         for c in children:
             if _alive(c):

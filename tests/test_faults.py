@@ -48,8 +48,9 @@ def test_draft_killed_mid_batch_nothing_fails(faulty):
     prompts = CHAT_PROMPTS[:6]
     n_tokens = 40
     spec_reqs = [chat(p, max_tokens=n_tokens, ignore_eos=True) for p in prompts]
-    streams = Streams(s.gateway, spec_reqs + [chat(p, max_tokens=n_tokens, ignore_eos=True, speculative=False)
-                                              for p in prompts[:2]])
+    streams = Streams(
+        s.gateway, spec_reqs + [chat(p, max_tokens=n_tokens, ignore_eos=True, speculative=False) for p in prompts[:2]]
+    )
     streams.wait_tokens(2)
     s.kill("draft")
     killed_at = time.monotonic()
@@ -62,8 +63,9 @@ def test_draft_killed_mid_batch_nothing_fails(faulty):
         assert gpb_grpc.GenerationStub(ch).GetModelInfo(gpb.ModelInfoRequest(), timeout=10).speculation_degraded
     outcomes = streams.join()
     assert not streams.failed, [str(o.error) for o in streams.failed]
-    plain = complete_many(s.gateway, [chat(p, max_tokens=n_tokens, ignore_eos=True, speculative=False)
-                                      for p in prompts])
+    plain = complete_many(
+        s.gateway, [chat(p, max_tokens=n_tokens, ignore_eos=True, speculative=False) for p in prompts]
+    )
     for o, r in zip(outcomes, plain):
         assert o.tokens == list(r.token_ids)
     outage = time.monotonic() - killed_at
@@ -75,8 +77,9 @@ def test_draft_killed_mid_batch_nothing_fails(faulty):
 
     recovery = wait_for(speculates, timeout=30, interval=0.05)
     assert wait_for(lambda: held(s) == (0, 0), timeout=10) >= 0
-    figures("draft-kill", sent=len(outcomes), failed=len(streams.failed), outage_s=outage,
-            back_to_speculation_s=recovery)
+    figures(
+        "draft-kill", sent=len(outcomes), failed=len(streams.failed), outage_s=outage, back_to_speculation_s=recovery
+    )
     assert time.monotonic() - back_at < 30
 
 
@@ -102,8 +105,15 @@ def test_gateway_killed_and_restarted_frees_its_sequences(faulty):
     s.kill("gateway")
     killed = time.monotonic()
     expired = wait_for(lambda: held(s) == (0, 0), timeout=LEASE_TTL * 4)
-    figures("gateway-kill", sent=10, failed_in_flight=10, next_requests_ok=len(ok), held_before_restart=stranded,
-            held_after_restart=after_restart, lease_expiry_s=time.monotonic() - killed)
+    figures(
+        "gateway-kill",
+        sent=10,
+        failed_in_flight=10,
+        next_requests_ok=len(ok),
+        held_before_restart=stranded,
+        held_after_restart=after_restart,
+        lease_expiry_s=time.monotonic() - killed,
+    )
     assert expired <= LEASE_TTL * 4
     s.restart("gateway")
 
@@ -145,8 +155,9 @@ def test_expired_and_cancelled_requests_leave_the_queue(faulty):
     s = faulty
     _restart_gateway(s, "--max-active", "1", "--max-waiting", "3")
     try:
-        blocker = Streams(s.gateway, [chat("Tell me a long story.", max_tokens=120, ignore_eos=True,
-                                           speculative=False)])
+        blocker = Streams(
+            s.gateway, [chat("Tell me a long story.", max_tokens=120, ignore_eos=True, speculative=False)]
+        )
         blocker.wait_tokens(1)
         expiring = Streams(s.gateway, [chat(f"Question {i}", max_tokens=8) for i in range(3)], timeout=0.5)
         expiring.join()
@@ -169,8 +180,7 @@ def test_cancellation_storm_leaks_nothing(faulty):
         from specdec.v1 import generation_pb2_grpc as gpb_grpc
 
         stub = gpb_grpc.GenerationStub(ch)
-        calls = [stub.Complete.future(chat(rng.choice(CHAT_PROMPTS), max_tokens=48), timeout=120)
-                 for _ in range(40)]
+        calls = [stub.Complete.future(chat(rng.choice(CHAT_PROMPTS), max_tokens=48), timeout=120) for _ in range(40)]
         for c in calls:
             time.sleep(rng.uniform(0, 0.15))
             c.cancel()

@@ -80,8 +80,11 @@ def _corpus() -> list[tuple[str, str, object]]:
         ("draft", "Propose", pb.ProposeRequest(items=[_propose("f-neg-id", [5, -3], ok)])),
         ("draft", "Propose", pb.ProposeRequest(items=[_propose("f-pre", [5, 6], ok, prefix=[10**7])])),
         ("draft", "Propose", pb.ProposeRequest(items=[_propose("f-nan", [5, 6], nan)])),
-        ("draft", "Propose", pb.ProposeRequest(items=[_propose("f-int", [5, 6], torch.zeros(2, WIDTH,
-                                                                                            dtype=torch.int32))])),
+        (
+            "draft",
+            "Propose",
+            pb.ProposeRequest(items=[_propose("f-int", [5, 6], torch.zeros(2, WIDTH, dtype=torch.int32))]),
+        ),
         ("draft", "Propose", pb.ProposeRequest(items=[_propose("f-wide", [5, 6], torch.zeros(2, WIDTH + 1))])),
         ("draft", "Propose", pb.ProposeRequest(items=[overflow])),
         ("draft", "Propose", pb.ProposeRequest(items=[negative])),
@@ -93,14 +96,24 @@ def _corpus() -> list[tuple[str, str, object]]:
         ("draft", "Propose", pb.ProposeRequest()),
         ("verifier", "Prefill", pb.PrefillRequest(items=[pb.PrefillItem(seq_id="f-p", token_ids=[1, 2, 10**6])])),
         ("verifier", "Prefill", pb.PrefillRequest(items=[pb.PrefillItem(seq_id="f-e", token_ids=[])])),
-        ("verifier", "Prefill", pb.PrefillRequest(items=[pb.PrefillItem(
-            seq_id="f-s", token_ids=[1, 2], sampling=pb.SamplingParams(temperature=float("nan")))])),
+        (
+            "verifier",
+            "Prefill",
+            pb.PrefillRequest(
+                items=[
+                    pb.PrefillItem(seq_id="f-s", token_ids=[1, 2], sampling=pb.SamplingParams(temperature=float("nan")))
+                ]
+            ),
+        ),
         ("verifier", "Prefill", pb.PrefillRequest(items=[pb.PrefillItem(seq_id="", token_ids=[1, 2])])),
         ("verifier", "Prefill", pb.PrefillRequest(items=[pb.PrefillItem(seq_id="f-long", token_ids=[5] * 600)])),
         ("verifier", "Decode", pb.DecodeRequest(items=[pb.DecodeItem(seq_id="f-ghost")])),
         ("verifier", "Decode", pb.DecodeRequest()),
-        ("verifier", "Verify", pb.VerifyRequest(items=[pb.VerifyItem(seq_id="f-ghost", tree=pb.DraftTree(
-            token_ids=[5], parents=[-1]))])),
+        (
+            "verifier",
+            "Verify",
+            pb.VerifyRequest(items=[pb.VerifyItem(seq_id="f-ghost", tree=pb.DraftTree(token_ids=[5], parents=[-1]))]),
+        ),
         ("verifier", "Features", pb.FeaturesRequest(items=[pb.FeaturesItem(seq_id="f-ghost", token_ids=[1])])),
         ("verifier", "Features", pb.FeaturesRequest()),
         ("verifier", "Lease", pb.LeaseRequest(instance_id="")),
@@ -108,8 +121,10 @@ def _corpus() -> list[tuple[str, str, object]]:
 
 
 def _stubs(stack):
-    return {"draft": pb_grpc.DraftStub(grpc.insecure_channel(stack.address("draft"))),
-            "verifier": pb_grpc.VerifierStub(grpc.insecure_channel(stack.address("verifier")))}
+    return {
+        "draft": pb_grpc.DraftStub(grpc.insecure_channel(stack.address("draft"))),
+        "verifier": pb_grpc.VerifierStub(grpc.insecure_channel(stack.address("verifier"))),
+    }
 
 
 def test_internal_fuzz_corpus(stack):
@@ -124,8 +139,15 @@ def test_internal_fuzz_corpus(stack):
     # a multi-item prefill whose second item fails leaves the first one's slot free
     v = stubs["verifier"]
     with pytest.raises(grpc.RpcError) as e:
-        v.Prefill(pb.PrefillRequest(items=[pb.PrefillItem(seq_id="f-a", token_ids=[1, 2, 3]),
-                                           pb.PrefillItem(seq_id="f-b", token_ids=[1, 10**6])]), timeout=60)
+        v.Prefill(
+            pb.PrefillRequest(
+                items=[
+                    pb.PrefillItem(seq_id="f-a", token_ids=[1, 2, 3]),
+                    pb.PrefillItem(seq_id="f-b", token_ids=[1, 10**6]),
+                ]
+            ),
+            timeout=60,
+        )
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     r = v.Prefill(pb.PrefillRequest(items=[pb.PrefillItem(seq_id="f-a", token_ids=[1, 2, 3])]), timeout=60)
     v.Release(pb.ReleaseRequest(seq_ids=["f-a"]), timeout=60)
@@ -138,10 +160,12 @@ def test_internal_fuzz_corpus(stack):
 def test_undecodable_bytes_are_invalid_argument(stack):
     garbage = [b"\xff\xff\xff", b"\x0a\xff\xff\xff\xff\x0f", bytes(range(256))]
     n = 0
-    for addr, path in [(stack.address("verifier"), "/specdec.v1.Verifier/Prefill"),
-                       (stack.address("draft"), "/specdec.v1.Draft/Propose"),
-                       (stack.gateway, "/specdec.v1.Generation/Complete"),
-                       (stack.gateway, "/specdec.v1.Generation/Generate")]:
+    for addr, path in [
+        (stack.address("verifier"), "/specdec.v1.Verifier/Prefill"),
+        (stack.address("draft"), "/specdec.v1.Draft/Propose"),
+        (stack.gateway, "/specdec.v1.Generation/Complete"),
+        (stack.gateway, "/specdec.v1.Generation/Generate"),
+    ]:
         with grpc.insecure_channel(addr) as ch:
             for raw in garbage:
                 call = (ch.unary_stream if path.endswith("Generate") else ch.unary_unary)(path)
@@ -165,8 +189,10 @@ def test_mutated_messages_never_internal(stack):
     stubs = _stubs(stack)
     rng = random.Random(0)
     hidden = torch.from_numpy(np.random.default_rng(0).standard_normal((3, WIDTH)).astype(np.float32))
-    seeds = [("verifier", "Prefill", pb.PrefillRequest(items=[pb.PrefillItem(seq_id="m-p", token_ids=[1, 2, 3])])),
-             ("draft", "Propose", pb.ProposeRequest(items=[_propose("m-d", [5, 6, 7], hidden)]))]
+    seeds = [
+        ("verifier", "Prefill", pb.PrefillRequest(items=[pb.PrefillItem(seq_id="m-p", token_ids=[1, 2, 3])])),
+        ("draft", "Propose", pb.ProposeRequest(items=[_propose("m-d", [5, 6, 7], hidden)])),
+    ]
     allowed = GOOD_CODES | {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}
     response_type = {"verifier": pb.PrefillResponse, "draft": pb.ProposeResponse}
     seen: dict[str, int] = {}

@@ -36,7 +36,7 @@ def test_owner_that_stops_renewing_expires_with_its_sequences():
     t.connect("gw.a", "gw", now=0)
     t.add("s1", "gw.a", now=0)
     t.renew("gw.a", now=8)
-    assert t.expired(now=17) == []       # renewed at 8: good until 18
+    assert t.expired(now=17) == []  # renewed at 8: good until 18
     assert t.expired(now=18.5) == ["s1"]
     assert len(t) == 0 and "gw.a" not in t.owners
 
@@ -95,13 +95,16 @@ def test_draft_link_degrades_and_retries():
     assert not d.degraded
 
 
-@pytest.mark.parametrize("shape, dtype, needle", [
-    ([2**32, 2**32], "float32", "exceeds"),   # 2**64 elements: an int64 product would wrap to 0
-    ([2**62, 4], "float32", "exceeds"),
-    ([-1, 4], "float32", "invalid"),
-    ([1, 1, 1, 1, 1], "float32", "invalid"),
-    ([2, 2], "complex64", "dtype"),
-])
+@pytest.mark.parametrize(
+    "shape, dtype, needle",
+    [
+        ([2**32, 2**32], "float32", "exceeds"),  # 2**64 elements: an int64 product would wrap to 0
+        ([2**62, 4], "float32", "exceeds"),
+        ([-1, 4], "float32", "invalid"),
+        ([1, 1, 1, 1, 1], "float32", "invalid"),
+        ([2, 2], "complex64", "dtype"),
+    ],
+)
 def test_tensor_shapes_are_checked_before_allocating(shape, dtype, needle):
     with pytest.raises(InvalidRequest, match=needle):
         checked_shape(pb.TensorRef(shape=shape, dtype=dtype))

@@ -41,8 +41,8 @@ class GatewayConfig:
             raise ValueError("gateway needs its own address and the verifier's")
         if self.max_active < 1:
             raise ValueError(f"max_active must be >= 1, got {self.max_active}")
-        if not self.name or "-" in self.name:
-            raise ValueError(f"name must be non-empty without '-' (it prefixes sequence ids), got {self.name!r}")
+        if not self.name:
+            raise ValueError("name must not be empty (it prefixes sequence ids)")
         if self.max_request_bytes < 1024:
             raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
         if self.drain_grace < 0 or self.draft_timeout <= 0:
@@ -133,7 +133,7 @@ def cli() -> None:
     p.add_argument("--metrics-addr", default=os.environ.get("METRICS_ADDR", "127.0.0.1"),
                    help="interface the metrics listen on (0.0.0.0 for a scraper outside the pod)")
     p.add_argument("--no-ipc", action="store_true", help="always send hidden states as inline bytes")
-    p.add_argument("--name", default=os.environ.get("GATEWAY_NAME") or socket.gethostname().replace("-", "_"),
+    p.add_argument("--name", default=os.environ.get("GATEWAY_NAME") or socket.gethostname(),
                    help="stable name of this gateway (default: the host or pod name); a restarted gateway "
                         "frees the sequences its predecessor of the same name left on the services")
     p.add_argument("--max-request-bytes", type=int, default=int(os.environ.get("MAX_REQUEST_BYTES", 4 << 20)),

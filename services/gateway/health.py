@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class HealthConfig:
-    interval_s: float = 0.5           # how often the verifier and the draft are probed
-    probe_timeout_s: float = 2.0      # a probe not answered within this counts as down
+    interval_s: float = 0.5  # how often the verifier and the draft are probed
+    probe_timeout_s: float = 2.0  # a probe not answered within this counts as down
     capacity_timeout_s: float = 30.0  # this long without free capacity -> NOT_SERVING
-    draft_retry_s: float = 0.5        # after a draft failure, speculation is retried no sooner than this
+    draft_retry_s: float = 0.5  # after a draft failure, speculation is retried no sooner than this
 
     def __post_init__(self) -> None:
         for name in ("interval_s", "probe_timeout_s", "capacity_timeout_s", "draft_retry_s"):

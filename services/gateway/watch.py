@@ -32,8 +32,13 @@ class Leaseholder:
                 log.warning("lease on the %s: %s", s.service, e)
                 continue
             self.interval_s = min(self.interval_s, r.ttl_s / 3)
-            log.info("lease on the %s taken as %s (%s); %d sequence(s) of a predecessor freed",
-                     s.service, self.instance_id, self.name, r.freed)
+            log.info(
+                "lease on the %s taken as %s (%s); %d sequence(s) of a predecessor freed",
+                s.service,
+                self.instance_id,
+                self.name,
+                r.freed,
+            )
 
     async def renew_forever(self) -> None:
         while True:
@@ -50,8 +55,14 @@ class HealthMonitor:
     """Probes the verifier (and the draft) every interval and sets the gateway's health: NOT_SERVING while
     the verifier does not answer or capacity has been exhausted for too long."""
 
-    def __init__(self, server: Server, scheduler: Scheduler, verifier: VerifierClient, draft: DraftClient | None,
-                 cfg: HealthConfig) -> None:
+    def __init__(
+        self,
+        server: Server,
+        scheduler: Scheduler,
+        verifier: VerifierClient,
+        draft: DraftClient | None,
+        cfg: HealthConfig,
+    ) -> None:
         self.server, self.scheduler, self.verifier, self.draft, self.cfg = server, scheduler, verifier, draft, cfg
         self.capacity = Capacity(cfg.capacity_timeout_s)
         self.serving = True
@@ -86,6 +97,8 @@ class HealthMonitor:
         # none of ours is stuck: slots leaked or held by someone else
         self.capacity.observe(info.active_sequences < info.max_sequences or bool(self.scheduler.active), now)
         if self.capacity.stalled(now):
-            return (f"no free capacity for {now - self.capacity.exhausted_since:.0f} s: "
-                    f"{info.active_sequences}/{info.max_sequences} verifier slots held")
+            return (
+                f"no free capacity for {now - self.capacity.exhausted_since:.0f} s: "
+                f"{info.active_sequences}/{info.max_sequences} verifier slots held"
+            )
         return None
