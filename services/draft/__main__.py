@@ -7,8 +7,13 @@ import asyncio
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from services.launch import common_arguments, engine_arguments, parse_and_log, serve
+
+if TYPE_CHECKING:  # the CLI's --help stays free of torch
+    from common.config import DraftingConfig
+    from common.engine.base import Drafter
 
 log = logging.getLogger("services.draft")
 
@@ -18,8 +23,8 @@ DRAFTERS = ("eagle3", "oracle-greedy", "oracle-wrong")
 
 @dataclass(frozen=True)
 class Built:
-    drafter: object            # a common.engine.base.Drafter
-    drafting: object           # common.config.DraftingConfig
+    drafter: Drafter
+    drafting: DraftingConfig
     hidden_width: int          # 3 * the base model's hidden size: the features the verifier sends
     vocab_size: int            # the base model's vocabulary: the token ids the draft accepts
 
