@@ -11,6 +11,25 @@ _TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
           "int32": torch.int32, "int64": torch.int64}
 _NAMES = {v: k for k, v in _TORCH.items()}
 MAX_INLINE_BYTES = 256 << 20
+MAX_DIMS = 4
+
+
+def checked_shape(msg) -> tuple[tuple[int, ...], torch.dtype, int]:
+    """A TensorRef's (shape, dtype, nbytes), refused with InvalidRequest before anything is allocated:
+    unknown dtype, too many or negative dims, or a size past MAX_INLINE_BYTES. The size is computed in
+    Python integers, so [2**32, 2**32] is 2**64 elements (too large), not 0 as an int64 product wraps."""
+    dtype = _TORCH.get(msg.dtype)
+    if dtype is None:
+        raise InvalidRequest(f"unknown tensor dtype {msg.dtype!r}")
+    shape = tuple(int(s) for s in msg.shape)
+    if len(shape) > MAX_DIMS or any(s < 0 for s in shape):
+        raise InvalidRequest(f"tensor shape {list(shape)} is invalid (at most {MAX_DIMS} dims, none negative)")
+    nbytes = torch.empty((), dtype=dtype).element_size()
+    for s in shape:
+        nbytes *= s
+    if nbytes > MAX_INLINE_BYTES:
+        raise InvalidRequest(f"tensor of shape {list(shape)} ({nbytes} bytes) exceeds {MAX_INLINE_BYTES} bytes")
+    return shape, dtype, nbytes
 
 
 def encode_ipc(t: torch.Tensor, msg, buffer_id: str, offset_bytes: int, round_: int) -> None:
@@ -41,10 +60,8 @@ def decode(msg, device: torch.device | str, mapped=None) -> torch.Tensor:
     if msg.WhichOneof("payload") == "ipc":
         if mapped is None:
             raise InvalidRequest("tensor is an IPC reference but no IPC buffer is mapped here")
-        dtype = _TORCH.get(msg.dtype)
-        if dtype is None:
-            raise InvalidRequest(f"unknown tensor dtype {msg.dtype!r}")
-        return mapped.view(msg.ipc.buffer_id, msg.ipc.offset_bytes, tuple(int(s) for s in msg.shape), dtype)
+        shape, dtype, _ = checked_shape(msg)
+        return mapped.view(msg.ipc.buffer_id, msg.ipc.offset_bytes, shape, dtype)
     return decode_inline(msg, device)
 
 
@@ -52,15 +69,8 @@ def decode_inline(msg, device: torch.device | str = "cpu") -> torch.Tensor:
     """Read a TensorRef carrying inline bytes back into a tensor on `device`."""
     if msg.WhichOneof("payload") != "inline_data":
         raise InvalidRequest("tensor payload is not inline bytes (CUDA IPC is not set up on this link)")
-    dtype = _TORCH.get(msg.dtype)
-    if dtype is None:
-        raise InvalidRequest(f"unknown tensor dtype {msg.dtype!r}")
-    shape = tuple(int(s) for s in msg.shape)
-    if any(s < 0 for s in shape):
-        raise InvalidRequest(f"negative tensor shape {shape}")
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    expected = int(np.prod(shape, dtype=np.int64)) * itemsize
-    if expected != len(msg.inline_data) or expected > MAX_INLINE_BYTES:
+    shape, dtype, expected = checked_shape(msg)
+    if expected != len(msg.inline_data):
         raise InvalidRequest(f"tensor of shape {shape} and dtype {msg.dtype} needs {expected} bytes, "
                              f"got {len(msg.inline_data)}")
     np_dtype = np.int16 if dtype == torch.bfloat16 else torch.empty((), dtype=dtype).numpy().dtype

@@ -5,6 +5,7 @@ service's error boundary."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -29,8 +30,12 @@ class EngineRunner:
 
     async def guarded(self, fn: Callable[..., T], *args) -> tuple[T | None, tuple[grpc.StatusCode, str] | None]:
         """The service's error boundary: (response, None), or (None, (code, details)) when fn raised.
-        Our exception types map to specific codes; anything else is INTERNAL and logged once."""
+        Our exception types map to specific codes; anything else is INTERNAL and logged once.
+        A coroutine function runs on the event loop (it does its own bookkeeping there and hands the
+        engine work to `run`); a plain function runs on the engine thread."""
         try:
+            if inspect.iscoroutinefunction(fn):
+                return await fn(*args), None
             return await self.run(fn, *args), None
         except Exception as e:  # noqa: BLE001 - the boundary
             code = status_for(e)

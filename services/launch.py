@@ -1,4 +1,6 @@
-"""Process plumbing the three services share: port files and serving until SIGINT/SIGTERM."""
+"""Process plumbing the three services share: port files, flags, and serving until SIGINT/SIGTERM with a
+graceful drain: health NOT_SERVING at once, no new work, in-flight work finishes within --drain-grace,
+then exit. A second signal stops at once."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import asyncio
 import logging
 import os
 import signal
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from common.rpc import Server
@@ -23,14 +26,29 @@ def write_port_file(path: str | None, port: int) -> None:
     os.replace(tmp, path)
 
 
-async def serve_forever(server: Server) -> None:
-    stop = asyncio.Event()
+async def serve_forever(server: Server, drain: Callable[[], Awaitable[None]], grace_s: float) -> None:
+    """Serve until SIGINT/SIGTERM, then drain: `drain()` stops admitting and returns once in-flight work
+    is done; it gets `grace_s` seconds, a second signal cuts it short."""
+    signals = asyncio.Queue()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    log.info("shutting down")
-    await server.stop()
+        loop.add_signal_handler(sig, signals.put_nowait, sig)
+    sig = await signals.get()
+    log.info("%s: health NOT_SERVING, draining (at most %g s)", signal.Signals(sig).name, grace_s)
+    await server.not_serving()
+    draining = loop.create_task(asyncio.wait_for(drain(), grace_s))
+    second = loop.create_task(signals.get())
+    await asyncio.wait([draining, second], return_when=asyncio.FIRST_COMPLETED)
+    if second.done():
+        log.warning("second signal: stopping without waiting for in-flight work")
+        draining.cancel()
+    second.cancel()
+    try:
+        await draining
+        log.info("drained: stopping")
+    except (TimeoutError, asyncio.CancelledError):
+        log.warning("stopping with work still in flight")
+    await server.stop(1.0)
 
 
 def common_arguments(p: argparse.ArgumentParser, addr_env: str, default_addr: str) -> None:
@@ -38,6 +56,9 @@ def common_arguments(p: argparse.ArgumentParser, addr_env: str, default_addr: st
     p.add_argument("--addr", default=os.environ.get(addr_env, default_addr))
     p.add_argument("--port-file", default=None, help="write the bound port here once serving")
     p.add_argument("--log-level", default=os.environ.get("LOG_LEVEL", "INFO"))
+    p.add_argument("--drain-grace", type=float, default=float(os.environ.get("DRAIN_GRACE", "20")),
+                   help="seconds in-flight work may take to finish after SIGTERM (keep below the "
+                        "orchestrator's kill timeout, e.g. terminationGracePeriodSeconds)")
 
 
 def engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -51,6 +72,8 @@ def engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="capture CUDA graphs at start-up (CUDA only)")
     p.add_argument("--max-sequences", type=int, default=8, help="KV cache slots (concurrent sequences)")
     p.add_argument("--max-context", type=int, default=2048, help="prompt + generated tokens per sequence")
+    p.add_argument("--lease-ttl", type=float, default=float(os.environ.get("LEASE_TTL", "30")),
+                   help="seconds after which the sequences of a gateway that stopped renewing are freed")
 
 
 def parse_and_log(p: argparse.ArgumentParser) -> argparse.Namespace:
@@ -59,10 +82,16 @@ def parse_and_log(p: argparse.ArgumentParser) -> argparse.Namespace:
     return a
 
 
-async def serve(address: str, add_servicer, servicer, service_name: str, port_file: str | None) -> None:
-    """Start one service (with health and reflection), publish its port, serve until SIGINT/SIGTERM."""
+async def serve(address: str, add_servicer, servicer, service_name: str, port_file: str | None,
+                grace_s: float) -> None:
+    """Start one engine service (with health and reflection) and its lease reaper, publish its port,
+    serve until SIGINT/SIGTERM, then drain: no new sequences, wait until the held ones are released."""
     from common.rpc import start_server
 
     server = await start_server(address, [(add_servicer, servicer)], [service_name])
+    servicer.leases.start()
     write_port_file(port_file, server.port)
-    await serve_forever(server)
+    try:
+        await serve_forever(server, servicer.leases.drain, grace_s)
+    finally:
+        servicer.leases.stop()

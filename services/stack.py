@@ -1,13 +1,21 @@
 """Start the three services as separate processes on loopback and wait until they serve.
 
-python -m services.stack            serve until Ctrl-C (gateway on $GATEWAY_ADDR or 127.0.0.1:50051)
+python -m services.stack            serve until Ctrl-C or SIGTERM (gateway on $GATEWAY_ADDR or 127.0.0.1:50051)
 python -m services.stack --demo     also stream one demo generation with its speculation stats
 Tests use `Stack` with port 0 everywhere.
+
+SIGTERM, SIGINT and SIGHUP are forwarded to the three children, which drain (in-flight generations
+finish within --drain-grace) and exit; the stack waits for them, killing any that outlive the grace.
+The children run in their own sessions (a Ctrl-C reaches only the stack, which stops them in order) and
+are bound to the stack's life: should the stack itself be killed (-9), the kernel sends them SIGTERM
+(PR_SET_PDEATHSIG), so no orphan keeps the ports.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import logging
 import os
 import signal
@@ -20,6 +28,13 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parents[1]
+PR_SET_PDEATHSIG = 1
+
+
+def _bind_to_parent() -> None:
+    """In the child, before exec: SIGTERM when the parent dies (Linux; elsewhere a no-op)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 @dataclass
@@ -29,36 +44,62 @@ class Stack:
     verifier_args: list[str] = field(default_factory=list)
     gateway_args: list[str] = field(default_factory=list)
     common_args: list[str] = field(default_factory=list)    # passed to draft and verifier (e.g. --max-context)
+    drain_grace: float = 5.0  # seconds each service may drain on SIGTERM
     log_dir: Path | None = None
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     ports: dict[str, int] = field(default_factory=dict)
+    _tmp: Path | None = None
+    _env: dict = field(default_factory=dict)
 
     def start(self, timeout: float = 300.0) -> Stack:
-        tmp = Path(tempfile.mkdtemp(prefix="specdec-"))
-        self.log_dir = self.log_dir or tmp
-        env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-        backends = {"verifier": self.verifier_args, "draft": self.draft_args}
-        for name, extra in backends.items():
-            self._spawn(name, ["--addr", "127.0.0.1:0", *self.common_args, *extra], tmp, env)
-        for name in backends:
-            self._wait(name, tmp, timeout)
-        self._spawn("gateway", ["--addr", self.gateway_addr, "--verifier", f"127.0.0.1:{self.ports['verifier']}",
-                                "--draft", f"127.0.0.1:{self.ports['draft']}", *self.gateway_args], tmp, env)
-        self._wait("gateway", tmp, timeout)
+        self._tmp = Path(tempfile.mkdtemp(prefix="specdec-"))
+        self.log_dir = self.log_dir or self._tmp
+        self._env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        for name in ("verifier", "draft"):
+            self._spawn(name, "127.0.0.1:0")
+        for name in ("verifier", "draft"):
+            self._wait(name, timeout)
+        self._spawn("gateway", self.gateway_addr)
+        self._wait("gateway", timeout)
         return self
 
     @property
     def gateway(self) -> str:
         return f"127.0.0.1:{self.ports['gateway']}"
 
-    def _spawn(self, name: str, args: list[str], tmp: Path, env: dict) -> None:
-        out = open(self.log_dir / f"{name}.log", "w")  # noqa: SIM115 - lives as long as the process
-        self.procs[name] = subprocess.Popen(
-            [sys.executable, "-m", f"services.{name}", *args, "--port-file", str(tmp / f"{name}.port")],
-            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    def address(self, name: str) -> str:
+        return f"127.0.0.1:{self.ports[name]}"
 
-    def _wait(self, name: str, tmp: Path, timeout: float) -> None:
-        port_file, deadline = tmp / f"{name}.port", time.monotonic() + timeout
+    def _args(self, name: str) -> list[str]:
+        if name == "gateway":
+            return ["--verifier", self.address("verifier"), "--draft", self.address("draft"), *self.gateway_args]
+        return [*self.common_args, *(self.verifier_args if name == "verifier" else self.draft_args)]
+
+    def _spawn(self, name: str, addr: str) -> None:
+        (self._tmp / f"{name}.port").unlink(missing_ok=True)
+        out = open(self.log_dir / f"{name}.log", "a")  # noqa: SIM115 - lives as long as the process
+        self.procs[name] = subprocess.Popen(
+            [sys.executable, "-m", f"services.{name}", "--addr", addr, "--drain-grace", str(self.drain_grace),
+             *self._args(name), "--port-file", str(self._tmp / f"{name}.port")],
+            cwd=ROOT, env=self._env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            preexec_fn=_bind_to_parent)
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """Send `sig` to one service (tests: faults); waits for it to exit when it is SIGKILL."""
+        p = self.procs[name]
+        p.send_signal(sig)
+        if sig == signal.SIGKILL:
+            p.wait(timeout=30)
+
+    def restart(self, name: str, timeout: float = 300.0) -> None:
+        """Start a service again on the port it had (after kill); returns once it serves."""
+        if self.procs[name].poll() is None:
+            raise RuntimeError(f"{name} is still running")
+        self._spawn(name, self.address(name))
+        self._wait(name, timeout)
+
+    def _wait(self, name: str, timeout: float) -> None:
+        port_file, deadline = self._tmp / f"{name}.port", time.monotonic() + timeout
         while not port_file.exists():
             if self.procs[name].poll() is not None:
                 self.stop()
@@ -73,21 +114,38 @@ class Stack:
     def alive(self) -> dict[str, bool]:
         return {n: p.poll() is None for n, p in self.procs.items()}
 
-    def stop(self) -> None:
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        """Forward `sig` to every service still running, wait for them to drain and exit (up to the
+        grace and a margin), and kill those that do not."""
         for p in self.procs.values():
             if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in self.procs.values():
+                p.send_signal(sig)
+        deadline = time.monotonic() + self.drain_grace + 10
+        for name, p in self.procs.items():
             try:
-                p.wait(timeout=10)
+                p.wait(timeout=max(deadline - time.monotonic(), 0.1))
             except subprocess.TimeoutExpired:
+                log.warning("%s did not exit within its grace: killing it", name)
                 p.kill()
+                p.wait()
 
     def __enter__(self) -> Stack:
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class _Stop(Exception):
+    """A forwarded signal: leave whatever the stack is doing (starting, serving) and stop the children."""
+
+    def __init__(self, sig: int) -> None:
+        super().__init__(signal.Signals(sig).name)
+        self.sig = sig
+
+
+def _raise_stop(sig: int, _frame) -> None:
+    raise _Stop(sig)
 
 
 def main() -> None:
@@ -97,24 +155,34 @@ def main() -> None:
     p.add_argument("--device", default=os.environ.get("SPECDEC_DEVICE", "cpu"))
     p.add_argument("--dtype", default=os.environ.get("SPECDEC_DTYPE", "auto"))
     p.add_argument("--drafter", default="eagle3")
+    p.add_argument("--drain-grace", type=float, default=float(os.environ.get("DRAIN_GRACE", "20")),
+                   help="seconds the services may drain after SIGTERM")
+    p.add_argument("--gateway-arg", action="append", default=[], metavar="ARG",
+                   help="extra gateway flag, repeatable (e.g. --gateway-arg=--metrics-port=9090)")
     a = p.parse_args()
     logging.basicConfig(level="INFO", format="%(asctime)s %(name)s %(levelname)s %(message)s")
     addr = os.environ.get("GATEWAY_ADDR", "127.0.0.1:50051")
     stack = Stack(gateway_addr=addr, common_args=["--device", a.device, "--dtype", a.dtype],
-                  draft_args=["--drafter", a.drafter])
-    log.info("starting verifier, draft and gateway (logs in %s) ...", stack.log_dir or "a temp folder")
-    stack.start()
-    log.info("gateway serving on %s (verifier :%d, draft :%d; logs in %s)", stack.gateway,
-             stack.ports["verifier"], stack.ports["draft"], stack.log_dir)
+                  draft_args=["--drafter", a.drafter], gateway_args=a.gateway_arg, drain_grace=a.drain_grace)
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _raise_stop)
     try:
+        log.info("starting verifier, draft and gateway ...")
+        stack.start()
+        log.info("gateway serving on %s (verifier :%d, draft :%d; logs in %s)", stack.gateway,
+                 stack.ports["verifier"], stack.ports["draft"], stack.log_dir)
         if a.demo:
             from services.client import stream
             stream(stack.gateway, "Why is the sky blue?", max_tokens=96, chat=True, out=sys.stdout)
-        log.info("serving until Ctrl-C")
-        signal.sigwait({signal.SIGINT, signal.SIGTERM})
-    except KeyboardInterrupt:
-        pass
+        log.info("serving until Ctrl-C or SIGTERM")
+        while all(stack.alive().values()):
+            time.sleep(0.5)
+        log.error("a service exited on its own (%s): stopping the others", stack.alive())
+    except _Stop as e:
+        log.info("%s: forwarding to the services and waiting for them to drain", e)
     finally:
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)  # a second signal must not cut the stop short
         stack.stop()
 
 

@@ -31,7 +31,7 @@ def test_invalid_tree_fails_only_its_call_on_the_stream(stack):
             await v.prefill("st-bad", PROMPT, SamplingConfig(), want_hidden=False)
             one = pb.DraftTree(token_ids=[5], parents=[-1])
             first = await v.verify([("st-bad", one)])
-            opened = v._verify._stream
+            opened = v.streamed._stream
             assert opened is not None and len(first.results[0].tokens) >= 1
             bad = pb.DraftTree(token_ids=[5, 6], parents=[-1, 7])  # parent index out of range
             with pytest.raises(grpc.aio.AioRpcError) as e:
@@ -40,12 +40,12 @@ def test_invalid_tree_fails_only_its_call_on_the_stream(stack):
             # the same stream carries the next call, and the sequence is untouched
             ok = await v.verify([("st-bad", one)])
             assert len(ok.results[0].tokens) >= 1
-            assert v._verify._stream is opened and not opened.done() and v._verify.streaming
+            assert v.streamed._stream is opened and not opened.done() and v.streamed.streaming
             # an unknown sequence is NOT_FOUND, as on the unary call
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await v.verify([("ghost", one)])
             assert e.value.code() == grpc.StatusCode.NOT_FOUND
-            assert v._verify._stream is opened
+            assert v.streamed._stream is opened
         finally:
             await v.release(["st-bad"])
             await v.close()
@@ -63,11 +63,11 @@ def test_invalid_propose_fails_only_its_call_on_the_stream(stack):
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await d.propose([bad])
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "hidden rows" in e.value.details()
-            opened = d._propose._stream
+            opened = d.streamed._stream
             good = pb.ProposeItem(seq_id="st-x", token_ids=[5, 6], start=True, context_prefix=[1])
             encode_inline(torch.zeros(2, 3 * 576), good.hidden)
             r = await d.propose([good])
-            assert len(r.results[0].token_ids) > 0 and d._propose._stream is opened
+            assert len(r.results[0].token_ids) > 0 and d.streamed._stream is opened
         finally:
             await d.release(["st-x"])
             await d.close()
@@ -100,7 +100,7 @@ def test_rounds_are_identical_on_stream_and_unary(stack):
                 assert ts == tu and len(ts.token_ids) > 0
                 assert ks == ku
                 assert hs.shape == hu.shape and hs.inline_data == hu.inline_data
-            assert v._verify._stream is not None and d._propose._stream is not None
+            assert v.streamed._stream is not None and d.streamed._stream is not None
         finally:
             await v.release(list(seqs))
             await d.release(list(seqs))

@@ -5,9 +5,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from services.launch import common_arguments, engine_arguments, parse_and_log, serve
+
+if TYPE_CHECKING:  # the CLI's --help stays free of torch
+    from common.config import DraftingConfig
+    from common.engine.base import Drafter
 
 log = logging.getLogger("services.draft")
 
@@ -15,7 +21,15 @@ DEFAULT_HEAD = Path(__file__).resolve().parents[2] / "models" / "eagle3-smollm2"
 DRAFTERS = ("eagle3", "oracle-greedy", "oracle-wrong")
 
 
-def build_drafter(args: argparse.Namespace):
+@dataclass(frozen=True)
+class Built:
+    drafter: Drafter
+    drafting: DraftingConfig
+    hidden_width: int          # 3 * the base model's hidden size: the features the verifier sends
+    vocab_size: int            # the base model's vocabulary: the token ids the draft accepts
+
+
+def build_drafter(args: argparse.Namespace) -> Built:
     """The drafter named by --drafter, with the base model parts it needs."""
     import torch
 
@@ -35,7 +49,8 @@ def build_drafter(args: argparse.Namespace):
         base.load_state_dict(ckpt.state_dict, strict=False)
         base.to(device=device, dtype=dtype).eval()
         oracle = GreedyOracleDrafter if args.drafter == "oracle-greedy" else WrongOracleDrafter
-        return oracle(base, drafting.steps, device), drafting, 3 * ckpt.config.hidden_size
+        return Built(oracle(base, drafting.steps, device), drafting, 3 * ckpt.config.hidden_size,
+                     ckpt.config.vocab_size)
     # the EAGLE-3 head needs only the base model's token embeddings
     embed = torch.nn.Embedding.from_pretrained(ckpt.state_dict["embed_tokens.weight"]).to(device=device, dtype=dtype)
     from common.model.eagle3 import Eagle3Config, Eagle3Head
@@ -55,7 +70,7 @@ def build_drafter(args: argparse.Namespace):
     head.to(device=device, dtype=dtype).eval()
     drafter = make_drafter(head, embed, drafting, args.max_sequences, args.max_context, device,
                            graphs=args.graphs)  # CUDA graphs on a GPU, eager on CPU
-    return drafter, drafting, 3 * head.cfg.target_hidden_size
+    return Built(drafter, drafting, 3 * head.cfg.target_hidden_size, ckpt.config.vocab_size)
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -64,9 +79,11 @@ async def main(args: argparse.Namespace) -> None:
     from services.draft.server import DraftServicer
     from specdec.v1 import internal_pb2_grpc
 
-    drafter, drafting, width = build_drafter(args)
-    servicer = DraftServicer(drafter, drafting, width, torch.device(args.device))
-    await serve(args.addr, internal_pb2_grpc.add_DraftServicer_to_server, servicer, "specdec.v1.Draft", args.port_file)
+    b = build_drafter(args)
+    servicer = DraftServicer(b.drafter, b.drafting, b.hidden_width, b.vocab_size, torch.device(args.device),
+                             lease_ttl=args.lease_ttl)
+    await serve(args.addr, internal_pb2_grpc.add_DraftServicer_to_server, servicer, "specdec.v1.Draft", args.port_file,
+                args.drain_grace)
 
 
 def cli() -> None:

@@ -9,6 +9,7 @@ import time
 
 import torch
 
+from common import validate
 from common.config import DraftingConfig
 from common.engine.base import Drafter, ProposeInput
 from common.errors import InvalidRequest
@@ -16,6 +17,7 @@ from common.ipc import ExportedBuffer, MappedBuffers, gpu_uuid
 from common.slots import check_unique
 from common.tensors import decode
 from services.engine_runner import EngineRunner
+from services.leasing import SequenceLeases
 from specdec.v1 import internal_pb2 as pb
 from specdec.v1 import internal_pb2_grpc as pb_grpc
 
@@ -23,23 +25,50 @@ log = logging.getLogger(__name__)
 
 
 class DraftServicer(pb_grpc.DraftServicer):
-    def __init__(self, drafter: Drafter, drafting: DraftingConfig, hidden_width: int, device: torch.device) -> None:
+    def __init__(self, drafter: Drafter, drafting: DraftingConfig, hidden_width: int, vocab_size: int,
+                 device: torch.device, lease_ttl: float) -> None:
         self.drafter, self.drafting, self.hidden_width, self.device = drafter, drafting, hidden_width, device
+        self.vocab_size = vocab_size  # the base model's: every token id we are sent must index its embeddings
         self.gpu_uuid = gpu_uuid(device)
         self.mapped = MappedBuffers(device)
         self.runner = EngineRunner("draft")
+        self.leases = SequenceLeases(lease_ttl, self.drafter.release, self.runner)
 
     async def Propose(self, request, context):
-        return await self.runner.unary(context, self._propose, request)
+        return await self.runner.unary(context, self._owned_propose, request)
 
     async def ProposeStream(self, request_iterator, context):
         """One response per request, in order; the stream outlives failed calls."""
         async for request in request_iterator:
-            yield await self.runner.answer(self._propose, request, pb.ProposeResponse)
+            yield await self.runner.answer(self._owned_propose, request, pb.ProposeResponse)
 
     async def Release(self, request, context):
-        release = lambda: pb.ReleaseResponse(released=self.drafter.release(list(request.seq_ids)))
-        return await self.runner.unary(context, release)
+        return await self.runner.unary(context, self._release_owned, request)
+
+    async def Lease(self, request, context):
+        return await self.runner.unary(context, self.leases.lease, request)
+
+    async def _release_owned(self, request: pb.ReleaseRequest) -> pb.ReleaseResponse:
+        ids = list(request.seq_ids)
+        n = await self.runner.run(self.drafter.release, ids)
+        self.leases.removed(ids)
+        return pb.ReleaseResponse(released=n)
+
+    async def _owned_propose(self, request: pb.ProposeRequest) -> pb.ProposeResponse:
+        """Ownership around the engine call: started sequences are new (refused while draining) and
+        belong to request.owner once the call succeeds; a failed call leaves none of them behind."""
+        started = [it.seq_id for it in request.items if it.start]
+        self.leases.admit(len(started))
+        self.leases.touch([it.seq_id for it in request.items if not it.start])
+        try:
+            resp = await self.runner.run(self._propose, request)
+        except BaseException:
+            if started:
+                await self.runner.run(self.drafter.release, started)
+                self.leases.removed(started)
+            raise
+        self.leases.added(started, request.owner)
+        return resp
 
     async def ImportBuffer(self, request, context):
         return await self.runner.unary(context, self._import, request)
@@ -57,7 +86,8 @@ class DraftServicer(pb_grpc.DraftServicer):
         d = self.drafting
         return pb.DraftInfoResponse(drafter=self.drafter.name, drafting_top_k=d.top_k, drafting_steps=d.steps,
                                     verify_tree_size=d.verify_tree_size, host_id=socket.gethostname(),
-                                    gpu_uuid=self.gpu_uuid)
+                                    gpu_uuid=self.gpu_uuid, active_sequences=len(self.leases.table),
+                                    draining=self.leases.draining)
 
     def _propose(self, request: pb.ProposeRequest) -> pb.ProposeResponse:
         if not request.items:
@@ -65,19 +95,20 @@ class DraftServicer(pb_grpc.DraftServicer):
         check_unique([it.seq_id for it in request.items])
         items = []
         for it in request.items:
+            what = f"sequence {it.seq_id!r}"
             hidden = decode(it.hidden, self.device, self.mapped)
-            if hidden.dim() != 2 or hidden.shape[1] != self.hidden_width:
-                raise InvalidRequest(f"sequence {it.seq_id!r}: hidden must be [num_new, {self.hidden_width}], "
-                                     f"got {list(hidden.shape)}")
-            if hidden.shape[0] != len(it.token_ids) or not it.token_ids:
-                raise InvalidRequest(f"sequence {it.seq_id!r}: {len(it.token_ids)} new tokens but "
-                                     f"{hidden.shape[0]} hidden rows")
+            validate.hidden_rows(hidden, self.hidden_width, len(it.token_ids), what)
+            validate.token_ids(list(it.token_ids), self.vocab_size, what)
+            validate.token_ids(list(it.context_prefix), self.vocab_size, f"{what} context_prefix")
             if it.max_nodes < 0:
                 raise InvalidRequest(f"max_nodes must be >= 0, got {it.max_nodes}")
             items.append(ProposeInput(seq_id=it.seq_id, token_ids=list(it.token_ids), hidden=hidden,
                                       start=it.start, context_prefix=list(it.context_prefix),
                                       max_nodes=min(it.max_nodes or self.drafting.verify_tree_size,
                                                     self.drafting.verify_tree_size)))
+        validate.all_finite([it.hidden for it in items], [f"sequence {it.seq_id!r}" for it in items])
+        restarted = [it.seq_id for it in items if it.start]
+        self.drafter.release(restarted)  # start on a sequence we hold restarts it (a gateway catching us up)
         t0 = time.perf_counter()
         trees = self.drafter.propose(items)
         if self.device.type == "cuda":

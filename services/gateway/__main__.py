@@ -6,10 +6,13 @@ import argparse
 import asyncio
 import logging
 import os
-from dataclasses import dataclass
+import socket
+import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.weights import default_model_path
+from services.gateway.health import HealthConfig
 from services.launch import common_arguments, parse_and_log, serve_forever, write_port_file
 
 log = logging.getLogger("services.gateway")
@@ -24,14 +27,26 @@ class GatewayConfig:
     max_active: int = 8  # sequences per round
     max_waiting: int = 64
     connect_timeout: float = 120.0
-    metrics_port: int = 0  # Prometheus /metrics on 127.0.0.1 (0 = off)
+    metrics_port: int = 0  # Prometheus /metrics (0 = off)
+    metrics_addr: str = "127.0.0.1"  # where /metrics listens (0.0.0.0 in a pod, for the scraper)
     ipc: bool = True       # use CUDA IPC when draft and verifier share host and GPU
+    name: str = "gateway"  # stable across restarts: a restarted gateway frees its predecessor's sequences
+    max_request_bytes: int = 4 << 20  # larger requests are refused (RESOURCE_EXHAUSTED) before parsing
+    drain_grace: float = 20.0         # seconds in-flight generations get after SIGTERM
+    draft_timeout: float = 10.0       # a propose not answered within this falls back to plain decoding
+    health: HealthConfig = field(default_factory=HealthConfig)
 
     def __post_init__(self) -> None:
         if not self.address or not self.verifier:
             raise ValueError("gateway needs its own address and the verifier's")
         if self.max_active < 1:
             raise ValueError(f"max_active must be >= 1, got {self.max_active}")
+        if not self.name:
+            raise ValueError("name must not be empty (it prefixes sequence ids)")
+        if self.max_request_bytes < 1024:
+            raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
+        if self.drain_grace < 0 or self.draft_timeout <= 0:
+            raise ValueError("drain_grace must be >= 0 and draft_timeout > 0")
 
 
 async def main(cfg: GatewayConfig, port_file: str | None) -> None:
@@ -43,11 +58,13 @@ async def main(cfg: GatewayConfig, port_file: str | None) -> None:
     from services.gateway.metrics import Metrics
     from services.gateway.scheduler import Scheduler, SchedulerConfig
     from services.gateway.server import GenerationServicer
+    from services.gateway.watch import HealthMonitor, Leaseholder
     from specdec.v1 import generation_pb2_grpc
 
+    instance_id = f"{cfg.name}.{uuid.uuid4().hex[:12]}"  # sequence ids are "<instance_id>-<n>": unique across restarts
     tok = Tokenizer(cfg.model)
     verifier = VerifierClient(cfg.verifier)
-    draft = DraftClient(cfg.draft) if cfg.draft else None
+    draft = DraftClient(cfg.draft, timeout=cfg.draft_timeout) if cfg.draft else None
     await asyncio.wait_for(verifier.channel.channel_ready(), cfg.connect_timeout)
     vinfo = await verifier.info()
     dinfo = None
@@ -64,21 +81,38 @@ async def main(cfg: GatewayConfig, port_file: str | None) -> None:
                 log.warning("CUDA IPC set-up failed (%s): hidden states travel inline", e.details())
                 on = False
             log.info("hidden states between verifier and draft: %s", "CUDA IPC" if on else "inline bytes")
+    leaseholder = Leaseholder(instance_id, cfg.name, [verifier] + ([draft] if draft else []))
+    await leaseholder.take_over()
     metrics = Metrics()
     if cfg.metrics_port:
-        metrics.serve(cfg.metrics_port)
+        metrics.serve(cfg.metrics_port, cfg.metrics_addr)
     sched = Scheduler(verifier, draft, SchedulerConfig(max_active=min(cfg.max_active, vinfo.max_sequences),
                                                        max_waiting=cfg.max_waiting,
-                                                       tree_size=dinfo.verify_tree_size if dinfo else 1), metrics)
+                                                       tree_size=dinfo.verify_tree_size if dinfo else 1,
+                                                       instance_id=instance_id,
+                                                       draft_retry_s=cfg.health.draft_retry_s), metrics)
     sched.start()
     servicer = GenerationServicer(sched, tok, vinfo, dinfo)
     server = await start_server(cfg.address, [(generation_pb2_grpc.add_GenerationServicer_to_server, servicer)],
-                                ["specdec.v1.Generation"])
+                                ["specdec.v1.Generation"], max_request_bytes=cfg.max_request_bytes)
+    monitor = HealthMonitor(server, sched, verifier, draft, cfg.health)
+    loop = asyncio.get_running_loop()
+    background = [loop.create_task(leaseholder.renew_forever()), loop.create_task(monitor.run_forever())]
     write_port_file(port_file, server.port)
+
+    async def drain() -> None:
+        try:
+            await sched.drain()
+        finally:
+            await sched.stop()  # past the grace: what is left fails with UNAVAILABLE, its sequences released
+
     try:
-        await serve_forever(server)
+        await serve_forever(server, drain, cfg.drain_grace)
     finally:
+        for t in background:
+            t.cancel()
         await sched.stop()
+        servicer.close()
         await verifier.close()
         if draft:
             await draft.close()
@@ -96,12 +130,28 @@ def cli() -> None:
     p.add_argument("--max-waiting", type=int, default=64)
     p.add_argument("--metrics-port", type=int, default=int(os.environ.get("METRICS_PORT", "0")),
                    help="serve Prometheus metrics on this port (0 = off)")
+    p.add_argument("--metrics-addr", default=os.environ.get("METRICS_ADDR", "127.0.0.1"),
+                   help="interface the metrics listen on (0.0.0.0 for a scraper outside the pod)")
     p.add_argument("--no-ipc", action="store_true", help="always send hidden states as inline bytes")
+    p.add_argument("--name", default=os.environ.get("GATEWAY_NAME") or socket.gethostname(),
+                   help="stable name of this gateway (default: the host or pod name); a restarted gateway "
+                        "frees the sequences its predecessor of the same name left on the services")
+    p.add_argument("--max-request-bytes", type=int, default=int(os.environ.get("MAX_REQUEST_BYTES", 4 << 20)),
+                   help="largest request accepted (bytes); larger ones get RESOURCE_EXHAUSTED")
+    p.add_argument("--draft-timeout", type=float, default=10.0,
+                   help="seconds a propose may take before its round falls back to plain decoding")
+    p.add_argument("--capacity-timeout", type=float, default=30.0,
+                   help="seconds without free capacity (every verifier slot held, none by us) before "
+                        "health says NOT_SERVING")
+    p.add_argument("--health-interval", type=float, default=0.5, help="seconds between probes of the services")
     a = parse_and_log(p)
     cfg = GatewayConfig(address=a.addr, verifier=a.verifier, draft=a.draft,
                         model=Path(a.model) if a.model else default_model_path(),
                         max_active=a.max_active, max_waiting=a.max_waiting, metrics_port=a.metrics_port,
-                        ipc=not a.no_ipc)
+                        metrics_addr=a.metrics_addr, ipc=not a.no_ipc, name=a.name,
+                        max_request_bytes=a.max_request_bytes, drain_grace=a.drain_grace,
+                        draft_timeout=a.draft_timeout,
+                        health=HealthConfig(interval_s=a.health_interval, capacity_timeout_s=a.capacity_timeout))
     asyncio.run(main(cfg, a.port_file))
 
 

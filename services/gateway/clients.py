@@ -55,7 +55,7 @@ def _method_name(method) -> str:
 def _peer_error(e: grpc.aio.AioRpcError, name: str) -> Exception:
     """What a failed call raises: PeerUnavailable when the service could not answer, else the error."""
     if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-        return PeerUnavailable(f"{name}: {e.details()}")
+        return PeerUnavailable(f"{name.lstrip('/')} unavailable: {e.details()}")
     return e
 
 
@@ -101,7 +101,7 @@ class StreamedCall:
             except BaseException as e:
                 self._drop()
                 if isinstance(e, TimeoutError):
-                    raise PeerUnavailable(f"{self._name}: no answer within {self.timeout:g} s") from e
+                    raise PeerUnavailable(f"{self._name.lstrip('/')}: no answer within {self.timeout:g} s") from e
                 if isinstance(e, grpc.aio.AioRpcError):
                     if e.code() == grpc.StatusCode.UNIMPLEMENTED:  # an older service: go unary
                         self.streaming = False
@@ -112,7 +112,7 @@ class StreamedCall:
                 raise
             if resp is grpc.aio.EOF:
                 self._drop()
-                raise PeerUnavailable(f"{self._name}: the service ended the stream")
+                raise PeerUnavailable(f"{self._name.lstrip('/')}: the service ended the stream")
         if resp.HasField("error"):
             raise _peer_error(grpc.aio.AioRpcError(_CODES.get(resp.error.code, grpc.StatusCode.UNKNOWN),
                                                    grpc.aio.Metadata(), grpc.aio.Metadata(),
@@ -128,20 +128,53 @@ class StreamedCall:
         self._drop()
 
 
-class VerifierClient:
-    def __init__(self, address: str, timeout: float = 120.0) -> None:
-        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-        self.stub = pb_grpc.VerifierStub(self.channel)
-        self.timeout = timeout
-        self._verify = StreamedCall(self.stub.VerifyStream, self.stub.Verify, timeout)
+class _ServiceClient:
+    """What the gateway's clients of both services share: the channel, Info, Release and the lease."""
 
-    async def info(self) -> pb.InfoResponse:
-        return await _call(self.stub.Info, pb.InfoRequest(), self.timeout)
+    service = "peer"
+
+    def __init__(self, address: str, timeout: float, stub_class, stream_method: str, unary_method: str) -> None:
+        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.timeout = timeout
+        self.stub = stub_class(self.channel)
+        # the per-round call, on its long-lived stream
+        self.streamed = StreamedCall(getattr(self.stub, stream_method), getattr(self.stub, unary_method), timeout)
+
+    async def info(self, timeout: float | None = None):
+        return await _call(self.stub.Info, pb.InfoRequest(), timeout or self.timeout)
+
+    async def release(self, seq_ids: list[str]) -> None:
+        await _call(self.stub.Release, pb.ReleaseRequest(seq_ids=seq_ids), self.timeout)
+
+    async def lease(self, instance_id: str, name: str, takeover: bool) -> pb.LeaseResponse:
+        return await _call(self.stub.Lease, pb.LeaseRequest(instance_id=instance_id, name=name, takeover=takeover),
+                           self.timeout)
+
+    def reachable(self) -> bool:
+        """Whether a call now has a connection to go on (asks the channel to connect if idle); never waits."""
+        state = self.channel.get_state(try_to_connect=True)
+        return state in (grpc.ChannelConnectivity.READY, grpc.ChannelConnectivity.IDLE)
+
+    async def close(self) -> None:
+        self.streamed.close()
+        await self.channel.close()
+
+
+class VerifierClient(_ServiceClient):
+    service = "verifier"
+
+    def __init__(self, address: str, timeout: float = 120.0) -> None:
+        super().__init__(address, timeout, pb_grpc.VerifierStub, "VerifyStream", "Verify")
+
+    @property
+    def _verify(self) -> StreamedCall:  # the name bench/rpc_bench.py uses
+        return self.streamed
 
     async def prefill(self, seq_id: str, token_ids: list[int], sampling: SamplingConfig,
-                      want_hidden: bool) -> Prefilled:
+                      want_hidden: bool, owner: str = "") -> Prefilled:
         req = pb.PrefillRequest(items=[pb.PrefillItem(seq_id=seq_id, token_ids=token_ids,
-                                                      sampling=sampling_msg(sampling), want_hidden=want_hidden)])
+                                                      sampling=sampling_msg(sampling), want_hidden=want_hidden)],
+                                owner=owner)
         r = (await _call(self.stub.Prefill, req, self.timeout)).results[0]
         return Prefilled(next_token=r.next_token, hidden=r.hidden)
 
@@ -150,7 +183,7 @@ class VerifierClient:
         add = req.items.add
         for s, t in items:
             add(seq_id=s, tree=t)  # one copy of each tree (a VerifyItem list would copy twice)
-        resp = await (self._verify(req) if stream else _call(self.stub.Verify, req, self.timeout))
+        resp = await (self.streamed(req) if stream else _call(self.stub.Verify, req, self.timeout))
         return Batched([Verified(tokens=list(r.accepted_tokens), hidden=r.hidden) for r in resp.results],
                        resp.compute_us / 1e6)
 
@@ -159,41 +192,28 @@ class VerifierClient:
         resp = await _call(self.stub.Decode, req, self.timeout)
         return [r.next_token for r in resp.results]
 
-    async def release(self, seq_ids: list[str]) -> None:
-        await _call(self.stub.Release, pb.ReleaseRequest(seq_ids=seq_ids), self.timeout)
+    async def features(self, items: list[tuple[str, list[int]]]) -> list[pb.TensorRef]:
+        """(seq id, tokens in its KV cache) -> hidden [num_cached, 3H] for each, recomputed."""
+        req = pb.FeaturesRequest(items=[pb.FeaturesItem(seq_id=s, token_ids=t) for s, t in items])
+        return [r.hidden for r in (await _call(self.stub.Features, req, self.timeout)).results]
 
     async def export_hidden(self, enable: bool) -> pb.IpcBuffer:
         return await _call(self.stub.ExportHidden, pb.ExportRequest(enable=enable), self.timeout)
 
-    async def close(self) -> None:
-        self._verify.close()
-        await self.channel.close()
 
+class DraftClient(_ServiceClient):
+    service = "draft"
 
-class DraftClient:
     def __init__(self, address: str, timeout: float = 120.0) -> None:
-        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-        self.stub = pb_grpc.DraftStub(self.channel)
-        self.timeout = timeout
-        self._propose = StreamedCall(self.stub.ProposeStream, self.stub.Propose, timeout)
+        super().__init__(address, timeout, pb_grpc.DraftStub, "ProposeStream", "Propose")
 
-    async def info(self) -> pb.DraftInfoResponse:
-        return await _call(self.stub.Info, pb.InfoRequest(), self.timeout)
-
-    async def propose(self, items: list[pb.ProposeItem], stream: bool = True) -> Batched:
-        req = pb.ProposeRequest(items=items)
-        resp = await (self._propose(req) if stream else _call(self.stub.Propose, req, self.timeout))
+    async def propose(self, items: list[pb.ProposeItem], stream: bool = True, owner: str = "") -> Batched:
+        req = pb.ProposeRequest(items=items, owner=owner)
+        resp = await (self.streamed(req) if stream else _call(self.stub.Propose, req, self.timeout))
         return Batched([r.tree for r in resp.results], resp.compute_us / 1e6)
-
-    async def release(self, seq_ids: list[str]) -> None:
-        await _call(self.stub.Release, pb.ReleaseRequest(seq_ids=seq_ids), self.timeout)
 
     async def import_buffer(self, buf: pb.IpcBuffer) -> None:
         await _call(self.stub.ImportBuffer, buf, self.timeout)
-
-    async def close(self) -> None:
-        self._propose.close()
-        await self.channel.close()
 
 
 async def connect_ipc(verifier: VerifierClient, draft: DraftClient, vinfo: pb.InfoResponse,

@@ -28,6 +28,10 @@ class Metrics:
         self.accepted_per_pos = Counter("specdec_spec_decode_num_accepted_tokens_per_pos",
                                         "Rounds that accepted at least this many drafted tokens", ["position"],
                                         registry=r)
+        self.degraded = Gauge("specdec_speculation_degraded",
+                              "1 while the draft is unreachable and requests run by plain decoding", registry=r)
+        self.draft_failures = Counter("specdec_draft_failures", "Rounds whose propose failed (decoded plainly)",
+                                      registry=r)
         self.round_seconds = Histogram("specdec_round_seconds", "One batched round, wall time", ["phase"],
                                        registry=r, buckets=LATENCY_BUCKETS)
         self.max_depth = max_depth
@@ -43,7 +47,7 @@ class Metrics:
                            for p in ("draft", "verify", "rpc", "orchestration", "total")}
         return self._phase
 
-    def serve(self, port: int, addr: str = "127.0.0.1") -> None:
+    def serve(self, port: int, addr: str) -> None:
         start_http_server(port, addr=addr, registry=self.registry)
 
     def accepted(self, n: int) -> None:

@@ -3,6 +3,13 @@
 One loop owns every active sequence. Each iteration admits waiting requests (prefill on the
 verifier), then runs one round for all of them: propose, verify, commit, stream. Sequences join
 after their prefill and leave when finished, between rounds, without stalling the others.
+
+The draft is optional to every request. When it is down or a propose fails, the round's speculative
+sequences are decoded plainly on the verifier (the same tokens, one a round) and the draft's state of
+them is forgotten. Once the draft answers again they catch up: the verifier recomputes the hidden states
+of each sequence's cached tokens (Features, in a spare slot) and the draft is restarted on them with a
+start=True ProposeItem, exactly as after a prefill. Sequence ids start with this gateway's instance id,
+under which the services hold them (see common/leases.py).
 """
 
 from __future__ import annotations
@@ -14,8 +21,9 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from common.errors import CapacityExhausted
+from common.errors import CapacityExhausted, PeerUnavailable
 from services.gateway.clients import DraftClient, VerifierClient
+from services.gateway.health import DraftLink
 from services.gateway.metrics import Metrics
 from services.gateway.sequence import Delta, Finish, Generation
 from specdec.v1 import internal_pb2 as pb
@@ -28,7 +36,8 @@ class Active:
     seq_id: str
     gen: Generation
     out: asyncio.Queue  # Delta items, then None; or an exception
-    next_propose: pb.ProposeItem | None = None  # the draft's input for the next round (speculative)
+    speculative: bool = False  # the request wants speculation and a draft is configured
+    next_propose: pb.ProposeItem | None = None  # the draft's input for the next round; None: plain (or lost)
     started: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
 
@@ -38,10 +47,14 @@ class SchedulerConfig:
     max_active: int = 8     # sequences in the rounds at once (<= the services' slots)
     max_waiting: int = 64   # queued requests beyond that before RESOURCE_EXHAUSTED
     tree_size: int = 60     # nodes the draft proposes per sequence and round
+    instance_id: str = "gw"  # this gateway process; prefix of its sequence ids, owner of its sequences
+    draft_retry_s: float = 0.5  # after a draft failure, speculation is retried no sooner than this
 
     def __post_init__(self) -> None:
         if self.max_active < 1 or self.max_waiting < 0 or self.tree_size < 1:
             raise ValueError("max_active and tree_size must be >= 1, max_waiting >= 0")
+        if not self.instance_id or self.draft_retry_s <= 0:
+            raise ValueError("instance_id must not be empty and draft_retry_s must be > 0")
 
 
 class Scheduler:
@@ -49,8 +62,10 @@ class Scheduler:
                  metrics: Metrics | None = None) -> None:
         self.verifier, self.draft, self.cfg = verifier, draft, cfg
         self.metrics = metrics or Metrics()
-        self.waiting: list[Active] = []
+        self.waiting: dict[str, Active] = {}  # seq id -> queued request, oldest first
         self.active: list[Active] = []
+        self.draft_link = DraftLink(cfg.draft_retry_s)
+        self.draining = False
         self._wake = asyncio.Event()
         self._ids = itertools.count()
         self._task: asyncio.Task | None = None
@@ -58,17 +73,36 @@ class Scheduler:
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._loop())
 
+    async def drain(self) -> None:
+        """Admit nothing new; return once every queued and active generation has finished."""
+        self.draining = True
+        while self.active or self.waiting:
+            await asyncio.sleep(0.05)
+
     async def stop(self) -> None:
+        """Stop the loop; generations still running fail with UNAVAILABLE and their sequences are released."""
         if self._task:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        left = self.active + list(self.waiting.values())
+        self.waiting.clear()
+        self._fail(left, PeerUnavailable("the gateway shut down before this request finished"))
+        await self._release([a for a in left if a in self.active])
+        self.active = []
+
+    @property
+    def speculation_degraded(self) -> bool:
+        return self.draft is not None and self.draft_link.degraded
 
     async def generate(self, gen: Generation) -> AsyncIterator[Delta]:
         """Queue a generation and yield its deltas; the last one carries the finish reason."""
+        if self.draining:
+            raise PeerUnavailable("the gateway is shutting down; retry on another replica")
         if len(self.waiting) >= self.cfg.max_waiting:
             raise CapacityExhausted(f"{len(self.waiting)} requests are already waiting; try again later")
-        a = Active(seq_id=f"g{next(self._ids)}", gen=gen, out=asyncio.Queue())
-        self.waiting.append(a)
+        a = Active(seq_id=f"{self.cfg.instance_id}-{next(self._ids)}", gen=gen, out=asyncio.Queue(),
+                   speculative=gen.request.speculative and self.draft is not None)
+        self.waiting[a.seq_id] = a
         self._wake.set()
         try:
             while True:
@@ -80,6 +114,7 @@ class Scheduler:
                 yield item
         finally:
             gen.abort()  # no-op when finished; a cancelled client's sequence leaves at the next round
+            self.waiting.pop(a.seq_id, None)  # cancelled or past its deadline while queued: its place is free
 
     # ---- the loop ----
     async def _loop(self) -> None:
@@ -92,11 +127,14 @@ class Scheduler:
                 await self._guarded(self.active, self._round())
 
     async def _round(self) -> None:
+        await self._catch_up()  # sequences the draft lost, once it answers again
         spec = [a for a in self.active if a.next_propose is not None]
-        plain = [a for a in self.active if a.next_propose is None]
+        t0 = time.perf_counter()
+        proposed = await self._propose(spec)                                                       # propose
+        if proposed is None:  # the draft is down or failed: this round is plain decoding for all
+            spec = []
+        plain = [a for a in self.active if a not in spec]
         if spec:
-            t0 = time.perf_counter()
-            proposed = await self.draft.propose([a.next_propose for a in spec])                   # propose
             t1 = time.perf_counter()
             verified = await self.verifier.verify([(a.seq_id, t) for a, t in zip(spec, proposed.results)])  # verify
             t2 = time.perf_counter()
@@ -110,6 +148,50 @@ class Scheduler:
             for a, t in zip(plain, await self.verifier.decode([a.seq_id for a in plain])):
                 self._emit(a, a.gen.commit([t]))
         await self._retire()
+
+    async def _propose(self, spec: list[Active]):
+        """The draft's trees for `spec`, or None when it failed: then its state of them is forgotten
+        (they catch up later) and nobody's request fails for it."""
+        if not spec:
+            return None
+        try:
+            proposed = await self.draft.propose([a.next_propose for a in spec], owner=self.cfg.instance_id)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any draft failure means plain decoding, not a failed request
+            self._draft_failed(spec, e)
+            return None
+        self.draft_link.succeeded()
+        return proposed
+
+    def _draft_failed(self, group: list[Active], e: Exception) -> None:
+        log.warning("draft failed for %d sequence(s) (%s): plain decoding until it is back", len(group), e)
+        self.draft_link.failed(time.monotonic())
+        self.metrics.draft_failures.inc()
+        for a in group:
+            a.next_propose = None
+
+    async def _catch_up(self) -> None:
+        """Restart the draft on every speculative sequence it does not hold: hidden states of the tokens
+        in the verifier's cache, recomputed, paired with the tokens that follow them (as after a prefill:
+        context [t0 .. tn] with tn pending -> hidden of t0..t(n-1), token_ids t1..tn, prefix [t0])."""
+        lost = [a for a in self.active if a.speculative and a.next_propose is None]
+        self.metrics.degraded.set(1 if self.speculation_degraded else 0)
+        if not lost or not self.draft_link.may_try(time.monotonic()) or not self.draft.reachable():
+            return
+        contexts = [a.gen.request.prompt_ids + a.gen.token_ids for a in lost]
+        try:
+            hidden = await self.verifier.features([(a.seq_id, ctx[:-1]) for a, ctx in zip(lost, contexts)])
+        except PeerUnavailable:
+            raise  # the verifier is down: the round fails anyway
+        except Exception as e:  # noqa: BLE001 - no catch-up this round; they stay plain
+            log.warning("could not recompute features for the draft to catch up: %s", e)
+            self.draft_link.failed(time.monotonic())
+            return
+        for a, ctx, h in zip(lost, contexts, hidden):
+            a.next_propose = pb.ProposeItem(seq_id=a.seq_id, token_ids=ctx[1:], hidden=h, start=True,
+                                            context_prefix=ctx[:1], max_nodes=self.cfg.tree_size)
+        log.info("the draft catches up on %d sequence(s)", len(lost))
 
     def _count_round(self, a: Active, drafted: int, accepted: int) -> None:
         a.gen.stats.rounds += 1
@@ -134,7 +216,7 @@ class Scheduler:
         self.metrics.running.set(len(self.active))
         self.metrics.waiting.set(len(self.waiting))
         while self.waiting and len(self.active) < self.cfg.max_active:
-            a = self.waiting.pop(0)
+            a = self.waiting.pop(next(iter(self.waiting)))
             if a.gen.finish is not None:  # cancelled while waiting
                 continue
             await self._guarded([a], self._prefill(a))
@@ -143,9 +225,11 @@ class Scheduler:
     async def _prefill(self, a: Active) -> None:
         req = a.gen.request
         self.active.append(a)
-        speculative = req.speculative and self.draft is not None
+        # while the draft is down, no hidden states: the sequence catches up once it is back
+        speculative = a.speculative and not self.draft_link.degraded
         self.metrics.prompt_tokens.inc(len(req.prompt_ids))
-        pre = await self.verifier.prefill(a.seq_id, req.prompt_ids, req.sampling, want_hidden=speculative)
+        pre = await self.verifier.prefill(a.seq_id, req.prompt_ids, req.sampling, want_hidden=speculative,
+                                          owner=self.cfg.instance_id)
         if speculative:
             a.next_propose = pb.ProposeItem(seq_id=a.seq_id, token_ids=req.prompt_ids[1:] + [pre.next_token],
                                             hidden=pre.hidden, start=True, context_prefix=req.prompt_ids[:1],
@@ -193,9 +277,13 @@ class Scheduler:
             raise
         except Exception as e:  # the step's requests get the error; the loop and other requests go on
             log.warning("step failed for %d sequence(s): %s", len(group), e)
-            for a in group:
-                if a.gen.finish is None:
-                    a.gen.finish = Finish.ABORT
-                    a.out.put_nowait(e)
+            self._fail(group, e)
             self.active = [a for a in self.active if a not in group]
             await self._release(group)
+
+    @staticmethod
+    def _fail(group: list[Active], e: Exception) -> None:
+        for a in group:
+            if a.gen.finish is None:
+                a.gen.finish = Finish.ABORT
+                a.out.put_nowait(e)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
@@ -33,9 +35,14 @@ class GenerationServicer(gpb_grpc.GenerationServicer):
                  draft_info: pb.DraftInfoResponse | None) -> None:
         self.scheduler, self.tok = scheduler, tokenizer
         self.vinfo, self.dinfo = verifier_info, draft_info
+        # tokenizing (and applying the chat template) takes time in proportion to the input: never on the loop
+        self._tokenizing = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
+
+    async def _off_loop(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizing, fn, *args)
 
     async def _run(self, request: gpb.GenerateRequest) -> tuple[Generation, AsyncIterator[Delta]]:
-        req = convert.gen_request(request, self.tok, self.vinfo.max_context)
+        req = await self._off_loop(convert.gen_request, request, self.tok, self.vinfo.max_context)
         gen = Generation(request=req, decoder=IncrementalDecoder(self.tok), eos_token_id=self.tok.eos_token_id)
         return gen, self.scheduler.generate(gen)
 
@@ -70,7 +77,7 @@ class GenerationServicer(gpb_grpc.GenerationServicer):
 
     async def Tokenize(self, request, context):
         try:
-            ids = convert.prompt_ids(request, self.tok)
+            ids = await self._off_loop(convert.prompt_ids, request, self.tok)
             return gpb.TokenizeResponse(token_ids=ids, tokens=self.tok.tokens(ids))
         except Exception as e:  # noqa: BLE001 - the boundary
             await _abort(context, e)
@@ -82,4 +89,8 @@ class GenerationServicer(gpb_grpc.GenerationServicer):
                              drafter=d.drafter if d else "none", drafting_top_k=d.drafting_top_k if d else 0,
                              drafting_steps=d.drafting_steps if d else 0,
                              verify_tree_size=d.verify_tree_size if d else 0,
-                             dtype=self.vinfo.dtype, device=self.vinfo.device)
+                             dtype=self.vinfo.dtype, device=self.vinfo.device,
+                             speculation_degraded=self.scheduler.speculation_degraded)
+
+    def close(self) -> None:
+        self._tokenizing.shutdown(wait=False, cancel_futures=True)

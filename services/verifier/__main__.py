@@ -15,14 +15,16 @@ async def main(args: argparse.Namespace) -> None:
     from services.verifier.server import VerifierServicer
     from specdec.v1 import internal_pb2_grpc
 
-    cfg = VerifierConfig(max_sequences=args.max_sequences, max_context=args.max_context,
+    # one engine slot beyond --max-sequences: the spare that recomputes features for a draft catching up
+    cfg = VerifierConfig(max_sequences=args.max_sequences + 1, max_context=args.max_context,
                          max_tree_nodes=args.max_tree_nodes, dtype=pick_dtype(args.device, args.dtype),
                          device=args.device)
     ckpt = load_checkpoint(args.model)
     engine = make_verifier(ckpt, cfg, graphs=args.graphs)  # CUDA graphs on a GPU, eager on CPU
-    servicer = VerifierServicer(engine, hidden_width=3 * ckpt.config.hidden_size)
+    servicer = VerifierServicer(engine, hidden_width=3 * ckpt.config.hidden_size, max_sequences=args.max_sequences,
+                                lease_ttl=args.lease_ttl)
     await serve(args.addr, internal_pb2_grpc.add_VerifierServicer_to_server, servicer, "specdec.v1.Verifier",
-                args.port_file)
+                args.port_file, args.drain_grace)
 
 
 def cli() -> None:

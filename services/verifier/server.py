@@ -6,16 +6,19 @@ from __future__ import annotations
 import logging
 import socket
 import time
+import uuid
 
 import torch
 
 from common.config import SamplingConfig
 from common.engine.base import PrefillInput, VerifierEngine, VerifyInput
-from common.errors import InvalidRequest
+from common.errors import CapacityExhausted, InvalidRequest, UnknownSequence
 from common.ipc import HiddenExport, gpu_uuid
+from common.slots import check_unique
 from common.tensors import encode_inline, encode_ipc
 from common.tree import validate_tree
 from services.engine_runner import EngineRunner
+from services.leasing import SequenceLeases
 from specdec.v1 import internal_pb2 as pb
 from specdec.v1 import internal_pb2_grpc as pb_grpc
 
@@ -31,38 +34,88 @@ def sampling_config(msg: pb.SamplingParams) -> SamplingConfig:
 
 
 class VerifierServicer(pb_grpc.VerifierServicer):
-    def __init__(self, engine: VerifierEngine, hidden_width: int) -> None:
-        self.engine, self.hidden_width = engine, hidden_width
+    """`engine` has one slot more than `max_sequences`: the spare one recomputes a sequence's features
+    for a draft that catches up (Features), so that never waits for capacity."""
+
+    def __init__(self, engine: VerifierEngine, hidden_width: int, max_sequences: int, lease_ttl: float) -> None:
+        if not 1 <= max_sequences < engine.info.max_sequences:
+            raise ValueError(f"max_sequences must be in [1, {engine.info.max_sequences}) (one engine slot is "
+                             f"the spare for Features), got {max_sequences}")
+        self.engine, self.hidden_width, self.max_sequences = engine, hidden_width, max_sequences
         self.device = torch.device(engine.info.device)
         self.gpu_uuid = gpu_uuid(self.device)
         self.export: HiddenExport | None = None  # set once the draft has mapped our buffer
         self.runner = EngineRunner("verifier")
+        self.leases = SequenceLeases(lease_ttl, self._release_ids, self.runner)
+        self._spare_id = f"~features-{uuid.uuid4().hex}"  # no client can name it
 
     async def Prefill(self, request, context):
-        return await self.runner.unary(context, self._prefill, request)
+        return await self.runner.unary(context, self._admit_prefill, request)
 
     async def Verify(self, request, context):
-        return await self.runner.unary(context, self._verify, request)
+        return await self.runner.unary(context, self._touched_verify, request)
 
     async def VerifyStream(self, request_iterator, context):
         """One response per request, in order; the stream outlives failed calls."""
         async for request in request_iterator:
-            yield await self.runner.answer(self._verify, request, pb.VerifyResponse)
+            yield await self.runner.answer(self._touched_verify, request, pb.VerifyResponse)
 
     async def Decode(self, request, context):
-        return await self.runner.unary(context, self._decode, request)
+        return await self.runner.unary(context, self._touched_decode, request)
 
     async def Release(self, request, context):
-        return await self.runner.unary(context, self._release, request)
+        return await self.runner.unary(context, self._release_owned, request)
 
     async def ExportHidden(self, request, context):
         return await self.runner.unary(context, self._export_hidden, request)
 
+    async def Lease(self, request, context):
+        return await self.runner.unary(context, self.leases.lease, request)
+
+    async def Features(self, request, context):
+        return await self.runner.unary(context, self._held_features, request)
+
     async def Info(self, request, context):
         i = self.engine.info
         return pb.InfoResponse(model=i.model, vocab_size=i.vocab_size, max_context=i.max_context,
-                               max_sequences=i.max_sequences, max_tree_nodes=i.max_tree_nodes, dtype=i.dtype,
-                               device=i.device, host_id=socket.gethostname(), gpu_uuid=self.gpu_uuid)
+                               max_sequences=self.max_sequences, max_tree_nodes=i.max_tree_nodes, dtype=i.dtype,
+                               device=i.device, host_id=socket.gethostname(), gpu_uuid=self.gpu_uuid,
+                               active_sequences=len(self.leases.table), draining=self.leases.draining)
+
+    # ---- ownership (on the event loop), then the engine call (on the engine thread) ----
+    async def _admit_prefill(self, request: pb.PrefillRequest) -> pb.PrefillResponse:
+        ids = [it.seq_id for it in request.items]
+        check_unique(ids)
+        self.leases.admit(len(ids))
+        held = len(self.leases.table)
+        if held + len(ids) > self.max_sequences:
+            raise CapacityExhausted(f"{held} of {self.max_sequences} sequence slots are in use; "
+                                    f"{len(ids)} more do not fit")
+        resp = await self.runner.run(self._prefill, request)
+        self.leases.added(ids, request.owner)
+        return resp
+
+    async def _touched_verify(self, request: pb.VerifyRequest) -> pb.VerifyResponse:
+        self.leases.touch([it.seq_id for it in request.items])
+        return await self.runner.run(self._verify, request)
+
+    async def _touched_decode(self, request: pb.DecodeRequest) -> pb.DecodeResponse:
+        self.leases.touch([it.seq_id for it in request.items])
+        return await self.runner.run(self._decode, request)
+
+    async def _release_owned(self, request: pb.ReleaseRequest) -> pb.ReleaseResponse:
+        ids = list(request.seq_ids)
+        n = await self.runner.run(self._release_ids, ids)
+        self.leases.removed(ids)
+        return pb.ReleaseResponse(released=n)
+
+    async def _held_features(self, request: pb.FeaturesRequest) -> pb.FeaturesResponse:
+        if not request.items:
+            raise InvalidRequest("features request has no items")
+        for it in request.items:
+            if self.leases.table.owner_of(it.seq_id) is None:
+                raise UnknownSequence(f"unknown sequence id {it.seq_id!r}")
+        return await self.runner.run(self._features, request)
 
     # ---- conversion + engine calls (run on the engine thread) ----
     def _hidden(self, seq_id: str, hidden: torch.Tensor, msg: pb.TensorRef) -> None:
@@ -89,23 +142,41 @@ class VerifierServicer(pb_grpc.VerifierServicer):
     def _engine_dtype(self) -> torch.dtype:
         return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.engine.info.dtype]
 
-    def _release(self, request: pb.ReleaseRequest) -> pb.ReleaseResponse:
-        ids = list(request.seq_ids)
+    def _release_ids(self, ids: list[str]) -> int:
         if self.export is not None:
             for s in ids:
                 self.export.release(s)
-        return pb.ReleaseResponse(released=self.engine.release(ids))
+        return self.engine.release(ids)
 
     def _prefill(self, request: pb.PrefillRequest) -> pb.PrefillResponse:
         if not request.items:
             raise InvalidRequest("prefill request has no items")
         resp = pb.PrefillResponse()
-        for it in request.items:  # prefill is eager and per sequence
-            out = self.engine.prefill(PrefillInput(seq_id=it.seq_id, token_ids=list(it.token_ids),
-                                                   sampling=sampling_config(it.sampling)))
-            r = resp.results.add(seq_id=it.seq_id, next_token=out.next_token)
-            if it.want_hidden:
-                self._hidden(it.seq_id, out.hidden, r.hidden)
+        done: list[str] = []
+        try:
+            for it in request.items:  # prefill is eager and per sequence
+                out = self.engine.prefill(PrefillInput(seq_id=it.seq_id, token_ids=list(it.token_ids),
+                                                       sampling=sampling_config(it.sampling)))
+                done.append(it.seq_id)
+                r = resp.results.add(seq_id=it.seq_id, next_token=out.next_token)
+                if it.want_hidden:
+                    self._hidden(it.seq_id, out.hidden, r.hidden)
+        except BaseException:
+            self._release_ids(done)  # all or nothing: the earlier items' slots are not left behind
+            raise
+        return resp
+
+    def _features(self, request: pb.FeaturesRequest) -> pb.FeaturesResponse:
+        """Each sequence's tokens prefilled in the spare slot, which is released again at once; the
+        next token it picks is ignored (the sequence's own state is untouched)."""
+        resp = pb.FeaturesResponse()
+        for it in request.items:
+            try:
+                out = self.engine.prefill(PrefillInput(seq_id=self._spare_id, token_ids=list(it.token_ids),
+                                                       sampling=SamplingConfig()))
+            finally:
+                self.engine.release([self._spare_id])
+            self._hidden(it.seq_id, out.hidden, resp.results.add(seq_id=it.seq_id).hidden)
         return resp
 
     def _verify(self, request: pb.VerifyRequest) -> pb.VerifyResponse:
