@@ -70,7 +70,12 @@ def engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="auto: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True,
                    help="capture CUDA graphs at start-up (CUDA only)")
-    p.add_argument("--max-sequences", type=int, default=8, help="KV cache slots (concurrent sequences)")
+    p.add_argument("--max-sequences", type=int, default=0,
+                   help="KV cache slots (concurrent sequences); 0 = auto: 8 on CPU, from free GPU memory on CUDA "
+                        "(see --gpu-memory-fraction), at most 64")
+    p.add_argument("--gpu-memory-fraction", type=float, default=0.4,
+                   help="share of the GPU memory free at start-up this service may give its KV cache when "
+                        "--max-sequences is auto (draft and verifier share one GPU)")
     p.add_argument("--max-context", type=int, default=2048, help="prompt + generated tokens per sequence")
     p.add_argument("--lease-ttl", type=float, default=float(os.environ.get("LEASE_TTL", "30")),
                    help="seconds after which the sequences of a gateway that stopped renewing are freed")

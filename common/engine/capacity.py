@@ -43,3 +43,16 @@ def sequences_for_memory(kv: KVShape, free_bytes: int, fraction: float, reserve_
         raise ValueError(f"{free_bytes / 2**30:.1f} GiB free leave no room for one sequence's KV "
                          f"({kv.bytes_per_sequence / 2**20:.0f} MiB) at fraction {fraction}")
     return int(min(n, cap))
+
+
+def auto_sequences(requested: int, device: str, kv: KVShape, fraction: float, reserve_bytes: int = 2 << 30) -> int:
+    """--max-sequences: `requested` when given (> 0); else CPU_SEQUENCES on CPU, and on a GPU what
+    sequences_for_memory allows in the memory free now (call after the weights are loaded)."""
+    if requested > 0:
+        return requested
+    if not device.startswith("cuda"):
+        return CPU_SEQUENCES
+    import torch
+
+    free, _ = torch.cuda.mem_get_info(torch.device(device))
+    return sequences_for_memory(kv, free, fraction, reserve_bytes)

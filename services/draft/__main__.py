@@ -68,6 +68,12 @@ def build_drafter(args: argparse.Namespace) -> Built:
         head = Eagle3Head(Eagle3Config.for_base(ckpt.config, draft_vocab_size=min(8192, ckpt.config.vocab_size)))
         head.set_vocab_map(torch.arange(head.cfg.draft_vocab_size))
     head.to(device=device, dtype=dtype).eval()
+    from common.engine.capacity import KVShape, auto_sequences
+
+    c = head.cfg
+    kv = KVShape(layers=1, positions=args.max_context + drafting.steps * (drafting.top_k + 1) + 1,
+                 kv_heads=c.num_kv_heads, head_dim=c.head_dim, itemsize=torch.finfo(dtype).bits // 8)
+    args.max_sequences = auto_sequences(args.max_sequences, args.device, kv, args.gpu_memory_fraction)
     drafter = make_drafter(head, embed, drafting, args.max_sequences, args.max_context, device,
                            graphs=args.graphs)  # CUDA graphs on a GPU, eager on CPU
     return Built(drafter, drafting, 3 * head.cfg.target_hidden_size, ckpt.config.vocab_size)
@@ -81,7 +87,7 @@ async def main(args: argparse.Namespace) -> None:
 
     b = build_drafter(args)
     servicer = DraftServicer(b.drafter, b.drafting, b.hidden_width, b.vocab_size, torch.device(args.device),
-                             lease_ttl=args.lease_ttl)
+                             lease_ttl=args.lease_ttl, max_sequences=args.max_sequences)
     await serve(args.addr, internal_pb2_grpc.add_DraftServicer_to_server, servicer, "specdec.v1.Draft", args.port_file,
                 args.drain_grace)
 

@@ -26,9 +26,10 @@ log = logging.getLogger(__name__)
 
 class DraftServicer(pb_grpc.DraftServicer):
     def __init__(self, drafter: Drafter, drafting: DraftingConfig, hidden_width: int, vocab_size: int,
-                 device: torch.device, lease_ttl: float) -> None:
+                 device: torch.device, lease_ttl: float, max_sequences: int = 0) -> None:
         self.drafter, self.drafting, self.hidden_width, self.device = drafter, drafting, hidden_width, device
         self.vocab_size = vocab_size  # the base model's: every token id we are sent must index its embeddings
+        self.max_sequences = max_sequences  # 0: no fixed limit
         self.gpu_uuid = gpu_uuid(device)
         self.mapped = MappedBuffers(device)
         self.runner = EngineRunner("draft")
@@ -87,7 +88,7 @@ class DraftServicer(pb_grpc.DraftServicer):
         return pb.DraftInfoResponse(drafter=self.drafter.name, drafting_top_k=d.top_k, drafting_steps=d.steps,
                                     verify_tree_size=d.verify_tree_size, host_id=socket.gethostname(),
                                     gpu_uuid=self.gpu_uuid, active_sequences=len(self.leases.table),
-                                    draining=self.leases.draining)
+                                    draining=self.leases.draining, max_sequences=self.max_sequences)
 
     def _propose(self, request: pb.ProposeRequest) -> pb.ProposeResponse:
         if not request.items:

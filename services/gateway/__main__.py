@@ -11,7 +11,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.weights import default_model_path
+from common.model_path import default_model_path
 from services.gateway.health import HealthConfig
 from services.launch import common_arguments, parse_and_log, serve_forever, write_port_file
 
@@ -24,7 +24,8 @@ class GatewayConfig:
     verifier: str        # verifier service address
     draft: str           # draft service address ("" = plain decoding only)
     model: Path          # GGUF file or HF folder the tokenizer is read from
-    max_active: int = 8  # sequences per round
+    max_active: int = 0  # sequences per round; 0 = as many as the verifier and the draft hold
+    plain_steps: int = 8  # plain decoding tokens per verifier call
     max_waiting: int = 64
     connect_timeout: float = 120.0
     metrics_port: int = 0  # Prometheus /metrics (0 = off)
@@ -39,8 +40,10 @@ class GatewayConfig:
     def __post_init__(self) -> None:
         if not self.address or not self.verifier:
             raise ValueError("gateway needs its own address and the verifier's")
-        if self.max_active < 1:
-            raise ValueError(f"max_active must be >= 1, got {self.max_active}")
+        if self.max_active < 0:
+            raise ValueError(f"max_active must be >= 0 (0 = auto), got {self.max_active}")
+        if not 1 <= self.plain_steps <= 64:
+            raise ValueError(f"plain_steps must be in [1, 64], got {self.plain_steps}")
         if not self.name:
             raise ValueError("name must not be empty (it prefixes sequence ids)")
         if self.max_request_bytes < 1024:
@@ -86,7 +89,11 @@ async def main(cfg: GatewayConfig, port_file: str | None) -> None:
     metrics = Metrics()
     if cfg.metrics_port:
         metrics.serve(cfg.metrics_port, cfg.metrics_addr)
-    sched = Scheduler(verifier, draft, SchedulerConfig(max_active=min(cfg.max_active, vinfo.max_sequences),
+    held = [vinfo.max_sequences] + ([dinfo.max_sequences] if dinfo and dinfo.max_sequences else [])
+    max_active = min(held + ([cfg.max_active] if cfg.max_active else []))
+    log.info("sequences per round: at most %d (verifier holds %d%s)", max_active, vinfo.max_sequences,
+             f", draft {dinfo.max_sequences}" if dinfo and dinfo.max_sequences else "")
+    sched = Scheduler(verifier, draft, SchedulerConfig(max_active=max_active, plain_steps=cfg.plain_steps,
                                                        max_waiting=cfg.max_waiting,
                                                        tree_size=dinfo.verify_tree_size if dinfo else 1,
                                                        instance_id=instance_id,
@@ -126,7 +133,10 @@ def cli() -> None:
                    help="draft service address; empty for plain decoding only")
     p.add_argument("--model", default=None, help="GGUF file or HF folder for the tokenizer "
                    "(default: $SPECDEC_GGUF or the embedded SmolLM2)")
-    p.add_argument("--max-active", type=int, default=8)
+    p.add_argument("--max-active", type=int, default=0,
+                   help="sequences per round (0 = as many as the verifier and the draft hold)")
+    p.add_argument("--plain-steps", type=int, default=8,
+                   help="plain decoding tokens per verifier call (tokens past a stop are discarded)")
     p.add_argument("--max-waiting", type=int, default=64)
     p.add_argument("--metrics-port", type=int, default=int(os.environ.get("METRICS_PORT", "0")),
                    help="serve Prometheus metrics on this port (0 = off)")
@@ -147,7 +157,8 @@ def cli() -> None:
     a = parse_and_log(p)
     cfg = GatewayConfig(address=a.addr, verifier=a.verifier, draft=a.draft,
                         model=Path(a.model) if a.model else default_model_path(),
-                        max_active=a.max_active, max_waiting=a.max_waiting, metrics_port=a.metrics_port,
+                        max_active=a.max_active, plain_steps=a.plain_steps, max_waiting=a.max_waiting,
+                        metrics_port=a.metrics_port,
                         metrics_addr=a.metrics_addr, ipc=not a.no_ipc, name=a.name,
                         max_request_bytes=a.max_request_bytes, drain_grace=a.drain_grace,
                         draft_timeout=a.draft_timeout,

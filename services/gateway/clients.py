@@ -187,10 +187,11 @@ class VerifierClient(_ServiceClient):
         return Batched([Verified(tokens=list(r.accepted_tokens), hidden=r.hidden) for r in resp.results],
                        resp.compute_us / 1e6)
 
-    async def decode(self, seq_ids: list[str]) -> list[int]:
-        req = pb.DecodeRequest(items=[pb.DecodeItem(seq_id=s) for s in seq_ids])
+    async def decode(self, seq_ids: list[str], steps: int = 1) -> list[list[int]]:
+        """Plain decoding: up to `steps` tokens per sequence in one call (every sequence gets as many)."""
+        req = pb.DecodeRequest(items=[pb.DecodeItem(seq_id=s) for s in seq_ids], steps=steps)
         resp = await _call(self.stub.Decode, req, self.timeout)
-        return [r.next_token for r in resp.results]
+        return [list(r.tokens) or [r.next_token] for r in resp.results]
 
     async def features(self, items: list[tuple[str, list[int]]]) -> list[pb.TensorRef]:
         """(seq id, tokens in its KV cache) -> hidden [num_cached, 3H] for each, recomputed."""

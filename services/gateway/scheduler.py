@@ -49,10 +49,13 @@ class SchedulerConfig:
     tree_size: int = 60     # nodes the draft proposes per sequence and round
     instance_id: str = "gw"  # this gateway process; prefix of its sequence ids, owner of its sequences
     draft_retry_s: float = 0.5  # after a draft failure, speculation is retried no sooner than this
+    plain_steps: int = 8    # plain decoding tokens per verifier call (one RPC and one host sync for all)
 
     def __post_init__(self) -> None:
         if self.max_active < 1 or self.max_waiting < 0 or self.tree_size < 1:
             raise ValueError("max_active and tree_size must be >= 1, max_waiting >= 0")
+        if not 1 <= self.plain_steps <= 64:
+            raise ValueError(f"plain_steps must be in [1, 64], got {self.plain_steps}")
         if not self.instance_id or self.draft_retry_s <= 0:
             raise ValueError("instance_id must not be empty and draft_retry_s must be > 0")
 
@@ -144,9 +147,11 @@ class Scheduler:
                                                 max_nodes=self.cfg.tree_size)
                 self._emit(a, a.gen.commit(r.tokens))                                          # commit, stream
             self._time_round(t0, t1, t2, proposed.compute_s, verified.compute_s)
-        if plain:
-            for a, t in zip(plain, await self.verifier.decode([a.seq_id for a in plain])):
-                self._emit(a, a.gen.commit([t]))
+        if plain:  # several tokens per call; commit cuts at a stop (steps past it are wasted, not wrong)
+            left = max(a.gen.request.max_tokens - len(a.gen.token_ids) for a in plain)
+            steps = max(1, min(self.cfg.plain_steps, left))
+            for a, tokens in zip(plain, await self.verifier.decode([a.seq_id for a in plain], steps)):
+                self._emit(a, a.gen.commit(tokens))
         await self._retire()
 
     async def _propose(self, spec: list[Active]):

@@ -23,6 +23,7 @@ from specdec.v1 import internal_pb2 as pb
 from specdec.v1 import internal_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
+MAX_DECODE_STEPS = 64  # per Decode call: bounds one call's time and the tokens wasted past a stop
 
 
 def sampling_config(msg: pb.SamplingParams) -> SamplingConfig:
@@ -202,6 +203,9 @@ class VerifierServicer(pb_grpc.VerifierServicer):
     def _decode(self, request: pb.DecodeRequest) -> pb.DecodeResponse:
         if not request.items:
             raise InvalidRequest("decode request has no items")
+        if not 0 <= request.steps <= MAX_DECODE_STEPS:
+            raise InvalidRequest(f"decode steps must be in [0, {MAX_DECODE_STEPS}], got {request.steps}")
         ids = [it.seq_id for it in request.items]
-        return pb.DecodeResponse(results=[pb.DecodeResult(seq_id=s, next_token=t)
-                                          for s, t in zip(ids, self.engine.decode(ids))])
+        tokens = self.engine.decode_steps(ids, max(request.steps, 1))
+        return pb.DecodeResponse(results=[pb.DecodeResult(seq_id=s, next_token=t[0], tokens=t)
+                                          for s, t in zip(ids, tokens)])
