@@ -126,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hf-prompts", type=int, default=3)
     p.add_argument("--head", default=str(DEFAULT_HEAD))
     p.add_argument("--skip-services", action="store_true")
+    p.add_argument("--ipc", default="on", help="services runs: on (CUDA IPC when colocated), off (inline), on,off")
     a = p.parse_args(argv)
     logging.basicConfig(level="INFO", format="%(asctime)s %(name)s %(levelname)s %(message)s")
     out = Path(a.out)
@@ -141,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         return rc
     rows = _rows(out / "engine_bench.json")
     if not a.skip_services:
-        services_bench.main([*common, "--dtype", dtype, "--modes", "spec,plain", "--out", str(out)])
+        services_bench.main([*common, "--dtype", dtype, "--modes", "spec,plain", "--ipc", a.ipc, "--out", str(out)])
         rows += _rows(out / "services.json")
     meta = {"device_name": engine_bench.device_name(a.device), "dtype": dtype, "prompts": a.prompts,
             "max_new_tokens": a.max_new_tokens, "command": "python -m bench.run " + " ".join(argv or sys.argv[1:])}

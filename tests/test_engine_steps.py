@@ -60,6 +60,7 @@ def test_pick_bucket_and_config() -> None:
     assert pick_bucket(1, (4, 1)) == 1
     assert pick_bucket(9, (1, 2, 4, 8)) is None
     assert batch_buckets_for(12) == (1, 2, 4, 8, 12)
+    assert batch_buckets_for(40) == (1, 2, 4, 8, 16, 24, 32, 40)
     assert batch_buckets_for(3, (1, 2, 4)) == (1, 2, 3)
     for bad in (dict(batch_buckets=(0, 2)), dict(tree_buckets=(1,)), dict(warmup_iters=0)):
         with pytest.raises(ValueError):

@@ -198,11 +198,16 @@ def test_health_not_serving_without_capacity_then_serving(faulty):
     v = pb_grpc.VerifierStub(grpc.insecure_channel(s.address("verifier")))
     ids = [f"squatter{i}" for i in range(info(s.address("verifier")).max_sequences)]
     v.Prefill(pb.PrefillRequest(items=[pb.PrefillItem(seq_id=i, token_ids=[1, 2, 3]) for i in ids]), timeout=60)
+    def not_serving_while_squatting() -> bool:
+        # a decode step touches the squatters' anonymous leases (TTL LEASE_TTL, as long as the capacity
+        # timeout): without it they could expire before the gateway gives up on capacity
+        v.Decode(pb.DecodeRequest(items=[pb.DecodeItem(seq_id=i) for i in ids]), timeout=60)
+        return health(s.gateway) == "NOT_SERVING"
+
     try:
-        stalled = wait_for(lambda: health(s.gateway) == "NOT_SERVING", timeout=CAPACITY_TIMEOUT + 5)
-        for _ in range(3):  # keep the squatters' anonymous leases alive while we look
-            v.Decode(pb.DecodeRequest(items=[pb.DecodeItem(seq_id=i) for i in ids]), timeout=60)
-        assert health(s.gateway) == "NOT_SERVING"
+        stalled = wait_for(not_serving_while_squatting, timeout=CAPACITY_TIMEOUT + 5)
+        for _ in range(3):
+            assert not_serving_while_squatting()
     finally:
         v.Release(pb.ReleaseRequest(seq_ids=ids), timeout=60)
     back = wait_for(lambda: health(s.gateway) == "SERVING", timeout=5)

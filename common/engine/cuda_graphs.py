@@ -31,7 +31,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16)
+DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 
 
 def pick_bucket(n: int, buckets: Sequence[int]) -> int | None:

@@ -10,6 +10,13 @@ them is forgotten. Once the draft answers again they catch up: the verifier reco
 of each sequence's cached tokens (Features, in a spare slot) and the draft is restarted on them with a
 start=True ProposeItem, exactly as after a prefill. Sequence ids start with this gateway's instance id,
 under which the services hold them (see common/leases.py).
+
+Overlap: as soon as a round's verification returns, the draft is asked for the next round's trees of
+every sequence in it (a prefired propose), and the gateway commits, detokenizes and streams while the
+draft works. The next round uses those trees for the sequences still active (one that finished is
+dropped: its tree is wasted work, never a wrong token) and proposes separately for sequences that joined
+or catch up (ProposalPlan). The draft's copy of a finished sequence is released only after the prefired
+call that names it has returned.
 """
 
 from __future__ import annotations
@@ -43,6 +50,32 @@ class Active:
 
 
 @dataclass(frozen=True)
+class ProposalPlan:
+    """Which trees of a round come from the prefired propose and which need a call of their own.
+    Example: prefired for [a, b, c]; the round's speculative sequences are [b, c, d] (a finished, d joined)
+    -> use [b, c], extra [d], dropped [a]."""
+
+    use: list[str]      # [n] sequences whose prefired tree this round verifies
+    extra: list[str]    # [m] sequences proposed now (joined, caught up, or no prefired call)
+    dropped: list[str]  # [k] prefired trees of sequences no longer speculative (finished, failed)
+
+    @classmethod
+    def of(cls, prefired: list[str], spec: list[str]) -> ProposalPlan:
+        have = set(prefired)
+        want = set(spec)
+        return cls(use=[s for s in spec if s in have], extra=[s for s in spec if s not in have],
+                   dropped=[s for s in prefired if s not in want])
+
+
+@dataclass
+class Prefired:
+    """A propose started for the next round: its sequences and the task that returns Batched or None."""
+
+    seq_ids: list[str]  # [n]
+    task: asyncio.Task
+
+
+@dataclass(frozen=True)
 class SchedulerConfig:
     max_active: int = 8     # sequences in the rounds at once (<= the services' slots)
     max_waiting: int = 64   # queued requests beyond that before RESOURCE_EXHAUSTED
@@ -69,6 +102,7 @@ class Scheduler:
         self.active: list[Active] = []
         self.draft_link = DraftLink(cfg.draft_retry_s)
         self.draining = False
+        self._prefired: Prefired | None = None  # the draft working on the next round (see Overlap)
         self._wake = asyncio.Event()
         self._ids = itertools.count()
         self._task: asyncio.Task | None = None
@@ -87,6 +121,10 @@ class Scheduler:
         if self._task:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        if self._prefired is not None:
+            self._prefired.task.cancel()
+            await asyncio.gather(self._prefired.task, return_exceptions=True)
+            self._prefired = None
         left = self.active + list(self.waiting.values())
         self.waiting.clear()
         self._fail(left, PeerUnavailable("the gateway shut down before this request finished"))
@@ -130,29 +168,67 @@ class Scheduler:
                 await self._guarded(self.active, self._round())
 
     async def _round(self) -> None:
+        t0 = time.perf_counter()
+        prefired = await self._take_prefired()  # the draft's trees started last round, or None
         await self._catch_up()  # sequences the draft lost, once it answers again
         spec = [a for a in self.active if a.next_propose is not None]
-        t0 = time.perf_counter()
-        proposed = await self._propose(spec)                                                       # propose
+        proposed = await self._proposals(spec, prefired)                                       # propose
         if proposed is None:  # the draft is down or failed: this round is plain decoding for all
             spec = []
         plain = [a for a in self.active if a not in spec]
         if spec:
             t1 = time.perf_counter()
-            verified = await self.verifier.verify([(a.seq_id, t) for a, t in zip(spec, proposed.results)])  # verify
+            trees, draft_s = proposed
+            verified = await self.verifier.verify([(a.seq_id, trees[a.seq_id]) for a in spec])  # verify
             t2 = time.perf_counter()
-            for a, tree, r in zip(spec, proposed.results, verified.results):
-                self._count_round(a, len(tree.token_ids), len(r.tokens) - 1)
+            for a, r in zip(spec, verified.results):
                 a.next_propose = pb.ProposeItem(seq_id=a.seq_id, token_ids=r.tokens, hidden=r.hidden,
                                                 max_nodes=self.cfg.tree_size)
+            self._prefire(spec)  # the draft starts on the next round while we commit and stream
+            for a, r in zip(spec, verified.results):
+                self._count_round(a, len(trees[a.seq_id].token_ids), len(r.tokens) - 1)
                 self._emit(a, a.gen.commit(r.tokens))                                          # commit, stream
-            self._time_round(t0, t1, t2, proposed.compute_s, verified.compute_s)
+            self._time_round(t0, t1, t2, draft_s, verified.compute_s)
         if plain:  # several tokens per call; commit cuts at a stop (steps past it are wasted, not wrong)
             left = max(a.gen.request.max_tokens - len(a.gen.token_ids) for a in plain)
             steps = max(1, min(self.cfg.plain_steps, left))
             for a, tokens in zip(plain, await self.verifier.decode([a.seq_id for a in plain], steps)):
                 self._emit(a, a.gen.commit(tokens))
         await self._retire()
+
+    def _prefire(self, spec: list[Active]) -> None:
+        if self.draft is not None and spec:
+            task = asyncio.get_running_loop().create_task(self._propose(spec))
+            self._prefired = Prefired(seq_ids=[a.seq_id for a in spec], task=task)
+
+    async def _take_prefired(self) -> tuple[list[str], object] | None:
+        """(its sequence ids, its result: Batched, or None when the draft failed) of the prefired call."""
+        pre, self._prefired = self._prefired, None
+        if pre is None:
+            return None
+        return pre.seq_ids, await pre.task
+
+    async def _proposals(self, spec: list[Active], prefired) -> tuple[dict[str, pb.DraftTree], float] | None:
+        """The round's tree for every sequence in spec ({seq_id: tree}) and the draft's engine seconds, from
+        the prefired call and, for what it does not cover, a call now (ProposalPlan); None when the draft
+        failed (its sequences are plain this round, see _propose)."""
+        trees: dict[str, pb.DraftTree] = {}
+        draft_s = 0.0
+        ids = [a.seq_id for a in spec]
+        if prefired is not None and prefired[1] is not None:
+            plan = ProposalPlan.of(prefired[0], ids)
+            use = set(plan.use)
+            trees.update((s, t) for s, t in zip(prefired[0], prefired[1].results) if s in use)
+            draft_s += prefired[1].compute_s
+            ids = plan.extra
+        if ids:
+            wanted = set(ids)
+            proposed = await self._propose([a for a in spec if a.seq_id in wanted])
+            if proposed is None:
+                return None
+            trees.update(zip(ids, proposed.results))
+            draft_s += proposed.compute_s
+        return (trees, draft_s) if spec else None
 
     async def _propose(self, spec: list[Active]):
         """The draft's trees for `spec`, or None when it failed: then its state of them is forgotten
@@ -266,13 +342,21 @@ class Scheduler:
 
     async def _release(self, done: list[Active]) -> None:
         ids = [a.seq_id for a in done]
-        calls = [self.verifier.release(ids)]
+        calls = [self.verifier.release(ids)]  # at once: the slot serves the next request
         if self.draft is not None:
-            calls.append(self.draft.release(ids))  # unknown ids are ignored there
+            calls.append(self._release_on_draft(ids))
         results = await asyncio.gather(*calls, return_exceptions=True)
         for r in results:
             if isinstance(r, BaseException):
                 log.warning("release of %s failed: %s", ids, r)
+
+    async def _release_on_draft(self, ids: list[str]) -> None:
+        """After the prefired propose that names any of ids has returned: the draft must not be asked
+        about a sequence it has freed. Unknown ids are ignored there."""
+        pre = self._prefired
+        if pre is not None and not pre.task.done() and set(ids) & set(pre.seq_ids):
+            await asyncio.wait([pre.task])
+        await self.draft.release(ids)
 
     async def _guarded(self, group: list[Active], work) -> None:
         """Run one step; if it fails, fail the requests it was for (others keep going)."""

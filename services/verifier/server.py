@@ -98,11 +98,11 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
     async def _touched_verify(self, request: pb.VerifyRequest) -> pb.VerifyResponse:
         self.leases.touch([it.seq_id for it in request.items])
-        return await self.runner.run(self._verify, request)
+        return await self.runner.run(self._verify, request, inline=True)
 
     async def _touched_decode(self, request: pb.DecodeRequest) -> pb.DecodeResponse:
         self.leases.touch([it.seq_id for it in request.items])
-        return await self.runner.run(self._decode, request)
+        return await self.runner.run(self._decode, request, inline=True)
 
     async def _release_owned(self, request: pb.ReleaseRequest) -> pb.ReleaseResponse:
         ids = list(request.seq_ids)

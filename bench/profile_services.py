@@ -1,0 +1,86 @@
+"""Where a round's host time goes: the three services under a closed-loop load, each profiled by py-spy
+(sampling, no instrumentation), with the gateway's round breakdown from its metrics.
+
+    python -m bench.profile_services --out DIR [--device cuda] [--concurrency 1] [--seconds 6]
+
+Needs the `py-spy` binary (PyPI package py-spy) on PATH or next to the interpreter. Writes
+DIR/spy-{gateway,draft,verifier}.txt (py-spy's raw format: one line per stack, samples at the end) and
+DIR/profile.md with the round breakdown and the ten hottest frames of each service, excluding idle waits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import logging
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+from bench.engine_bench import QUESTIONS
+from bench.services_bench import closed_loop, free_port, per_round, scrape_rounds
+from services.stack import Stack
+
+log = logging.getLogger("bench.profile_services")
+IDLE = ("select", "epoll", "_worker", "wait", "poll", "sleep", "_bootstrap")
+
+
+def hottest(raw: Path, n: int = 10) -> list[tuple[int, str]]:
+    """The n leaf frames with most samples in a py-spy raw file, idle waits left out."""
+    counts: collections.Counter = collections.Counter()
+    for line in raw.read_text().splitlines():
+        stack, _, samples = line.rpartition(" ")
+        leaf = stack.split(";")[-1]
+        if not any(word in leaf for word in IDLE):
+            counts[leaf] += int(samples)
+    return [(c, frame) for frame, c in counts.most_common(n)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--concurrency", type=int, default=1)
+    ap.add_argument("--seconds", type=int, default=6)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    mport = free_port()
+    prompts = [QUESTIONS[i % len(QUESTIONS)] for i in range(64)]
+    with Stack(common_args=["--device", args.device, "--max-context", "1024"],
+               gateway_args=["--metrics-port", str(mport)]) as stack:
+        asyncio.run(closed_loop(stack.gateway, prompts[:2], 16, 1))  # warm-up
+        before = scrape_rounds(mport)
+        spies = [subprocess.Popen([spy, "record", "-r", "250", "-d", str(args.seconds), "-f", "raw", "--nonblocking",
+                                   "-o", str(out / f"spy-{name}.txt"), "-p", str(proc.pid)],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                 for name, proc in stack.procs.items()]
+        load = threading.Thread(target=lambda: asyncio.run(closed_loop(stack.gateway, prompts, args.max_new_tokens,
+                                                                       args.concurrency)))
+        load.start()
+        for s in spies:
+            _, err = s.communicate(timeout=args.seconds + 60)
+            if s.returncode:
+                log.warning("py-spy failed: %s", err.decode()[-300:])
+        load.join()
+        phases = per_round(before, scrape_rounds(mport))
+    lines = [f"# Round profile ({args.device}, concurrency {args.concurrency})", "",
+             "ms per round: " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()), ""]
+    for name in stack.procs:
+        raw = out / f"spy-{name}.txt"
+        if raw.exists():
+            lines += [f"## {name}", "", "| samples | frame |", "|---:|---|"]
+            lines += [f"| {c} | `{frame[:140]}` |" for c, frame in hottest(raw)] + [""]
+    text = "\n".join(lines)
+    (out / "profile.md").write_text(text + "\n")
+    log.info("\n%s", text)
+
+
+if __name__ == "__main__":
+    main()

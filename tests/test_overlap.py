@@ -1,0 +1,132 @@
+"""The round overlap of services/gateway/scheduler.py: the draft proposes the next round while the
+gateway commits and streams. Pinned with fake draft and verifier clients (no gRPC, no model) whose
+answers are worked out by hand: every tree proposes the sequence's next "true" tokens, and the verifier
+accepts a fixed number of them per round, so the committed tokens are known in advance.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from common.config import SamplingConfig
+from services.gateway.clients import Batched, Prefilled, Verified
+from services.gateway.scheduler import ProposalPlan, Scheduler, SchedulerConfig
+from services.gateway.sequence import Generation, GenRequest
+from specdec.v1 import internal_pb2 as pb
+
+EOS = 0
+
+
+def test_plan_hit_miss_partial() -> None:
+    assert ProposalPlan.of(["a", "b"], ["a", "b"]) == ProposalPlan(use=["a", "b"], extra=[], dropped=[])  # hit
+    assert ProposalPlan.of(["a", "b", "c"], ["b", "c", "d"]) == ProposalPlan(
+        use=["b", "c"], extra=["d"], dropped=["a"]
+    )  # a done, d joined
+    assert ProposalPlan.of([], ["a"]) == ProposalPlan(use=[], extra=["a"], dropped=[])  # nothing prefired
+    assert ProposalPlan.of(["a"], []) == ProposalPlan(use=[], extra=[], dropped=["a"])  # everyone finished
+
+
+class Decoder:
+    def push(self, ids: list[int]) -> str:
+        return " ".join(map(str, ids))
+
+
+class FakeDraft:
+    """Proposes a chain: the next 3 tokens of the sequence's count-up (token t is followed by t + 1)."""
+
+    def __init__(self, log: list) -> None:
+        self.log, self.last = log, {}
+
+    def reachable(self) -> bool:
+        return True
+
+    async def propose(self, items: list[pb.ProposeItem], owner: str = "") -> Batched:
+        self.log.append(("propose", [it.seq_id for it in items]))
+        await asyncio.sleep(0.01)  # the round's other work happens meanwhile
+        trees = []
+        for it in items:
+            nxt = it.token_ids[-1] + 1
+            trees.append(pb.DraftTree(token_ids=[nxt, nxt + 1, nxt + 2], parents=[-1, 0, 1]))
+        self.log.append(("proposed", [it.seq_id for it in items]))
+        return Batched(trees, 0.01)
+
+    async def release(self, seq_ids: list[str]) -> None:
+        self.log.append(("release-draft", list(seq_ids)))
+
+
+class FakeVerifier:
+    """Accepts the first `accept` nodes of each chain and adds the bonus token after them."""
+
+    def __init__(self, log: list, accept: int) -> None:
+        self.log, self.accept = log, accept
+
+    async def prefill(self, seq_id, token_ids, sampling, want_hidden, owner="") -> Prefilled:
+        return Prefilled(next_token=token_ids[-1] + 1, hidden=pb.TensorRef())
+
+    async def verify(self, items: list[tuple[str, pb.DraftTree]]) -> Batched:
+        self.log.append(("verify", [s for s, _ in items]))
+        out = []
+        for _, tree in items:
+            acc = list(tree.token_ids[: self.accept])
+            out.append(Verified(tokens=acc + [acc[-1] + 1 if acc else tree.token_ids[0]], hidden=pb.TensorRef()))
+        return Batched(out, 0.001)
+
+    async def decode(self, seq_ids, steps=1):
+        raise AssertionError("no plain decoding expected")
+
+    async def release(self, seq_ids: list[str]) -> None:
+        self.log.append(("release-verifier", list(seq_ids)))
+
+
+async def _run(prompts: list[tuple[int, int]], accept: int, stagger: float = 0.0):
+    """prompts: (first prompt token, max_tokens). Returns (tokens per request, call log)."""
+    log: list = []
+    sched = Scheduler(FakeVerifier(log, accept), FakeDraft(log), SchedulerConfig(max_active=4, tree_size=3))
+    sched.start()
+
+    async def one(first: int, max_tokens: int, delay: float) -> list[int]:
+        await asyncio.sleep(delay)
+        req = GenRequest(
+            prompt_ids=[first - 1, first], max_tokens=max_tokens, sampling=SamplingConfig(), ignore_eos=True
+        )
+        gen = Generation(request=req, decoder=Decoder(), eos_token_id=EOS)
+        return [t for d in [d async for d in sched.generate(gen)] for t in d.token_ids]
+
+    outs = await asyncio.gather(*(one(f, m, i * stagger) for i, (f, m) in enumerate(prompts)))
+    await sched.stop()
+    return outs, log
+
+
+def test_overlap_commits_the_right_tokens_and_proposes_once_per_round() -> None:
+    """Two sequences, partial acceptance (2 of 3 nodes): every round commits 3 tokens of the count-up;
+    after the first round, each round's trees come from the call prefired in the round before."""
+    outs, log = asyncio.run(_run([(100, 10), (200, 10)], accept=2))
+    assert outs == [list(range(101, 111)), list(range(201, 211))]
+    verifies = [e for e in log if e[0] == "verify"]
+    proposes = [e for e in log if e[0] == "propose"]
+    # the prefill's token, then 3 per round: 3 rounds for 10 tokens; one propose per round (the first
+    # round's is the start call), plus the one prefired after the last round (its trees are dropped)
+    assert len(verifies) == 3 and len(proposes) == 4
+    assert all(e[1] == ["gw-0", "gw-1"] for e in proposes)
+
+
+def test_sequence_finishing_mid_overlap_is_released_after_its_prefired_call() -> None:
+    """A sequence that finishes while the next round's propose names it: its draft copy is released only
+    once that call returned, and the other sequence goes on with its prefired tree."""
+    outs, log = asyncio.run(_run([(100, 4), (200, 13)], accept=3))
+    assert outs == [list(range(101, 105)), list(range(201, 214))]
+    release = log.index(("release-draft", ["gw-0"]))
+    named = [e for e in log[:release] if e[0] in ("propose", "proposed") and "gw-0" in e[1]]
+    assert len(named) >= 4 and len(named) % 2 == 0  # every propose naming gw-0 returned before its release
+    assert [e[0] for e in named] == ["propose", "proposed"] * (len(named) // 2)
+    assert any(e[0] == "propose" and e[1] == ["gw-1"] for e in log[release:])  # gw-1 goes on alone
+
+
+def test_joining_sequence_gets_its_own_propose_call() -> None:
+    """A request arriving while others run is proposed in an extra call (a miss of the prefired set) in its
+    first round and from the prefired call afterwards; both keep their exact tokens."""
+    outs, log = asyncio.run(_run([(100, 12), (300, 6)], accept=1, stagger=0.05))
+    assert outs == [list(range(101, 113)), list(range(301, 307))]
+    assert ("propose", ["gw-1"]) in log  # the newcomer alone: the extra call of its first round
+    first_both = next(i for i, e in enumerate(log) if e == ("propose", ["gw-0", "gw-1"]))
+    assert log.index(("propose", ["gw-1"])) < first_both  # then both from one prefired call
