@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import json
 import logging
 import time
@@ -26,7 +27,7 @@ from common.config import DraftingConfig, SamplingConfig
 from common.engine.base import PrefillInput, ProposeInput
 from common.engine.cuda_graphs import GraphConfig
 from common.engine.draft import Eagle3Drafter
-from common.engine.verifier import Verifier, VerifierConfig
+from common.engine.verifier import SHALLOW_DEPTH, Verifier, VerifierConfig
 
 log = logging.getLogger("bench.decode_probe")
 DEFAULT_HEAD = Path(__file__).resolve().parents[1] / "models" / "eagle3-smollm2"
@@ -109,25 +110,7 @@ def main() -> None:
         rows.append(row)
     # verify: a 60-node tree (61 rows, bucket 64), batch 1
     tree_rows = 1 + drafting.verify_tree_size
-    tb = 64
-    block = verifier._verify_block(1, tb)
-    slot, st = verifier.seqs.get(ids[0])
-    parents = np.concatenate(([-1], rng.integers(-1, np.arange(1, tree_rows - 1))))
-    a = block.numpy()
-    a[0, 1:tree_rows] = rng.integers(100, 20000, size=tree_rows - 1)
-    a[0, tb + 1 : tb + tree_rows] = parents + 1
-    a[0, 2 * tb], a[0, 2 * tb + 1] = st.length, slot
-    rows.append(
-        probe_step(
-            f"verify B=1, {tree_rows} rows",
-            verifier.graphs,
-            ("verify", 1, tb),
-            verifier._verify_step,
-            {"packed": block},
-            args.verbose,
-        )
-    )
-    # propose: batch 1, 4 new tokens (a typical round), tree 10/6/60
+    # verify: the 60-node tree the draft proposes (depth <= 6: the shallow graph), batch 1, bucket 64
     feats = 3 * ckpt.config.hidden_size
     first = drafter.propose(
         [
@@ -142,6 +125,24 @@ def main() -> None:
         ]
     )
     assert len(first[0].tokens) == drafting.verify_tree_size
+    tb = 64
+    block = verifier._verify_block(1, tb)
+    slot, st = verifier.seqs.get(ids[0])
+    a = block.numpy()
+    a[0, 1:tree_rows] = first[0].tokens
+    a[0, tb + 1 : tb + tree_rows] = first[0].parents + 1
+    a[0, 2 * tb], a[0, 2 * tb + 1] = st.length, slot
+    rows.append(
+        probe_step(
+            f"verify B=1, {tree_rows} rows",
+            verifier.graphs,
+            ("verify", 1, tb, True),
+            functools.partial(verifier._verify_step, max_depth=SHALLOW_DEPTH),
+            {"packed": block},
+            args.verbose,
+        )
+    )
+    # propose: batch 1, 4 new tokens (a typical round), tree 10/6/60
     packed, hidden = drafter._pack(
         [ProposeInput(ids[0], [5, 6, 7, 8], torch.randn(4, feats, device="cuda"), False, [], 0)], 1, 4
     )

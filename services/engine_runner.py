@@ -5,8 +5,10 @@ Most calls run on the engine thread, off the event loop, so that health checks a
 answered while a long forward pass (a prefill) runs. The per-round calls (propose, verify, decode) take a
 few milliseconds on a GPU, and there the hop to the engine thread and back costs more than it saves:
 measured on an H200 (bench/profile_services.py), the services sat idle most of a 5.2 ms round while 2.4 ms
-of it went to RPC and hand-offs. So those calls run inline on the event loop whenever the engine is free,
-and on the engine thread when it is busy (a lock keeps the engine to one caller at a time)."""
+of it went to RPC and hand-offs. So on a GPU those calls run inline on the event loop whenever the engine is free,
+and on the engine thread when it is busy (a lock keeps the engine to one caller at a time). On CPU a call
+can take a second, long enough to hold up lease renewals and health checks: there they stay on the engine
+thread."""
 
 from __future__ import annotations
 

@@ -342,3 +342,17 @@ def test_multi_step_decode_equals_single_steps(verifiers) -> None:
         padded.decode_steps(["m0"], 0)
     exact.release(ids)
     padded.release(ids + ["m3"])
+
+
+def test_tree_depth_and_bounded_ancestors() -> None:
+    """tree_depth finds the deepest row; with that bound, fewer doubling rounds give the same ancestors."""
+    from common.engine.verifier import tree_depth
+
+    assert tree_depth(np.array([[0, 0, 0, 1, 2, 5]])) == 2  # the docstring's worked example
+    rng = np.random.default_rng(7)
+    for n in (1, 3, 12, 40):
+        trees = [random_tree(rng, n) for _ in range(4)]
+        rows = torch.stack([parent_rows(p, n + 3) for p in trees])
+        want = max(int(depths(p).max()) for p in trees)
+        assert tree_depth(rows.numpy()) == want
+        assert torch.equal(tree_ancestors(rows, want), tree_ancestors(rows))

@@ -16,6 +16,7 @@ rows (common.acceptance.accept_sampled) and compact afterwards.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -66,7 +67,23 @@ def torch_dtype(name: str) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
-def tree_ancestors(parent_rows: torch.Tensor) -> torch.Tensor:
+SHALLOW_DEPTH = 8  # trees at most this deep (every dynamic tree of up to 8 steps) take 3 doubling rounds
+
+
+def tree_depth(parent_rows: np.ndarray) -> int:
+    """The deepest row of a batch of trees in the verifier's row layout ([B, T], a root or padding row
+    names itself), by vectorised parent jumps: one pass per level.  [[0, 0, 0, 1, 2, 5]] -> 2"""
+    rows = np.arange(parent_rows.shape[1])
+    cur = np.where(parent_rows == rows, -1, parent_rows)  # -1: no parent
+    depth = 0
+    while (cur >= 0).any():
+        depth += 1
+        nxt = np.take_along_axis(parent_rows, np.maximum(cur, 0), axis=1)
+        cur = np.where((cur >= 0) & (nxt != cur), nxt, -1)
+    return depth
+
+
+def tree_ancestors(parent_rows: torch.Tensor, max_depth: int | None = None) -> torch.Tensor:
     """parent_rows [B, T] (row 0 = root, row i+1 = node i; the root and padding rows name themselves)
     -> [B, T, T] bool, anc[b, i, j] = row j is row i or one of its ancestors (common.tree.ancestor_mask).
 
@@ -83,7 +100,9 @@ def tree_ancestors(parent_rows: torch.Tensor) -> torch.Tensor:
     anc = torch.eye(t, dtype=torch.bool, device=parent_rows.device).expand(b, t, t).clone()  # [B, T, T]
     anc.scatter_(2, parent_rows[:, :, None], True)
     jump = parent_rows  # [B, T]
-    for _ in range(max(t - 2, 0).bit_length()):  # ceil(log2(T - 1)) rounds cover depth T - 1
+    # ceil(log2(D)) rounds cover depth D: T - 1 when no bound is known
+    depth = max_depth if max_depth is not None else t - 1
+    for _ in range(max(depth - 1, 0).bit_length()):
         anc = anc | anc.gather(1, jump[:, :, None].expand(b, t, t))
         jump = jump.gather(1, jump)
     return anc
@@ -99,10 +118,12 @@ class GreedyPath:
 
 
 def accept_greedy_device(
-    ids: torch.Tensor, parent_rows: torch.Tensor, anc: torch.Tensor, target: torch.Tensor
+    ids: torch.Tensor, parent_rows: torch.Tensor, anc: torch.Tensor, target: torch.Tensor,
+    depth: torch.Tensor | None = None,
 ) -> GreedyPath:
     """Batched common.acceptance.accept_greedy. ids, parent_rows, target [B, T] (row 0 the root; target
-    the base argmax at each row); anc [B, T, T] from tree_ancestors.
+    the base argmax at each row); anc [B, T, T] from tree_ancestors; depth [B, T] = anc.sum(-1) - 1 when
+    the caller has it.
 
     A node row is right when its token is its parent row's target; it is accepted when it and all its
     ancestors are right; the deepest accepted row wins (ties: the first row, as the host rule's first
@@ -120,7 +141,7 @@ def accept_greedy_device(
     right = (ids == target.gather(1, parent_rows)) & node
     right = right | (rows == 0)[None, :]
     accepted = ~(anc & ~right[:, None, :]).any(-1)  # [B, T]
-    depth = anc.sum(-1) - 1  # [B, T]
+    depth = anc.sum(-1) - 1 if depth is None else depth  # [B, T]
     score = torch.where(accepted, depth * t + (t - 1 - rows)[None, :], -1)
     best = score.argmax(-1)  # [B]
     count = depth.gather(1, best[:, None])[:, 0]  # [B]
@@ -194,7 +215,10 @@ class Verifier:
         with torch.inference_mode(), self.graphs.on_stream():
             for bb in sorted(self.batch_buckets, reverse=True):
                 for tb in sorted(self.tree_buckets, reverse=True):
-                    self.graphs.capture(("verify", bb, tb), self._verify_step, {"packed": self._verify_block(bb, tb)})
+                    block = self._verify_block(bb, tb)
+                    self.graphs.capture(("verify", bb, tb, False), self._verify_step, {"packed": block})
+                    shallow = functools.partial(self._verify_step, max_depth=SHALLOW_DEPTH)
+                    self.graphs.capture(("verify", bb, tb, True), shallow, {"packed": block})
                 self.graphs.capture(("decode", bb), self._decode_step, {"packed": self._decode_block(bb)})
         self.graphs.log_report()
 
@@ -246,25 +270,27 @@ class Verifier:
         a[:, 2 * t + 2] = 1
         return torch.from_numpy(a)
 
-    def _verify_step(self, packed: torch.Tensor) -> VerifyStep:
+    def _verify_step(self, packed: torch.Tensor, max_depth: int | None = None) -> VerifyStep:
         """packed [B, 2T + 3]: columns [0, T) the root token then the tree's tokens, [T, 2T) each row's
         parent row (the root and padding rows their own), 2T the committed length n (the root's cache
-        position), 2T + 1 the slot, 2T + 2 whether the sequence is greedy."""
+        position), 2T + 1 the slot, 2T + 2 whether the sequence is greedy. max_depth: a bound on the
+        trees' depth (fewer rounds for their ancestors), None for any."""
         b, t = packed.shape[0], (packed.shape[1] - 3) // 2
         ids, parent_rows = packed[:, :t], packed[:, t : 2 * t]  # [B, T] each
         n, slots, greedy = packed[:, 2 * t], packed[:, 2 * t + 1], packed[:, 2 * t + 2] != 0  # [B] each
-        anc = tree_ancestors(parent_rows)  # [B, T, T]
+        anc = tree_ancestors(parent_rows, max_depth)  # [B, T, T]
+        depth = anc.sum(-1) - 1  # [B, T]
         rows = torch.arange(t, device=packed.device)
         batch = Batch(
             input_ids=ids,
-            positions=n[:, None] + anc.sum(-1) - 1,
+            positions=n[:, None] + depth,
             slots=slots,
             write_pos=n[:, None] + rows[None, :],
             prefix_len=n,
             window=anc,
         )
         out = self.model(batch, self.cache)
-        path = accept_greedy_device(ids, parent_rows, anc, self.model.greedy(out.hidden))
+        path = accept_greedy_device(ids, parent_rows, anc, self.model.greedy(out.hidden), depth)
         # greedy sequences: K/V of the accepted path move next to the root, all layers in one gather and
         # one scatter (all sources are read before any write; see common.acceptance.compaction_plan);
         # sampling sequences keep their rows (the host compacts them after acceptance)
@@ -297,7 +323,11 @@ class Verifier:
             a[i, tb + 1 : tb + 1 + size] = np.asarray(it.tree.parents) + 1
             a[i, 2 * tb], a[i, 2 * tb + 1], a[i, 2 * tb + 2] = st.length, slot, st.sampling.greedy
         with self.graphs.on_stream():
-            out = self.graphs.run(("verify", bb, tb), self._verify_step, {"packed": block})
+            shallow = tree_depth(a[:b, tb : 2 * tb]) <= SHALLOW_DEPTH
+            key, step = ("verify", bb, tb, shallow), self._verify_step
+            if shallow:
+                step = functools.partial(self._verify_step, max_depth=SHALLOW_DEPTH)
+            out = self.graphs.run(key, step, {"packed": block})
             result = out.result[:b].cpu().numpy()  # [B, T + 1] the one host synchronisation of the call
             counts = [int(result[i, 0]) + 1 if st.sampling.greedy else 0 for i, (_, st) in enumerate(states)]
             kept = out.kept[:b, : max(counts)].clone() if max(counts) else None  # outlives the next replay

@@ -31,6 +31,10 @@ class DraftServicer(pb_grpc.DraftServicer):
         self.vocab_size = vocab_size  # the base model's: every token id we are sent must index its embeddings
         self.max_sequences = max_sequences  # 0: no fixed limit
         self.gpu_uuid = gpu_uuid(device)
+        # per-round calls inline on the event loop on a GPU (milliseconds: the thread hop costs more than it
+        # saves, see services/engine_runner.py); on CPU a call takes long enough to hold up lease renewals
+        # and health checks, so it stays on the engine thread
+        self.inline = device.type == "cuda"
         self.mapped = MappedBuffers(device)
         self.runner = EngineRunner("draft")
         self.leases = SequenceLeases(lease_ttl, self.drafter.release, self.runner)
@@ -62,7 +66,7 @@ class DraftServicer(pb_grpc.DraftServicer):
         self.leases.admit(len(started))
         self.leases.touch([it.seq_id for it in request.items if not it.start])
         try:
-            resp = await self.runner.run(self._propose, request, inline=True)
+            resp = await self.runner.run(self._propose, request, inline=self.inline)
         except BaseException:
             if started:
                 await self.runner.run(self.drafter.release, started)

@@ -45,6 +45,10 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self.engine, self.hidden_width, self.max_sequences = engine, hidden_width, max_sequences
         self.device = torch.device(engine.info.device)
         self.gpu_uuid = gpu_uuid(self.device)
+        # per-round calls inline on the event loop on a GPU (milliseconds: the thread hop costs more than it
+        # saves, see services/engine_runner.py); on CPU a call takes long enough to hold up lease renewals
+        # and health checks, so it stays on the engine thread
+        self.inline = self.device.type == "cuda"
         self.export: HiddenExport | None = None  # set once the draft has mapped our buffer
         self.runner = EngineRunner("verifier")
         self.leases = SequenceLeases(lease_ttl, self._release_ids, self.runner)
@@ -98,11 +102,11 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
     async def _touched_verify(self, request: pb.VerifyRequest) -> pb.VerifyResponse:
         self.leases.touch([it.seq_id for it in request.items])
-        return await self.runner.run(self._verify, request, inline=True)
+        return await self.runner.run(self._verify, request, inline=self.inline)
 
     async def _touched_decode(self, request: pb.DecodeRequest) -> pb.DecodeResponse:
         self.leases.touch([it.seq_id for it in request.items])
-        return await self.runner.run(self._decode, request, inline=True)
+        return await self.runner.run(self._decode, request, inline=self.inline)
 
     async def _release_owned(self, request: pb.ReleaseRequest) -> pb.ReleaseResponse:
         ids = list(request.seq_ids)
