@@ -41,8 +41,10 @@ test: setup
 test-gpu: setup
 	$(PY) -m pytest -q -m gpu
 
+## make lint: ruff check and ruff format --check over the whole tree (generated stubs excluded)
 lint: setup
-	$(VENV)/bin/ruff check common services tests
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 ## make bench: benchmarks (GPU when available), JSON + markdown + PNG under bench-results/
 bench: setup
