@@ -85,9 +85,17 @@ class RunResult:
     outputs: list[list[int]] = field(default_factory=list, repr=False)
 
 
-def summarize(method: str, concurrency: int, traces: list[RequestTrace], wall: float, rounds: int = 0,
-              draft: float = 0.0, verify: float = 0.0, host: float = 0.0,
-              accepted: list[int] | None = None) -> RunResult:
+def summarize(
+    method: str,
+    concurrency: int,
+    traces: list[RequestTrace],
+    wall: float,
+    rounds: int = 0,
+    draft: float = 0.0,
+    verify: float = 0.0,
+    host: float = 0.0,
+    accepted: list[int] | None = None,
+) -> RunResult:
     per_req, ttft, itl = [], [], []
     for tr in traces:
         ttft.append(tr.times[0] - tr.arrival)
@@ -98,19 +106,27 @@ def summarize(method: str, concurrency: int, traces: list[RequestTrace], wall: f
     total = sum(len(tr.tokens) for tr in traces)
     r = max(rounds, 1)
     return RunResult(
-        method=method, concurrency=concurrency, requests=len(traces), tokens=total, wall_s=wall,
-        tok_s_per_request=float(np.mean(per_req)) if per_req else 0.0, tok_s_total=total / wall,
-        ttft_ms=1e3 * float(np.mean(ttft)), itl_ms=1e3 * float(np.mean(itl)) if itl else 0.0,
-        acceptance_length=float(np.mean(accepted)) if accepted else None, rounds=rounds,
+        method=method,
+        concurrency=concurrency,
+        requests=len(traces),
+        tokens=total,
+        wall_s=wall,
+        tok_s_per_request=float(np.mean(per_req)) if per_req else 0.0,
+        tok_s_total=total / wall,
+        ttft_ms=1e3 * float(np.mean(ttft)),
+        itl_ms=1e3 * float(np.mean(itl)) if itl else 0.0,
+        acceptance_length=float(np.mean(accepted)) if accepted else None,
+        rounds=rounds,
         draft_ms_per_round=1e3 * draft / r if rounds and draft else None,
         verify_ms_per_round=1e3 * verify / r if rounds else None,
         host_ms_per_round=1e3 * host / r if rounds else None,
-        outputs=[tr.tokens for tr in traces])
+        outputs=[tr.tokens for tr in traces],
+    )
 
 
 def waves(prompts: list[list[int]], concurrency: int) -> list[list[tuple[int, list[int]]]]:
     indexed = list(enumerate(prompts))
-    return [indexed[i:i + concurrency] for i in range(0, len(indexed), concurrency)]
+    return [indexed[i : i + concurrency] for i in range(0, len(indexed), concurrency)]
 
 
 # ---- methods ----
@@ -142,8 +158,15 @@ def run_plain(verifier, prompts: list[list[int]], max_new: int, concurrency: int
     return summarize("plain", concurrency, traces, time.perf_counter() - t_start, rounds, 0.0, decode_s, host_s)
 
 
-def run_spec(verifier, drafter, prompts: list[list[int]], max_new: int, concurrency: int,
-             tree_size: int, name: str = "speculative") -> RunResult:
+def run_spec(
+    verifier,
+    drafter,
+    prompts: list[list[int]],
+    max_new: int,
+    concurrency: int,
+    tree_size: int,
+    name: str = "speculative",
+) -> RunResult:
     traces = [RequestTrace() for _ in prompts]
     rounds, draft_s, verify_s, host_s = 0, 0.0, 0.0, 0.0
     accepted: list[int] = []
@@ -156,7 +179,7 @@ def run_spec(verifier, drafter, prompts: list[list[int]], max_new: int, concurre
             sid = f"spec-{i}"
             out = verifier.prefill(PrefillInput(sid, p, SamplingConfig()))
             traces[i].arrival, traces[i].tokens, traces[i].times = t0, [out.next_token], [time.perf_counter()]
-            items[sid] = ProposeInput(sid, p[1:] + [out.next_token], out.hidden, True, p[:1], tree_size)
+            items[sid] = ProposeInput.after_prefill(sid, p, out, tree_size)
             owner[sid] = i
         while items:
             t_a = time.perf_counter()
@@ -175,7 +198,7 @@ def run_spec(verifier, drafter, prompts: list[list[int]], max_new: int, concurre
                     del tr.tokens[max_new:], tr.times[max_new:]
                     done.append(sid)
                 else:
-                    nxt[sid] = ProposeInput(sid, res.tokens, res.hidden, False, [], tree_size)
+                    nxt[sid] = ProposeInput.after_verify(sid, res, tree_size)
             verifier.release(done)
             drafter.release(done)
             items = nxt
@@ -183,8 +206,9 @@ def run_spec(verifier, drafter, prompts: list[list[int]], max_new: int, concurre
             draft_s += t_b - t_a
             verify_s += t_c - t_b
             host_s += time.perf_counter() - t_c
-    return summarize(name, concurrency, traces, time.perf_counter() - t_start, rounds, draft_s, verify_s,
-                     host_s, accepted)
+    return summarize(
+        name, concurrency, traces, time.perf_counter() - t_start, rounds, draft_s, verify_s, host_s, accepted
+    )
 
 
 def run_hf(model_path: Path, device: torch.device, dtype: str, prompts: list[list[int]], max_new: int) -> RunResult:
@@ -194,8 +218,9 @@ def run_hf(model_path: Path, device: torch.device, dtype: str, prompts: list[lis
     if model_path.is_dir():
         model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch_dtype(dtype))
     else:
-        model = AutoModelForCausalLM.from_pretrained(str(model_path.parent), gguf_file=model_path.name,
-                                                     dtype=torch_dtype(dtype))
+        model = AutoModelForCausalLM.from_pretrained(
+            str(model_path.parent), gguf_file=model_path.name, dtype=torch_dtype(dtype)
+        )
     model.to(device).eval()
 
     class Clock(BaseStreamer):
@@ -214,8 +239,15 @@ def run_hf(model_path: Path, device: torch.device, dtype: str, prompts: list[lis
 
     def generate(p: list[int], n: int, streamer=None):
         ids = torch.tensor([p], device=device)
-        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                              do_sample=False, streamer=streamer, pad_token_id=model.config.eos_token_id)
+        return model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            streamer=streamer,
+            pad_token_id=model.config.eos_token_id,
+        )
 
     with torch.inference_mode():
         generate(prompts[0], 4)  # warm-up
@@ -225,7 +257,7 @@ def run_hf(model_path: Path, device: torch.device, dtype: str, prompts: list[lis
             clock = Clock()
             t0 = time.perf_counter()
             out = generate(p, max_new, clock)
-            traces.append(RequestTrace(tokens=out[0, len(p):].tolist(), times=clock.times, arrival=t0))
+            traces.append(RequestTrace(tokens=out[0, len(p) :].tolist(), times=clock.times, arrival=t0))
         wall = time.perf_counter() - t_start
     return summarize("hf-generate", 1, traces, wall)
 
@@ -261,12 +293,25 @@ def build_engines(ckpt, args, dtype: str, max_sequences: int) -> Engines:
     drafting = DraftingConfig(top_k=args.top_k, steps=args.steps, verify_tree_size=args.tree_size)
     max_nodes = max(64, args.tree_size)
     graph_cfg = GraphConfig(tree_buckets=(16, 32, args.tree_size + 1, max_nodes + 1))
-    vcfg = VerifierConfig(max_sequences=max_sequences, max_context=args.max_context, max_tree_nodes=max_nodes,
-                          dtype=dtype, device=args.device)
+    vcfg = VerifierConfig(
+        max_sequences=max_sequences,
+        max_context=args.max_context,
+        max_tree_nodes=max_nodes,
+        dtype=dtype,
+        device=args.device,
+    )
     verifier = make_verifier(ckpt, vcfg, args.graphs, graph_cfg)
     head = load_head(args.head, ckpt.config, torch.device(args.device), dtype)
-    drafter = make_drafter(head, verifier.model.embed_tokens, drafting, max_sequences, args.max_context,
-                           args.device, args.graphs, graph_cfg)
+    drafter = make_drafter(
+        head,
+        verifier.model.embed_tokens,
+        drafting,
+        max_sequences,
+        args.max_context,
+        args.device,
+        args.graphs,
+        graph_cfg,
+    )
     return Engines(verifier, drafter, drafting)
 
 
@@ -279,23 +324,32 @@ def encode_prompts(ckpt, n: int) -> list[list[int]]:
 
 # ---- reports ----
 def markdown(results: list[RunResult], meta: dict) -> str:
-    lines = [f"# Engine benchmark ({meta['device_name']}, {meta['dtype']}, graphs={meta['graphs']})", "",
-             f"{meta['prompts']} prompts, {meta['max_new_tokens']} new tokens each, head: {meta['head']}", "",
-             "| method | conc. | tok/s/req | tok/s total | TTFT ms | ITL ms | accept len | rounds "
-             "| draft ms | verify ms | host ms |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"# Engine benchmark ({meta['device_name']}, {meta['dtype']}, graphs={meta['graphs']})",
+        "",
+        f"{meta['prompts']} prompts, {meta['max_new_tokens']} new tokens each, head: {meta['head']}",
+        "",
+        "| method | conc. | tok/s/req | tok/s total | TTFT ms | ITL ms | accept len | rounds "
+        "| draft ms | verify ms | host ms |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
 
     def f(x, fmt="{:.1f}"):
         return "-" if x is None else fmt.format(x)
 
     for r in results:
-        lines.append(f"| {r.method} | {r.concurrency} | {r.tok_s_per_request:.1f} | {r.tok_s_total:.1f} "
-                     f"| {r.ttft_ms:.1f} | {r.itl_ms:.2f} | {f(r.acceptance_length, '{:.2f}')} | {r.rounds} "
-                     f"| {f(r.draft_ms_per_round, '{:.2f}')} | {f(r.verify_ms_per_round, '{:.2f}')} "
-                     f"| {f(r.host_ms_per_round, '{:.2f}')} |")
+        lines.append(
+            f"| {r.method} | {r.concurrency} | {r.tok_s_per_request:.1f} | {r.tok_s_total:.1f} "
+            f"| {r.ttft_ms:.1f} | {r.itl_ms:.2f} | {f(r.acceptance_length, '{:.2f}')} | {r.rounds} "
+            f"| {f(r.draft_ms_per_round, '{:.2f}')} | {f(r.verify_ms_per_round, '{:.2f}')} "
+            f"| {f(r.host_ms_per_round, '{:.2f}')} |"
+        )
     plain = {r.concurrency: r for r in results if r.method == "plain"}
-    speedups = [f"c={r.concurrency}: {r.tok_s_total / plain[r.concurrency].tok_s_total:.2f}x"
-                for r in results if r.method == "speculative" and r.concurrency in plain]
+    speedups = [
+        f"c={r.concurrency}: {r.tok_s_total / plain[r.concurrency].tok_s_total:.2f}x"
+        for r in results
+        if r.method == "speculative" and r.concurrency in plain
+    ]
     if speedups:
         lines += ["", "Speculative / plain total throughput: " + ", ".join(speedups)]
     return "\n".join(lines) + "\n"
@@ -341,7 +395,7 @@ def bench(args, ckpt) -> int:
     conc = sorted({int(c) for c in args.concurrency.split(",")})
     results: list[RunResult] = []
     if "hf" in args.methods:
-        hf_prompts = prompts[:args.hf_prompts]
+        hf_prompts = prompts[: args.hf_prompts]
         results.append(run_hf(ckpt.path, torch.device(args.device), dtype, hf_prompts, args.max_new_tokens))
         print(f"hf-generate: {results[-1].tok_s_per_request:.1f} tok/s per request", flush=True)
     eng = build_engines(ckpt, args, dtype, max(conc))
@@ -350,17 +404,32 @@ def bench(args, ckpt) -> int:
     for c in conc:
         if "plain" in args.methods:
             results.append(run_plain(eng.verifier, prompts, args.max_new_tokens, c))
-            print(f"plain c={c}: {results[-1].tok_s_per_request:.1f} tok/s/req, "
-                  f"{results[-1].tok_s_total:.1f} tok/s total", flush=True)
+            print(
+                f"plain c={c}: {results[-1].tok_s_per_request:.1f} tok/s/req, "
+                f"{results[-1].tok_s_total:.1f} tok/s total",
+                flush=True,
+            )
         if "spec" in args.methods:
             results.append(run_spec(eng.verifier, eng.drafter, prompts, args.max_new_tokens, c, args.tree_size))
             r = results[-1]
-            print(f"speculative c={c}: {r.tok_s_per_request:.1f} tok/s/req, {r.tok_s_total:.1f} tok/s total, "
-                  f"accept {r.acceptance_length:.2f}", flush=True)
-    meta = {"device": args.device, "device_name": device_name(args.device), "dtype": dtype, "graphs": args.graphs,
-            "verifier": type(eng.verifier).__name__, "drafter": type(eng.drafter).__name__,
-            "prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "head": args.head or "random",
-            "drafting": asdict(eng.drafting), "torch": torch.__version__}
+            print(
+                f"speculative c={c}: {r.tok_s_per_request:.1f} tok/s/req, {r.tok_s_total:.1f} tok/s total, "
+                f"accept {r.acceptance_length:.2f}",
+                flush=True,
+            )
+    meta = {
+        "device": args.device,
+        "device_name": device_name(args.device),
+        "dtype": dtype,
+        "graphs": args.graphs,
+        "verifier": type(eng.verifier).__name__,
+        "drafter": type(eng.drafter).__name__,
+        "prompts": args.prompts,
+        "max_new_tokens": args.max_new_tokens,
+        "head": args.head or "random",
+        "drafting": asdict(eng.drafting),
+        "torch": torch.__version__,
+    }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     payload = {"meta": meta, "results": [{k: v for k, v in asdict(r).items() if k != "outputs"} for r in results]}
@@ -377,8 +446,11 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
     """Token-position agreement and the mean index of the first divergence (len if none)."""
     same = [int(x == y) for ta, tb in zip(a, b) for x, y in zip(ta, tb)]
     first = [next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), len(ta)) for ta, tb in zip(a, b)]
-    return {"token_agreement": float(np.mean(same)), "identical_sequences": sum(ta == tb for ta, tb in zip(a, b)),
-            "mean_first_divergence": float(np.mean(first))}
+    return {
+        "token_agreement": float(np.mean(same)),
+        "identical_sequences": sum(ta == tb for ta, tb in zip(a, b)),
+        "mean_first_divergence": float(np.mean(first)),
+    }
 
 
 def check_equal(args, ckpt) -> int:
@@ -397,10 +469,12 @@ def check_equal(args, ckpt) -> int:
         oracle = GreedyOracleDrafter(eng.verifier.model, args.steps, torch.device(args.device))
         runs = {
             "eagle3 c=1": run_spec(eng.verifier, eng.drafter, prompts, n_tokens, 1, args.tree_size).outputs,
-            f"eagle3 c={n_prompts}": run_spec(eng.verifier, eng.drafter, prompts, n_tokens, n_prompts,
-                                              args.tree_size).outputs,
-            f"oracle c={n_prompts}": run_spec(eng.verifier, oracle, prompts, n_tokens, n_prompts,
-                                              args.tree_size).outputs,
+            f"eagle3 c={n_prompts}": run_spec(
+                eng.verifier, eng.drafter, prompts, n_tokens, n_prompts, args.tree_size
+            ).outputs,
+            f"oracle c={n_prompts}": run_spec(
+                eng.verifier, oracle, prompts, n_tokens, n_prompts, args.tree_size
+            ).outputs,
         }
         report[dtype] = {name: agreement(plain, out) for name, out in runs.items()}
         for name in runs:
@@ -408,13 +482,17 @@ def check_equal(args, ckpt) -> int:
             equal = stats["identical_sequences"] == n_prompts
             if dtype == "float32":
                 ok &= equal
-                print(f"{dtype} {name}: {'EQUAL' if equal else 'DIFFERENT'} "
-                      f"({stats['identical_sequences']}/{n_prompts} sequences, "
-                      f"token agreement {stats['token_agreement']:.4f})")
+                print(
+                    f"{dtype} {name}: {'EQUAL' if equal else 'DIFFERENT'} "
+                    f"({stats['identical_sequences']}/{n_prompts} sequences, "
+                    f"token agreement {stats['token_agreement']:.4f})"
+                )
             else:
-                print(f"{dtype} {name}: token agreement {stats['token_agreement']:.4f}, "
-                      f"{stats['identical_sequences']}/{n_prompts} identical, "
-                      f"first divergence at {stats['mean_first_divergence']:.1f} on average")
+                print(
+                    f"{dtype} {name}: token agreement {stats['token_agreement']:.4f}, "
+                    f"{stats['identical_sequences']}/{n_prompts} identical, "
+                    f"first divergence at {stats['mean_first_divergence']:.1f} on average"
+                )
         del eng
     report["float32_equal"] = ok
     out = Path(args.out)
@@ -427,8 +505,12 @@ def check_equal(args, ckpt) -> int:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.engine_bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="auto: bfloat16 on CUDA, float32 on CPU")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="auto: bfloat16 on CUDA, float32 on CPU",
+    )
     p.add_argument("--model", default=None, help="GGUF file or HF folder (default: the embedded SmolLM2)")
     p.add_argument("--head", default=None, help="EAGLE-3 head folder (default: a random head)")
     p.add_argument("--prompts", type=int, default=16)
@@ -440,10 +522,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--top-k", type=int, default=10)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--tree-size", type=int, default=60)
-    p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True,
-                   help="CUDA-graph engines on CUDA (--no-graphs: the eager ones)")
-    p.add_argument("--check-equal", action="store_true",
-                   help="float32 greedy speculative == plain on 8 prompts x 64 tokens; bf16 agreement too")
+    p.add_argument(
+        "--graphs",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="CUDA-graph engines on CUDA (--no-graphs: the eager ones)",
+    )
+    p.add_argument(
+        "--check-equal",
+        action="store_true",
+        help="float32 greedy speculative == plain on 8 prompts x 64 tokens; bf16 agreement too",
+    )
     p.add_argument("--check-prompts", type=int, default=8)
     p.add_argument("--check-tokens", type=int, default=64)
     p.add_argument("--out", default="bench_out")
@@ -457,8 +546,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     from common.weights import load_checkpoint
 
     ckpt = load_checkpoint(args.model)

@@ -44,24 +44,56 @@ def main() -> None:
         for c in [int(x) for x in args.concurrency.split(",")]:
             for spec in (True, False):
                 n = max(8, args.requests_per_worker * c)
-                data = json.dumps({"messages": [{"role": "user", "content": PROMPT}], "max_tokens": args.max_tokens,
-                                   "ignore_eos": True, "speculative": spec})
-                cmd = [args.ghz, "--insecure", "--call", "specdec.v1.Generation.Complete", "-d", data, "-c", str(c),
-                       "-n", str(n), "--format", "json", stack.gateway]
-                report = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True,
-                                                   timeout=600).stdout)
+                data = json.dumps(
+                    {
+                        "messages": [{"role": "user", "content": PROMPT}],
+                        "max_tokens": args.max_tokens,
+                        "ignore_eos": True,
+                        "speculative": spec,
+                    }
+                )
+                cmd = [
+                    args.ghz,
+                    "--insecure",
+                    "--call",
+                    "specdec.v1.Generation.Complete",
+                    "-d",
+                    data,
+                    "-c",
+                    str(c),
+                    "-n",
+                    str(n),
+                    "--format",
+                    "json",
+                    stack.gateway,
+                ]
+                report = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=600).stdout)
                 total_s = report["total"] / 1e9
                 ok = report.get("statusCodeDistribution", {}).get("OK", 0)
-                rows.append({"concurrency": c, "speculative": spec, "requests": n, "ok": ok,
-                             "tok_s_total": ok * args.max_tokens / total_s, "latency_ms_avg": report["average"] / 1e6,
-                             "command": " ".join(cmd[:4]) + f" -d '{data}' -c {c} -n {n} --format json HOST:PORT"})
+                rows.append(
+                    {
+                        "concurrency": c,
+                        "speculative": spec,
+                        "requests": n,
+                        "ok": ok,
+                        "tok_s_total": ok * args.max_tokens / total_s,
+                        "latency_ms_avg": report["average"] / 1e6,
+                        "command": " ".join(cmd[:4]) + f" -d '{data}' -c {c} -n {n} --format json HOST:PORT",
+                    }
+                )
                 log.info("c=%d speculative=%s: %d/%d OK, %.0f tok/s total", c, spec, ok, n, rows[-1]["tok_s_total"])
     (out / "ghz.json").write_text(json.dumps(rows, indent=1))
-    lines = [f"# ghz load run ({args.device}, {args.max_tokens} tokens per request)", "",
-             "| concurrency | mode | requests | OK | tok/s total | mean latency ms |", "|---:|---|---:|---:|---:|---:|"]
+    lines = [
+        f"# ghz load run ({args.device}, {args.max_tokens} tokens per request)",
+        "",
+        "| concurrency | mode | requests | OK | tok/s total | mean latency ms |",
+        "|---:|---|---:|---:|---:|---:|",
+    ]
     for r in rows:
-        lines.append(f"| {r['concurrency']} | {'speculative' if r['speculative'] else 'plain'} | {r['requests']} "
-                     f"| {r['ok']} | {r['tok_s_total']:.0f} | {r['latency_ms_avg']:.1f} |")
+        lines.append(
+            f"| {r['concurrency']} | {'speculative' if r['speculative'] else 'plain'} | {r['requests']} "
+            f"| {r['ok']} | {r['tok_s_total']:.0f} | {r['latency_ms_avg']:.1f} |"
+        )
     lines += ["", "Command of each run: " + f"`{rows[0]['command']}`" if rows else ""]
     (out / "ghz.md").write_text("\n".join(lines) + "\n")
     log.info("\n%s", "\n".join(lines))

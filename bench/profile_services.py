@@ -53,16 +53,36 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     mport = free_port()
     prompts = [QUESTIONS[i % len(QUESTIONS)] for i in range(64)]
-    with Stack(common_args=["--device", args.device, "--max-context", "1024"],
-               gateway_args=["--metrics-port", str(mport)]) as stack:
+    with Stack(
+        common_args=["--device", args.device, "--max-context", "1024"], gateway_args=["--metrics-port", str(mport)]
+    ) as stack:
         asyncio.run(closed_loop(stack.gateway, prompts[:2], 16, 1))  # warm-up
         before = scrape_rounds(mport)
-        spies = [subprocess.Popen([spy, "record", "-r", "250", "-d", str(args.seconds), "-f", "raw", "--nonblocking",
-                                   "-o", str(out / f"spy-{name}.txt"), "-p", str(proc.pid)],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-                 for name, proc in stack.procs.items()]
-        load = threading.Thread(target=lambda: asyncio.run(closed_loop(stack.gateway, prompts, args.max_new_tokens,
-                                                                       args.concurrency)))
+        spies = [
+            subprocess.Popen(
+                [
+                    spy,
+                    "record",
+                    "-r",
+                    "250",
+                    "-d",
+                    str(args.seconds),
+                    "-f",
+                    "raw",
+                    "--nonblocking",
+                    "-o",
+                    str(out / f"spy-{name}.txt"),
+                    "-p",
+                    str(proc.pid),
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+            )
+            for name, proc in stack.procs.items()
+        ]
+        load = threading.Thread(
+            target=lambda: asyncio.run(closed_loop(stack.gateway, prompts, args.max_new_tokens, args.concurrency))
+        )
         load.start()
         for s in spies:
             _, err = s.communicate(timeout=args.seconds + 60)
@@ -70,8 +90,12 @@ def main() -> None:
                 log.warning("py-spy failed: %s", err.decode()[-300:])
         load.join()
         phases = per_round(before, scrape_rounds(mport))
-    lines = [f"# Round profile ({args.device}, concurrency {args.concurrency})", "",
-             "ms per round: " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()), ""]
+    lines = [
+        f"# Round profile ({args.device}, concurrency {args.concurrency})",
+        "",
+        "ms per round: " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()),
+        "",
+    ]
     for name in stack.procs:
         raw = out / f"spy-{name}.txt"
         if raw.exists():

@@ -76,14 +76,17 @@ class Bench:
                 if i % RESTART_EVERY == 0:
                     await self.v.release([sid])
                     await self.v.prefill(sid, PROMPT, SamplingConfig(), want_hidden=False)
-                await self.timed(f"verify/{'stream' if stream else 'unary'}",
-                                 self.v.verify([(sid, one)], stream=stream), i)
+                await self.timed(
+                    f"verify/{'stream' if stream else 'unary'}", self.v.verify([(sid, one)], stream=stream), i
+                )
         await self.v.release(list(ids.values()))
 
     async def verify_error(self) -> None:
         empty = pb.VerifyRequest()
-        calls = {"stream": lambda: self.v._verify(empty),
-                 "unary": lambda: self.v.stub.Verify(empty, timeout=self.v.timeout)}
+        calls = {
+            "stream": lambda: self.v._verify(empty),
+            "unary": lambda: self.v.stub.Verify(empty, timeout=self.v.timeout),
+        }
         for i in range(self.warmup + self.n):
             for name, call in calls.items():
                 t0 = time.perf_counter()
@@ -105,12 +108,17 @@ class Bench:
             for stream, sid in ids.items():
                 if i % RESTART_EVERY == 0:
                     await self.d.release([sid])
-                    first = pb.ProposeItem(seq_id=sid, token_ids=PROMPT[1:] + [pre.next_token], hidden=pre.hidden,
-                                           start=True, context_prefix=PROMPT[:1], max_nodes=8)
+                    first = pb.ProposeItem(
+                        seq_id=sid,
+                        token_ids=PROMPT[1:] + [pre.next_token],
+                        hidden=pre.hidden,
+                        start=True,
+                        context_prefix=PROMPT[:1],
+                        max_nodes=8,
+                    )
                     await self.d.propose([first], stream=stream)
                 item = pb.ProposeItem(seq_id=sid, token_ids=[5], hidden=hidden, max_nodes=8)
-                await self.timed(f"propose/{'stream' if stream else 'unary'}", self.d.propose([item], stream=stream),
-                                 i)
+                await self.timed(f"propose/{'stream' if stream else 'unary'}", self.d.propose([item], stream=stream), i)
         await self.d.release(list(ids.values()))
 
     def report(self) -> None:
@@ -139,8 +147,9 @@ async def run(verifier: str, draft: str, n: int, warmup: int) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(prog="python -m bench.rpc_bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m bench.rpc_bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--n", type=int, default=500, help="timed calls per variant")
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--verifier", help="address of a running verifier (else a stack is started)")
@@ -154,8 +163,9 @@ def main() -> None:
         return
     from services.stack import Stack
 
-    stack = Stack(common_args=["--device", a.device, "--dtype", a.dtype, "--max-context", "512",
-                               "--max-sequences", "4"])
+    stack = Stack(
+        common_args=["--device", a.device, "--dtype", a.dtype, "--max-context", "512", "--max-sequences", "4"]
+    )
     log.info("starting verifier, draft and gateway on %s ...", a.device)
     stack.start()
     try:

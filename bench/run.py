@@ -49,40 +49,58 @@ def ratio(a: dict | None, b: dict | None) -> float | None:
 
 
 def summarize(rows: list[dict], concurrency: list[int], meta: dict) -> tuple[str, dict]:
-    lines = [f"# Benchmark: {meta['device_name']}, {meta['dtype']}, {meta['prompts']} prompts x "
-             f"{meta['max_new_tokens']} new tokens",
-             "", f"Command: `{meta['command']}`", "",
-             "| method | conc. | tok/s/req | tok/s total | TTFT ms | ITL ms | accept len | draft ms | verify ms "
-             "| rpc ms | host ms |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"# Benchmark: {meta['device_name']}, {meta['dtype']}, {meta['prompts']} prompts x "
+        f"{meta['max_new_tokens']} new tokens",
+        "",
+        f"Command: `{meta['command']}`",
+        "",
+        "| method | conc. | tok/s/req | tok/s total | TTFT ms | ITL ms | accept len | draft ms | verify ms "
+        "| rpc ms | host ms |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     fmt = lambda v, d=1: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
     for r in rows:
-        lines.append(f"| {r['method']} | {r['concurrency']} | {fmt(r['tok_s_per_request'])} | {fmt(r['tok_s_total'])} "
-                     f"| {fmt(r['ttft_ms'])} | {fmt(r['itl_ms'], 2)} | {fmt(r.get('acceptance_length'), 2)} "
-                     f"| {fmt(r.get('draft_ms_per_round'), 2)} | {fmt(r.get('verify_ms_per_round'), 2)} "
-                     f"| {fmt(r.get('rpc_ms_per_round'), 2)} | {fmt(r.get('host_ms_per_round'), 2)} |")
+        lines.append(
+            f"| {r['method']} | {r['concurrency']} | {fmt(r['tok_s_per_request'])} | {fmt(r['tok_s_total'])} "
+            f"| {fmt(r['ttft_ms'])} | {fmt(r['itl_ms'], 2)} | {fmt(r.get('acceptance_length'), 2)} "
+            f"| {fmt(r.get('draft_ms_per_round'), 2)} | {fmt(r.get('verify_ms_per_round'), 2)} "
+            f"| {fmt(r.get('rpc_ms_per_round'), 2)} | {fmt(r.get('host_ms_per_round'), 2)} |"
+        )
     ratios = {}
-    lines += ["", "| concurrency | plain ms/token (per request) | spec / plain | spec / HF | services-ipc / in-process "
-              "| services-inline / in-process | gateway plain / engine plain | services spec / gateway plain "
-              "| services tok/s total |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += [
+        "",
+        "| concurrency | plain ms/token (per request) | spec / plain | spec / HF | services-ipc / in-process "
+        "| services-inline / in-process | gateway plain / engine plain | services spec / gateway plain "
+        "| services tok/s total |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     hf = _get(rows, "hf-generate", 1)
     for c in concurrency:
         plain, spec = _get(rows, "plain", c), _get(rows, "speculative", c)
         ipc, inline = _get(rows, "services-ipc", c), _get(rows, "services-inline", c)
         gw_plain = _get(rows, "services-ipc-plain", c) or _get(rows, "services-inline-plain", c)
-        entry = {"plain_ms_per_token": 1000 / per(plain) if plain and per(plain) else None,
-                 "spec_over_plain": ratio(spec, plain), "spec_over_hf": ratio(spec, hf),
-                 "services_ipc_over_inprocess": ratio(ipc, spec), "services_inline_over_inprocess": ratio(inline, spec),
-                 "services_ipc_over_plain": ratio(ipc, plain), "services_ipc_over_hf": ratio(ipc, hf),
-                 "gateway_plain_over_engine_plain": ratio(gw_plain, plain),
-                 "services_spec_over_gateway_plain": ratio(ipc, gw_plain),
-                 "services_ipc_tok_s_total": ipc["tok_s_total"] if ipc else None}
+        entry = {
+            "plain_ms_per_token": 1000 / per(plain) if plain and per(plain) else None,
+            "spec_over_plain": ratio(spec, plain),
+            "spec_over_hf": ratio(spec, hf),
+            "services_ipc_over_inprocess": ratio(ipc, spec),
+            "services_inline_over_inprocess": ratio(inline, spec),
+            "services_ipc_over_plain": ratio(ipc, plain),
+            "services_ipc_over_hf": ratio(ipc, hf),
+            "gateway_plain_over_engine_plain": ratio(gw_plain, plain),
+            "services_spec_over_gateway_plain": ratio(ipc, gw_plain),
+            "services_ipc_tok_s_total": ipc["tok_s_total"] if ipc else None,
+        }
         ratios[c] = entry
-        lines.append(f"| {c} | {fmt(entry['plain_ms_per_token'], 2)} | {fmt(entry['spec_over_plain'], 2)}x "
-                     f"| {fmt(entry['spec_over_hf'], 1)}x | {fmt(entry['services_ipc_over_inprocess'], 2)}x "
-                     f"| {fmt(entry['services_inline_over_inprocess'], 2)}x "
-                     f"| {fmt(entry['gateway_plain_over_engine_plain'], 2)}x "
-                     f"| {fmt(entry['services_spec_over_gateway_plain'], 2)}x "
-                     f"| {fmt(entry['services_ipc_tok_s_total'], 0)} |")
+        lines.append(
+            f"| {c} | {fmt(entry['plain_ms_per_token'], 2)} | {fmt(entry['spec_over_plain'], 2)}x "
+            f"| {fmt(entry['spec_over_hf'], 1)}x | {fmt(entry['services_ipc_over_inprocess'], 2)}x "
+            f"| {fmt(entry['services_inline_over_inprocess'], 2)}x "
+            f"| {fmt(entry['gateway_plain_over_engine_plain'], 2)}x "
+            f"| {fmt(entry['services_spec_over_gateway_plain'], 2)}x "
+            f"| {fmt(entry['services_ipc_tok_s_total'], 0)} |"
+        )
     lines += ["", "Ratios compare tokens/s per request at the same concurrency (HF: batch 1 only)."]
     return "\n".join(lines) + "\n", ratios
 
@@ -98,8 +116,10 @@ def plot(rows: list[dict], path: Path) -> bool:
         return False
     methods = list(dict.fromkeys(r["method"] for r in rows))
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, key, title in ((axes[0], "tok_s_per_request", "tokens/s per request"),
-                           (axes[1], "tok_s_total", "tokens/s total")):
+    for ax, key, title in (
+        (axes[0], "tok_s_per_request", "tokens/s per request"),
+        (axes[1], "tok_s_total", "tokens/s total"),
+    ):
         for m in methods:
             pts = sorted((r["concurrency"], r[key]) for r in rows if r["method"] == m)
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=m)
@@ -115,8 +135,9 @@ def plot(rows: list[dict], path: Path) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m bench.run", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--out", default="bench-results")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="auto")
@@ -131,10 +152,23 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level="INFO", format="%(asctime)s %(name)s %(levelname)s %(message)s")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    dtype = "bfloat16" if a.dtype == "auto" and a.device.startswith("cuda") else (
-        "float32" if a.dtype == "auto" else a.dtype)
-    common = ["--device", a.device, "--prompts", str(a.prompts), "--max-new-tokens", str(a.max_new_tokens),
-              "--concurrency", a.concurrency, "--head", a.head]
+    dtype = (
+        "bfloat16"
+        if a.dtype == "auto" and a.device.startswith("cuda")
+        else ("float32" if a.dtype == "auto" else a.dtype)
+    )
+    common = [
+        "--device",
+        a.device,
+        "--prompts",
+        str(a.prompts),
+        "--max-new-tokens",
+        str(a.max_new_tokens),
+        "--concurrency",
+        a.concurrency,
+        "--head",
+        a.head,
+    ]
     if a.device.startswith("cuda"):  # kernels per step and replay times of decode, verify and propose
         subprocess.run([sys.executable, "-m", "bench.decode_probe", "--out", str(out), "--dtype", dtype], check=True)
     rc = engine_bench.main([*common, "--dtype", dtype, "--hf-prompts", str(a.hf_prompts), "--out", str(out)])
@@ -144,8 +178,13 @@ def main(argv: list[str] | None = None) -> int:
     if not a.skip_services:
         services_bench.main([*common, "--dtype", dtype, "--modes", "spec,plain", "--ipc", a.ipc, "--out", str(out)])
         rows += _rows(out / "services.json")
-    meta = {"device_name": engine_bench.device_name(a.device), "dtype": dtype, "prompts": a.prompts,
-            "max_new_tokens": a.max_new_tokens, "command": "python -m bench.run " + " ".join(argv or sys.argv[1:])}
+    meta = {
+        "device_name": engine_bench.device_name(a.device),
+        "dtype": dtype,
+        "prompts": a.prompts,
+        "max_new_tokens": a.max_new_tokens,
+        "command": "python -m bench.run " + " ".join(argv or sys.argv[1:]),
+    }
     conc = [int(c) for c in a.concurrency.split(",")]
     md, ratios = summarize(rows, conc, meta)
     (out / "summary.md").write_text(md)

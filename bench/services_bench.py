@@ -36,10 +36,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-async def one_request(stub, text: str, max_new: int, t_start: float,
-                      speculative: bool = True) -> tuple[RequestTrace, gpb.GenerateResponse]:
-    req = gpb.GenerateRequest(messages=[gpb.ChatMessage(role="user", content=text)], max_tokens=max_new,
-                              ignore_eos=True, speculative=speculative)
+async def one_request(
+    stub, text: str, max_new: int, t_start: float, speculative: bool = True
+) -> tuple[RequestTrace, gpb.GenerateResponse]:
+    req = gpb.GenerateRequest(
+        messages=[gpb.ChatMessage(role="user", content=text)],
+        max_tokens=max_new,
+        ignore_eos=True,
+        speculative=speculative,
+    )
     tr = RequestTrace(arrival=t_start)
     last = None
     async for msg in stub.Generate(req):
@@ -97,8 +102,16 @@ def run(args) -> list[RunResult]:
     results = []
     for ipc in args.ipc_modes:
         mport = free_port()
-        common = ["--device", args.device, "--dtype", args.dtype, "--max-context", str(args.max_context),
-                  "--max-sequences", str(max(args.concurrency))]
+        common = [
+            "--device",
+            args.device,
+            "--dtype",
+            args.dtype,
+            "--max-context",
+            str(args.max_context),
+            "--max-sequences",
+            str(max(args.concurrency)),
+        ]
         draft = ["--top-k", str(args.top_k), "--steps", str(args.steps), "--verify-tree-size", str(args.tree_size)]
         if args.head:
             draft += ["--head", args.head]
@@ -111,8 +124,9 @@ def run(args) -> list[RunResult]:
                 n = max(len(prompts), args.requests_per_worker * c)  # every worker busy for the whole run
                 load = [prompts[i % len(prompts)] for i in range(n)]
                 before = scrape_rounds(mport)
-                traces, finals, wall = asyncio.run(closed_loop(stack.gateway, load, args.max_new_tokens, c,
-                                                               speculative))
+                traces, finals, wall = asyncio.run(
+                    closed_loop(stack.gateway, load, args.max_new_tokens, c, speculative)
+                )
                 rounds = sum(f.speculation.rounds for f in finals)
                 after = scrape_rounds(mport)
                 r = summarize(f"services-{mode}" + ("" if speculative else "-plain"), c, traces, wall, rounds=rounds)
@@ -123,15 +137,22 @@ def run(args) -> list[RunResult]:
                 r.verify_ms_per_round = phase.get("verify")
                 r.rpc_ms_per_round = phase.get("rpc")
                 r.host_ms_per_round = phase.get("orchestration")
-                log.info("%s c=%d: %.1f tok/s total, %.1f tok/s per request, acceptance %s", r.method, c,
-                         r.tok_s_total, r.tok_s_per_request, r.acceptance_length)
+                log.info(
+                    "%s c=%d: %.1f tok/s total, %.1f tok/s per request, acceptance %s",
+                    r.method,
+                    c,
+                    r.tok_s_total,
+                    r.tok_s_per_request,
+                    r.acceptance_length,
+                )
                 results.append(r)
     return results
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m bench.services_bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m bench.services_bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--head", default=None)

@@ -18,8 +18,8 @@ from common.tree import children_lists
 class Acceptance:
     """Result of verifying one tree."""
 
-    path: list[int]     # [num_accepted] accepted node indices, depth 1 first
-    tokens: list[int]   # [num_accepted + 1] the accepted nodes' tokens, then the bonus token
+    path: list[int]  # [num_accepted] accepted node indices, depth 1 first
+    tokens: list[int]  # [num_accepted + 1] the accepted nodes' tokens, then the bonus token
 
     @property
     def num_accepted(self) -> int:
@@ -48,8 +48,9 @@ def accept_greedy(tokens: np.ndarray, parents: np.ndarray, target: np.ndarray) -
         row = match + 1
 
 
-def accept_sampled(tokens: np.ndarray, parents: np.ndarray, target_probs: Callable[[int], np.ndarray],
-                   rng: np.random.Generator) -> Acceptance:
+def accept_sampled(
+    tokens: np.ndarray, parents: np.ndarray, target_probs: Callable[[int], np.ndarray], rng: np.random.Generator
+) -> Acceptance:
     """Lossless multi-draft rejection sampling with the drafts treated as one-hot proposals.
 
     The dynamic tree picks children deterministically (top-k), so each child is a point-mass proposal:

@@ -25,8 +25,16 @@ class LlamaConfig:
     eos_token_id: int = 2
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
-                     "num_heads", "num_kv_heads", "head_dim", "max_position"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
@@ -56,8 +64,10 @@ class DraftingConfig:
         if self.verify_tree_size < 1:
             raise ValueError(f"verify_tree_size must be >= 1, got {self.verify_tree_size}")
         if self.verify_tree_size > self.max_candidates():
-            raise ValueError(f"verify_tree_size {self.verify_tree_size} exceeds the {self.max_candidates()} "
-                             f"nodes that top_k={self.top_k}, steps={self.steps} can draft")
+            raise ValueError(
+                f"verify_tree_size {self.verify_tree_size} exceeds the {self.max_candidates()} "
+                f"nodes that top_k={self.top_k}, steps={self.steps} can draft"
+            )
 
     def max_candidates(self) -> int:
         """Nodes the expansion creates: top_k at depth 1, then top_k * top_k per further step."""

@@ -46,7 +46,7 @@ def _check(result):
 @dataclass(frozen=True)
 class ExportedBuffer:
     buffer_id: str
-    handle: bytes      # 64-byte cudaIpcMemHandle_t of the allocation that holds the buffer
+    handle: bytes  # 64-byte cudaIpcMemHandle_t of the allocation that holds the buffer
     offset_bytes: int  # where the buffer starts inside that allocation
     nbytes: int
 
@@ -60,16 +60,25 @@ def export_buffer(t: torch.Tensor) -> ExportedBuffer:
     ptr = t.data_ptr()
     base, _size = _check(driver.cuMemGetAddressRange(ptr))
     handle = _check(runtime.cudaIpcGetMemHandle(int(base)))
-    return ExportedBuffer(buffer_id=uuid.uuid4().hex, handle=bytes(handle.reserved),
-                          offset_bytes=ptr - int(base), nbytes=t.numel() * t.element_size())
+    return ExportedBuffer(
+        buffer_id=uuid.uuid4().hex,
+        handle=bytes(handle.reserved),
+        offset_bytes=ptr - int(base),
+        nbytes=t.numel() * t.element_size(),
+    )
 
 
 class _DevicePointer:
     """Presents a raw device pointer to torch.as_tensor through __cuda_array_interface__."""
 
     def __init__(self, ptr: int, nbytes: int) -> None:
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
-                                         "version": 3, "strides": None}
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "version": 3,
+            "strides": None,
+        }
 
 
 def map_buffer(exp: ExportedBuffer, device: torch.device) -> torch.Tensor:
@@ -141,4 +150,4 @@ class MappedBuffers:
         nbytes = n * torch.empty((), dtype=dtype).element_size()
         if offset < 0 or offset + nbytes > buf.numel():
             raise InvalidRequest(f"IPC region [{offset}, {offset + nbytes}) is outside the buffer")
-        return buf[offset:offset + nbytes].view(dtype).view(shape)
+        return buf[offset : offset + nbytes].view(dtype).view(shape)

@@ -24,11 +24,16 @@ MAX_MESSAGE_BYTES = 64 << 20  # internal links: a whole context's hidden states 
 # Reconnection after a peer restarts: gRPC's defaults back off from 1 s by 1.6x up to 120 s, so a
 # service that was down for a minute is noticed up to a minute late. Here: retry every 100 ms at
 # first, never waiting more than 1 s (a loopback connect attempt costs nothing).
-RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100),
-                     ("grpc.min_reconnect_backoff_ms", 100),
-                     ("grpc.max_reconnect_backoff_ms", 1000)]
-CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), *RECONNECT_OPTIONS]
+RECONNECT_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    *RECONNECT_OPTIONS,
+]
 
 
 def status_for(exc: BaseException) -> grpc.StatusCode:
@@ -102,6 +107,7 @@ async def _checked_stream(requests, context: grpc.aio.ServicerContext):
 
 def _guard_unary_request(behavior: Callable) -> Callable:
     if inspect.isasyncgenfunction(behavior):  # unary request, streamed response
+
         async def stream_out(request, context):
             await _reject_undecodable(request, context)
             async for r in behavior(request, context):
@@ -118,6 +124,7 @@ def _guard_unary_request(behavior: Callable) -> Callable:
 
 def _guard_stream_request(behavior: Callable) -> Callable:
     if inspect.isasyncgenfunction(behavior):
+
         async def stream_out(requests, context):
             async for r in behavior(_checked_stream(requests, context), context):
                 yield r
@@ -182,15 +189,21 @@ class Server:
             await self.health.set(name, status)
 
 
-async def start_server(address: str, register: Iterable[tuple[Callable, object]],
-                       service_names: Iterable[str], max_request_bytes: int = MAX_MESSAGE_BYTES) -> Server:
+async def start_server(
+    address: str,
+    register: Iterable[tuple[Callable, object]],
+    service_names: Iterable[str],
+    max_request_bytes: int = MAX_MESSAGE_BYTES,
+) -> Server:
     """Start a grpc.aio server on `address` ("127.0.0.1:0" picks a free port) with our servicers,
     grpc.health.v1 (SERVING for "" and each service) and method-aware reflection. Requests larger
     than `max_request_bytes` are refused by gRPC (RESOURCE_EXHAUSTED) before they are parsed."""
     if max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
-    options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-               ("grpc.max_receive_message_length", max_request_bytes)]
+    options = [
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", max_request_bytes),
+    ]
     server = grpc.aio.server(options=options, interceptors=[DecodeErrorsAreInvalid()])
     for add, servicer in register:
         add(servicer, server)
@@ -198,8 +211,12 @@ async def start_server(address: str, register: Iterable[tuple[Callable, object]]
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
-        MethodAwareReflection(names + ["grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"],
-                              pool=descriptor_pool.Default()), server)
+        MethodAwareReflection(
+            names + ["grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"],
+            pool=descriptor_pool.Default(),
+        ),
+        server,
+    )
     port = server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"cannot bind {address}")

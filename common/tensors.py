@@ -7,8 +7,13 @@ import torch
 
 from common.errors import InvalidRequest
 
-_TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-          "int32": torch.int32, "int64": torch.int64}
+_TORCH = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+}
 _NAMES = {v: k for k, v in _TORCH.items()}
 MAX_INLINE_BYTES = 256 << 20
 MAX_DIMS = 4
@@ -71,8 +76,9 @@ def decode_inline(msg, device: torch.device | str = "cpu") -> torch.Tensor:
         raise InvalidRequest("tensor payload is not inline bytes (CUDA IPC is not set up on this link)")
     shape, dtype, expected = checked_shape(msg)
     if expected != len(msg.inline_data):
-        raise InvalidRequest(f"tensor of shape {shape} and dtype {msg.dtype} needs {expected} bytes, "
-                             f"got {len(msg.inline_data)}")
+        raise InvalidRequest(
+            f"tensor of shape {shape} and dtype {msg.dtype} needs {expected} bytes, got {len(msg.inline_data)}"
+        )
     np_dtype = np.int16 if dtype == torch.bfloat16 else torch.empty((), dtype=dtype).numpy().dtype
     arr = np.frombuffer(msg.inline_data, dtype=np_dtype).reshape(shape)
     t = torch.from_numpy(arr.copy())

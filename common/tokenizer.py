@@ -49,11 +49,11 @@ class TokenizerMeta:
 
     eos_token_id: int
     bos_token_id: int | None
-    vocab_size: int                      # with added tokens: len(AutoTokenizer)
-    special_tokens: dict[str, str]       # named special tokens the template sees: {"eos_token": "<|im_end|>", ...}
-    split_special_tokens: bool = False   # encode a special token's text as plain text
+    vocab_size: int  # with added tokens: len(AutoTokenizer)
+    special_tokens: dict[str, str]  # named special tokens the template sees: {"eos_token": "<|im_end|>", ...}
+    split_special_tokens: bool = False  # encode a special token's text as plain text
     clean_up_tokenization_spaces: bool = False  # as decode applies it (transformers never does for BPE)
-    source: str = ""                     # the model file or folder exported (for people reading the cache)
+    source: str = ""  # the model file or folder exported (for people reading the cache)
 
     def __post_init__(self) -> None:
         if not 0 <= self.eos_token_id < self.vocab_size:
@@ -75,8 +75,9 @@ class Tokenizer:
         self._tok.no_truncation()
         self._tok.encode_special_tokens = meta.split_special_tokens
         template = folder / TEMPLATE_FILE
-        self._template = (ChatTemplate(template.read_text(encoding="utf-8"), meta.special_tokens)
-                          if template.is_file() else None)
+        self._template = (
+            ChatTemplate(template.read_text(encoding="utf-8"), meta.special_tokens) if template.is_file() else None
+        )
         self._clean_up = meta.clean_up_tokenization_spaces
         self.eos_token_id: int = meta.eos_token_id
         self.vocab_size: int = meta.vocab_size
@@ -114,11 +115,11 @@ class IncrementalDecoder:
 
     def push(self, new_ids: list[int]) -> str:
         self.ids.extend(new_ids)
-        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
-        full = self.tokenizer.decode(self.ids[self.prefix_offset:])
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self.tokenizer.decode(self.ids[self.prefix_offset :])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-            return full[len(prefix):]
+            return full[len(prefix) :]
         return ""
 
 
@@ -134,8 +135,9 @@ def cached_export(model: Path) -> Path:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         done = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if done.returncode != 0:
-            raise RuntimeError(f"exporting the tokenizer of {model} failed (exit {done.returncode}):\n"
-                               f"{done.stderr[-4000:]}")
+            raise RuntimeError(
+                f"exporting the tokenizer of {model} failed (exit {done.returncode}):\n{done.stderr[-4000:]}"
+            )
     return out
 
 
@@ -207,8 +209,18 @@ def _transformers_version() -> str:
 
 def _clean_up_tokenization(text: str) -> str:
     """transformers' PreTrainedTokenizerBase.clean_up_tokenization (WordPiece-era spacing before punctuation)."""
-    for before, after in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
-                          (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
+    for before, after in (
+        (" .", "."),
+        (" ?", "?"),
+        (" !", "!"),
+        (" ,", ","),
+        (" ' ", "'"),
+        (" n't", "n't"),
+        (" 'm", "'m"),
+        (" 's", "'s"),
+        (" 've", "'ve"),
+        (" 're", "'re"),
+    ):
         text = text.replace(before, after)
     return text
 
@@ -216,12 +228,14 @@ def _clean_up_tokenization(text: str) -> str:
 def main(argv: list[str] | None = None) -> None:
     from common.model_path import default_model_path
 
-    p = argparse.ArgumentParser(prog="python -m common.tokenizer", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m common.tokenizer", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = p.add_subparsers(dest="command", required=True)
     e = sub.add_parser("export", help="export a model's tokenizer (needs transformers)")
-    e.add_argument("--model", default=None, help="GGUF file or HF folder (default: $SPECDEC_GGUF or the embedded "
-                   "SmolLM2)")
+    e.add_argument(
+        "--model", default=None, help="GGUF file or HF folder (default: $SPECDEC_GGUF or the embedded SmolLM2)"
+    )
     e.add_argument("--out", default=None, help="folder to create (default: the cache folder Tokenizer reads)")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")

@@ -26,17 +26,18 @@ from common.errors import InvalidRequest
 class Tree:
     """A draft tree as it travels between services."""
 
-    tokens: np.ndarray   # [N] int64 token ids
+    tokens: np.ndarray  # [N] int64 token ids
     parents: np.ndarray  # [N] int64 parent node index, -1 for the root
-    probs: np.ndarray    # [N] float32 draft probability of each node given its parent
+    probs: np.ndarray  # [N] float32 draft probability of each node given its parent
 
     @property
     def size(self) -> int:
         return int(self.tokens.shape[0])
 
 
-def validate_tree(tokens: np.ndarray, parents: np.ndarray, probs: np.ndarray, *,
-                  max_nodes: int, vocab_size: int) -> Tree:
+def validate_tree(
+    tokens: np.ndarray, parents: np.ndarray, probs: np.ndarray, *, max_nodes: int, vocab_size: int
+) -> Tree:
     """Check a tree from the wire and return it. Raises InvalidRequest naming what is wrong.
 
     Requiring parents[i] < i rules out cycles and self-loops: every path climbs to the root.
@@ -62,8 +63,9 @@ def validate_tree(tokens: np.ndarray, parents: np.ndarray, probs: np.ndarray, *,
     not_before = parents >= idx
     if not_before.any():
         i = int(idx[not_before][0])
-        raise InvalidRequest(f"tree node {i} has parent {int(parents[i])} that does not precede it "
-                             "(cycle or bad order)")
+        raise InvalidRequest(
+            f"tree node {i} has parent {int(parents[i])} that does not precede it (cycle or bad order)"
+        )
     if probs.shape[0] == 0:
         probs = np.ones(n, dtype=np.float32)
     return Tree(tokens=tokens, parents=parents, probs=probs)

@@ -22,7 +22,7 @@ class Checkpoint:
     name: str
     config: LlamaConfig
     state_dict: dict[str, torch.Tensor]  # Hugging Face LlamaForCausalLM names, without "model."
-    path: Path                           # the GGUF file or the HF folder (also holds the tokenizer)
+    path: Path  # the GGUF file or the HF folder (also holds the tokenizer)
 
 
 def load_checkpoint(path: str | os.PathLike | None = None, max_position: int | None = None) -> Checkpoint:
@@ -70,11 +70,20 @@ def _load_gguf(path: Path, max_position: int | None) -> Checkpoint:
         bos_token_id=int(field("tokenizer.ggml.bos_token_id")),
         eos_token_id=int(field("tokenizer.ggml.eos_token_id")),
     )
-    rename = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head",
-              "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-              "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-              "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-              "ffn_down": "mlp.down_proj"}
+    rename = {
+        "token_embd": "embed_tokens",
+        "output_norm": "norm",
+        "output": "lm_head",
+        "attn_norm": "input_layernorm",
+        "ffn_norm": "post_attention_layernorm",
+        "attn_q": "self_attn.q_proj",
+        "attn_k": "self_attn.k_proj",
+        "attn_v": "self_attn.v_proj",
+        "attn_output": "self_attn.o_proj",
+        "ffn_gate": "mlp.gate_proj",
+        "ffn_up": "mlp.up_proj",
+        "ffn_down": "mlp.down_proj",
+    }
     sd: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)

@@ -15,8 +15,16 @@ from specdec.v1 import generation_pb2 as gpb
 from specdec.v1 import generation_pb2_grpc as gpb_grpc
 
 
-def stream(addr: str, text: str, *, max_tokens: int = 128, chat: bool = True, speculative: bool = True,
-           temperature: float = 0.0, out: TextIO = sys.stdout) -> gpb.GenerateResponse:
+def stream(
+    addr: str,
+    text: str,
+    *,
+    max_tokens: int = 128,
+    chat: bool = True,
+    speculative: bool = True,
+    temperature: float = 0.0,
+    out: TextIO = sys.stdout,
+) -> gpb.GenerateResponse:
     req = gpb.GenerateRequest(max_tokens=max_tokens, temperature=temperature, speculative=speculative)
     if chat:
         req.messages.add(role="user", content=text)
@@ -29,10 +37,12 @@ def stream(addr: str, text: str, *, max_tokens: int = 128, chat: bool = True, sp
             out.flush()
             last = msg
     s, u = last.speculation, last.usage
-    out.write(f"\n\n[{gpb.FinishReason.Name(last.finish_reason)}] prompt {u.prompt_tokens} tokens, "
-              f"completion {u.completion_tokens} tokens; speculation: {s.rounds} rounds, "
-              f"{s.drafted_tokens} drafted, {s.accepted_tokens} accepted, "
-              f"mean acceptance length {s.mean_acceptance_length:.2f}\n")
+    out.write(
+        f"\n\n[{gpb.FinishReason.Name(last.finish_reason)}] prompt {u.prompt_tokens} tokens, "
+        f"completion {u.completion_tokens} tokens; speculation: {s.rounds} rounds, "
+        f"{s.drafted_tokens} drafted, {s.accepted_tokens} accepted, "
+        f"mean acceptance length {s.mean_acceptance_length:.2f}\n"
+    )
     return last
 
 
@@ -46,8 +56,9 @@ def main() -> None:
     p.add_argument("--plain", action="store_true", help="plain decoding on the verifier (no speculation)")
     a = p.parse_args()
     try:
-        stream(a.addr, a.text, max_tokens=a.max_tokens, chat=not a.raw, speculative=not a.plain,
-               temperature=a.temperature)
+        stream(
+            a.addr, a.text, max_tokens=a.max_tokens, chat=not a.raw, speculative=not a.plain, temperature=a.temperature
+        )
     except grpc.RpcError as e:
         sys.stderr.write(f"error: {e.code().name}: {e.details()}\n")
         sys.exit(1)

@@ -56,29 +56,54 @@ def common_arguments(p: argparse.ArgumentParser, addr_env: str, default_addr: st
     p.add_argument("--addr", default=os.environ.get(addr_env, default_addr))
     p.add_argument("--port-file", default=None, help="write the bound port here once serving")
     p.add_argument("--log-level", default=os.environ.get("LOG_LEVEL", "INFO"))
-    p.add_argument("--drain-grace", type=float, default=float(os.environ.get("DRAIN_GRACE", "20")),
-                   help="seconds in-flight work may take to finish after SIGTERM (keep below the "
-                        "orchestrator's kill timeout, e.g. terminationGracePeriodSeconds)")
+    p.add_argument(
+        "--drain-grace",
+        type=float,
+        default=float(os.environ.get("DRAIN_GRACE", "20")),
+        help="seconds in-flight work may take to finish after SIGTERM (keep below the "
+        "orchestrator's kill timeout, e.g. terminationGracePeriodSeconds)",
+    )
 
 
 def engine_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of the two engine services (draft and verifier)."""
-    p.add_argument("--model", default=None,
-                   help="GGUF file or HF folder (default: $SPECDEC_GGUF or the embedded SmolLM2)")
+    p.add_argument(
+        "--model", default=None, help="GGUF file or HF folder (default: $SPECDEC_GGUF or the embedded SmolLM2)"
+    )
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="auto: bfloat16 on CUDA, float32 on CPU")
-    p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True,
-                   help="capture CUDA graphs at start-up (CUDA only)")
-    p.add_argument("--max-sequences", type=int, default=0,
-                   help="KV cache slots (concurrent sequences); 0 = auto: 8 on CPU, from free GPU memory on CUDA "
-                        "(see --gpu-memory-fraction), at most 64")
-    p.add_argument("--gpu-memory-fraction", type=float, default=0.4,
-                   help="share of the GPU memory free at start-up this service may give its KV cache when "
-                        "--max-sequences is auto (draft and verifier share one GPU)")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="auto: bfloat16 on CUDA, float32 on CPU",
+    )
+    p.add_argument(
+        "--graphs",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="capture CUDA graphs at start-up (CUDA only)",
+    )
+    p.add_argument(
+        "--max-sequences",
+        type=int,
+        default=0,
+        help="KV cache slots (concurrent sequences); 0 = auto: 8 on CPU, from free GPU memory on CUDA "
+        "(see --gpu-memory-fraction), at most 64",
+    )
+    p.add_argument(
+        "--gpu-memory-fraction",
+        type=float,
+        default=0.4,
+        help="share of the GPU memory free at start-up this service may give its KV cache when "
+        "--max-sequences is auto (draft and verifier share one GPU)",
+    )
     p.add_argument("--max-context", type=int, default=2048, help="prompt + generated tokens per sequence")
-    p.add_argument("--lease-ttl", type=float, default=float(os.environ.get("LEASE_TTL", "30")),
-                   help="seconds after which the sequences of a gateway that stopped renewing are freed")
+    p.add_argument(
+        "--lease-ttl",
+        type=float,
+        default=float(os.environ.get("LEASE_TTL", "30")),
+        help="seconds after which the sequences of a gateway that stopped renewing are freed",
+    )
 
 
 def parse_and_log(p: argparse.ArgumentParser) -> argparse.Namespace:
@@ -87,8 +112,7 @@ def parse_and_log(p: argparse.ArgumentParser) -> argparse.Namespace:
     return a
 
 
-async def serve(address: str, add_servicer, servicer, service_name: str, port_file: str | None,
-                grace_s: float) -> None:
+async def serve(address: str, add_servicer, servicer, service_name: str, port_file: str | None, grace_s: float) -> None:
     """Start one engine service (with health and reflection) and its lease reaper, publish its port,
     serve until SIGINT/SIGTERM, then drain: no new sequences, wait until the held ones are released."""
     from common.rpc import start_server

@@ -40,10 +40,10 @@ def _bind_to_parent() -> None:
 @dataclass
 class Stack:
     gateway_addr: str = "127.0.0.1:0"
-    draft_args: list[str] = field(default_factory=list)     # e.g. ["--drafter", "oracle-greedy"]
+    draft_args: list[str] = field(default_factory=list)  # e.g. ["--drafter", "oracle-greedy"]
     verifier_args: list[str] = field(default_factory=list)
     gateway_args: list[str] = field(default_factory=list)
-    common_args: list[str] = field(default_factory=list)    # passed to draft and verifier (e.g. --max-context)
+    common_args: list[str] = field(default_factory=list)  # passed to draft and verifier (e.g. --max-context)
     drain_grace: float = 5.0  # seconds each service may drain on SIGTERM
     log_dir: Path | None = None
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
@@ -79,10 +79,25 @@ class Stack:
         (self._tmp / f"{name}.port").unlink(missing_ok=True)
         out = open(self.log_dir / f"{name}.log", "a")  # noqa: SIM115 - lives as long as the process
         self.procs[name] = subprocess.Popen(
-            [sys.executable, "-m", f"services.{name}", "--addr", addr, "--drain-grace", str(self.drain_grace),
-             *self._args(name), "--port-file", str(self._tmp / f"{name}.port")],
-            cwd=ROOT, env=self._env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-            preexec_fn=_bind_to_parent)
+            [
+                sys.executable,
+                "-m",
+                f"services.{name}",
+                "--addr",
+                addr,
+                "--drain-grace",
+                str(self.drain_grace),
+                *self._args(name),
+                "--port-file",
+                str(self._tmp / f"{name}.port"),
+            ],
+            cwd=ROOT,
+            env=self._env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_bind_to_parent,
+        )
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         """Send `sig` to one service (tests: faults); waits for it to exit when it is SIGKILL."""
@@ -149,30 +164,51 @@ def _raise_stop(sig: int, _frame) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(prog="python -m services.stack", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m services.stack", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--demo", action="store_true", help="stream one generation through the gateway")
     p.add_argument("--device", default=os.environ.get("SPECDEC_DEVICE", "cpu"))
     p.add_argument("--dtype", default=os.environ.get("SPECDEC_DTYPE", "auto"))
     p.add_argument("--drafter", default="eagle3")
-    p.add_argument("--drain-grace", type=float, default=float(os.environ.get("DRAIN_GRACE", "20")),
-                   help="seconds the services may drain after SIGTERM")
-    p.add_argument("--gateway-arg", action="append", default=[], metavar="ARG",
-                   help="extra gateway flag, repeatable (e.g. --gateway-arg=--metrics-port=9090)")
+    p.add_argument(
+        "--drain-grace",
+        type=float,
+        default=float(os.environ.get("DRAIN_GRACE", "20")),
+        help="seconds the services may drain after SIGTERM",
+    )
+    p.add_argument(
+        "--gateway-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra gateway flag, repeatable (e.g. --gateway-arg=--metrics-port=9090)",
+    )
     a = p.parse_args()
     logging.basicConfig(level="INFO", format="%(asctime)s %(name)s %(levelname)s %(message)s")
     addr = os.environ.get("GATEWAY_ADDR", "127.0.0.1:50051")
-    stack = Stack(gateway_addr=addr, common_args=["--device", a.device, "--dtype", a.dtype],
-                  draft_args=["--drafter", a.drafter], gateway_args=a.gateway_arg, drain_grace=a.drain_grace)
+    stack = Stack(
+        gateway_addr=addr,
+        common_args=["--device", a.device, "--dtype", a.dtype],
+        draft_args=["--drafter", a.drafter],
+        gateway_args=a.gateway_arg,
+        drain_grace=a.drain_grace,
+    )
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _raise_stop)
     try:
         log.info("starting verifier, draft and gateway ...")
         stack.start()
-        log.info("gateway serving on %s (verifier :%d, draft :%d; logs in %s)", stack.gateway,
-                 stack.ports["verifier"], stack.ports["draft"], stack.log_dir)
+        log.info(
+            "gateway serving on %s (verifier :%d, draft :%d; logs in %s)",
+            stack.gateway,
+            stack.ports["verifier"],
+            stack.ports["draft"],
+            stack.log_dir,
+        )
         if a.demo:
             from services.client import stream
+
             stream(stack.gateway, "Why is the sky blue?", max_tokens=96, chat=True, out=sys.stdout)
         log.info("serving until Ctrl-C or SIGTERM")
         while all(stack.alive().values()):

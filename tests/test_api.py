@@ -87,18 +87,26 @@ def _code(call):
     return e.value.code(), e.value.details()
 
 
-@pytest.mark.parametrize("tokens, parents, needle", [
-    ([5, 6], [-1, 7], "outside"),             # parent index out of range
-    ([5, 6, 7], [-1, 2, 1], "does not precede"),  # cycle 1 -> 2 -> 1
-    ([5] * 100, [-1] * 100, "limit"),         # over the verifier's tree size
-    ([5, 10**7], [-1, 0], "vocabulary"),
-])
+@pytest.mark.parametrize(
+    "tokens, parents, needle",
+    [
+        ([5, 6], [-1, 7], "outside"),  # parent index out of range
+        ([5, 6, 7], [-1, 2, 1], "does not precede"),  # cycle 1 -> 2 -> 1
+        ([5] * 100, [-1] * 100, "limit"),  # over the verifier's tree size
+        ([5, 10**7], [-1, 0], "vocabulary"),
+    ],
+)
 def test_verifier_rejects_malformed_trees(stack, tokens, parents, needle):
     v = _verifier(stack)
     v.Prefill(pb.PrefillRequest(items=[pb.PrefillItem(seq_id="t", token_ids=[1, 2, 3])]))
     try:
-        code, details = _code(lambda: v.Verify(pb.VerifyRequest(items=[
-            pb.VerifyItem(seq_id="t", tree=pb.DraftTree(token_ids=tokens, parents=parents))])))
+        code, details = _code(
+            lambda: v.Verify(
+                pb.VerifyRequest(
+                    items=[pb.VerifyItem(seq_id="t", tree=pb.DraftTree(token_ids=tokens, parents=parents))]
+                )
+            )
+        )
         assert code == grpc.StatusCode.INVALID_ARGUMENT and needle in details
         # the sequence is untouched and still verifies
         one = pb.DraftTree(token_ids=[5], parents=[-1])

@@ -77,11 +77,13 @@ def test_shipped_head_acceptance_guard(stack):
     from specdec.v1 import generation_pb2 as gpb
 
     rows = [json.loads(line) for line in (Path(__file__).parent / "data" / "heldout_sharegpt.jsonl").open()]
-    out = complete_many(stack.gateway, [gpb.GenerateRequest(prompt_token_ids=r["prompt_ids"], max_tokens=96)
-                                        for r in rows])
+    out = complete_many(
+        stack.gateway, [gpb.GenerateRequest(prompt_token_ids=r["prompt_ids"], max_tokens=96) for r in rows]
+    )
     round_tokens = sum(len(r.token_ids) - 1 for r in out)
     rounds = sum(r.speculation.rounds for r in out)
     assert rounds > 0
-    logging.getLogger(__name__).info("shipped head, 8 held-out ShareGPT chats: mean acceptance length %.3f",
-                                     round_tokens / rounds)
+    logging.getLogger(__name__).info(
+        "shipped head, 8 held-out ShareGPT chats: mean acceptance length %.3f", round_tokens / rounds
+    )
     assert round_tokens / rounds >= 3.0, [r.speculation.mean_acceptance_length for r in out]

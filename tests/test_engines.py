@@ -20,7 +20,7 @@ def verifier(checkpoint):
 def run_spec(verifier, drafter, seq, n):
     pre = verifier.prefill(PrefillInput(seq, PROMPT, SamplingConfig()))
     out, rounds = [pre.next_token], []
-    item = ProposeInput(seq, PROMPT[1:] + [pre.next_token], pre.hidden, True, PROMPT[:1], 60)
+    item = ProposeInput.after_prefill(seq, PROMPT, pre, 60)
     while len(out) < n:
         tree = drafter.propose([item])[0]
         r = verifier.verify([VerifyInput(seq, tree)])[0]

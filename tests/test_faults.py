@@ -198,6 +198,7 @@ def test_health_not_serving_without_capacity_then_serving(faulty):
     v = pb_grpc.VerifierStub(grpc.insecure_channel(s.address("verifier")))
     ids = [f"squatter{i}" for i in range(info(s.address("verifier")).max_sequences)]
     v.Prefill(pb.PrefillRequest(items=[pb.PrefillItem(seq_id=i, token_ids=[1, 2, 3]) for i in ids]), timeout=60)
+
     def not_serving_while_squatting() -> bool:
         # a decode step touches the squatters' anonymous leases (TTL LEASE_TTL, as long as the capacity
         # timeout): without it they could expire before the gateway gives up on capacity

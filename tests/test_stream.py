@@ -20,8 +20,10 @@ PROMPT = [1, 9690, 314, 260, 2152, 30]
 
 
 def _clients(stack):
-    return (VerifierClient(f"127.0.0.1:{stack.ports['verifier']}", timeout=120),
-            DraftClient(f"127.0.0.1:{stack.ports['draft']}", timeout=120))
+    return (
+        VerifierClient(f"127.0.0.1:{stack.ports['verifier']}", timeout=120),
+        DraftClient(f"127.0.0.1:{stack.ports['draft']}", timeout=120),
+    )
 
 
 def test_invalid_tree_fails_only_its_call_on_the_stream(stack):
@@ -86,8 +88,14 @@ def test_rounds_are_identical_on_stream_and_unary(stack):
             nxt = {}
             for s in seqs:
                 pre = await v.prefill(s, PROMPT, SamplingConfig(), want_hidden=True)
-                nxt[s] = pb.ProposeItem(seq_id=s, token_ids=PROMPT[1:] + [pre.next_token], hidden=pre.hidden,
-                                        start=True, context_prefix=PROMPT[:1], max_nodes=30)
+                nxt[s] = pb.ProposeItem(
+                    seq_id=s,
+                    token_ids=PROMPT[1:] + [pre.next_token],
+                    hidden=pre.hidden,
+                    start=True,
+                    context_prefix=PROMPT[:1],
+                    max_nodes=30,
+                )
             for _ in range(3):
                 out = {}
                 for s, stream in seqs.items():
@@ -117,9 +125,11 @@ def test_raw_stream_answers_every_request_in_order(stack):
     v = pb_grpc.VerifierStub(ch)
     v.Prefill(pb.PrefillRequest(items=[pb.PrefillItem(seq_id="st-raw", token_ids=PROMPT)]))
     one = pb.DraftTree(token_ids=[5], parents=[-1])
-    reqs = [pb.VerifyRequest(items=[pb.VerifyItem(seq_id="st-raw", tree=one)]),
-            pb.VerifyRequest(),  # no items
-            pb.VerifyRequest(items=[pb.VerifyItem(seq_id="st-raw", tree=one)])]
+    reqs = [
+        pb.VerifyRequest(items=[pb.VerifyItem(seq_id="st-raw", tree=one)]),
+        pb.VerifyRequest(),  # no items
+        pb.VerifyRequest(items=[pb.VerifyItem(seq_id="st-raw", tree=one)]),
+    ]
     try:
         resps = list(v.VerifyStream(iter(reqs), timeout=120))
         assert len(resps) == 3

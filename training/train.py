@@ -28,17 +28,17 @@ LOG_FILE = "train_log.jsonl"
 @dataclass(frozen=True)
 class TrainConfig:
     draft_vocab: int = 8192
-    steps: int = 2000              # optimizer steps (ignored for the schedule when minutes is set)
-    minutes: float | None = None   # train for this much wall-clock time in total (across resumes)
-    batch_size: int = 16           # sequences per step
-    max_len: int = 768             # tokens per sequence (prompt + response), longer ones are cut
+    steps: int = 2000  # optimizer steps (ignored for the schedule when minutes is set)
+    minutes: float | None = None  # train for this much wall-clock time in total (across resumes)
+    batch_size: int = 16  # sequences per step
+    max_len: int = 768  # tokens per sequence (prompt + response), longer ones are cut
     lr: float = 3e-4
     min_lr_ratio: float = 0.1
     warmup: int = 50
     weight_decay: float = 0.0
     grad_clip: float = 0.5
     ttt_steps: int = 6
-    step_weight: float = 0.8       # loss weight of TTT step j is step_weight ** j (EAGLE-3 reference)
+    step_weight: float = 0.8  # loss weight of TTT step j is step_weight ** j (EAGLE-3 reference)
     save_every: int = 200
     log_every: int = 20
     seed: int = 0
@@ -91,8 +91,11 @@ def init_head(head: Eagle3Head, base: LlamaModel, draft_to_base: torch.Tensor, s
         m.post_attention_layernorm.weight.copy_(last.post_attention_layernorm.weight.float())
         m.input_layernorm.weight.copy_(last.input_layernorm.weight.float())
         m.hidden_norm.weight.copy_(last.input_layernorm.weight.float())
-        if (base.cfg.num_heads, base.cfg.num_kv_heads, base.cfg.head_dim) == \
-                (head.cfg.num_heads, head.cfg.num_kv_heads, head.cfg.head_dim):
+        if (base.cfg.num_heads, base.cfg.num_kv_heads, base.cfg.head_dim) == (
+            head.cfg.num_heads,
+            head.cfg.num_kv_heads,
+            head.cfg.head_dim,
+        ):
             for name in ("q_proj", "k_proj", "v_proj"):
                 w = getattr(last.self_attn, name).weight.float()
                 getattr(m.self_attn, name).weight.copy_(torch.cat((0.5 * w, 0.5 * w), dim=1))
@@ -100,7 +103,7 @@ def init_head(head: Eagle3Head, base: LlamaModel, draft_to_base: torch.Tensor, s
     h, ht = head.cfg.hidden_size, head.cfg.target_hidden_size
     fc = torch.randn(h, 3 * ht, generator=g) * (0.02 / math.sqrt(3))
     if h == ht:
-        fc[:, 2 * ht:] += torch.eye(h)
+        fc[:, 2 * ht :] += torch.eye(h)
     head.fc.weight.copy_(fc)
 
 
@@ -121,17 +124,24 @@ def epoch_batches(lengths: np.ndarray, batch_size: int, seed: int, epoch: int) -
     chunk = batch_size * 64
     batches = []
     for c in range(0, len(perm), chunk):
-        part = perm[c:c + chunk]
+        part = perm[c : c + chunk]
         part = part[np.argsort(lengths[part], kind="stable")]
-        batches += [part[i:i + batch_size] for i in range(0, len(part), batch_size)]
+        batches += [part[i : i + batch_size] for i in range(0, len(part), batch_size)]
     rng.shuffle(batches)
     return batches
 
 
 class Trainer:
-    def __init__(self, base: LlamaModel, seqs: Sequences, workdir: Path, cfg: TrainConfig,
-                 device: torch.device, features: StoredFeatures | None = None,
-                 init_from: Path | None = None) -> None:
+    def __init__(
+        self,
+        base: LlamaModel,
+        seqs: Sequences,
+        workdir: Path,
+        cfg: TrainConfig,
+        device: torch.device,
+        features: StoredFeatures | None = None,
+        init_from: Path | None = None,
+    ) -> None:
         self.base, self.seqs, self.cfg, self.device, self.features = base, seqs, cfg, device, features
         self.dir = workdir / "train"
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -156,8 +166,9 @@ class Trainer:
 
             saved, saved_cfg = load_eagle3(init_from)
             if saved_cfg.draft_vocab_size != cfg.draft_vocab:
-                raise ValueError(f"{init_from} has a draft vocabulary of {saved_cfg.draft_vocab_size}, "
-                                 f"not {cfg.draft_vocab}")
+                raise ValueError(
+                    f"{init_from} has a draft vocabulary of {saved_cfg.draft_vocab_size}, not {cfg.draft_vocab}"
+                )
             self.head.load_state_dict(saved.float().state_dict())
             log.info("train: starting from the head in %s", init_from)
             st = None
@@ -182,9 +193,18 @@ class Trainer:
 
     def save_state(self) -> None:
         tmp = self.dir / (STATE_FILE + ".tmp")
-        torch.save({"head": self.head.state_dict(), "opt": self.opt.state_dict(), "step": self.step,
-                    "epoch": self.epoch, "pos": self.pos, "elapsed": self.elapsed, "config": asdict(self.cfg)},
-                   str(tmp))
+        torch.save(
+            {
+                "head": self.head.state_dict(),
+                "opt": self.opt.state_dict(),
+                "step": self.step,
+                "epoch": self.epoch,
+                "pos": self.pos,
+                "elapsed": self.elapsed,
+                "config": asdict(self.cfg),
+            },
+            str(tmp),
+        )
         tmp.replace(self.dir / STATE_FILE)
 
     def export(self) -> list[Path]:
@@ -192,8 +212,10 @@ class Trainer:
 
     def _batches(self) -> list[np.ndarray]:
         if self._epoch_cache is None or self._epoch_cache[0] != self.epoch:
-            self._epoch_cache = (self.epoch, epoch_batches(self.lengths, self.cfg.batch_size, self.cfg.seed,
-                                                           self.epoch))
+            self._epoch_cache = (
+                self.epoch,
+                epoch_batches(self.lengths, self.cfg.batch_size, self.cfg.seed, self.epoch),
+            )
         return self._epoch_cache[1]
 
     def _next_batch(self) -> np.ndarray:
@@ -207,7 +229,7 @@ class Trainer:
         cfg = self.cfg
         idx = self._next_batch()
         pb = pad_batch([self.seqs.get(int(i)) for i in idx], cfg.max_len, self.device)
-        ids = pb.ids                                                   # [B, T]
+        ids = pb.ids  # [B, T]
         b, t = ids.shape
         if self.features is not None:
             feats = self.features.batch([int(i) for i in idx], t, self.device)
@@ -215,12 +237,17 @@ class Trainer:
             feats = base_features(self.base, ids)
         r = torch.arange(t - 1, device=self.device)[None, :]
         # row r predicts x_{r+2}: a real position (r + 1 < len) holding a response token (r + 2 >= prompt_len)
-        valid = (r + 1 < pb.lengths[:, None]) & (r + 2 >= pb.prompt_len[:, None])   # [B, T-1]
-        targets = make_targets(lambda h: self.base.lm_head(h.to(self.base.lm_head.weight.dtype)),
-                               feats.hidden[:, 1:], self.draft_to_base, self.head.t2d, valid)
+        valid = (r + 1 < pb.lengths[:, None]) & (r + 2 >= pb.prompt_len[:, None])  # [B, T-1]
+        targets = make_targets(
+            lambda h: self.base.lm_head(h.to(self.base.lm_head.weight.dtype)),
+            feats.hidden[:, 1:],
+            self.draft_to_base,
+            self.head.t2d,
+            valid,
+        )
         with torch.no_grad():
-            embeds = self.base.embed_tokens(ids[:, 1:]).float()       # [B, T-1, H] embed(x_{r+1})
-        aux = feats.aux[:, :-1].float()                                # [B, T-1, 3H] a_r
+            embeds = self.base.embed_tokens(ids[:, 1:]).float()  # [B, T-1, H] embed(x_{r+1})
+        aux = feats.aux[:, :-1].float()  # [B, T-1, 3H] a_r
         lr = lr_at(cfg, self.step, self.elapsed)
         for g in self.opt.param_groups:
             g["lr"] = lr
@@ -231,8 +258,15 @@ class Trainer:
         gnorm = torch.nn.utils.clip_grad_norm_(self.head.parameters(), cfg.grad_clip)
         self.opt.step()
         self.step += 1
-        return {"step": self.step, "lr": lr, "loss": float(res.loss.detach()), "grad_norm": float(gnorm),
-                "step_loss": res.step_loss, "step_acc": res.step_acc, "tokens": int(valid.sum())}
+        return {
+            "step": self.step,
+            "lr": lr,
+            "loss": float(res.loss.detach()),
+            "grad_norm": float(gnorm),
+            "step_loss": res.step_loss,
+            "step_acc": res.step_acc,
+            "tokens": int(valid.sum()),
+        }
 
     def run(self, deadline: float | None = None) -> bool:
         """Train until done or the deadline; saves state on the way out. True when training finished."""
@@ -255,8 +289,14 @@ class Trainer:
                     avg["elapsed_min"] = round(self.elapsed / 60, 2)
                     logf.write(json.dumps(avg) + "\n")
                     logf.flush()
-                    log.info("train step %d lr %.2e loss %.3f acc/step %s (%.1f min)", self.step, rec["lr"],
-                             avg["loss"], " ".join(f"{a:.2f}" for a in avg["step_acc"]), self.elapsed / 60)
+                    log.info(
+                        "train step %d lr %.2e loss %.3f acc/step %s (%.1f min)",
+                        self.step,
+                        rec["lr"],
+                        avg["loss"],
+                        " ".join(f"{a:.2f}" for a in avg["step_acc"]),
+                        self.elapsed / 60,
+                    )
                     window = []
                 if self.step % cfg.save_every == 0:
                     self.save_state()
@@ -268,7 +308,10 @@ class Trainer:
 
 def summarize(recs: list[dict]) -> dict:
     n = len(recs)
-    return {"step": recs[-1]["step"], "loss": sum(r["loss"] for r in recs) / n,
-            "step_loss": [sum(r["step_loss"][j] for r in recs) / n for j in range(len(recs[0]["step_loss"]))],
-            "step_acc": [sum(r["step_acc"][j] for r in recs) / n for j in range(len(recs[0]["step_acc"]))],
-            "tokens": sum(r["tokens"] for r in recs)}
+    return {
+        "step": recs[-1]["step"],
+        "loss": sum(r["loss"] for r in recs) / n,
+        "step_loss": [sum(r["step_loss"][j] for r in recs) / n for j in range(len(recs[0]["step_loss"]))],
+        "step_acc": [sum(r["step_acc"][j] for r in recs) / n for j in range(len(recs[0]["step_acc"]))],
+        "tokens": sum(r["tokens"] for r in recs),
+    }

@@ -8,6 +8,7 @@ from typing import Protocol
 import torch
 
 from common.config import SamplingConfig
+from common.rounds import start_shift
 from common.tree import Tree
 
 
@@ -65,6 +66,19 @@ class ProposeInput:
     start: bool  # first call for this sequence
     context_prefix: list[int]  # tokens before the first pair (on start: the prompt's first token)
     max_nodes: int
+
+    @classmethod
+    def after_prefill(
+        cls, seq_id: str, prompt_ids: list[int], prefilled: PrefillOutput, max_nodes: int
+    ) -> ProposeInput:
+        """A sequence's first propose (common.rounds.start_shift)."""
+        token_ids, prefix = start_shift(prompt_ids, prefilled.next_token)
+        return cls(seq_id, token_ids, prefilled.hidden, True, prefix, max_nodes)
+
+    @classmethod
+    def after_verify(cls, seq_id: str, verified: VerifyOutput, max_nodes: int) -> ProposeInput:
+        """The next propose after a round: the accepted tokens and the bonus, with their features."""
+        return cls(seq_id, verified.tokens, verified.hidden, False, [], max_nodes)
 
 
 class Drafter(Protocol):

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-CPU_SEQUENCES = 8       # the CPU default stays small: every sequence in a round costs a full forward
-MAX_SEQUENCES = 64      # the largest batch bucket captured by default (common.engine.cuda_graphs)
+CPU_SEQUENCES = 8  # the CPU default stays small: every sequence in a round costs a full forward
+MAX_SEQUENCES = 64  # the largest batch bucket captured by default (common.engine.cuda_graphs)
 
 
 @dataclass(frozen=True)
@@ -14,10 +14,10 @@ class KVShape:
     """One sequence's KV footprint."""
 
     layers: int
-    positions: int      # slot capacity: context plus tree headroom
+    positions: int  # slot capacity: context plus tree headroom
     kv_heads: int
     head_dim: int
-    itemsize: int       # bytes per element
+    itemsize: int  # bytes per element
 
     def __post_init__(self) -> None:
         for name in ("layers", "positions", "kv_heads", "head_dim", "itemsize"):
@@ -29,8 +29,9 @@ class KVShape:
         return self.layers * self.positions * 2 * self.kv_heads * self.head_dim * self.itemsize
 
 
-def sequences_for_memory(kv: KVShape, free_bytes: int, fraction: float, reserve_bytes: int,
-                         cap: int = MAX_SEQUENCES) -> int:
+def sequences_for_memory(
+    kv: KVShape, free_bytes: int, fraction: float, reserve_bytes: int, cap: int = MAX_SEQUENCES
+) -> int:
     """Sequences whose KV fits in fraction * free_bytes - reserve_bytes (reserve: activations, graph pools,
     workspace), at least 1 and at most cap.
     Example: 30 layers x 2,113 positions x 2 x 3 heads x 64 x 2 bytes = 48.7 MB a sequence; 80 GB free,
@@ -40,8 +41,10 @@ def sequences_for_memory(kv: KVShape, free_bytes: int, fraction: float, reserve_
     budget = int(free_bytes * fraction) - reserve_bytes
     n = budget // kv.bytes_per_sequence
     if n < 1:
-        raise ValueError(f"{free_bytes / 2**30:.1f} GiB free leave no room for one sequence's KV "
-                         f"({kv.bytes_per_sequence / 2**20:.0f} MiB) at fraction {fraction}")
+        raise ValueError(
+            f"{free_bytes / 2**30:.1f} GiB free leave no room for one sequence's KV "
+            f"({kv.bytes_per_sequence / 2**20:.0f} MiB) at fraction {fraction}"
+        )
     return int(min(n, cap))
 
 

@@ -118,7 +118,10 @@ class GreedyPath:
 
 
 def accept_greedy_device(
-    ids: torch.Tensor, parent_rows: torch.Tensor, anc: torch.Tensor, target: torch.Tensor,
+    ids: torch.Tensor,
+    parent_rows: torch.Tensor,
+    anc: torch.Tensor,
+    target: torch.Tensor,
     depth: torch.Tensor | None = None,
 ) -> GreedyPath:
     """Batched common.acceptance.accept_greedy. ids, parent_rows, target [B, T] (row 0 the root; target

@@ -25,8 +25,8 @@ DRAFTERS = ("eagle3", "oracle-greedy", "oracle-wrong")
 class Built:
     drafter: Drafter
     drafting: DraftingConfig
-    hidden_width: int          # 3 * the base model's hidden size: the features the verifier sends
-    vocab_size: int            # the base model's vocabulary: the token ids the draft accepts
+    hidden_width: int  # 3 * the base model's hidden size: the features the verifier sends
+    vocab_size: int  # the base model's vocabulary: the token ids the draft accepts
 
 
 def build_drafter(args: argparse.Namespace) -> Built:
@@ -49,8 +49,9 @@ def build_drafter(args: argparse.Namespace) -> Built:
         base.load_state_dict(ckpt.state_dict, strict=False)
         base.to(device=device, dtype=dtype).eval()
         oracle = GreedyOracleDrafter if args.drafter == "oracle-greedy" else WrongOracleDrafter
-        return Built(oracle(base, drafting.steps, device), drafting, 3 * ckpt.config.hidden_size,
-                     ckpt.config.vocab_size)
+        return Built(
+            oracle(base, drafting.steps, device), drafting, 3 * ckpt.config.hidden_size, ckpt.config.vocab_size
+        )
     # the EAGLE-3 head needs only the base model's token embeddings
     embed = torch.nn.Embedding.from_pretrained(ckpt.state_dict["embed_tokens.weight"]).to(device=device, dtype=dtype)
     from common.model.eagle3 import Eagle3Config, Eagle3Head
@@ -58,6 +59,7 @@ def build_drafter(args: argparse.Namespace) -> Built:
     head_dir = Path(args.head) if args.head else DEFAULT_HEAD
     if (head_dir / "config.json").exists():
         from common.model.eagle3_io import load_eagle3
+
         head, _ = load_eagle3(head_dir)
         log.info("loaded EAGLE-3 head from %s", head_dir)
     else:
@@ -71,11 +73,17 @@ def build_drafter(args: argparse.Namespace) -> Built:
     from common.engine.capacity import KVShape, auto_sequences
 
     c = head.cfg
-    kv = KVShape(layers=1, positions=args.max_context + drafting.steps * (drafting.top_k + 1) + 1,
-                 kv_heads=c.num_kv_heads, head_dim=c.head_dim, itemsize=torch.finfo(dtype).bits // 8)
+    kv = KVShape(
+        layers=1,
+        positions=args.max_context + drafting.steps * (drafting.top_k + 1) + 1,
+        kv_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        itemsize=torch.finfo(dtype).bits // 8,
+    )
     args.max_sequences = auto_sequences(args.max_sequences, args.device, kv, args.gpu_memory_fraction)
-    drafter = make_drafter(head, embed, drafting, args.max_sequences, args.max_context, device,
-                           graphs=args.graphs)  # CUDA graphs on a GPU, eager on CPU
+    drafter = make_drafter(
+        head, embed, drafting, args.max_sequences, args.max_context, device, graphs=args.graphs
+    )  # CUDA graphs on a GPU, eager on CPU
     return Built(drafter, drafting, 3 * head.cfg.target_hidden_size, ckpt.config.vocab_size)
 
 
@@ -86,10 +94,23 @@ async def main(args: argparse.Namespace) -> None:
     from specdec.v1 import internal_pb2_grpc
 
     b = build_drafter(args)
-    servicer = DraftServicer(b.drafter, b.drafting, b.hidden_width, b.vocab_size, torch.device(args.device),
-                             lease_ttl=args.lease_ttl, max_sequences=args.max_sequences)
-    await serve(args.addr, internal_pb2_grpc.add_DraftServicer_to_server, servicer, "specdec.v1.Draft", args.port_file,
-                args.drain_grace)
+    servicer = DraftServicer(
+        b.drafter,
+        b.drafting,
+        b.hidden_width,
+        b.vocab_size,
+        torch.device(args.device),
+        lease_ttl=args.lease_ttl,
+        max_sequences=args.max_sequences,
+    )
+    await serve(
+        args.addr,
+        internal_pb2_grpc.add_DraftServicer_to_server,
+        servicer,
+        "specdec.v1.Draft",
+        args.port_file,
+        args.drain_grace,
+    )
 
 
 def cli() -> None:

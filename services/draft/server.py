@@ -25,8 +25,16 @@ log = logging.getLogger(__name__)
 
 
 class DraftServicer(pb_grpc.DraftServicer):
-    def __init__(self, drafter: Drafter, drafting: DraftingConfig, hidden_width: int, vocab_size: int,
-                 device: torch.device, lease_ttl: float, max_sequences: int = 0) -> None:
+    def __init__(
+        self,
+        drafter: Drafter,
+        drafting: DraftingConfig,
+        hidden_width: int,
+        vocab_size: int,
+        device: torch.device,
+        lease_ttl: float,
+        max_sequences: int = 0,
+    ) -> None:
         self.drafter, self.drafting, self.hidden_width, self.device = drafter, drafting, hidden_width, device
         self.vocab_size = vocab_size  # the base model's: every token id we are sent must index its embeddings
         self.max_sequences = max_sequences  # 0: no fixed limit
@@ -81,18 +89,34 @@ class DraftServicer(pb_grpc.DraftServicer):
     def _import(self, request: pb.IpcBuffer) -> pb.ImportResponse:
         if self.device.type != "cuda":
             raise InvalidRequest("CUDA IPC needs the draft on a CUDA device")
-        self.mapped.add(ExportedBuffer(buffer_id=request.buffer_id, handle=request.handle,
-                                       offset_bytes=request.offset_bytes, nbytes=request.nbytes))
-        log.info("mapped the verifier's hidden-state buffer %s (%d bytes) through CUDA IPC",
-                 request.buffer_id, request.nbytes)
+        self.mapped.add(
+            ExportedBuffer(
+                buffer_id=request.buffer_id,
+                handle=request.handle,
+                offset_bytes=request.offset_bytes,
+                nbytes=request.nbytes,
+            )
+        )
+        log.info(
+            "mapped the verifier's hidden-state buffer %s (%d bytes) through CUDA IPC",
+            request.buffer_id,
+            request.nbytes,
+        )
         return pb.ImportResponse(mapped=True)
 
     async def Info(self, request, context):
         d = self.drafting
-        return pb.DraftInfoResponse(drafter=self.drafter.name, drafting_top_k=d.top_k, drafting_steps=d.steps,
-                                    verify_tree_size=d.verify_tree_size, host_id=socket.gethostname(),
-                                    gpu_uuid=self.gpu_uuid, active_sequences=len(self.leases.table),
-                                    draining=self.leases.draining, max_sequences=self.max_sequences)
+        return pb.DraftInfoResponse(
+            drafter=self.drafter.name,
+            drafting_top_k=d.top_k,
+            drafting_steps=d.steps,
+            verify_tree_size=d.verify_tree_size,
+            host_id=socket.gethostname(),
+            gpu_uuid=self.gpu_uuid,
+            active_sequences=len(self.leases.table),
+            draining=self.leases.draining,
+            max_sequences=self.max_sequences,
+        )
 
     def _propose(self, request: pb.ProposeRequest) -> pb.ProposeResponse:
         if not request.items:
@@ -107,10 +131,16 @@ class DraftServicer(pb_grpc.DraftServicer):
             validate.token_ids(list(it.context_prefix), self.vocab_size, f"{what} context_prefix")
             if it.max_nodes < 0:
                 raise InvalidRequest(f"max_nodes must be >= 0, got {it.max_nodes}")
-            items.append(ProposeInput(seq_id=it.seq_id, token_ids=list(it.token_ids), hidden=hidden,
-                                      start=it.start, context_prefix=list(it.context_prefix),
-                                      max_nodes=min(it.max_nodes or self.drafting.verify_tree_size,
-                                                    self.drafting.verify_tree_size)))
+            items.append(
+                ProposeInput(
+                    seq_id=it.seq_id,
+                    token_ids=list(it.token_ids),
+                    hidden=hidden,
+                    start=it.start,
+                    context_prefix=list(it.context_prefix),
+                    max_nodes=min(it.max_nodes or self.drafting.verify_tree_size, self.drafting.verify_tree_size),
+                )
+            )
         # bytes from the wire are checked; an IPC region is the verifier's own output in its own buffer (only
         # the reference crossed the wire), and checking it would cost a device sync in every round
         inline = [(it, msg) for it, msg in zip(items, request.items) if msg.hidden.WhichOneof("payload") != "ipc"]

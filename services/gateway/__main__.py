@@ -20,21 +20,21 @@ log = logging.getLogger("services.gateway")
 
 @dataclass(frozen=True)
 class GatewayConfig:
-    address: str         # where the public API listens
-    verifier: str        # verifier service address
-    draft: str           # draft service address ("" = plain decoding only)
-    model: Path          # GGUF file or HF folder the tokenizer is read from
+    address: str  # where the public API listens
+    verifier: str  # verifier service address
+    draft: str  # draft service address ("" = plain decoding only)
+    model: Path  # GGUF file or HF folder the tokenizer is read from
     max_active: int = 0  # sequences per round; 0 = as many as the verifier and the draft hold
     plain_steps: int = 8  # plain decoding tokens per verifier call
     max_waiting: int = 64
     connect_timeout: float = 120.0
     metrics_port: int = 0  # Prometheus /metrics (0 = off)
     metrics_addr: str = "127.0.0.1"  # where /metrics listens (0.0.0.0 in a pod, for the scraper)
-    ipc: bool = True       # use CUDA IPC when draft and verifier share host and GPU
+    ipc: bool = True  # use CUDA IPC when draft and verifier share host and GPU
     name: str = "gateway"  # stable across restarts: a restarted gateway frees its predecessor's sequences
     max_request_bytes: int = 4 << 20  # larger requests are refused (RESOURCE_EXHAUSTED) before parsing
-    drain_grace: float = 20.0         # seconds in-flight generations get after SIGTERM
-    draft_timeout: float = 10.0       # a propose not answered within this falls back to plain decoding
+    drain_grace: float = 20.0  # seconds in-flight generations get after SIGTERM
+    draft_timeout: float = 10.0  # a propose not answered within this falls back to plain decoding
     health: HealthConfig = field(default_factory=HealthConfig)
 
     def __post_init__(self) -> None:
@@ -75,8 +75,9 @@ async def main(cfg: GatewayConfig, port_file: str | None) -> None:
         await asyncio.wait_for(draft.channel.channel_ready(), cfg.connect_timeout)
         dinfo = await draft.info()
         if dinfo.verify_tree_size > vinfo.max_tree_nodes:
-            raise ValueError(f"draft proposes {dinfo.verify_tree_size} nodes; the verifier takes at most "
-                             f"{vinfo.max_tree_nodes}")
+            raise ValueError(
+                f"draft proposes {dinfo.verify_tree_size} nodes; the verifier takes at most {vinfo.max_tree_nodes}"
+            )
         if cfg.ipc:
             try:
                 on = await connect_ipc(verifier, draft, vinfo, dinfo)
@@ -91,17 +92,33 @@ async def main(cfg: GatewayConfig, port_file: str | None) -> None:
         metrics.serve(cfg.metrics_port, cfg.metrics_addr)
     held = [vinfo.max_sequences] + ([dinfo.max_sequences] if dinfo and dinfo.max_sequences else [])
     max_active = min(held + ([cfg.max_active] if cfg.max_active else []))
-    log.info("sequences per round: at most %d (verifier holds %d%s)", max_active, vinfo.max_sequences,
-             f", draft {dinfo.max_sequences}" if dinfo and dinfo.max_sequences else "")
-    sched = Scheduler(verifier, draft, SchedulerConfig(max_active=max_active, plain_steps=cfg.plain_steps,
-                                                       max_waiting=cfg.max_waiting,
-                                                       tree_size=dinfo.verify_tree_size if dinfo else 1,
-                                                       instance_id=instance_id,
-                                                       draft_retry_s=cfg.health.draft_retry_s), metrics)
+    log.info(
+        "sequences per round: at most %d (verifier holds %d%s)",
+        max_active,
+        vinfo.max_sequences,
+        f", draft {dinfo.max_sequences}" if dinfo and dinfo.max_sequences else "",
+    )
+    sched = Scheduler(
+        verifier,
+        draft,
+        SchedulerConfig(
+            max_active=max_active,
+            plain_steps=cfg.plain_steps,
+            max_waiting=cfg.max_waiting,
+            tree_size=dinfo.verify_tree_size if dinfo else 1,
+            instance_id=instance_id,
+            draft_retry_s=cfg.health.draft_retry_s,
+        ),
+        metrics,
+    )
     sched.start()
     servicer = GenerationServicer(sched, tok, vinfo, dinfo)
-    server = await start_server(cfg.address, [(generation_pb2_grpc.add_GenerationServicer_to_server, servicer)],
-                                ["specdec.v1.Generation"], max_request_bytes=cfg.max_request_bytes)
+    server = await start_server(
+        cfg.address,
+        [(generation_pb2_grpc.add_GenerationServicer_to_server, servicer)],
+        ["specdec.v1.Generation"],
+        max_request_bytes=cfg.max_request_bytes,
+    )
     monitor = HealthMonitor(server, sched, verifier, draft, cfg.health)
     loop = asyncio.get_running_loop()
     background = [loop.create_task(leaseholder.renew_forever()), loop.create_task(monitor.run_forever())]
@@ -129,40 +146,81 @@ def cli() -> None:
     p = argparse.ArgumentParser(prog="python -m services.gateway", description=__doc__)
     common_arguments(p, "GATEWAY_ADDR", "127.0.0.1:50051")
     p.add_argument("--verifier", default=os.environ.get("VERIFIER_ADDR", "127.0.0.1:50053"))
-    p.add_argument("--draft", default=os.environ.get("DRAFT_ADDR", "127.0.0.1:50052"),
-                   help="draft service address; empty for plain decoding only")
-    p.add_argument("--model", default=None, help="GGUF file or HF folder for the tokenizer "
-                   "(default: $SPECDEC_GGUF or the embedded SmolLM2)")
-    p.add_argument("--max-active", type=int, default=0,
-                   help="sequences per round (0 = as many as the verifier and the draft hold)")
-    p.add_argument("--plain-steps", type=int, default=8,
-                   help="plain decoding tokens per verifier call (tokens past a stop are discarded)")
+    p.add_argument(
+        "--draft",
+        default=os.environ.get("DRAFT_ADDR", "127.0.0.1:50052"),
+        help="draft service address; empty for plain decoding only",
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="GGUF file or HF folder for the tokenizer (default: $SPECDEC_GGUF or the embedded SmolLM2)",
+    )
+    p.add_argument(
+        "--max-active", type=int, default=0, help="sequences per round (0 = as many as the verifier and the draft hold)"
+    )
+    p.add_argument(
+        "--plain-steps",
+        type=int,
+        default=8,
+        help="plain decoding tokens per verifier call (tokens past a stop are discarded)",
+    )
     p.add_argument("--max-waiting", type=int, default=64)
-    p.add_argument("--metrics-port", type=int, default=int(os.environ.get("METRICS_PORT", "0")),
-                   help="serve Prometheus metrics on this port (0 = off)")
-    p.add_argument("--metrics-addr", default=os.environ.get("METRICS_ADDR", "127.0.0.1"),
-                   help="interface the metrics listen on (0.0.0.0 for a scraper outside the pod)")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=int(os.environ.get("METRICS_PORT", "0")),
+        help="serve Prometheus metrics on this port (0 = off)",
+    )
+    p.add_argument(
+        "--metrics-addr",
+        default=os.environ.get("METRICS_ADDR", "127.0.0.1"),
+        help="interface the metrics listen on (0.0.0.0 for a scraper outside the pod)",
+    )
     p.add_argument("--no-ipc", action="store_true", help="always send hidden states as inline bytes")
-    p.add_argument("--name", default=os.environ.get("GATEWAY_NAME") or socket.gethostname(),
-                   help="stable name of this gateway (default: the host or pod name); a restarted gateway "
-                        "frees the sequences its predecessor of the same name left on the services")
-    p.add_argument("--max-request-bytes", type=int, default=int(os.environ.get("MAX_REQUEST_BYTES", 4 << 20)),
-                   help="largest request accepted (bytes); larger ones get RESOURCE_EXHAUSTED")
-    p.add_argument("--draft-timeout", type=float, default=10.0,
-                   help="seconds a propose may take before its round falls back to plain decoding")
-    p.add_argument("--capacity-timeout", type=float, default=30.0,
-                   help="seconds without free capacity (every verifier slot held, none by us) before "
-                        "health says NOT_SERVING")
+    p.add_argument(
+        "--name",
+        default=os.environ.get("GATEWAY_NAME") or socket.gethostname(),
+        help="stable name of this gateway (default: the host or pod name); a restarted gateway "
+        "frees the sequences its predecessor of the same name left on the services",
+    )
+    p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=int(os.environ.get("MAX_REQUEST_BYTES", 4 << 20)),
+        help="largest request accepted (bytes); larger ones get RESOURCE_EXHAUSTED",
+    )
+    p.add_argument(
+        "--draft-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a propose may take before its round falls back to plain decoding",
+    )
+    p.add_argument(
+        "--capacity-timeout",
+        type=float,
+        default=30.0,
+        help="seconds without free capacity (every verifier slot held, none by us) before health says NOT_SERVING",
+    )
     p.add_argument("--health-interval", type=float, default=0.5, help="seconds between probes of the services")
     a = parse_and_log(p)
-    cfg = GatewayConfig(address=a.addr, verifier=a.verifier, draft=a.draft,
-                        model=Path(a.model) if a.model else default_model_path(),
-                        max_active=a.max_active, plain_steps=a.plain_steps, max_waiting=a.max_waiting,
-                        metrics_port=a.metrics_port,
-                        metrics_addr=a.metrics_addr, ipc=not a.no_ipc, name=a.name,
-                        max_request_bytes=a.max_request_bytes, drain_grace=a.drain_grace,
-                        draft_timeout=a.draft_timeout,
-                        health=HealthConfig(interval_s=a.health_interval, capacity_timeout_s=a.capacity_timeout))
+    cfg = GatewayConfig(
+        address=a.addr,
+        verifier=a.verifier,
+        draft=a.draft,
+        model=Path(a.model) if a.model else default_model_path(),
+        max_active=a.max_active,
+        plain_steps=a.plain_steps,
+        max_waiting=a.max_waiting,
+        metrics_port=a.metrics_port,
+        metrics_addr=a.metrics_addr,
+        ipc=not a.no_ipc,
+        name=a.name,
+        max_request_bytes=a.max_request_bytes,
+        drain_grace=a.drain_grace,
+        draft_timeout=a.draft_timeout,
+        health=HealthConfig(interval_s=a.health_interval, capacity_timeout_s=a.capacity_timeout),
+    )
     asyncio.run(main(cfg, a.port_file))
 
 

@@ -31,7 +31,7 @@ class Prefilled:
 
 @dataclass(frozen=True)
 class Verified:
-    tokens: list[int]     # [num_accepted + 1]
+    tokens: list[int]  # [num_accepted + 1]
     hidden: pb.TensorRef  # [num_accepted + 1, 3H]
 
 
@@ -44,8 +44,9 @@ class Batched:
 
 
 def sampling_msg(s: SamplingConfig) -> pb.SamplingParams:
-    return pb.SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                             seed=s.seed or 0, has_seed=s.seed is not None)
+    return pb.SamplingParams(
+        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed or 0, has_seed=s.seed is not None
+    )
 
 
 def _method_name(method) -> str:
@@ -114,9 +115,15 @@ class StreamedCall:
                 self._drop()
                 raise PeerUnavailable(f"{self._name.lstrip('/')}: the service ended the stream")
         if resp.HasField("error"):
-            raise _peer_error(grpc.aio.AioRpcError(_CODES.get(resp.error.code, grpc.StatusCode.UNKNOWN),
-                                                   grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                                   details=resp.error.message), self._name)
+            raise _peer_error(
+                grpc.aio.AioRpcError(
+                    _CODES.get(resp.error.code, grpc.StatusCode.UNKNOWN),
+                    grpc.aio.Metadata(),
+                    grpc.aio.Metadata(),
+                    details=resp.error.message,
+                ),
+                self._name,
+            )
         return resp
 
     def _drop(self) -> None:
@@ -147,8 +154,9 @@ class _ServiceClient:
         await _call(self.stub.Release, pb.ReleaseRequest(seq_ids=seq_ids), self.timeout)
 
     async def lease(self, instance_id: str, name: str, takeover: bool) -> pb.LeaseResponse:
-        return await _call(self.stub.Lease, pb.LeaseRequest(instance_id=instance_id, name=name, takeover=takeover),
-                           self.timeout)
+        return await _call(
+            self.stub.Lease, pb.LeaseRequest(instance_id=instance_id, name=name, takeover=takeover), self.timeout
+        )
 
     def reachable(self) -> bool:
         """Whether a call now has a connection to go on (asks the channel to connect if idle); never waits."""
@@ -170,11 +178,17 @@ class VerifierClient(_ServiceClient):
     def _verify(self) -> StreamedCall:  # the name bench/rpc_bench.py uses
         return self.streamed
 
-    async def prefill(self, seq_id: str, token_ids: list[int], sampling: SamplingConfig,
-                      want_hidden: bool, owner: str = "") -> Prefilled:
-        req = pb.PrefillRequest(items=[pb.PrefillItem(seq_id=seq_id, token_ids=token_ids,
-                                                      sampling=sampling_msg(sampling), want_hidden=want_hidden)],
-                                owner=owner)
+    async def prefill(
+        self, seq_id: str, token_ids: list[int], sampling: SamplingConfig, want_hidden: bool, owner: str = ""
+    ) -> Prefilled:
+        req = pb.PrefillRequest(
+            items=[
+                pb.PrefillItem(
+                    seq_id=seq_id, token_ids=token_ids, sampling=sampling_msg(sampling), want_hidden=want_hidden
+                )
+            ],
+            owner=owner,
+        )
         r = (await _call(self.stub.Prefill, req, self.timeout)).results[0]
         return Prefilled(next_token=r.next_token, hidden=r.hidden)
 
@@ -184,8 +198,9 @@ class VerifierClient(_ServiceClient):
         for s, t in items:
             add(seq_id=s, tree=t)  # one copy of each tree (a VerifyItem list would copy twice)
         resp = await (self.streamed(req) if stream else _call(self.stub.Verify, req, self.timeout))
-        return Batched([Verified(tokens=list(r.accepted_tokens), hidden=r.hidden) for r in resp.results],
-                       resp.compute_us / 1e6)
+        return Batched(
+            [Verified(tokens=list(r.accepted_tokens), hidden=r.hidden) for r in resp.results], resp.compute_us / 1e6
+        )
 
     async def decode(self, seq_ids: list[str], steps: int = 1) -> list[list[int]]:
         """Plain decoding: up to `steps` tokens per sequence in one call (every sequence gets as many)."""
@@ -217,8 +232,9 @@ class DraftClient(_ServiceClient):
         await _call(self.stub.ImportBuffer, buf, self.timeout)
 
 
-async def connect_ipc(verifier: VerifierClient, draft: DraftClient, vinfo: pb.InfoResponse,
-                      dinfo: pb.DraftInfoResponse) -> bool:
+async def connect_ipc(
+    verifier: VerifierClient, draft: DraftClient, vinfo: pb.InfoResponse, dinfo: pb.DraftInfoResponse
+) -> bool:
     """Connection set-up: when draft and verifier share a host and a GPU, the verifier exports its
     hidden-state buffer once and the draft maps it. Returns whether hidden states now travel by IPC."""
     if not (vinfo.gpu_uuid and vinfo.host_id == dinfo.host_id and vinfo.gpu_uuid == dinfo.gpu_uuid):

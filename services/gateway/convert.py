@@ -14,15 +14,25 @@ DEFAULT_MAX_TOKENS = 256
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
 
-FINISH = {Finish.STOP: gpb.FINISH_REASON_STOP, Finish.LENGTH: gpb.FINISH_REASON_LENGTH,
-          Finish.EOS: gpb.FINISH_REASON_EOS, Finish.ABORT: gpb.FINISH_REASON_ABORT}
+FINISH = {
+    Finish.STOP: gpb.FINISH_REASON_STOP,
+    Finish.LENGTH: gpb.FINISH_REASON_LENGTH,
+    Finish.EOS: gpb.FINISH_REASON_EOS,
+    Finish.ABORT: gpb.FINISH_REASON_ABORT,
+}
 
 
 def prompt_ids(req, tok: Tokenizer) -> list[int]:
     """The request's input as token ids: chat messages, a raw prompt, or token ids (exactly one)."""
-    given = [name for name, present in (("messages", len(req.messages) > 0), ("prompt", bool(req.prompt)),
-                                        ("prompt_token_ids", len(getattr(req, "prompt_token_ids", [])) > 0))
-             if present]
+    given = [
+        name
+        for name, present in (
+            ("messages", len(req.messages) > 0),
+            ("prompt", bool(req.prompt)),
+            ("prompt_token_ids", len(getattr(req, "prompt_token_ids", [])) > 0),
+        )
+        if present
+    ]
     if not given:
         raise InvalidRequest("no input: set one of messages, prompt or prompt_token_ids")
     if len(given) > 1:
@@ -48,15 +58,18 @@ def prompt_ids(req, tok: Tokenizer) -> list[int]:
 def gen_request(req: gpb.GenerateRequest, tok: Tokenizer, max_context: int) -> GenRequest:
     ids = prompt_ids(req, tok)
     if len(ids) >= max_context:
-        raise InvalidRequest(f"prompt has {len(ids)} tokens; the context holds {max_context} "
-                             "(prompt plus generated tokens)")
+        raise InvalidRequest(
+            f"prompt has {len(ids)} tokens; the context holds {max_context} (prompt plus generated tokens)"
+        )
     room = max_context - len(ids)
     max_tokens = req.max_tokens if req.HasField("max_tokens") else min(DEFAULT_MAX_TOKENS, room)
     if max_tokens < 1:
         raise InvalidRequest(f"max_tokens must be >= 1, got {max_tokens}")
     if max_tokens > room:
-        raise InvalidRequest(f"max_tokens {max_tokens} does not fit: the prompt has {len(ids)} tokens and "
-                             f"the context holds {max_context}, so at most {room} can be generated")
+        raise InvalidRequest(
+            f"max_tokens {max_tokens} does not fit: the prompt has {len(ids)} tokens and "
+            f"the context holds {max_context}, so at most {room} can be generated"
+        )
     temperature = req.temperature if req.HasField("temperature") else 0.0
     if math.isnan(temperature) or temperature < 0:
         raise InvalidRequest(f"temperature must be >= 0, got {temperature}")
@@ -67,19 +80,27 @@ def gen_request(req: gpb.GenerateRequest, tok: Tokenizer, max_context: int) -> G
     if top_k < 0:
         raise InvalidRequest(f"top_k must be >= 0, got {top_k}")
     if len(req.stop) > MAX_STOP_STRINGS or any(not s or len(s) > MAX_STOP_LENGTH for s in req.stop):
-        raise InvalidRequest(f"stop takes at most {MAX_STOP_STRINGS} non-empty strings of at most "
-                             f"{MAX_STOP_LENGTH} characters")
+        raise InvalidRequest(
+            f"stop takes at most {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_LENGTH} characters"
+        )
     bad_stop = [i for i in req.stop_token_ids if not 0 <= i < tok.vocab_size]
     if bad_stop:
         raise InvalidRequest(f"stop token id {bad_stop[0]} is outside the vocabulary [0, {tok.vocab_size})")
     try:
-        sampling = SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k,
-                                  seed=req.seed if req.HasField("seed") else None)
+        sampling = SamplingConfig(
+            temperature=temperature, top_p=top_p, top_k=top_k, seed=req.seed if req.HasField("seed") else None
+        )
     except ValueError as e:
         raise InvalidRequest(str(e)) from e
-    return GenRequest(prompt_ids=ids, max_tokens=max_tokens, sampling=sampling, stop=tuple(req.stop),
-                      stop_token_ids=frozenset(req.stop_token_ids), ignore_eos=req.ignore_eos,
-                      speculative=req.speculative if req.HasField("speculative") else True)
+    return GenRequest(
+        prompt_ids=ids,
+        max_tokens=max_tokens,
+        sampling=sampling,
+        stop=tuple(req.stop),
+        stop_token_ids=frozenset(req.stop_token_ids),
+        ignore_eos=req.ignore_eos,
+        speculative=req.speculative if req.HasField("speculative") else True,
+    )
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> gpb.Usage:
@@ -87,9 +108,12 @@ def usage(prompt_tokens: int, completion_tokens: int) -> gpb.Usage:
 
 
 def speculation(stats: SpecStats, round_tokens: int) -> gpb.SpeculationStats:
-    return gpb.SpeculationStats(rounds=stats.rounds, drafted_tokens=stats.drafted,
-                                accepted_tokens=stats.accepted,
-                                mean_acceptance_length=round_tokens / stats.rounds if stats.rounds else 0.0)
+    return gpb.SpeculationStats(
+        rounds=stats.rounds,
+        drafted_tokens=stats.drafted,
+        accepted_tokens=stats.accepted,
+        mean_acceptance_length=round_tokens / stats.rounds if stats.rounds else 0.0,
+    )
 
 
 def stream_message(delta: Delta) -> gpb.GenerateResponse:

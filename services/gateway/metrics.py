@@ -4,36 +4,68 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                   10.0, 20.0, 40.0, 80.0)
+LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 
 
 class Metrics:
     def __init__(self, max_depth: int = 32) -> None:
         r = self.registry = CollectorRegistry()
-        self.ttft = Histogram("specdec_time_to_first_token_seconds", "Time to first token", registry=r,
-                              buckets=LATENCY_BUCKETS)
-        self.itl = Histogram("specdec_inter_token_latency_seconds", "Time per output token after the first",
-                             registry=r, buckets=LATENCY_BUCKETS)
-        self.e2e = Histogram("specdec_e2e_request_latency_seconds", "End-to-end request latency", registry=r,
-                             buckets=LATENCY_BUCKETS)
+        self.ttft = Histogram(
+            "specdec_time_to_first_token_seconds", "Time to first token", registry=r, buckets=LATENCY_BUCKETS
+        )
+        self.itl = Histogram(
+            "specdec_inter_token_latency_seconds",
+            "Time per output token after the first",
+            registry=r,
+            buckets=LATENCY_BUCKETS,
+        )
+        self.e2e = Histogram(
+            "specdec_e2e_request_latency_seconds", "End-to-end request latency", registry=r, buckets=LATENCY_BUCKETS
+        )
         self.running = Gauge("specdec_num_requests_running", "Sequences in the rounds", registry=r)
         self.waiting = Gauge("specdec_num_requests_waiting", "Requests waiting for a slot", registry=r)
         self.prompt_tokens = Counter("specdec_prompt_tokens", "Prefilled prompt tokens", registry=r)
         self.generation_tokens = Counter("specdec_generation_tokens", "Generated tokens", registry=r)
         self.drafts = Counter("specdec_spec_decode_num_drafts", "Verification rounds (one per sequence)", registry=r)
         self.draft_tokens = Counter("specdec_spec_decode_num_draft_tokens", "Drafted tree nodes", registry=r)
-        self.accepted_tokens = Counter("specdec_spec_decode_num_accepted_tokens", "Accepted drafted tokens",
-                                       registry=r)
-        self.accepted_per_pos = Counter("specdec_spec_decode_num_accepted_tokens_per_pos",
-                                        "Rounds that accepted at least this many drafted tokens", ["position"],
-                                        registry=r)
-        self.degraded = Gauge("specdec_speculation_degraded",
-                              "1 while the draft is unreachable and requests run by plain decoding", registry=r)
-        self.draft_failures = Counter("specdec_draft_failures", "Rounds whose propose failed (decoded plainly)",
-                                      registry=r)
-        self.round_seconds = Histogram("specdec_round_seconds", "One batched round, wall time", ["phase"],
-                                       registry=r, buckets=LATENCY_BUCKETS)
+        self.accepted_tokens = Counter("specdec_spec_decode_num_accepted_tokens", "Accepted drafted tokens", registry=r)
+        self.accepted_per_pos = Counter(
+            "specdec_spec_decode_num_accepted_tokens_per_pos",
+            "Rounds that accepted at least this many drafted tokens",
+            ["position"],
+            registry=r,
+        )
+        self.degraded = Gauge(
+            "specdec_speculation_degraded",
+            "1 while the draft is unreachable and requests run by plain decoding",
+            registry=r,
+        )
+        self.draft_failures = Counter(
+            "specdec_draft_failures", "Rounds whose propose failed (decoded plainly)", registry=r
+        )
+        self.round_seconds = Histogram(
+            "specdec_round_seconds", "One batched round, wall time", ["phase"], registry=r, buckets=LATENCY_BUCKETS
+        )
         self.max_depth = max_depth
         # Label children resolved once, on first use (labels() takes a lock and hashes on every call,
         # and these run every round); created lazily so the exposition is as before.
@@ -43,8 +75,9 @@ class Metrics:
     @property
     def round_phase(self) -> dict:
         if self._phase is None:
-            self._phase = {p: self.round_seconds.labels(p)
-                           for p in ("draft", "verify", "rpc", "orchestration", "total")}
+            self._phase = {
+                p: self.round_seconds.labels(p) for p in ("draft", "verify", "rpc", "orchestration", "total")
+            }
         return self._phase
 
     def serve(self, port: int, addr: str) -> None:

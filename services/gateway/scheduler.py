@@ -29,6 +29,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from common.errors import CapacityExhausted, PeerUnavailable
+from common.rounds import start_shift
 from services.gateway.clients import DraftClient, VerifierClient
 from services.gateway.health import DraftLink
 from services.gateway.metrics import Metrics
@@ -55,16 +56,19 @@ class ProposalPlan:
     Example: prefired for [a, b, c]; the round's speculative sequences are [b, c, d] (a finished, d joined)
     -> use [b, c], extra [d], dropped [a]."""
 
-    use: list[str]      # [n] sequences whose prefired tree this round verifies
-    extra: list[str]    # [m] sequences proposed now (joined, caught up, or no prefired call)
+    use: list[str]  # [n] sequences whose prefired tree this round verifies
+    extra: list[str]  # [m] sequences proposed now (joined, caught up, or no prefired call)
     dropped: list[str]  # [k] prefired trees of sequences no longer speculative (finished, failed)
 
     @classmethod
     def of(cls, prefired: list[str], spec: list[str]) -> ProposalPlan:
         have = set(prefired)
         want = set(spec)
-        return cls(use=[s for s in spec if s in have], extra=[s for s in spec if s not in have],
-                   dropped=[s for s in prefired if s not in want])
+        return cls(
+            use=[s for s in spec if s in have],
+            extra=[s for s in spec if s not in have],
+            dropped=[s for s in prefired if s not in want],
+        )
 
 
 @dataclass
@@ -77,12 +81,12 @@ class Prefired:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_active: int = 8     # sequences in the rounds at once (<= the services' slots)
-    max_waiting: int = 64   # queued requests beyond that before RESOURCE_EXHAUSTED
-    tree_size: int = 60     # nodes the draft proposes per sequence and round
+    max_active: int = 8  # sequences in the rounds at once (<= the services' slots)
+    max_waiting: int = 64  # queued requests beyond that before RESOURCE_EXHAUSTED
+    tree_size: int = 60  # nodes the draft proposes per sequence and round
     instance_id: str = "gw"  # this gateway process; prefix of its sequence ids, owner of its sequences
     draft_retry_s: float = 0.5  # after a draft failure, speculation is retried no sooner than this
-    plain_steps: int = 8    # plain decoding tokens per verifier call (one RPC and one host sync for all)
+    plain_steps: int = 8  # plain decoding tokens per verifier call (one RPC and one host sync for all)
 
     def __post_init__(self) -> None:
         if self.max_active < 1 or self.max_waiting < 0 or self.tree_size < 1:
@@ -94,8 +98,9 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, verifier: VerifierClient, draft: DraftClient | None, cfg: SchedulerConfig,
-                 metrics: Metrics | None = None) -> None:
+    def __init__(
+        self, verifier: VerifierClient, draft: DraftClient | None, cfg: SchedulerConfig, metrics: Metrics | None = None
+    ) -> None:
         self.verifier, self.draft, self.cfg = verifier, draft, cfg
         self.metrics = metrics or Metrics()
         self.waiting: dict[str, Active] = {}  # seq id -> queued request, oldest first
@@ -141,8 +146,12 @@ class Scheduler:
             raise PeerUnavailable("the gateway is shutting down; retry on another replica")
         if len(self.waiting) >= self.cfg.max_waiting:
             raise CapacityExhausted(f"{len(self.waiting)} requests are already waiting; try again later")
-        a = Active(seq_id=f"{self.cfg.instance_id}-{next(self._ids)}", gen=gen, out=asyncio.Queue(),
-                   speculative=gen.request.speculative and self.draft is not None)
+        a = Active(
+            seq_id=f"{self.cfg.instance_id}-{next(self._ids)}",
+            gen=gen,
+            out=asyncio.Queue(),
+            speculative=gen.request.speculative and self.draft is not None,
+        )
         self.waiting[a.seq_id] = a
         self._wake.set()
         try:
@@ -172,7 +181,7 @@ class Scheduler:
         prefired = await self._take_prefired()  # the draft's trees started last round, or None
         await self._catch_up()  # sequences the draft lost, once it answers again
         spec = [a for a in self.active if a.next_propose is not None]
-        proposed = await self._proposals(spec, prefired)                                       # propose
+        proposed = await self._proposals(spec, prefired)  # propose
         if proposed is None:  # the draft is down or failed: this round is plain decoding for all
             spec = []
         plain = [a for a in self.active if a not in spec]
@@ -182,12 +191,13 @@ class Scheduler:
             verified = await self.verifier.verify([(a.seq_id, trees[a.seq_id]) for a in spec])  # verify
             t2 = time.perf_counter()
             for a, r in zip(spec, verified.results):
-                a.next_propose = pb.ProposeItem(seq_id=a.seq_id, token_ids=r.tokens, hidden=r.hidden,
-                                                max_nodes=self.cfg.tree_size)
+                a.next_propose = pb.ProposeItem(
+                    seq_id=a.seq_id, token_ids=r.tokens, hidden=r.hidden, max_nodes=self.cfg.tree_size
+                )
             self._prefire(spec)  # the draft starts on the next round while we commit and stream
             for a, r in zip(spec, verified.results):
                 self._count_round(a, len(trees[a.seq_id].token_ids), len(r.tokens) - 1)
-                self._emit(a, a.gen.commit(r.tokens))                                          # commit, stream
+                self._emit(a, a.gen.commit(r.tokens))  # commit, stream
             self._time_round(t0, t1, t2, draft_s, verified.compute_s)
         if plain:  # several tokens per call; commit cuts at a stop (steps past it are wasted, not wrong)
             left = max(a.gen.request.max_tokens - len(a.gen.token_ids) for a in plain)
@@ -269,9 +279,16 @@ class Scheduler:
             log.warning("could not recompute features for the draft to catch up: %s", e)
             self.draft_link.failed(time.monotonic())
             return
-        for a, ctx, h in zip(lost, contexts, hidden):
-            a.next_propose = pb.ProposeItem(seq_id=a.seq_id, token_ids=ctx[1:], hidden=h, start=True,
-                                            context_prefix=ctx[:1], max_nodes=self.cfg.tree_size)
+        for a, ctx, h in zip(lost, contexts, hidden):  # as after a prefill of ctx[:-1] that chose ctx[-1]
+            token_ids, prefix = start_shift(ctx[:-1], ctx[-1])
+            a.next_propose = pb.ProposeItem(
+                seq_id=a.seq_id,
+                token_ids=token_ids,
+                hidden=h,
+                start=True,
+                context_prefix=prefix,
+                max_nodes=self.cfg.tree_size,
+            )
         log.info("the draft catches up on %d sequence(s)", len(lost))
 
     def _count_round(self, a: Active, drafted: int, accepted: int) -> None:
@@ -309,12 +326,19 @@ class Scheduler:
         # while the draft is down, no hidden states: the sequence catches up once it is back
         speculative = a.speculative and not self.draft_link.degraded
         self.metrics.prompt_tokens.inc(len(req.prompt_ids))
-        pre = await self.verifier.prefill(a.seq_id, req.prompt_ids, req.sampling, want_hidden=speculative,
-                                          owner=self.cfg.instance_id)
+        pre = await self.verifier.prefill(
+            a.seq_id, req.prompt_ids, req.sampling, want_hidden=speculative, owner=self.cfg.instance_id
+        )
         if speculative:
-            a.next_propose = pb.ProposeItem(seq_id=a.seq_id, token_ids=req.prompt_ids[1:] + [pre.next_token],
-                                            hidden=pre.hidden, start=True, context_prefix=req.prompt_ids[:1],
-                                            max_nodes=self.cfg.tree_size)
+            token_ids, prefix = start_shift(req.prompt_ids, pre.next_token)
+            a.next_propose = pb.ProposeItem(
+                seq_id=a.seq_id,
+                token_ids=token_ids,
+                hidden=pre.hidden,
+                start=True,
+                context_prefix=prefix,
+                max_nodes=self.cfg.tree_size,
+            )
         self._emit(a, a.gen.commit([pre.next_token]))
 
     def _emit(self, a: Active, delta: Delta) -> None:

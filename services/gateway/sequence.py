@@ -11,17 +11,17 @@ from common.tokenizer import IncrementalDecoder
 
 
 class Finish(enum.Enum):
-    STOP = 1    # a stop string or a stop token id
+    STOP = 1  # a stop string or a stop token id
     LENGTH = 2  # max_tokens reached
-    EOS = 3     # the model's end-of-sequence token
-    ABORT = 4   # cancelled or failed
+    EOS = 3  # the model's end-of-sequence token
+    ABORT = 4  # cancelled or failed
 
 
 @dataclass(frozen=True)
 class GenRequest:
     """A validated generation request."""
 
-    prompt_ids: list[int]        # [prompt_len]
+    prompt_ids: list[int]  # [prompt_len]
     max_tokens: int
     sampling: SamplingConfig
     stop: tuple[str, ...] = ()
@@ -58,8 +58,8 @@ class Generation:
     decoder: IncrementalDecoder
     eos_token_id: int
     token_ids: list[int] = field(default_factory=list)  # [completion_tokens]
-    text: str = ""           # text emitted so far, stop strings excluded
-    _held: str = ""          # text held back because it may be the start of a stop string
+    text: str = ""  # text emitted so far, stop strings excluded
+    _held: str = ""  # text held back because it may be the start of a stop string
     finish: Finish | None = None
     stats: SpecStats = field(default_factory=SpecStats)
 
@@ -101,10 +101,10 @@ class Generation:
         if hits:
             self.finish = Finish.STOP
             self._held = ""
-            return window[:min(hits)]
+            return window[: min(hits)]
         hold = _longest_stop_prefix_suffix(window, self.request.stop)
-        self._held = window[len(window) - hold:] if hold else ""
-        return window[:len(window) - hold]
+        self._held = window[len(window) - hold :] if hold else ""
+        return window[: len(window) - hold]
 
 
 def _longest_stop_prefix_suffix(text: str, stops: tuple[str, ...]) -> int:

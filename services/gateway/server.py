@@ -31,8 +31,13 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
 
 
 class GenerationServicer(gpb_grpc.GenerationServicer):
-    def __init__(self, scheduler: Scheduler, tokenizer: Tokenizer, verifier_info: pb.InfoResponse,
-                 draft_info: pb.DraftInfoResponse | None) -> None:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        tokenizer: Tokenizer,
+        verifier_info: pb.InfoResponse,
+        draft_info: pb.DraftInfoResponse | None,
+    ) -> None:
         self.scheduler, self.tok = scheduler, tokenizer
         self.vinfo, self.dinfo = verifier_info, draft_info
         # tokenizing (and applying the chat template) takes time in proportion to the input: never on the loop
@@ -48,8 +53,11 @@ class GenerationServicer(gpb_grpc.GenerationServicer):
 
     def _final(self, gen: Generation) -> dict:
         n = len(gen.token_ids)
-        return dict(finish_reason=convert.FINISH[gen.finish], usage=convert.usage(len(gen.request.prompt_ids), n),
-                    speculation=convert.speculation(gen.stats, max(n - 1, 0)))
+        return dict(
+            finish_reason=convert.FINISH[gen.finish],
+            usage=convert.usage(len(gen.request.prompt_ids), n),
+            speculation=convert.speculation(gen.stats, max(n - 1, 0)),
+        )
 
     async def Generate(self, request, context):
         try:
@@ -84,13 +92,19 @@ class GenerationServicer(gpb_grpc.GenerationServicer):
 
     async def GetModelInfo(self, request, context):
         d = self.dinfo
-        return gpb.ModelInfo(model=self.vinfo.model, vocab_size=self.vinfo.vocab_size,
-                             max_context=self.vinfo.max_context, eos_token_id=self.tok.eos_token_id,
-                             drafter=d.drafter if d else "none", drafting_top_k=d.drafting_top_k if d else 0,
-                             drafting_steps=d.drafting_steps if d else 0,
-                             verify_tree_size=d.verify_tree_size if d else 0,
-                             dtype=self.vinfo.dtype, device=self.vinfo.device,
-                             speculation_degraded=self.scheduler.speculation_degraded)
+        return gpb.ModelInfo(
+            model=self.vinfo.model,
+            vocab_size=self.vinfo.vocab_size,
+            max_context=self.vinfo.max_context,
+            eos_token_id=self.tok.eos_token_id,
+            drafter=d.drafter if d else "none",
+            drafting_top_k=d.drafting_top_k if d else 0,
+            drafting_steps=d.drafting_steps if d else 0,
+            verify_tree_size=d.verify_tree_size if d else 0,
+            dtype=self.vinfo.dtype,
+            device=self.vinfo.device,
+            speculation_degraded=self.scheduler.speculation_degraded,
+        )
 
     def close(self) -> None:
         self._tokenizing.shutdown(wait=False, cancel_futures=True)

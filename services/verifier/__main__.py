@@ -19,17 +19,34 @@ async def main(args: argparse.Namespace) -> None:
     dtype = pick_dtype(args.device, args.dtype)
     ckpt = load_checkpoint(args.model)
     mc = ckpt.config
-    kv = KVShape(layers=mc.num_layers, positions=args.max_context + 2 * (args.max_tree_nodes + 1),
-                 kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, itemsize=2 if dtype != "float32" else 4)
+    kv = KVShape(
+        layers=mc.num_layers,
+        positions=args.max_context + 2 * (args.max_tree_nodes + 1),
+        kv_heads=mc.num_kv_heads,
+        head_dim=mc.head_dim,
+        itemsize=2 if dtype != "float32" else 4,
+    )
     args.max_sequences = auto_sequences(args.max_sequences, args.device, kv, args.gpu_memory_fraction)
     # one engine slot beyond --max-sequences: the spare that recomputes features for a draft catching up
-    cfg = VerifierConfig(max_sequences=args.max_sequences + 1, max_context=args.max_context,
-                         max_tree_nodes=args.max_tree_nodes, dtype=dtype, device=args.device)
+    cfg = VerifierConfig(
+        max_sequences=args.max_sequences + 1,
+        max_context=args.max_context,
+        max_tree_nodes=args.max_tree_nodes,
+        dtype=dtype,
+        device=args.device,
+    )
     engine = make_verifier(ckpt, cfg, graphs=args.graphs)  # CUDA graphs on a GPU, eager on CPU
-    servicer = VerifierServicer(engine, hidden_width=3 * ckpt.config.hidden_size, max_sequences=args.max_sequences,
-                                lease_ttl=args.lease_ttl)
-    await serve(args.addr, internal_pb2_grpc.add_VerifierServicer_to_server, servicer, "specdec.v1.Verifier",
-                args.port_file, args.drain_grace)
+    servicer = VerifierServicer(
+        engine, hidden_width=3 * ckpt.config.hidden_size, max_sequences=args.max_sequences, lease_ttl=args.lease_ttl
+    )
+    await serve(
+        args.addr,
+        internal_pb2_grpc.add_VerifierServicer_to_server,
+        servicer,
+        "specdec.v1.Verifier",
+        args.port_file,
+        args.drain_grace,
+    )
 
 
 def cli() -> None:

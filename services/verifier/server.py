@@ -28,8 +28,12 @@ MAX_DECODE_STEPS = 64  # per Decode call: bounds one call's time and the tokens 
 
 def sampling_config(msg: pb.SamplingParams) -> SamplingConfig:
     try:
-        return SamplingConfig(temperature=msg.temperature, top_p=msg.top_p or 1.0, top_k=msg.top_k,
-                              seed=msg.seed if msg.has_seed else None)
+        return SamplingConfig(
+            temperature=msg.temperature,
+            top_p=msg.top_p or 1.0,
+            top_k=msg.top_k,
+            seed=msg.seed if msg.has_seed else None,
+        )
     except ValueError as e:
         raise InvalidRequest(str(e)) from e
 
@@ -40,8 +44,10 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
     def __init__(self, engine: VerifierEngine, hidden_width: int, max_sequences: int, lease_ttl: float) -> None:
         if not 1 <= max_sequences < engine.info.max_sequences:
-            raise ValueError(f"max_sequences must be in [1, {engine.info.max_sequences}) (one engine slot is "
-                             f"the spare for Features), got {max_sequences}")
+            raise ValueError(
+                f"max_sequences must be in [1, {engine.info.max_sequences}) (one engine slot is "
+                f"the spare for Features), got {max_sequences}"
+            )
         self.engine, self.hidden_width, self.max_sequences = engine, hidden_width, max_sequences
         self.device = torch.device(engine.info.device)
         self.gpu_uuid = gpu_uuid(self.device)
@@ -82,10 +88,19 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
     async def Info(self, request, context):
         i = self.engine.info
-        return pb.InfoResponse(model=i.model, vocab_size=i.vocab_size, max_context=i.max_context,
-                               max_sequences=self.max_sequences, max_tree_nodes=i.max_tree_nodes, dtype=i.dtype,
-                               device=i.device, host_id=socket.gethostname(), gpu_uuid=self.gpu_uuid,
-                               active_sequences=len(self.leases.table), draining=self.leases.draining)
+        return pb.InfoResponse(
+            model=i.model,
+            vocab_size=i.vocab_size,
+            max_context=i.max_context,
+            max_sequences=self.max_sequences,
+            max_tree_nodes=i.max_tree_nodes,
+            dtype=i.dtype,
+            device=i.device,
+            host_id=socket.gethostname(),
+            gpu_uuid=self.gpu_uuid,
+            active_sequences=len(self.leases.table),
+            draining=self.leases.draining,
+        )
 
     # ---- ownership (on the event loop), then the engine call (on the engine thread) ----
     async def _admit_prefill(self, request: pb.PrefillRequest) -> pb.PrefillResponse:
@@ -94,8 +109,9 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self.leases.admit(len(ids))
         held = len(self.leases.table)
         if held + len(ids) > self.max_sequences:
-            raise CapacityExhausted(f"{held} of {self.max_sequences} sequence slots are in use; "
-                                    f"{len(ids)} more do not fit")
+            raise CapacityExhausted(
+                f"{held} of {self.max_sequences} sequence slots are in use; {len(ids)} more do not fit"
+            )
         resp = await self.runner.run(self._prefill, request)
         self.leases.added(ids, request.owner)
         return resp
@@ -139,8 +155,9 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             raise InvalidRequest("CUDA IPC needs the verifier on a CUDA device")
         if self.export is None:
             i = self.engine.info
-            self.export = HiddenExport(i.max_sequences, i.max_context, self.hidden_width,
-                                       self._engine_dtype(), self.device)
+            self.export = HiddenExport(
+                i.max_sequences, i.max_context, self.hidden_width, self._engine_dtype(), self.device
+            )
         e = self.export.exported
         return pb.IpcBuffer(buffer_id=e.buffer_id, handle=e.handle, offset_bytes=e.offset_bytes, nbytes=e.nbytes)
 
@@ -160,8 +177,9 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         done: list[str] = []
         try:
             for it in request.items:  # prefill is eager and per sequence
-                out = self.engine.prefill(PrefillInput(seq_id=it.seq_id, token_ids=list(it.token_ids),
-                                                       sampling=sampling_config(it.sampling)))
+                out = self.engine.prefill(
+                    PrefillInput(seq_id=it.seq_id, token_ids=list(it.token_ids), sampling=sampling_config(it.sampling))
+                )
                 done.append(it.seq_id)
                 r = resp.results.add(seq_id=it.seq_id, next_token=out.next_token)
                 if it.want_hidden:
@@ -177,8 +195,9 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         resp = pb.FeaturesResponse()
         for it in request.items:
             try:
-                out = self.engine.prefill(PrefillInput(seq_id=self._spare_id, token_ids=list(it.token_ids),
-                                                       sampling=SamplingConfig()))
+                out = self.engine.prefill(
+                    PrefillInput(seq_id=self._spare_id, token_ids=list(it.token_ids), sampling=SamplingConfig())
+                )
             finally:
                 self.engine.release([self._spare_id])
             self._hidden(it.seq_id, out.hidden, resp.results.add(seq_id=it.seq_id).hidden)
@@ -188,11 +207,19 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         if not request.items:
             raise InvalidRequest("verify request has no items")
         info = self.engine.info
-        items = [VerifyInput(seq_id=it.seq_id,
-                             tree=validate_tree(list(it.tree.token_ids), list(it.tree.parents),
-                                                list(it.tree.draft_probs), max_nodes=info.max_tree_nodes,
-                                                vocab_size=info.vocab_size))
-                 for it in request.items]
+        items = [
+            VerifyInput(
+                seq_id=it.seq_id,
+                tree=validate_tree(
+                    list(it.tree.token_ids),
+                    list(it.tree.parents),
+                    list(it.tree.draft_probs),
+                    max_nodes=info.max_tree_nodes,
+                    vocab_size=info.vocab_size,
+                ),
+            )
+            for it in request.items
+        ]
         if any(it.tree.size == 0 for it in items):
             raise InvalidRequest("a tree has no nodes")
         t0 = time.perf_counter()
@@ -211,5 +238,6 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             raise InvalidRequest(f"decode steps must be in [0, {MAX_DECODE_STEPS}], got {request.steps}")
         ids = [it.seq_id for it in request.items]
         tokens = self.engine.decode_steps(ids, max(request.steps, 1))
-        return pb.DecodeResponse(results=[pb.DecodeResult(seq_id=s, next_token=t[0], tokens=t)
-                                          for s, t in zip(ids, tokens)])
+        return pb.DecodeResponse(
+            results=[pb.DecodeResult(seq_id=s, next_token=t[0], tokens=t) for s, t in zip(ids, tokens)]
+        )

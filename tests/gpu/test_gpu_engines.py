@@ -92,7 +92,7 @@ def test_outputs_equal_eager(ckpt, f32, prompts, monkeypatch) -> None:
         got = gv.prefill(PrefillInput(s, p, SamplingConfig()))
         assert want.next_token == got.next_token
         # the eager prefill's features are what both drafters see
-        items.append(ProposeInput(s, p[1:] + [want.next_token], want.hidden, True, p[:1], 60))
+        items.append(ProposeInput.after_prefill(s, p, want, 60))
     oracle = GreedyOracleDrafter(ev.model, 6, DEV)
     for rnd in range(4):
         trees_e, trees_g = ed.propose(items), gd.propose(items)
