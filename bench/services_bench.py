@@ -115,7 +115,14 @@ def run(args) -> list[RunResult]:
         draft = ["--top-k", str(args.top_k), "--steps", str(args.steps), "--verify-tree-size", str(args.tree_size)]
         if args.head:
             draft += ["--head", args.head]
-        gw = ["--metrics-port", str(mport), "--max-active", str(max(args.concurrency))] + ([] if ipc else ["--no-ipc"])
+        gw = [
+            "--metrics-port",
+            str(mport),
+            "--max-active",
+            str(max(args.concurrency)),
+            "--round-groups",
+            str(args.round_groups),
+        ] + ([] if ipc else ["--no-ipc"])
         with Stack(common_args=common, draft_args=draft, gateway_args=gw) as stack:
             gw_log = (stack.log_dir / "gateway.log").read_text()
             mode = "ipc" if "CUDA IPC" in gw_log.split("hidden states between")[-1][:40] else "inline"
@@ -164,6 +171,7 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--tree-size", type=int, default=60)
     p.add_argument("--ipc", default="on,off", help="comma list: on (IPC when colocated), off (inline bytes)")
+    p.add_argument("--round-groups", type=int, default=1, help="the gateway's --round-groups")
     p.add_argument("--modes", default="spec", help="comma list: spec (speculative requests), plain")
     p.add_argument("--requests-per-worker", type=int, default=2, help="requests = max(prompts, this x concurrency)")
     p.add_argument("--out", default="bench_out")

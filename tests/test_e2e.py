@@ -87,3 +87,17 @@ def test_shipped_head_acceptance_guard(stack):
         "shipped head, 8 held-out ShareGPT chats: mean acceptance length %.3f", round_tokens / rounds
     )
     assert round_tokens / rounds >= 3.0, [r.speculation.mean_acceptance_length for r in out]
+
+
+def test_two_round_groups_equal_plain_greedy():
+    """--round-groups 2: two groups of sequences whose rounds run concurrently (one verified while the
+    other drafts); every output still equals plain greedy decoding, and both groups speculate."""
+    from services.stack import Stack
+    from tests.conftest import COMMON
+
+    prompts = CHAT_PROMPTS[:4]
+    with Stack(common_args=COMMON, gateway_args=["--round-groups", "2"]) as s:
+        spec, plain = speculative_vs_plain(s.gateway, prompts, 24)
+    for p, a, b in zip(prompts, spec, plain):
+        assert list(a.token_ids) == list(b.token_ids), p
+        assert a.speculation.rounds > 0

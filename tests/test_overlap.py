@@ -130,3 +130,37 @@ def test_joining_sequence_gets_its_own_propose_call() -> None:
     assert ("propose", ["gw-1"]) in log  # the newcomer alone: the extra call of its first round
     first_both = next(i for i, e in enumerate(log) if e == ("propose", ["gw-0", "gw-1"]))
     assert log.index(("propose", ["gw-1"])) < first_both  # then both from one prefired call
+
+
+def test_two_groups_run_their_rounds_concurrently() -> None:
+    """groups=2: sequences alternate between two groups whose rounds interleave on the services (one
+    group's verify happens while the other's propose is in flight); every token is still exact."""
+
+    async def run():
+        log: list = []
+        sched = Scheduler(FakeVerifier(log, 2), FakeDraft(log), SchedulerConfig(max_active=4, tree_size=3, groups=2))
+        sched.start()
+
+        async def one(first: int) -> list[int]:
+            req = GenRequest(prompt_ids=[first - 1, first], max_tokens=10, sampling=SamplingConfig(), ignore_eos=True)
+            gen = Generation(request=req, decoder=Decoder(), eos_token_id=EOS)
+            return [t for d in [d async for d in sched.generate(gen)] for t in d.token_ids]
+
+        outs = await asyncio.gather(*(one(f) for f in (100, 200, 300, 400)))
+        await sched.stop()
+        return outs, log
+
+    outs, log = asyncio.run(run())
+    assert outs == [list(range(f + 1, f + 11)) for f in (100, 200, 300, 400)]
+    verified = [set(e[1]) for e in log if e[0] == "verify"]
+    assert {"gw-0", "gw-2"} in verified and {"gw-1", "gw-3"} in verified  # two groups, alternating admission
+    # a verify of one group lies between the propose and the answer of the other group's call
+    interleaved = any(
+        log[i][0] == "propose"
+        and log[j][0] == "verify"
+        and not set(log[i][1]) & set(log[j][1])
+        and all(not (e[0] == "proposed" and e[1] == log[i][1]) for e in log[i + 1 : j])
+        for i in range(len(log))
+        for j in range(i + 1, len(log))
+    )
+    assert interleaved

@@ -26,6 +26,7 @@ class GatewayConfig:
     model: Path  # GGUF file or HF folder the tokenizer is read from
     max_active: int = 0  # sequences per round; 0 = as many as the verifier and the draft hold
     plain_steps: int = 8  # plain decoding tokens per verifier call
+    groups: int = 1  # round groups run concurrently (2: one verifies while the other drafts)
     max_waiting: int = 64
     connect_timeout: float = 120.0
     metrics_port: int = 0  # Prometheus /metrics (0 = off)
@@ -104,6 +105,7 @@ async def main(cfg: GatewayConfig, port_file: str | None) -> None:
         SchedulerConfig(
             max_active=max_active,
             plain_steps=cfg.plain_steps,
+            groups=cfg.groups,
             max_waiting=cfg.max_waiting,
             tree_size=dinfo.verify_tree_size if dinfo else 1,
             instance_id=instance_id,
@@ -160,6 +162,13 @@ def cli() -> None:
         "--max-active", type=int, default=0, help="sequences per round (0 = as many as the verifier and the draft hold)"
     )
     p.add_argument(
+        "--round-groups",
+        type=int,
+        default=1,
+        help="groups of sequences whose rounds run concurrently (2: one group is verified while the other's "
+        "trees are drafted)",
+    )
+    p.add_argument(
         "--plain-steps",
         type=int,
         default=8,
@@ -211,6 +220,7 @@ def cli() -> None:
         model=Path(a.model) if a.model else default_model_path(),
         max_active=a.max_active,
         plain_steps=a.plain_steps,
+        groups=a.round_groups,
         max_waiting=a.max_waiting,
         metrics_port=a.metrics_port,
         metrics_addr=a.metrics_addr,

@@ -45,6 +45,7 @@ class Active:
     gen: Generation
     out: asyncio.Queue  # Delta items, then None; or an exception
     speculative: bool = False  # the request wants speculation and a draft is configured
+    group: int = 0  # the round group it runs in (SchedulerConfig.groups)
     next_propose: pb.ProposeItem | None = None  # the draft's input for the next round; None: plain (or lost)
     started: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
@@ -87,10 +88,13 @@ class SchedulerConfig:
     instance_id: str = "gw"  # this gateway process; prefix of its sequence ids, owner of its sequences
     draft_retry_s: float = 0.5  # after a draft failure, speculation is retried no sooner than this
     plain_steps: int = 8  # plain decoding tokens per verifier call (one RPC and one host sync for all)
+    groups: int = 1  # round groups run concurrently (2: one verifies while the other drafts)
 
     def __post_init__(self) -> None:
         if self.max_active < 1 or self.max_waiting < 0 or self.tree_size < 1:
             raise ValueError("max_active and tree_size must be >= 1, max_waiting >= 0")
+        if not 1 <= self.groups <= 4:
+            raise ValueError(f"groups must be in [1, 4], got {self.groups}")
         if not 1 <= self.plain_steps <= 64:
             raise ValueError(f"plain_steps must be in [1, 64], got {self.plain_steps}")
         if not self.instance_id or self.draft_retry_s <= 0:
@@ -107,7 +111,7 @@ class Scheduler:
         self.active: list[Active] = []
         self.draft_link = DraftLink(cfg.draft_retry_s)
         self.draining = False
-        self._prefired: Prefired | None = None  # the draft working on the next round (see Overlap)
+        self._prefired: dict[int, Prefired] = {}  # per group: the draft working on its next round (see Overlap)
         self._wake = asyncio.Event()
         self._ids = itertools.count()
         self._task: asyncio.Task | None = None
@@ -126,10 +130,10 @@ class Scheduler:
         if self._task:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        if self._prefired is not None:
-            self._prefired.task.cancel()
-            await asyncio.gather(self._prefired.task, return_exceptions=True)
-            self._prefired = None
+        for pre in self._prefired.values():
+            pre.task.cancel()
+        await asyncio.gather(*(pre.task for pre in self._prefired.values()), return_exceptions=True)
+        self._prefired = {}
         left = self.active + list(self.waiting.values())
         self.waiting.clear()
         self._fail(left, PeerUnavailable("the gateway shut down before this request finished"))
@@ -174,17 +178,20 @@ class Scheduler:
                 await self._wake.wait()
             await self._admit()
             if self.active:
-                await self._guarded(self.active, self._round())
+                await self._guarded(self.active, self._catch_up())  # sequences the draft lost, once it is back
+            groups = [(g, [a for a in self.active if a.group == g]) for g in range(self.cfg.groups)]
+            await asyncio.gather(*(self._guarded(members, self._round(g, members)) for g, members in groups if members))
 
-    async def _round(self) -> None:
+    async def _round(self, group: int, members: list[Active]) -> None:
+        """One round for the members of a group. With several groups their rounds run concurrently: one
+        group's verification while another's draft proposes, so that neither service waits for the other."""
         t0 = time.perf_counter()
-        prefired = await self._take_prefired()  # the draft's trees started last round, or None
-        await self._catch_up()  # sequences the draft lost, once it answers again
-        spec = [a for a in self.active if a.next_propose is not None]
+        prefired = await self._take_prefired(group)  # the draft's trees started last round, or None
+        spec = [a for a in members if a.next_propose is not None]
         proposed = await self._proposals(spec, prefired)  # propose
         if proposed is None:  # the draft is down or failed: this round is plain decoding for all
             spec = []
-        plain = [a for a in self.active if a not in spec]
+        plain = [a for a in members if a not in spec]
         if spec:
             t1 = time.perf_counter()
             trees, draft_s = proposed
@@ -194,7 +201,7 @@ class Scheduler:
                 a.next_propose = pb.ProposeItem(
                     seq_id=a.seq_id, token_ids=r.tokens, hidden=r.hidden, max_nodes=self.cfg.tree_size
                 )
-            self._prefire(spec)  # the draft starts on the next round while we commit and stream
+            self._prefire(group, spec)  # the draft starts on the next round while we commit and stream
             for a, r in zip(spec, verified.results):
                 self._count_round(a, len(trees[a.seq_id].token_ids), len(r.tokens) - 1)
                 self._emit(a, a.gen.commit(r.tokens))  # commit, stream
@@ -206,14 +213,14 @@ class Scheduler:
                 self._emit(a, a.gen.commit(tokens))
         await self._retire()
 
-    def _prefire(self, spec: list[Active]) -> None:
+    def _prefire(self, group: int, spec: list[Active]) -> None:
         if self.draft is not None and spec:
             task = asyncio.get_running_loop().create_task(self._propose(spec))
-            self._prefired = Prefired(seq_ids=[a.seq_id for a in spec], task=task)
+            self._prefired[group] = Prefired(seq_ids=[a.seq_id for a in spec], task=task)
 
-    async def _take_prefired(self) -> tuple[list[str], object] | None:
-        """(its sequence ids, its result: Batched, or None when the draft failed) of the prefired call."""
-        pre, self._prefired = self._prefired, None
+    async def _take_prefired(self, group: int) -> tuple[list[str], object] | None:
+        """(its sequence ids, its result: Batched, or None when the draft failed) of the group's prefired call."""
+        pre = self._prefired.pop(group, None)
         if pre is None:
             return None
         return pre.seq_ids, await pre.task
@@ -322,6 +329,8 @@ class Scheduler:
 
     async def _prefill(self, a: Active) -> None:
         req = a.gen.request
+        sizes = [sum(b.group == g for b in self.active) for g in range(self.cfg.groups)]
+        a.group = sizes.index(min(sizes))  # the smaller group
         self.active.append(a)
         # while the draft is down, no hidden states: the sequence catches up once it is back
         speculative = a.speculative and not self.draft_link.degraded
@@ -377,9 +386,10 @@ class Scheduler:
     async def _release_on_draft(self, ids: list[str]) -> None:
         """After the prefired propose that names any of ids has returned: the draft must not be asked
         about a sequence it has freed. Unknown ids are ignored there."""
-        pre = self._prefired
-        if pre is not None and not pre.task.done() and set(ids) & set(pre.seq_ids):
-            await asyncio.wait([pre.task])
+        named = set(ids)
+        pending = [p.task for p in self._prefired.values() if not p.task.done() and named & set(p.seq_ids)]
+        if pending:
+            await asyncio.wait(pending)
         await self.draft.release(ids)
 
     async def _guarded(self, group: list[Active], work) -> None:
