@@ -30,9 +30,10 @@ import numpy as np
 import torch
 
 from common.config import DraftingConfig, SamplingConfig
-from common.engine.base import PrefillInput, ProposeInput, VerifyInput
+from common.engine.base import PrefillInput
 from common.engine.cuda_graphs import GraphConfig
 from common.engine.factory import make_drafter, make_verifier, pick_dtype
+from common.engine.loop import Round, speculative_loop
 from common.engine.verifier import VerifierConfig, torch_dtype
 from common.model.eagle3 import Eagle3Config, Eagle3Head
 
@@ -168,47 +169,28 @@ def run_spec(
     name: str = "speculative",
 ) -> RunResult:
     traces = [RequestTrace() for _ in prompts]
-    rounds, draft_s, verify_s, host_s = 0, 0.0, 0.0, 0.0
-    accepted: list[int] = []
+    rounds: list[Round] = []
     t_start = time.perf_counter()
     for wave in waves(prompts, concurrency):
         t0 = time.perf_counter()
-        items: dict[str, ProposeInput] = {}
-        owner: dict[str, int] = {}
-        for i, p in wave:
-            sid = f"spec-{i}"
-            out = verifier.prefill(PrefillInput(sid, p, SamplingConfig()))
-            traces[i].arrival, traces[i].tokens, traces[i].times = t0, [out.next_token], [time.perf_counter()]
-            items[sid] = ProposeInput.after_prefill(sid, p, out, tree_size)
-            owner[sid] = i
-        while items:
-            t_a = time.perf_counter()
-            trees = drafter.propose(list(items.values()))
-            t_b = time.perf_counter()
-            results = verifier.verify([VerifyInput(sid, tree) for sid, tree in zip(items, trees)])
-            t_c = time.perf_counter()
-            nxt: dict[str, ProposeInput] = {}
-            done = []
-            for sid, res in zip(items, results):
-                tr = traces[owner[sid]]
-                tr.tokens.extend(res.tokens)
-                tr.times.extend([t_c] * len(res.tokens))
-                accepted.append(len(res.tokens))
-                if len(tr.tokens) >= max_new:
-                    del tr.tokens[max_new:], tr.times[max_new:]
-                    done.append(sid)
-                else:
-                    nxt[sid] = ProposeInput.after_verify(sid, res, tree_size)
-            verifier.release(done)
-            drafter.release(done)
-            items = nxt
-            rounds += 1
-            draft_s += t_b - t_a
-            verify_s += t_c - t_b
-            host_s += time.perf_counter() - t_c
-    return summarize(
-        name, concurrency, traces, time.perf_counter() - t_start, rounds, draft_s, verify_s, host_s, accepted
-    )
+        owner = {f"spec-{i}": i for i, _ in wave}
+        for i, _ in wave:
+            traces[i].arrival = t0
+
+        def commit(sid: str, tokens: list[int], owner: dict[str, int] = owner) -> bool:
+            tr, now = traces[owner[sid]], time.perf_counter()
+            take = tokens[: max_new - len(tr.tokens)]
+            tr.tokens.extend(take)
+            tr.times.extend([now] * len(take))
+            return len(tr.tokens) < max_new
+
+        speculative_loop(verifier, drafter, {f"spec-{i}": p for i, p in wave}, tree_size, commit, rounds.append)
+    draft_s = sum(r.draft_s for r in rounds)
+    verify_s = sum(r.verify_s for r in rounds)
+    wall = time.perf_counter() - t_start
+    accepted = [c for r in rounds for c in r.committed]
+    host_s = sum(r.host_s for r in rounds)
+    return summarize(name, concurrency, traces, wall, len(rounds), draft_s, verify_s, host_s, accepted)
 
 
 def run_hf(model_path: Path, device: torch.device, dtype: str, prompts: list[list[int]], max_new: int) -> RunResult:

@@ -11,8 +11,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from common.config import DraftingConfig, SamplingConfig
-from common.engine.base import PrefillInput, ProposeInput, VerifyInput
+from common.engine.base import PrefillInput
 from common.engine.draft import Eagle3Drafter
+from common.engine.loop import Round, speculative_loop
 from common.engine.verifier import Verifier
 
 log = logging.getLogger(__name__)
@@ -81,31 +82,19 @@ def speculative(
     stats: AcceptStats,
     tag: str,
 ) -> list[list[int]]:
-    """Decode one batch of prompts together; returns each output clipped at EOS / max_new."""
+    """Decode one batch of prompts together (common.engine.loop); returns each output clipped at EOS /
+    max_new."""
     t0 = time.time()
-    outs: dict[str, list[int]] = {}
-    items: list[ProposeInput] = []
-    for i, p in enumerate(prompts):
-        sid = f"{tag}-{i}"
-        po = verifier.prefill(PrefillInput(sid, p, SamplingConfig()))
-        outs[sid] = [po.next_token]
-        if finished(outs[sid], eos, max_new):
-            verifier.release([sid])
-            continue
-        items.append(ProposeInput.after_prefill(sid, p, po, tree_size))
-    while items:
-        trees = drafter.propose(items)
-        results = verifier.verify([VerifyInput(it.seq_id, tr) for it, tr in zip(items, trees, strict=False)])
-        nxt = []
-        for it, r in zip(items, results, strict=False):
-            stats.accepted.append(len(r.tokens) - 1)
-            outs[it.seq_id] += r.tokens
-            if finished(outs[it.seq_id], eos, max_new):
-                verifier.release([it.seq_id])
-                drafter.release([it.seq_id])
-            else:
-                nxt.append(ProposeInput.after_verify(it.seq_id, r, tree_size))
-        items = nxt
+    outs: dict[str, list[int]] = {f"{tag}-{i}": [] for i in range(len(prompts))}
+
+    def commit(sid: str, tokens: list[int]) -> bool:
+        outs[sid] += tokens
+        return not finished(outs[sid], eos, max_new)
+
+    def on_round(r: Round) -> None:
+        stats.accepted.extend(c - 1 for c in r.committed)
+
+    speculative_loop(verifier, drafter, {f"{tag}-{i}": p for i, p in enumerate(prompts)}, tree_size, commit, on_round)
     stats.sequences += len(prompts)
     stats.wall_s += time.time() - t0
     return [clip(outs[f"{tag}-{i}"], eos, max_new) for i in range(len(prompts))]

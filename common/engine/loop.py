@@ -1,0 +1,67 @@
+"""The in-process speculative loop, once: prefill, then rounds of propose and verify for a batch of
+sequences, each leaving when its caller says it is done. The benchmarks and the training evaluation drive
+it; the gateway runs the same steps over gRPC (services/gateway/scheduler.py), with the same one-token
+shift (common.rounds)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from common.config import SamplingConfig
+from common.engine.base import Drafter, PrefillInput, ProposeInput, VerifierEngine, VerifyInput
+
+
+@dataclass(frozen=True)
+class Round:
+    """One round of the loop."""
+
+    draft_s: float  # wall seconds of the propose call
+    verify_s: float  # wall seconds of the verify call
+    host_s: float  # wall seconds of the bookkeeping after it (commits, releases)
+    committed: list[int]  # [sequences in the round] tokens committed per sequence (accepted + the bonus)
+
+
+def speculative_loop(
+    verifier: VerifierEngine,
+    drafter: Drafter,
+    prompts: dict[str, list[int]],
+    tree_size: int,
+    commit: Callable[[str, list[int]], bool],
+    on_round: Callable[[Round], None] | None = None,
+) -> None:
+    """Prefill every prompt (seq id -> prompt ids), then run rounds until every sequence is done.
+    commit(seq_id, new_tokens) receives each sequence's tokens as they come (the prefill's first token,
+    then each round's) and returns whether the sequence goes on; a finished one is released on both
+    engines. on_round sees each round's timing and committed counts."""
+    items: dict[str, ProposeInput] = {}
+    for sid, prompt in prompts.items():
+        out = verifier.prefill(PrefillInput(sid, prompt, SamplingConfig()))
+        if commit(sid, [out.next_token]):
+            items[sid] = ProposeInput.after_prefill(sid, prompt, out, tree_size)
+        else:
+            verifier.release([sid])
+    while items:
+        t_a = time.perf_counter()
+        trees = drafter.propose(list(items.values()))
+        t_b = time.perf_counter()
+        results = verifier.verify([VerifyInput(sid, tree) for sid, tree in zip(items, trees)])
+        t_c = time.perf_counter()
+        going: dict[str, ProposeInput] = {}
+        for sid, res in zip(items, results):
+            if commit(sid, res.tokens):
+                going[sid] = ProposeInput.after_verify(sid, res, tree_size)
+        done = [sid for sid in items if sid not in going]
+        verifier.release(done)
+        drafter.release(done)
+        if on_round is not None:
+            on_round(
+                Round(
+                    draft_s=t_b - t_a,
+                    verify_s=t_c - t_b,
+                    host_s=time.perf_counter() - t_c,
+                    committed=[len(r.tokens) for r in results],
+                )
+            )
+        items = going
