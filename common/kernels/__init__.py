@@ -20,22 +20,20 @@ _MODE = os.environ.get("SPECDEC_KERNELS", "auto")
 if _MODE not in ("auto", "reference", "triton"):
     raise ValueError(f"SPECDEC_KERNELS must be auto, reference or triton, got {_MODE!r}")
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
-_triton = None
 
 
 def _ops():
-    global _triton
-    if _triton is None:
-        from common.kernels import triton_ops
+    """The Triton kernels, imported on first use (a CPU process never loads triton)."""
+    from common.kernels import triton_ops
 
-        _triton = triton_ops
-    return _triton
+    return triton_ops
 
 
 def use_triton(x: torch.Tensor) -> bool:
-    """Triton on CUDA tensors without autograd; SPECDEC_KERNELS=triton also on CPU (Triton's
+    """Triton on CUDA tensors when no gradient is recorded (the kernels have no backward: under autograd,
+    a weight that needs a gradient would silently get none); SPECDEC_KERNELS=triton also on CPU (Triton's
     interpreter, TRITON_INTERPRET=1, for tests)."""
-    if not HAVE_TRITON or _MODE == "reference" or (torch.is_grad_enabled() and x.requires_grad):
+    if not HAVE_TRITON or _MODE == "reference" or torch.is_grad_enabled():
         return False
     return x.is_cuda or _MODE == "triton"
 

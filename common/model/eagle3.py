@@ -6,7 +6,7 @@ Parameter names follow the EAGLE reference checkpoints (fc, midlayer.*, norm, lm
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -132,10 +132,7 @@ class Eagle3Head(Float32RopeTables):
             hidden = self.fc(hidden)
         layer = self.midlayer
         x = torch.cat((layer.input_layernorm(embeds), layer.hidden_norm(hidden)), dim=-1)
-        batch = replace(
-            batch,
-            plan=kernels.attention_plan(x, batch.prefix_len, batch.window, self.cfg.num_heads // self.cfg.num_kv_heads),
-        )
+        batch = batch.planned(x, self.cfg.num_heads // self.cfg.num_kv_heads)
         attn = layer.self_attn(x, batch, self.rope_cos, self.rope_sin, cache.kv[layer_cache])
         normed, h = layer.post_attention_layernorm.add(attn, hidden)
         normed, h = self.norm.add(layer.mlp(normed), h)

@@ -175,6 +175,11 @@ class Batch:
             input_ids=input_ids, positions=positions, slots=slots, write_pos=write_pos, prefix_len=zeros, window=window
         )
 
+    def planned(self, witness: torch.Tensor, groups: int) -> Batch:
+        """This batch with its attention plan for one forward (witness: a tensor of the forward's device and
+        compute dtype; groups: query heads per KV head)."""
+        return replace(self, plan=kernels.attention_plan(witness, self.prefix_len, self.window, groups))
+
 
 class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig, in_dim: int | None = None) -> None:
@@ -201,10 +206,6 @@ class Attention(nn.Module):
         kernels.rope_kv_write(qkv, rope_cos, rope_sin, batch.positions, batch.slots, batch.write_pos, kv, h, kvh)
         q = qkv.view(b, t, h + 2 * kvh, self.head_dim)[:, :, :h]  # rotated in place
         return self.o_proj(kernels.attention(q, kv, batch.slots, batch.prefix_len, batch.window, batch.plan))
-
-
-def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return x if x.dtype == dtype else x.to(dtype)
 
 
 class MLP(nn.Module):
@@ -282,10 +283,7 @@ class LlamaModel(Float32RopeTables):
 
     def forward(self, batch: Batch, cache: KVCache) -> ForwardOutput:
         x, residual = self.embed_tokens(batch.input_ids), None
-        batch = replace(
-            batch,
-            plan=kernels.attention_plan(x, batch.prefix_len, batch.window, self.cfg.num_heads // self.cfg.num_kv_heads),
-        )
+        batch = batch.planned(x, self.cfg.num_heads // self.cfg.num_kv_heads)
         taps: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
             x, residual, stream = layer(x, residual, batch, self.rope_cos, self.rope_sin, cache.kv[i])
