@@ -1,12 +1,16 @@
 """Checks of internal-API input at the service boundary, before an engine sees it: a bad token id would
 index out of range (on CUDA, a device-side assert that takes the process down), a NaN hidden state
-would silently poison a sequence. Each raises InvalidRequest (INVALID_ARGUMENT)."""
+would silently poison a sequence. Each raises InvalidRequest (INVALID_ARGUMENT). Importing this module
+loads no torch (the gateway checks token ids with it too)."""
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from common.errors import InvalidRequest
+
+if TYPE_CHECKING:
+    import torch
 
 
 def token_ids(ids: list[int], vocab_size: int, what: str) -> None:
@@ -30,6 +34,8 @@ def all_finite(tensors: list[torch.Tensor], names: list[str]) -> None:
     """No NaN or infinity in any tensor: one device sync for the whole batch."""
     if not tensors:
         return
+    import torch
+
     ok = torch.stack([torch.isfinite(t).all() for t in tensors]).cpu().tolist()
     for name, good in zip(names, ok):
         if not good:

@@ -20,6 +20,7 @@ from common.engine.draft import Eagle3Drafter, select_top_nodes_device
 from common.engine.factory import make_drafter, make_verifier, pick_dtype
 from common.engine.oracle import GreedyOracleDrafter
 from common.engine.verifier import Verifier, VerifierConfig, accept_greedy_device, tree_ancestors
+from common.errors import InvalidRequest
 from common.model.eagle3 import Eagle3Config, Eagle3Head
 from common.tree import Tree, ancestor_mask, depths, select_top_nodes
 
@@ -171,7 +172,7 @@ def test_factory_and_dtype_on_cpu(ckpt) -> None:
     with pytest.raises(ValueError):
         pick_dtype("cpu", "int8")
     v = make_verifier(ckpt, VerifierConfig(max_sequences=1, max_context=32, max_tree_nodes=4), graphs=True)
-    assert not v.graphs.enabled and not v.pad_to_buckets
+    assert not v.graphs.enabled and not v.graphs.pad
     d = make_drafter(
         _head(ckpt),
         v.model.embed_tokens,
@@ -181,7 +182,7 @@ def test_factory_and_dtype_on_cpu(ckpt) -> None:
         "cpu",
         graphs=True,
     )
-    assert not d.graphs.enabled and not d.pad_to_buckets
+    assert not d.graphs.enabled and not d.graphs.pad
 
 
 @pytest.fixture(scope="module")
@@ -338,7 +339,7 @@ def test_multi_step_decode_equals_single_steps(verifiers) -> None:
     assert padded.decode(ids) == exact.decode(ids)  # the state after the chained steps is consistent
     padded.prefill(PrefillInput("m3", PROMPTS[0], SamplingConfig(temperature=0.7, seed=1)))
     assert [len(t) for t in padded.decode_steps(["m0", "m3"], 5)] == [1, 1]
-    with pytest.raises(Exception, match="steps must be >= 1"):
+    with pytest.raises(InvalidRequest, match="steps must be >= 1"):
         padded.decode_steps(["m0"], 0)
     exact.release(ids)
     padded.release(ids + ["m3"])

@@ -97,6 +97,7 @@ class CudaGraphManager:
         enabled: bool = True,
         warmup_iters: int = 2,
         stream: torch.cuda.Stream | None = None,
+        pad: bool = False,
     ) -> None:
         self.device = torch.device(device)
         self.name = name
@@ -112,12 +113,21 @@ class CudaGraphManager:
                 self.pool = torch.cuda.graph_pool_handle()
         self._graphs: dict[Hashable, _Graph] = {}
         self.report = CaptureReport()
+        # pad calls to their bucket: with graphs requested, also on CPU where nothing is captured, so that
+        # the CPU tests run the padded shapes a GPU replays
+        self.pad = pad
+
+    @classmethod
+    def for_engine(cls, device: torch.device, name: str, graphs: bool, cfg: GraphConfig) -> CudaGraphManager:
+        """The manager of an engine built with `graphs` requested, under cfg."""
+        return cls(device, name=name, enabled=graphs and cfg.capture, warmup_iters=cfg.warmup_iters, pad=graphs)
+
+    def bucket(self, n: int, buckets: Sequence[int]) -> int:
+        """The size a call of n runs at: its bucket when padding, else n (and n past the largest bucket)."""
+        return (pick_bucket(n, buckets) or n) if self.pad else n
 
     def is_captured(self, key: Hashable) -> bool:
         return key in self._graphs
-
-    def keys(self) -> list[Hashable]:
-        return list(self._graphs)
 
     # ---- capture ----
     def capture(self, key: Hashable, step: Callable[..., Any], inputs: dict[str, torch.Tensor]) -> bool:

@@ -25,10 +25,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from common import validate
 from common.config import DraftingConfig
 from common.engine.base import ProposeInput
-from common.engine.cuda_graphs import CudaGraphManager, GraphConfig, batch_buckets_for, pick_bucket
-from common.errors import CapacityExhausted, InvalidRequest
+from common.engine.cuda_graphs import CudaGraphManager, GraphConfig, batch_buckets_for
+from common.errors import CapacityExhausted
 from common.model.eagle3 import Eagle3Head
 from common.model.llama import Batch, KVCache
 from common.slots import SlotTable, check_unique
@@ -126,11 +127,8 @@ class Eagle3Drafter:
         with torch.inference_mode():  # base-model embeddings of the draft vocabulary [Vd, H]
             self._draft_embed = self.embed(head.to_base_ids(torch.arange(c.draft_vocab_size, device=self.device)))
         gc = graph_cfg or GraphConfig()
-        self.graphs = CudaGraphManager(
-            self.device, name="drafter", enabled=graphs and gc.capture, warmup_iters=gc.warmup_iters
-        )
+        self.graphs = CudaGraphManager.for_engine(self.device, "drafter", graphs, gc)
         self.batch_buckets = batch_buckets_for(max_sequences, gc.batch_buckets)
-        self.pad_to_buckets = graphs
         if self.graphs.enabled:
             self._capture()
 
@@ -266,9 +264,9 @@ class Eagle3Drafter:
         a[:, 2] = 1
         return torch.from_numpy(a)
 
-    def _bucket(self, n: int) -> int:
-        """Padded batch size: the graph bucket with graphs on (on CPU too, for tests), else exact."""
-        return (pick_bucket(n, self.batch_buckets) or n) if self.pad_to_buckets else n
+    def _keep(self, it: ProposeInput) -> int:
+        """Nodes a sequence's tree keeps: its max_nodes (0: the drafter's verify_tree_size), at most that."""
+        return min(it.max_nodes or self.tree_size, self.tree_size)
 
     def _pack(self, items: list[ProposeInput], bb: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The accept inputs of items padded to bb rows and L new tokens: packed [bb, L + 4] (host) and
@@ -280,7 +278,7 @@ class Eagle3Drafter:
             slot, st = self.seqs.get(it.seq_id)
             k = len(it.token_ids)
             a[i, :k] = it.token_ids
-            a[i, length:] = (st.length, k, slot, min(it.max_nodes or self.tree_size, self.tree_size))
+            a[i, length:] = (st.length, k, slot, self._keep(it))
         rows = torch.cat([it.hidden.to(device=self.device, dtype=self.cache.kv.dtype) for it in items])
         rows = torch.cat((rows, rows.new_zeros(1, rows.shape[1])))  # [sum k + 1, 3H]
         src = np.full((bb, length), rows.shape[0] - 1, dtype=np.int64)  # padding: the zero row
@@ -296,13 +294,7 @@ class Eagle3Drafter:
         for it in items:
             _, st = self.seqs.get(it.seq_id)
             k = len(it.token_ids)
-            if k == 0 or it.hidden.shape[0] != k:
-                raise InvalidRequest(f"sequence {it.seq_id!r}: {k} new tokens but {it.hidden.shape[0]} hidden rows")
-            if it.hidden.dim() != 2 or it.hidden.shape[1] != self.feature_dim:
-                raise InvalidRequest(
-                    f"sequence {it.seq_id!r}: hidden rows must be [{k}, {self.feature_dim}], "
-                    f"got {list(it.hidden.shape)}"
-                )
+            validate.hidden_rows(it.hidden, self.feature_dim, k, f"sequence {it.seq_id!r}")
             if st.length + k > self.max_context:
                 raise CapacityExhausted(f"sequence {it.seq_id!r} is at the end of the draft context")
 
@@ -326,14 +318,14 @@ class Eagle3Drafter:
 
     def _run(self, items: list[ProposeInput]) -> torch.Tensor:
         b = len(items)
-        bb = self._bucket(b)
+        bb = self.graphs.bucket(b, self.batch_buckets)
         length = max(len(it.token_ids) for it in items)
         if not any(it.start for it in items) and length <= self.max_new:
             packed, hidden = self._pack(items, bb, length)
             res = self.graphs.run(("propose", bb, length), self._propose_step, {"packed": packed, "hidden": hidden})
         else:
             res = self._run_with_prompts(items, bb)
-        return self._trees(res[:b].cpu().numpy(), [min(it.max_nodes or self.tree_size, self.tree_size) for it in items])
+        return self._trees(res[:b].cpu().numpy(), [self._keep(it) for it in items])
 
     def _run_with_prompts(self, items: list[ProposeInput], bb: int) -> torch.Tensor:
         """A round where sequences start: accept passes in two eager groups (new sequences over their
@@ -352,7 +344,7 @@ class Eagle3Drafter:
         a = expand.numpy()
         for i, it in enumerate(items):
             slot, st = self.seqs.get(it.seq_id)
-            a[i] = (st.length + len(it.token_ids), slot, min(it.max_nodes or self.tree_size, self.tree_size))
+            a[i] = (st.length + len(it.token_ids), slot, self._keep(it))
 
         def stacked(field: str) -> torch.Tensor:
             rows = torch.stack([getattr(roots[i], field) for i in range(len(items))])

@@ -23,10 +23,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from common import validate
 from common.acceptance import Acceptance, accept_sampled, compaction_plan
 from common.config import LlamaConfig, SamplingConfig
 from common.engine.base import EngineInfo, PrefillInput, PrefillOutput, VerifyInput, VerifyOutput
-from common.engine.cuda_graphs import CudaGraphManager, GraphConfig, batch_buckets_for, pick_bucket
+from common.engine.cuda_graphs import CudaGraphManager, GraphConfig, batch_buckets_for
 from common.errors import CapacityExhausted, InvalidRequest
 from common.model.llama import Batch, KVCache, LlamaModel
 from common.sampling import target_distribution
@@ -205,12 +206,9 @@ class Verifier:
             device=str(self.device),
         )
         gc = graph_cfg or GraphConfig()
-        self.graphs = CudaGraphManager(
-            self.device, name="verifier", enabled=graphs and gc.capture, warmup_iters=gc.warmup_iters
-        )
+        self.graphs = CudaGraphManager.for_engine(self.device, "verifier", graphs, gc)
         self.batch_buckets = batch_buckets_for(cfg.max_sequences, gc.batch_buckets)
         self.tree_buckets = tuple(sorted({t for t in gc.tree_buckets if t <= self.max_rows} | {self.max_rows}))
-        self.pad_to_buckets = graphs
         if self.graphs.enabled:
             self._capture()
 
@@ -225,11 +223,6 @@ class Verifier:
                 self.graphs.capture(("decode", bb), self._decode_step, {"packed": self._decode_block(bb)})
         self.graphs.log_report()
 
-    def _bucket(self, n: int, buckets: tuple[int, ...]) -> int:
-        """The padded size a call runs at: its graph bucket with graphs on (also on CPU, where nothing is
-        captured, so that CPU tests run the padded shapes), the exact size otherwise."""
-        return (pick_bucket(n, buckets) or n) if self.pad_to_buckets else n
-
     # ---- prefill (eager: prompt lengths vary too much to bucket) ----
     @torch.inference_mode()
     def prefill(self, item: PrefillInput) -> PrefillOutput:
@@ -238,7 +231,7 @@ class Verifier:
             raise InvalidRequest("prompt is empty")
         if n >= self.cfg.max_context:
             raise InvalidRequest(f"prompt has {n} tokens; the context holds {self.cfg.max_context}")
-        self._check_tokens(item.token_ids)
+        validate.token_ids(item.token_ids, self.info.vocab_size, "prompt")
         rng = np.random.default_rng(item.sampling.seed)
         slot = self.seqs.acquire(item.seq_id, VerifierSeq(length=0, pending=-1, sampling=item.sampling, rng=rng))
         try:
@@ -317,7 +310,7 @@ class Verifier:
             if st.length + t > self.capacity:
                 raise CapacityExhausted(f"sequence {it.seq_id!r} has no room for a {t}-row tree at length {st.length}")
         b = len(items)
-        bb, tb = self._bucket(b, self.batch_buckets), self._bucket(t, self.tree_buckets)
+        bb, tb = self.graphs.bucket(b, self.batch_buckets), self.graphs.bucket(t, self.tree_buckets)
         block = self._verify_block(bb, tb)
         a = block.numpy()  # [bb, 2 tb + 3]
         for i, (it, (slot, st)) in enumerate(zip(items, states)):
@@ -406,7 +399,7 @@ class Verifier:
             steps = 1
         steps = min(steps, min(self.capacity - st.length for _, st in states))
         b = len(seq_ids)
-        bb = self._bucket(b, self.batch_buckets)
+        bb = self.graphs.bucket(b, self.batch_buckets)
         block = self._decode_block(bb)
         a = block.numpy()  # [bb, 3]
         for i, (slot, st) in enumerate(states):
@@ -440,12 +433,6 @@ class Verifier:
             return int(logits.argmax())
         p = target_distribution(logits.cpu().numpy(), st.sampling)
         return int(st.rng.choice(p.shape[0], p=p))
-
-    def _check_tokens(self, ids: list[int]) -> None:
-        v = self.info.vocab_size
-        bad = [i for i in ids if not 0 <= i < v]
-        if bad:
-            raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary [0, {v})")
 
     def _t(self, a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(self.device)

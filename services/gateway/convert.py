@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+from common import validate
 from common.config import SamplingConfig
 from common.errors import InvalidRequest
 from common.tokenizer import Tokenizer
@@ -47,9 +48,7 @@ def prompt_ids(req, tok: Tokenizer) -> list[int]:
         ids = tok.encode_prompt(req.prompt)
     else:
         ids = list(req.prompt_token_ids)
-        bad = [i for i in ids if not 0 <= i < tok.vocab_size]
-        if bad:
-            raise InvalidRequest(f"prompt token id {bad[0]} is outside the vocabulary [0, {tok.vocab_size})")
+        validate.token_ids(ids, tok.vocab_size, "prompt")
     if not ids:
         raise InvalidRequest("prompt is empty after tokenization")
     return ids
@@ -83,9 +82,7 @@ def gen_request(req: gpb.GenerateRequest, tok: Tokenizer, max_context: int) -> G
         raise InvalidRequest(
             f"stop takes at most {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_LENGTH} characters"
         )
-    bad_stop = [i for i in req.stop_token_ids if not 0 <= i < tok.vocab_size]
-    if bad_stop:
-        raise InvalidRequest(f"stop token id {bad_stop[0]} is outside the vocabulary [0, {tok.vocab_size})")
+    validate.token_ids(list(req.stop_token_ids), tok.vocab_size, "stop_token_ids")
     try:
         sampling = SamplingConfig(
             temperature=temperature, top_p=top_p, top_k=top_k, seed=req.seed if req.HasField("seed") else None

@@ -62,7 +62,10 @@ def test_capture_succeeds(f32) -> None:
     for eng in (verifier, drafter):
         rep = eng.graphs.report
         assert rep.failed == [], rep.failed
-        assert len(rep.captured) == len(eng.graphs.keys()) > 0
+    # every bucket has its graph: verify (deep and shallow trees) per batch x tree bucket, decode per batch
+    # bucket; the drafter's proposal per batch bucket x new-token count 1..steps + 1, and its expansion
+    assert len(verifier.graphs.report.captured) == len(verifier.batch_buckets) * (2 * len(verifier.tree_buckets) + 1)
+    assert len(drafter.graphs.report.captured) == len(drafter.batch_buckets) * (drafter.max_new + 1)
 
 
 def test_capture_succeeds_bf16(ckpt) -> None:
