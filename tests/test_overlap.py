@@ -94,6 +94,7 @@ async def _run(prompts: list[tuple[int, int]], accept: int, stagger: float = 0.0
 
     outs = await asyncio.gather(*(one(f, m, i * stagger) for i, (f, m) in enumerate(prompts)))
     await sched.stop()
+    log.append(("dropped", sched.metrics.registry.get_sample_value("specdec_prefired_trees_dropped_total")))
     return outs, log
 
 
@@ -120,6 +121,7 @@ def test_sequence_finishing_mid_overlap_is_released_after_its_prefired_call() ->
     assert len(named) >= 4 and len(named) % 2 == 0  # every propose naming gw-0 returned before its release
     assert [e[0] for e in named] == ["propose", "proposed"] * (len(named) // 2)
     assert any(e[0] == "propose" and e[1] == ["gw-1"] for e in log[release:])  # gw-1 goes on alone
+    assert log[-1] == ("dropped", 1.0)  # gw-0's tree of the round it did not live to see
 
 
 def test_joining_sequence_gets_its_own_propose_call() -> None:

@@ -63,6 +63,11 @@ class Metrics:
         self.draft_failures = Counter(
             "specdec_draft_failures", "Rounds whose propose failed (decoded plainly)", registry=r
         )
+        self.prefired_dropped = Counter(
+            "specdec_prefired_trees_dropped",
+            "Trees drafted ahead for the next round whose sequence had finished or failed meanwhile (wasted work)",
+            registry=r,
+        )
         self.round_seconds = Histogram(
             "specdec_round_seconds", "One batched round, wall time", ["phase"], registry=r, buckets=LATENCY_BUCKETS
         )

@@ -186,7 +186,7 @@ class Scheduler:
         """One round for the members of a group. With several groups their rounds run concurrently: one
         group's verification while another's draft proposes, so that neither service waits for the other."""
         t0 = time.perf_counter()
-        prefired = await self._take_prefired(group)  # the draft's trees started last round, or None
+        prefired = self._prefired.pop(group, None)  # the draft's trees started last round, or None
         spec = [a for a in members if a.next_propose is not None]
         proposed = await self._proposals(spec, prefired)  # propose
         if proposed is None:  # the draft is down or failed: this round is plain decoding for all
@@ -218,25 +218,22 @@ class Scheduler:
             task = asyncio.get_running_loop().create_task(self._propose(spec))
             self._prefired[group] = Prefired(seq_ids=[a.seq_id for a in spec], task=task)
 
-    async def _take_prefired(self, group: int) -> tuple[list[str], object] | None:
-        """(its sequence ids, its result: Batched, or None when the draft failed) of the group's prefired call."""
-        pre = self._prefired.pop(group, None)
-        if pre is None:
-            return None
-        return pre.seq_ids, await pre.task
-
-    async def _proposals(self, spec: list[Active], prefired) -> tuple[dict[str, pb.DraftTree], float] | None:
+    async def _proposals(
+        self, spec: list[Active], prefired: Prefired | None
+    ) -> tuple[dict[str, pb.DraftTree], float] | None:
         """The round's tree for every sequence in spec ({seq_id: tree}) and the draft's engine seconds, from
         the prefired call and, for what it does not cover, a call now (ProposalPlan); None when the draft
         failed (its sequences are plain this round, see _propose)."""
         trees: dict[str, pb.DraftTree] = {}
         draft_s = 0.0
         ids = [a.seq_id for a in spec]
-        if prefired is not None and prefired[1] is not None:
-            plan = ProposalPlan.of(prefired[0], ids)
+        done = await prefired.task if prefired is not None else None  # Batched, or None when the draft failed
+        if done is not None:
+            plan = ProposalPlan.of(prefired.seq_ids, ids)
             use = set(plan.use)
-            trees.update((s, t) for s, t in zip(prefired[0], prefired[1].results) if s in use)
-            draft_s += prefired[1].compute_s
+            trees.update((s, t) for s, t in zip(prefired.seq_ids, done.results) if s in use)
+            draft_s += done.compute_s
+            self.metrics.prefired_dropped.inc(len(plan.dropped))
             ids = plan.extra
         if ids:
             wanted = set(ids)
