@@ -29,6 +29,7 @@ import grpc
 import torch
 
 from common.config import SamplingConfig
+from common.rounds import start_shift
 from common.tensors import encode_inline
 from services.gateway.clients import DraftClient, VerifierClient
 from specdec.v1 import internal_pb2 as pb
@@ -108,12 +109,13 @@ class Bench:
             for stream, sid in ids.items():
                 if i % RESTART_EVERY == 0:
                     await self.d.release([sid])
+                    token_ids, prefix = start_shift(PROMPT, pre.next_token)
                     first = pb.ProposeItem(
                         seq_id=sid,
-                        token_ids=PROMPT[1:] + [pre.next_token],
+                        token_ids=token_ids,
                         hidden=pre.hidden,
                         start=True,
-                        context_prefix=PROMPT[:1],
+                        context_prefix=prefix,
                         max_nodes=8,
                     )
                     await self.d.propose([first], stream=stream)

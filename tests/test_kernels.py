@@ -146,7 +146,7 @@ def test_topk_logprobs(dtype):
     torch.testing.assert_close(vals, want_vals, atol=1e-4, rtol=1e-4)
     # the same values in the same order (ids may differ only between equal logits: float16 has ties)
     assert torch.equal(x.gather(-1, ids), x.gather(-1, want_ids))
-    assert torch.equal(ids.unique(dim=-1).shape[-1] * torch.ones(1), 10 * torch.ones(1))
+    assert all(len(set(row)) == 10 for row in ids.reshape(-1, 10).tolist())  # no id twice in a row's top-k
 
 
 def test_reference_visibility_example():

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from common.config import SamplingConfig
+from common.rounds import start_shift
 from common.tensors import encode_inline
 from services.gateway.clients import DraftClient, VerifierClient
 from specdec.v1 import internal_pb2 as pb
@@ -88,13 +89,9 @@ def test_rounds_are_identical_on_stream_and_unary(stack):
             nxt = {}
             for s in seqs:
                 pre = await v.prefill(s, PROMPT, SamplingConfig(), want_hidden=True)
+                token_ids, prefix = start_shift(PROMPT, pre.next_token)
                 nxt[s] = pb.ProposeItem(
-                    seq_id=s,
-                    token_ids=PROMPT[1:] + [pre.next_token],
-                    hidden=pre.hidden,
-                    start=True,
-                    context_prefix=PROMPT[:1],
-                    max_nodes=30,
+                    seq_id=s, token_ids=token_ids, hidden=pre.hidden, start=True, context_prefix=prefix, max_nodes=30
                 )
             for _ in range(3):
                 out = {}
