@@ -1,5 +1,6 @@
-"""CPU benchmark: plain and speculative decoding through the three services against Hugging Face eager
-`generate`, same prompts, same run, float32, one request at a time (prefill included).
+"""CPU benchmark: plain and speculative decoding through the three services, and the verifier engine's
+plain decoding in this process, against Hugging Face eager `generate`, same prompts, same run, float32,
+one request at a time (prefill included).
 
     python -m bench.cpu_bench --out DIR [--prompts 4] [--max-new-tokens 64]
 
@@ -50,6 +51,29 @@ def through_services(addr: str, prompts: list[str], max_new: int, speculative: b
     }
 
 
+def engine_plain(prompts: list[str], max_new: int) -> dict:
+    """The verifier engine in this process: prefill, then one decode call per token (no gRPC)."""
+    from common.config import SamplingConfig
+    from common.engine.base import PrefillInput
+    from common.engine.verifier import Verifier, VerifierConfig
+    from common.model_path import default_model_path
+    from common.tokenizer import Tokenizer
+    from common.weights import load_checkpoint
+
+    tok = Tokenizer(default_model_path())
+    verifier = Verifier(load_checkpoint(), VerifierConfig(max_sequences=1, max_context=1024))
+    per_token = []
+    for text in prompts:
+        ids = tok.encode_chat([("user", text)])
+        t0 = time.perf_counter()
+        verifier.prefill(PrefillInput("p", ids, SamplingConfig()))
+        for _ in range(max_new - 1):
+            verifier.decode(["p"])
+        per_token.append((time.perf_counter() - t0) / max_new)
+        verifier.release(["p"])
+    return {"ms_per_token": 1e3 * sum(per_token) / len(per_token), "acceptance_length": None}
+
+
 def hugging_face(prompts: list[str], max_new: int) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
@@ -94,6 +118,7 @@ def main() -> None:
         results["services-speculative"] = through_services(stack.gateway, prompts, args.max_new_tokens, True)
     finally:
         stack.stop()
+    results["engine-plain"] = engine_plain(prompts, args.max_new_tokens)
     results["hf-generate"] = hugging_face(prompts, args.max_new_tokens)
     hf = results["hf-generate"]["ms_per_token"]
     for r in results.values():

@@ -1,0 +1,115 @@
+"""What a long prompt does to the requests already running: a closed loop of `concurrency` streaming
+requests through the gateway, then one request with a long prompt (about --prompt-tokens tokens) joins;
+the running requests' inter-token gaps while it is prefilled are compared with their gaps before it.
+
+    python -m bench.prefill_stall --out DIR [--device cuda] [--concurrency 16] [--prompt-tokens 2000]
+
+Figures (milliseconds, over the running streams' messages; a speculative round's tokens come in one
+message): the median gap between a stream's messages in the second before the long request is sent
+("before"), and the mean and the largest gap overlapping the time from its sending to its answer
+("during"). "ratio" = during mean / before median (the issue's target: at most 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import statistics
+import time
+from pathlib import Path
+
+import grpc
+
+from bench.engine_bench import QUESTIONS
+from services.stack import Stack
+from specdec.v1 import generation_pb2 as gpb
+from specdec.v1 import generation_pb2_grpc as gpb_grpc
+
+log = logging.getLogger("bench.prefill_stall")
+
+
+async def measure(addr: str, concurrency: int, prompt_tokens: int, speculative: bool) -> dict:
+    arrivals: list[list[float]] = [[] for _ in range(concurrency)]  # message arrival times per stream
+    async with grpc.aio.insecure_channel(addr) as ch:
+        stub = gpb_grpc.GenerationStub(ch)
+
+        async def running(i: int, text: str) -> None:
+            req = gpb.GenerateRequest(
+                messages=[gpb.ChatMessage(role="user", content=text)],
+                max_tokens=4000,
+                ignore_eos=True,
+                speculative=speculative,
+            )
+            async for msg in stub.Generate(req):
+                if msg.token_ids:
+                    arrivals[i].append(time.perf_counter())
+
+        tasks = [asyncio.create_task(running(i, QUESTIONS[i % len(QUESTIONS)])) for i in range(concurrency)]
+        await asyncio.sleep(3.0)  # every stream past its prefill
+        sent = time.perf_counter()
+        long_prompt = "Summarize the following text. " + "The quick brown fox jumps over the lazy dog. " * (
+            prompt_tokens // 10
+        )
+        long_req = gpb.GenerateRequest(
+            messages=[gpb.ChatMessage(role="user", content=long_prompt)], max_tokens=1, speculative=speculative
+        )
+        first = await stub.Complete(long_req)
+        done = time.perf_counter()
+        await asyncio.sleep(0.2)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    pairs = [(a, b) for times in arrivals for a, b in zip(times, times[1:])]
+    gaps_before = [b - a for a, b in pairs if sent - 1.0 <= a and b < sent]
+    gaps_during = [b - a for a, b in pairs if b >= sent and a <= done]
+    before = statistics.median(gaps_before) * 1e3
+    during_mean = statistics.mean(gaps_during) * 1e3 if gaps_during else (done - sent) * 1e3
+    during_max = max(gaps_during) * 1e3 if gaps_during else (done - sent) * 1e3
+    return {
+        "speculative": speculative,
+        "concurrency": concurrency,
+        "prompt_tokens": first.usage.prompt_tokens,
+        "prefill_wall_ms": (done - sent) * 1e3,
+        "gap_before_median_ms": before,
+        "gap_during_mean_ms": during_mean,
+        "gap_during_max_ms": during_max,
+        "ratio": during_mean / before,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--prompt-tokens", type=int, default=2000)
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    rows = []
+    with Stack(common_args=["--device", args.device, "--max-context", "4096"]) as stack:
+        for speculative in (True, False):
+            rows.append(asyncio.run(measure(stack.gateway, args.concurrency, args.prompt_tokens, speculative)))
+            log.info("%s", rows[-1])
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "prefill_stall.json").write_text(json.dumps(rows, indent=1))
+    lines = [
+        f"# Long prompt under load ({args.device}, concurrency {args.concurrency})",
+        "",
+        "| mode | prompt tokens | prefill wall ms | gap before ms (median) | gap during ms (mean / max) | ratio |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {'speculative' if r['speculative'] else 'plain'} | {r['prompt_tokens']} "
+            f"| {r['prefill_wall_ms']:.1f} | {r['gap_before_median_ms']:.2f} "
+            f"| {r['gap_during_mean_ms']:.2f} / {r['gap_during_max_ms']:.2f} | {r['ratio']:.2f} |"
+        )
+    (out / "prefill_stall.md").write_text("\n".join(lines) + "\n")
+    log.info("\n%s", "\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
