@@ -29,7 +29,8 @@ from specdec.v1 import generation_pb2_grpc as gpb_grpc
 log = logging.getLogger("bench.cpu_bench")
 
 
-def through_services(addr: str, prompts: list[str], max_new: int, speculative: bool) -> dict:
+def through_services(addr: str, prompts: list[str], max_new: int, speculative: bool, tree: str = "") -> dict:
+    """One request at a time; tree: a pinned DEPTHxNODES (the policy off), "" for the gateway's policy."""
     per_token, accept = [], []
     with grpc.insecure_channel(addr) as ch:
         stub = gpb_grpc.GenerationStub(ch)
@@ -40,6 +41,9 @@ def through_services(addr: str, prompts: list[str], max_new: int, speculative: b
                 ignore_eos=True,
                 speculative=speculative,
             )
+            if tree:
+                depth, nodes = (int(x) for x in tree.split("x"))
+                req.tree.depth, req.tree.nodes = depth, nodes
             t0 = time.perf_counter()
             resp = stub.Complete(req, timeout=600)
             per_token.append((time.perf_counter() - t0) / len(resp.token_ids))
@@ -105,6 +109,9 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument(
+        "--trees", default="6x60,2x4,1x1", help="fixed trees measured beside the policy (comma-separated, '' for none)"
+    )
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     prompts = [QUESTIONS[i % len(QUESTIONS)] for i in range(args.prompts)]
@@ -116,6 +123,13 @@ def main() -> None:
         through_services(stack.gateway, prompts[:1], 4, False)  # warm-up
         results["services-plain"] = through_services(stack.gateway, prompts, args.max_new_tokens, False)
         results["services-speculative"] = through_services(stack.gateway, prompts, args.max_new_tokens, True)
+        with grpc.insecure_channel(stack.gateway) as ch:
+            info = gpb_grpc.GenerationStub(ch).GetModelInfo(gpb.ModelInfoRequest(), timeout=10)
+        results["services-speculative"]["policy_choices"] = {
+            f"{c.tree.depth}x{c.tree.nodes}" if c.tree.depth else "plain": c.rounds for c in info.policy_choices
+        }
+        for tree in filter(None, args.trees.split(",")):
+            results[f"services-tree-{tree}"] = through_services(stack.gateway, prompts, args.max_new_tokens, True, tree)
     finally:
         stack.stop()
     results["engine-plain"] = engine_plain(prompts, args.max_new_tokens)
@@ -128,7 +142,7 @@ def main() -> None:
         "prompts": args.prompts,
         "max_new_tokens": args.max_new_tokens,
         "command": f"python -m bench.cpu_bench --out DIR --prompts {args.prompts} "
-        f"--max-new-tokens {args.max_new_tokens}",
+        f"--max-new-tokens {args.max_new_tokens} --trees {args.trees}",
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -142,9 +156,17 @@ def main() -> None:
         "| method | ms/token | speed vs HF generate | acceptance length |",
         "|---|---:|---:|---:|",
     ]
+    plain = results["services-plain"]["ms_per_token"]
+    lines[-2:] = [
+        "| method | ms/token | speed vs HF generate | vs services-plain | acceptance length |",
+        "|---|---:|---:|---:|---:|",
+    ]
     for name, r in results.items():
         acc = "-" if r["acceptance_length"] is None else f"{r['acceptance_length']:.2f}"
-        lines.append(f"| {name} | {r['ms_per_token']:.1f} | {r['speed_vs_hf']:.2f}x | {acc} |")
+        lines.append(
+            f"| {name} | {r['ms_per_token']:.1f} | {r['speed_vs_hf']:.2f}x | {plain / r['ms_per_token']:.2f}x | {acc} |"
+        )
+    lines += ["", f"Policy choices (group rounds): {results['services-speculative']['policy_choices']}"]
     text = "\n".join(lines)
     (out / "cpu_bench.md").write_text(text + "\n")
     log.info("\n%s", text)

@@ -110,21 +110,22 @@ class HiddenExport:
         self.row_bytes = width * self.buffer.element_size()
         self.rows = rows
 
-    def write(self, seq_id: str, hidden: torch.Tensor) -> tuple[int, int]:
-        """Copy hidden [k, width] into the sequence's region and wait for the copy.
-        Returns (offset in bytes, write count)."""
+    def write(self, seq_id: str, hidden: torch.Tensor, row: int = 0) -> tuple[int, int]:
+        """Copy hidden [k, width] into the sequence's region from row `row` on (rows before it hold
+        features the draft has yet to read: a plain round's, see DecodeItem.hidden_row) and wait for the
+        copy. Returns (offset in bytes of the written rows, write count)."""
         try:
             region, state = self.table.get(seq_id)
         except KeyError:
             self.table.acquire(seq_id, _Region())
             region, state = self.table.get(seq_id)
         k = hidden.shape[0]
-        if k > self.rows:
-            raise InvalidRequest(f"{k} hidden rows exceed the exported region of {self.rows}")
-        self.buffer[region, :k].copy_(hidden)
+        if row < 0 or row + k > self.rows:
+            raise InvalidRequest(f"hidden rows [{row}, {row + k}) exceed the exported region of {self.rows}")
+        self.buffer[region, row : row + k].copy_(hidden)
         torch.cuda.current_stream(self.buffer.device).synchronize()
         state.writes += 1
-        return region * self.rows * self.row_bytes, state.writes
+        return (region * self.rows + row) * self.row_bytes, state.writes
 
     def release(self, seq_id: str) -> None:
         self.table.release(seq_id)

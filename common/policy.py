@@ -103,8 +103,8 @@ class CostModel:
 
     engine: per (kind, batch bucket, size) the step time, from calibration and refreshed online.
     overhead: per round kind ('spec', 'plain') the wall time beyond the engines (RPC, orchestration).
-    A batch beyond the largest measured bucket is extrapolated linearly from it; a size between measured
-    ones takes the next larger measured size (that is the graph that runs)."""
+    A batch or size beyond the largest measured is extrapolated linearly from it; one between measured
+    ones takes the next larger measured one (that is the graph that runs)."""
 
     def __init__(self, costs: Iterable[StepCost] = (), weight: float = 0.1) -> None:
         self.weight = weight
@@ -124,12 +124,18 @@ class CostModel:
         batches = sorted({b for b, _ in entries})
         bb = bucket(batch, batches)
         sizes = sorted(s for b, s in entries if b == bb)
-        t = self.engine[(kind, bb, bucket(size, sizes))].value
-        return t * batch / bb if batch > bb else t
+        sb = bucket(size, sizes)
+        t = self.engine[(kind, bb, sb)].value
+        return t * max(batch / bb, 1.0) * max(size / sb, 1.0)
 
     def observe_step(self, kind: str, batch: int, size: int, seconds: float) -> None:
-        """An engine call's reported time, at the bucket it ran in (batch and size already bucketed)."""
-        key = (kind, batch, size)
+        """An engine call's reported time, counted at the measured bucket it ran in (the smallest >= its
+        batch and size: the graph that ran); past every measured bucket it starts a bucket of its own."""
+        batches = sorted({b for k, b, _ in self.engine if k == kind})
+        bb = bucket(batch, batches) if batches and batch <= batches[-1] else batch
+        sizes = sorted(s for k, b, s in self.engine if k == kind and b == bb)
+        sb = bucket(size, sizes) if sizes and size <= sizes[-1] else size
+        key = (kind, bb, sb)
         if key in self.engine:
             self.engine[key].add(seconds)
         else:
@@ -289,7 +295,7 @@ class AdaptivePolicy:
 
     def choose(self, seq_ids: Sequence[str], steps: int) -> Choice:
         rates = self.rates(seq_ids, steps)
-        if not rates:  # nothing measured yet: speculate with the largest tree until costs come in
+        if all(s.plain for s in rates):  # the draft's costs are unknown: speculate until they come in
             return Choice(self.cfg.menu[-1], 0.0)
         best = max(rates, key=lambda s: (rates[s], -s.nodes))
         if self.rng.random() < self.cfg.explore:

@@ -28,8 +28,8 @@ def checkpoint():
     return load_checkpoint()
 
 
-def _stack(*draft_args: str):
-    s = Stack(common_args=COMMON, draft_args=list(draft_args))
+def _stack(*draft_args: str, gateway_args: tuple[str, ...] = ()):
+    s = Stack(common_args=COMMON, draft_args=list(draft_args), gateway_args=list(gateway_args))
     s.start()
     return s
 
@@ -44,13 +44,13 @@ def stack():
 
 @pytest.fixture(scope="session")
 def greedy_oracle_stack():
-    s = _stack("--drafter", "oracle-greedy")
+    s = _stack("--drafter", "oracle-greedy", gateway_args=("--policy", "fixed"))  # every round drafts
     yield s
     s.stop()
 
 
 @pytest.fixture(scope="session")
 def wrong_oracle_stack():
-    s = _stack("--drafter", "oracle-wrong")
+    s = _stack("--drafter", "oracle-wrong", gateway_args=("--policy", "fixed"))
     yield s
     s.stop()

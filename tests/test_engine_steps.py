@@ -314,12 +314,37 @@ def test_padded_drafter_matches_exact(drafters, ckpt) -> None:
         ProposeInput("w", PROMPTS[2][1:] + [3], hidden(len(PROMPTS[2])), True, PROMPTS[2][:1], 20),
     ]
     _same_trees(exact.propose(mixed), padded.propose(mixed))
-    propose_keys = {k for k in keys if k[0] == "propose"}
-    assert {k[2] for k in propose_keys} >= {3, 4, 5} and ("propose", 1, 2) in propose_keys
-    assert all(k[1] == 4 for k in propose_keys if k != ("propose", 1, 2))  # batch of 3 padded to 4
-    assert ("expand", 4) in keys and ("expand", 2) in keys
+    propose_keys = {k for k in keys if k[0] == "propose"}  # ("propose", batch, new tokens, depth)
+    assert {k[2] for k in propose_keys} >= {3, 4, 5} and ("propose", 1, 2, 4) in propose_keys
+    assert all(k[1] == 4 for k in propose_keys if k != ("propose", 1, 2, 4))  # batch of 3 padded to 4
+    assert ("expand", 4, 4) in keys and ("expand", 2, 4) in keys
     for d in (exact, padded):
         assert d.release(ids + ["w"]) == 4
+
+
+def test_a_shallow_item_gets_the_tree_of_a_shallow_drafter(drafters, ckpt) -> None:
+    """max_depth 2 in a call that expands 4 levels keeps exactly the tree a 2-step drafter proposes
+    (deeper candidates are masked out of the selection); the graph runs at the depth bucket 2 when the
+    deepest item asks for 2."""
+    exact, padded = drafters
+    shallow = Eagle3Drafter(exact.head, exact.embed, DraftingConfig(top_k=4, steps=2, verify_tree_size=20), 4, 256, CPU)
+    width = 3 * ckpt.config.hidden_size
+    gen = torch.Generator().manual_seed(9)
+    h = [torch.randn(len(p), width, generator=gen) for p in PROMPTS[:2]]
+    start = [ProposeInput(s, p[1:] + [42], x, True, p[:1], 12) for s, p, x in zip("ab", PROMPTS, h)]
+    want = shallow.propose([start[0]])
+    mixed = [ProposeInput(**{**it.__dict__, "max_depth": d}) for it, d in zip(start, (2, 4))]
+    got = padded.propose(mixed)
+    _same_trees(want, got[:1])
+    _same_trees(exact.propose([start[1]]), got[1:])  # the deep item is untouched by its neighbour
+    assert int(depths(got[0].parents).max()) <= 2
+    keys = _count_runs(padded)
+    nxt = [ProposeInput("a", [5], torch.randn(1, width, generator=gen), False, [], 12, max_depth=2)]
+    _same_trees(shallow.propose([ProposeInput(**{**nxt[0].__dict__, "max_depth": 0})]), padded.propose(nxt))
+    assert ("propose", 1, 1, 2) in keys
+    with pytest.raises(InvalidRequest, match="max_depth"):
+        padded.propose([ProposeInput("a", [5], torch.randn(1, width), False, [], 12, max_depth=5)])
+    assert padded.release(["a", "b"]) == 2 and shallow.release(["a"]) == 1 and exact.release(["b"]) == 1
 
 
 def test_multi_step_decode_equals_single_steps(verifiers) -> None:
@@ -334,15 +359,31 @@ def test_multi_step_decode_equals_single_steps(verifiers) -> None:
     for _ in range(7):
         for w, t in zip(want, exact.decode(ids)):
             w.append(t)
-    assert padded.decode_steps(ids, 7) == want
+    assert padded.decode_steps(ids, 7).tokens == want
     assert [padded.seqs.get(s)[1].length for s in ids] == [exact.seqs.get(s)[1].length for s in ids]
     assert padded.decode(ids) == exact.decode(ids)  # the state after the chained steps is consistent
     padded.prefill(PrefillInput("m3", PROMPTS[0], SamplingConfig(temperature=0.7, seed=1)))
-    assert [len(t) for t in padded.decode_steps(["m0", "m3"], 5)] == [1, 1]
+    assert [len(t) for t in padded.decode_steps(["m0", "m3"], 5).tokens] == [1, 1]
     with pytest.raises(InvalidRequest, match="steps must be >= 1"):
         padded.decode_steps(["m0"], 0)
     exact.release(ids)
     padded.release(ids + ["m3"])
+
+
+def test_decode_features_equal_a_prefill_of_the_same_tokens(verifiers) -> None:
+    """with_hidden: row j of a sequence's features is the EAGLE feature of the token fed at step j (the
+    pending root, then each decoded token but the last), as a prefill of the whole context computes it;
+    so the draft can follow a sequence the policy decodes plainly."""
+    _, padded = verifiers
+    pre = padded.prefill(PrefillInput("f", PROMPTS[0], SamplingConfig()))
+    padded.prefill(PrefillInput("g", PROMPTS[1], SamplingConfig()))
+    out = padded.decode_steps(["f", "g"], 4, with_hidden=True)
+    assert out.hidden.shape == (2, 4, padded.model.cfg.hidden_size * 3)
+    fed = PROMPTS[0] + [pre.next_token] + out.tokens[0][:3]  # the context whose last 4 rows were decoded
+    ref = padded.prefill(PrefillInput("ref", fed, SamplingConfig())).hidden[-4:]
+    torch.testing.assert_close(out.hidden[0], ref, rtol=1e-4, atol=1e-4)
+    assert padded.decode_steps(["f"], 2).hidden is None
+    padded.release(["f", "g", "ref"])
 
 
 def test_tree_depth_and_bounded_ancestors() -> None:

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import asyncio
 
+import numpy as np
+
 from common.config import SamplingConfig
+from common.policy import PLAIN, CyclePolicy, Shape
 from services.gateway.clients import Batched, Prefilled, Verified
 from services.gateway.scheduler import ProposalPlan, Scheduler, SchedulerConfig
 from services.gateway.sequence import Generation, GenRequest
@@ -166,3 +169,115 @@ def test_two_groups_run_their_rounds_concurrently() -> None:
         for j in range(i + 1, len(log))
     )
     assert interleaved
+
+
+class FollowingDraft(FakeDraft):
+    """Checks every item it gets: each hidden row is the feature of the token before token_ids[i] (the
+    fakes below write the fed token's id as the row's value), so pending rows and plain rounds' rows
+    must line up with the tokens exactly."""
+
+    async def propose(self, items: list[pb.ProposeItem], owner: str = "") -> Batched:
+        for it in items:
+            rows = np.frombuffer(it.hidden.inline_data, dtype=np.float32)
+            assert list(it.hidden.shape) == [len(it.token_ids), 1], (it.seq_id, list(it.hidden.shape))
+            assert rows.tolist() == [t - 1 for t in it.token_ids], (it.seq_id, rows.tolist(), list(it.token_ids))
+            self.log.append(("tree", it.seq_id, it.max_depth, it.max_nodes))
+        return await super().propose(items, owner)
+
+
+def _rows(tokens: list[int]) -> pb.TensorRef:
+    """Inline features [n, 1]: the id of the token fed at each row (the one before each token)."""
+    data = np.asarray([t - 1 for t in tokens], dtype=np.float32)
+    return pb.TensorRef(shape=[len(tokens), 1], dtype="float32", inline_data=data.tobytes())
+
+
+class FollowingVerifier(FakeVerifier):
+    """FakeVerifier whose prefill, verify and decode return features (_rows), and plain decoding that
+    counts up from the sequence's last token."""
+
+    def __init__(self, log: list, accept: int) -> None:
+        super().__init__(log, accept)
+        self.last: dict[str, int] = {}
+
+    async def prefill(self, seq_id, token_ids, sampling, want_hidden, owner="") -> Prefilled:
+        self.last[seq_id] = token_ids[-1] + 1
+        return Prefilled(next_token=token_ids[-1] + 1, hidden=_rows(token_ids[1:] + [token_ids[-1] + 1]))
+
+    async def verify(self, items: list[tuple[str, pb.DraftTree]]) -> Batched:
+        out = await super().verify(items)
+        for (s, _), v in zip(items, out.results):
+            v.hidden.CopyFrom(_rows(v.tokens))
+            self.last[s] = v.tokens[-1]
+        return out
+
+    async def decode(self, seq_ids, steps=1, follow=None):
+        follow = follow or {}
+        self.log.append(("decode", list(seq_ids), dict(follow)))
+        resp = pb.DecodeResponse(compute_us=100)
+        for s in seq_ids:
+            tokens = list(range(self.last[s] + 1, self.last[s] + 1 + steps))
+            r = resp.results.add(seq_id=s, next_token=tokens[0], tokens=tokens)
+            if s in follow:
+                r.hidden.CopyFrom(_rows(tokens))
+            self.last[s] = tokens[-1]
+        return resp
+
+
+def test_policy_switching_between_plain_and_trees_keeps_the_draft_in_step() -> None:
+    """The cycle policy alternates plain rounds and trees: a plain round of a speculative sequence asks
+    for its features after the rows still pending (hidden_row), appends tokens and rows to the pending
+    item, and the next tree starts from all of them; every committed token is exact, and each tree is
+    drafted at the shape of its round."""
+
+    async def run():
+        log: list = []
+        policy = CyclePolicy([PLAIN, Shape(1, 3), Shape(2, 2)])
+        cfg = SchedulerConfig(max_active=4, tree_size=3, plain_steps=4)
+        sched = Scheduler(FollowingVerifier(log, 2), FollowingDraft(log), cfg, policy=policy)
+        sched.start()
+
+        async def one(first: int) -> list[int]:
+            req = GenRequest(prompt_ids=[first - 1, first], max_tokens=30, sampling=SamplingConfig(), ignore_eos=True)
+            gen = Generation(request=req, decoder=Decoder(), eos_token_id=EOS)
+            return [t for d in [d async for d in sched.generate(gen)] for t in d.token_ids]
+
+        outs = await asyncio.gather(one(100), one(200))
+        await sched.stop()
+        return outs, log, sched.choices
+
+    outs, log, choices = asyncio.run(run())
+    assert outs == [list(range(101, 131)), list(range(201, 231))]
+    decodes = [e for e in log if e[0] == "decode"]
+    assert decodes and all(e[2] for e in decodes)  # every plain round follows both sequences
+    # after the prefill the pending item holds the prompt's 2 rows; after a verify accepting 2, 3 rows
+    assert {rows for e in decodes for rows in e[2].values()} <= {2, 3}
+    trees = {(d, n) for e in log if e[0] == "tree" for d, n in [e[2:]]}
+    assert trees == {(1, 3), (2, 2)}
+    assert choices[PLAIN] >= 2 and choices[Shape(1, 3)] >= 2
+
+
+def test_pinned_trees_run_beside_the_policy() -> None:
+    """A request pinning its tree drafts that tree whatever the policy picks for the others (here always
+    plain): its rounds verify while the other request decodes plainly, both exact."""
+
+    async def run():
+        log: list = []
+        cfg = SchedulerConfig(max_active=4, tree_size=3, plain_steps=4)
+        sched = Scheduler(FollowingVerifier(log, 2), FollowingDraft(log), cfg, policy=CyclePolicy([PLAIN]))
+        sched.start()
+
+        async def one(first: int, pin: Shape | None) -> list[int]:
+            req = GenRequest(
+                prompt_ids=[first - 1, first], max_tokens=12, sampling=SamplingConfig(), ignore_eos=True, tree=pin
+            )
+            gen = Generation(request=req, decoder=Decoder(), eos_token_id=EOS)
+            return [t for d in [d async for d in sched.generate(gen)] for t in d.token_ids]
+
+        outs = await asyncio.gather(one(100, Shape(2, 3)), one(200, None))
+        await sched.stop()
+        return outs, log
+
+    outs, log = asyncio.run(run())
+    assert outs == [list(range(101, 113)), list(range(201, 213))]
+    assert {e[1:] for e in log if e[0] == "tree"} == {("gw-0", 2, 3)}
+    assert all(e[1] == ["gw-1"] for e in log if e[0] == "decode")

@@ -138,6 +138,10 @@ def test_online_overhead_is_what_the_engines_do_not_explain():
     assert model.round_seconds(1, CHAIN4) == pytest.approx(21 * MS)  # 18 + the same 3
     model.observe_step("verify", 1, 2, 21 * MS)  # the verifier got slower: EMA moves 10% toward it
     assert model.step("verify", 1, 2) == pytest.approx(12 * MS)
+    model.observe_step("verify", 1, 4, 24 * MS)  # 4 rows ran in the 5-row bucket
+    assert model.step("verify", 1, 5) == pytest.approx(15 * MS) and ("verify", 1, 4) not in model.engine
+    model.observe_step("verify", 2, 3, 30 * MS)  # batch 2 is past the measured: a bucket of its own
+    assert model.step("verify", 2, 3) == pytest.approx(30 * MS)
 
 
 def test_exploration_tries_close_runner_ups_only():
@@ -149,9 +153,11 @@ def test_exploration_tries_close_runner_ups_only():
     assert {far.choose(["a"], steps=1).shape for _ in range(50)} == {CHAIN1}
 
 
-def test_without_costs_the_largest_tree_runs_until_measured():
-    p = AdaptivePolicy(PolicyConfig(menu=(CHAIN1, CHAIN4)), CostModel())
+def test_without_draft_costs_the_largest_tree_runs_until_measured():
+    p = AdaptivePolicy(PolicyConfig(menu=(CHAIN1, CHAIN4)), CostModel([StepCost("decode", 1, 1, 0.01)]))
     assert p.choose(["a"], steps=8).shape == CHAIN4
+    p.observe_step("propose", 1, 4, 0.004)  # a prefired call's time: now 4x4 has a cost, 1x1 borrows it
+    assert p.costs.step("propose", 1, 1) == pytest.approx(0.004)
 
 
 def test_fixed_and_cycle_policies():

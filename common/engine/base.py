@@ -48,13 +48,32 @@ class VerifyOutput:
     hidden: torch.Tensor  # [num_accepted + 1, 3H] features of the root and each accepted node
 
 
+@dataclass(frozen=True)
+class Decoded:
+    """Plain decoding steps of a batch."""
+
+    tokens: list[list[int]]  # [B][steps] every sequence gets as many
+    hidden: torch.Tensor | None  # [B, steps, 3H] EAGLE features (hidden[i, j] produced tokens[i][j]), when asked
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """One engine step's measured time (see common.policy.StepCost, its torch-free twin on the wire)."""
+
+    kind: str  # "decode" | "verify" | "propose"
+    batch: int  # batch bucket
+    size: int  # 1 for decode, tree rows for verify, depth for propose
+    seconds: float
+
+
 class VerifierEngine(Protocol):
     info: EngineInfo
 
     def prefill(self, item: PrefillInput) -> PrefillOutput: ...
     def verify(self, items: list[VerifyInput]) -> list[VerifyOutput]: ...
     def decode(self, seq_ids: list[str]) -> list[int]: ...
-    def decode_steps(self, seq_ids: list[str], steps: int) -> list[list[int]]: ...
+    def decode_steps(self, seq_ids: list[str], steps: int, with_hidden: bool = False) -> Decoded: ...
+    def step_costs(self) -> list[StepTime]: ...
     def release(self, seq_ids: list[str]) -> int: ...
 
 
@@ -66,6 +85,7 @@ class ProposeInput:
     start: bool  # first call for this sequence
     context_prefix: list[int]  # tokens before the first pair (on start: the prompt's first token)
     max_nodes: int
+    max_depth: int = 0  # tree levels to draft; 0 = the drafter's steps
 
     @classmethod
     def after_prefill(
@@ -88,3 +108,4 @@ class Drafter(Protocol):
 
     def propose(self, items: list[ProposeInput]) -> list[Tree]: ...
     def release(self, seq_ids: list[str]) -> int: ...
+    def step_costs(self) -> list[StepTime]: ...

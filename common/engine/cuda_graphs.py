@@ -56,7 +56,8 @@ class GraphConfig:
     tree buckets count verifier rows (root + nodes) and are clipped to max_tree_nodes + 1 (added)."""
 
     batch_buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS
-    tree_buckets: tuple[int, ...] = (16, 32, 64)
+    tree_buckets: tuple[int, ...] = (4, 8, 16, 32, 64)
+    depth_buckets: tuple[int, ...] = (2, 4)  # the drafter's expansion depths (its steps are added)
     warmup_iters: int = 2
     capture: bool = True  # False: never capture (eager on the same static shapes; for debugging)
 
@@ -67,6 +68,8 @@ class GraphConfig:
             raise ValueError(f"batch_buckets has duplicates: {self.batch_buckets}")
         if not self.tree_buckets or any(t < 2 for t in self.tree_buckets):
             raise ValueError(f"tree_buckets must be row counts >= 2 (root + a node), got {self.tree_buckets}")
+        if not self.depth_buckets or any(d < 1 for d in self.depth_buckets):
+            raise ValueError(f"depth_buckets must be depths >= 1, got {self.depth_buckets}")
         if self.warmup_iters < 1:
             raise ValueError(f"warmup_iters must be >= 1, got {self.warmup_iters}")
 
@@ -199,6 +202,23 @@ class CudaGraphManager:
             return step(**fed)
         g.graph.replay()
         return g.outputs
+
+    def seconds(self, key: Hashable, step: Callable[..., Any], inputs: dict[str, torch.Tensor], reps: int = 3) -> float:
+        """Median seconds of one run of key on inputs (a replay, or the eager step), after one warm-up:
+        the engines' step costs that the gateway's speculation policy starts from."""
+        fed = self.feed(key, inputs)
+        times = []
+        for i in range(reps + 1):
+            if self.stream is not None:
+                self.stream.synchronize()
+            t0 = time.perf_counter()
+            with self.on_stream():
+                self.replay(key, step, fed)
+            if self.stream is not None:
+                self.stream.synchronize()
+            if i:
+                times.append(time.perf_counter() - t0)
+        return sorted(times)[len(times) // 2]
 
     @contextlib.contextmanager
     def on_stream(self) -> Iterator[None]:

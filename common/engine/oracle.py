@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from common.engine.base import ProposeInput
+from common.engine.base import ProposeInput, StepTime
 from common.errors import UnknownSequence
 from common.model.llama import Batch, KVCache, LlamaModel
 from common.slots import check_unique
@@ -32,6 +32,9 @@ class _OracleBase:
 
     def release(self, seq_ids: list[str]) -> int:
         return sum(self.context.pop(s, None) is not None for s in seq_ids)
+
+    def step_costs(self) -> list[StepTime]:
+        return []  # test oracles: nothing worth calibrating a policy on
 
     @torch.inference_mode()
     def greedy(self, tokens: list[int], steps: int) -> list[int]:
@@ -76,7 +79,7 @@ class _OracleBase:
             if ctx is None:
                 raise UnknownSequence(f"unknown sequence id {it.seq_id!r}")
             ctx.extend(it.token_ids)
-            trees.append(self.tree(self.greedy(ctx, self.steps), it.max_nodes))
+            trees.append(self.tree(self.greedy(ctx, min(self.steps, it.max_depth or self.steps)), it.max_nodes))
         return trees
 
     def tree(self, greedy: list[int], max_nodes: int) -> Tree:

@@ -26,7 +26,7 @@ import torch
 from common import validate
 from common.acceptance import Acceptance, accept_sampled, compaction_plan
 from common.config import LlamaConfig, SamplingConfig
-from common.engine.base import EngineInfo, PrefillInput, PrefillOutput, VerifyInput, VerifyOutput
+from common.engine.base import Decoded, EngineInfo, PrefillInput, PrefillOutput, StepTime, VerifyInput, VerifyOutput
 from common.engine.cuda_graphs import CudaGraphManager, GraphConfig, batch_buckets_for
 from common.errors import CapacityExhausted, InvalidRequest
 from common.model.llama import Batch, KVCache, LlamaModel
@@ -163,6 +163,18 @@ class VerifyStep:
     kept: torch.Tensor  # [B, T, 3H] EAGLE features of the root and the accepted nodes, in path order
     hidden: torch.Tensor  # [B, T, H] final hidden states (sampling sequences compute logits from them)
     aux: torch.Tensor  # [B, T, 3H] EAGLE features of every row
+
+
+@dataclass(frozen=True)
+class DecodeStep:
+    """Outputs of _decode_step (static buffers under a graph)."""
+
+    hidden: torch.Tensor  # [B, H] final hidden state
+    greedy: torch.Tensor  # [B] the greedy next token
+    aux: torch.Tensor  # [B, 3H] EAGLE features of the step's row
+
+
+CPU_CALIBRATION_ROWS = 16  # tree rows measured at start-up on a CPU (see Verifier.step_costs)
 
 
 class Verifier:
@@ -361,9 +373,8 @@ class Verifier:
         a[:, 2] = self.trash_slot
         return torch.from_numpy(a)
 
-    def _decode_step(self, packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """packed [B, 3]: pending token, committed length n, slot. Returns the final hidden [B, H] and the
-        greedy next tokens [B]."""
+    def _decode_step(self, packed: torch.Tensor) -> DecodeStep:
+        """packed [B, 3]: pending token, committed length n, slot."""
         n = packed[:, 1]
         batch = Batch(
             input_ids=packed[:, 0:1],
@@ -373,21 +384,23 @@ class Verifier:
             prefix_len=n,
             window=torch.ones_like(packed[:, :1, None], dtype=torch.bool),
         )
-        hidden = self.model(batch, self.cache).hidden[:, 0]
-        return hidden, self.model.greedy(hidden)
+        out = self.model(batch, self.cache)
+        hidden = out.hidden[:, 0]
+        return DecodeStep(hidden=hidden, greedy=self.model.greedy(hidden), aux=out.aux[:, 0])
 
     @torch.inference_mode()
     def decode(self, seq_ids: list[str]) -> list[int]:
         """One plain decoding step for each sequence: its next token."""
-        return [t[0] for t in self.decode_steps(seq_ids, 1)]
+        return [t[0] for t in self.decode_steps(seq_ids, 1).tokens]
 
     @torch.inference_mode()
-    def decode_steps(self, seq_ids: list[str], steps: int) -> list[list[int]]:
+    def decode_steps(self, seq_ids: list[str], steps: int, with_hidden: bool = False) -> Decoded:
         """Up to `steps` plain decoding steps for each sequence with one host synchronisation: the step
         writes its token and length back into its input block on the device, and the graph is replayed
         again. The caller applies stop rules to the tokens (steps past a stop are wasted, not wrong).
         Batches with a sampling sequence (host-side sampling) and sequences near the end of their context
-        take fewer steps; every sequence gets the same number of tokens."""
+        take fewer steps; every sequence gets the same number of tokens. with_hidden: also the EAGLE
+        features of every step (hidden[i, j] produced tokens[i][j]), for a draft that follows along."""
         if steps < 1:
             raise InvalidRequest(f"decode steps must be >= 1, got {steps}")
         check_unique(seq_ids)
@@ -408,24 +421,52 @@ class Verifier:
         with self.graphs.on_stream():
             fed = self.graphs.feed(key, {"packed": block})
             tokens = torch.empty(bb, steps, dtype=torch.long, device=self.device)  # [B, steps]
+            features = None
             for j in range(steps):
-                hidden, greedy = self.graphs.replay(key, self._decode_step, fed)
-                tokens[:, j] = greedy
+                step: DecodeStep = self.graphs.replay(key, self._decode_step, fed)
+                tokens[:, j] = step.greedy
+                if with_hidden:
+                    if features is None:  # [B, steps, 3H]
+                        features = step.aux.new_empty(bb, steps, step.aux.shape[-1])
+                    features[:, j] = step.aux
                 if j + 1 < steps:  # the next step's input: this token at the next position
-                    fed["packed"][:, 0] = greedy
+                    fed["packed"][:, 0] = step.greedy
                     fed["packed"][:, 1] += 1
             out = tokens[:b].cpu().numpy()
             result = []
             for i, (_, st) in enumerate(states):
                 if not st.sampling.greedy:  # steps == 1 here
-                    out[i, 0] = self._choose(self.model.logits(hidden[i]), st)
+                    out[i, 0] = self._choose(self.model.logits(step.hidden[i]), st)
                 st.length += steps
                 st.pending = int(out[i, -1])
                 result.append(out[i].tolist())
-            return result
+            return Decoded(tokens=result, hidden=features[:b] if features is not None else None)
 
     def release(self, seq_ids: list[str]) -> int:
         return sum(self.seqs.release(s) for s in seq_ids)
+
+    @torch.inference_mode()
+    def step_costs(self) -> list[StepTime]:
+        """Seconds of a decode step per batch bucket and of a (shallow) verify step per batch and tree
+        bucket, on all-padding blocks in the trash slot (no sequence is touched): graph replays on a GPU.
+        On a CPU, eager steps of batch 1 and trees up to CPU_CALIBRATION_ROWS rows only (they are slow;
+        the policy scales larger ones linearly and refines every size from the calls it sees)."""
+        cpu = self.device.type == "cpu"
+        reps = 1 if cpu else 3
+        out = []
+        shallow = functools.partial(self._verify_step, max_depth=SHALLOW_DEPTH)
+        for bb in self.batch_buckets[:1] if cpu else self.batch_buckets:
+            block = {"packed": self._decode_block(bb)}
+            t = self.graphs.seconds(("decode", bb), self._decode_step, block, reps)
+            out.append(StepTime("decode", bb, 1, t))
+            for tb in self.tree_buckets:
+                if cpu and tb > CPU_CALIBRATION_ROWS:
+                    break
+                block = {"packed": self._verify_block(bb, tb)}
+                out.append(
+                    StepTime("verify", bb, tb, self.graphs.seconds(("verify", bb, tb, True), shallow, block, reps))
+                )
+        return out
 
     # ---- helpers ----
     def _choose(self, logits: torch.Tensor, st: VerifierSeq) -> int:

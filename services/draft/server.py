@@ -46,6 +46,10 @@ class DraftServicer(pb_grpc.DraftServicer):
         self.mapped = MappedBuffers(device)
         self.runner = EngineRunner("draft")
         self.leases = SequenceLeases(lease_ttl, self.drafter.release, self.runner)
+        # the engine's step times, measured once before serving, for the gateway's speculation policy
+        self.step_costs = [
+            pb.StepCost(kind=c.kind, batch=c.batch, size=c.size, seconds=c.seconds) for c in drafter.step_costs()
+        ]
 
     async def Propose(self, request, context):
         return await self.runner.unary(context, self._owned_propose, request)
@@ -116,6 +120,7 @@ class DraftServicer(pb_grpc.DraftServicer):
             active_sequences=len(self.leases.table),
             draining=self.leases.draining,
             max_sequences=self.max_sequences,
+            step_costs=self.step_costs,
         )
 
     def _propose(self, request: pb.ProposeRequest) -> pb.ProposeResponse:
@@ -138,6 +143,7 @@ class DraftServicer(pb_grpc.DraftServicer):
                     start=it.start,
                     context_prefix=list(it.context_prefix),
                     max_nodes=min(it.max_nodes or self.drafting.verify_tree_size, self.drafting.verify_tree_size),
+                    max_depth=it.max_depth,
                 )
             )
         # bytes from the wire are checked; an IPC region is the verifier's own output in its own buffer (only

@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.model_path import default_model_path
+from common.policy import DEFAULT_MENU, Shape
 from services.gateway.health import HealthConfig
+from services.gateway.speculation import POLICIES
 from services.launch import common_arguments, parse_and_log, serve_forever, write_port_file
 
 log = logging.getLogger("services.gateway")
@@ -37,6 +39,9 @@ class GatewayConfig:
     drain_grace: float = 20.0  # seconds in-flight generations get after SIGTERM
     draft_timeout: float = 10.0  # a propose not answered within this falls back to plain decoding
     health: HealthConfig = field(default_factory=HealthConfig)
+    policy: str = "adaptive"  # speculation policy: adaptive (per round), fixed, cycle (tests)
+    tree: str = ""  # the fixed policy's tree, DEPTHxNODES ("" = the draft's own)
+    menu: str = ""  # the adaptive policy's trees, comma-separated DEPTHxNODES ("" = common.policy.DEFAULT_MENU)
 
     def __post_init__(self) -> None:
         if not self.address or not self.verifier:
@@ -51,6 +56,15 @@ class GatewayConfig:
             raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
         if self.drain_grace < 0 or self.draft_timeout <= 0:
             raise ValueError("drain_grace must be >= 0 and draft_timeout > 0")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        self.shapes()  # ValueError on a malformed tree or menu
+
+    def shapes(self) -> tuple[Shape | None, tuple[Shape, ...]]:
+        """The fixed tree (None: the draft's own) and the adaptive menu."""
+        tree = Shape.parse(self.tree) if self.tree else None
+        menu = tuple(Shape.parse(t) for t in self.menu.split(",")) if self.menu else DEFAULT_MENU
+        return tree, menu
 
 
 async def main(cfg: GatewayConfig, port_file: str | None) -> None:
@@ -62,6 +76,7 @@ async def main(cfg: GatewayConfig, port_file: str | None) -> None:
     from services.gateway.metrics import Metrics
     from services.gateway.scheduler import Scheduler, SchedulerConfig
     from services.gateway.server import GenerationServicer
+    from services.gateway.speculation import build_policy
     from services.gateway.watch import HealthMonitor, Leaseholder
     from specdec.v1 import generation_pb2_grpc
 
@@ -99,6 +114,9 @@ async def main(cfg: GatewayConfig, port_file: str | None) -> None:
         vinfo.max_sequences,
         f", draft {dinfo.max_sequences}" if dinfo and dinfo.max_sequences else "",
     )
+    tree, menu = cfg.shapes()
+    policy = build_policy(cfg.policy, vinfo, dinfo, menu, tree)
+    log.info("speculation policy: %s", policy.name)
     sched = Scheduler(
         verifier,
         draft,
@@ -112,6 +130,7 @@ async def main(cfg: GatewayConfig, port_file: str | None) -> None:
             draft_retry_s=cfg.health.draft_retry_s,
         ),
         metrics,
+        policy,
     )
     sched.start()
     servicer = GenerationServicer(sched, tok, vinfo, dinfo)
@@ -212,6 +231,15 @@ def cli() -> None:
         help="seconds without free capacity (every verifier slot held, none by us) before health says NOT_SERVING",
     )
     p.add_argument("--health-interval", type=float, default=0.5, help="seconds between probes of the services")
+    p.add_argument(
+        "--policy",
+        choices=POLICIES,
+        default="adaptive",
+        help="speculation policy: adaptive (tree or plain per round, from measured costs and acceptance), "
+        "fixed (--tree every round), cycle (every shape in turn, for tests)",
+    )
+    p.add_argument("--tree", default="", help="the fixed policy's tree, DEPTHxNODES (default: the draft's own)")
+    p.add_argument("--policy-menu", default="", help="trees the adaptive policy chooses from, e.g. 1x1,2x4,4x16,6x60")
     a = parse_and_log(p)
     cfg = GatewayConfig(
         address=a.addr,
@@ -230,6 +258,9 @@ def cli() -> None:
         drain_grace=a.drain_grace,
         draft_timeout=a.draft_timeout,
         health=HealthConfig(interval_s=a.health_interval, capacity_timeout_s=a.capacity_timeout),
+        policy=a.policy,
+        tree=a.tree,
+        menu=a.policy_menu,
     )
     asyncio.run(main(cfg, a.port_file))
 

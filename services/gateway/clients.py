@@ -202,11 +202,17 @@ class VerifierClient(_ServiceClient):
             [Verified(tokens=list(r.accepted_tokens), hidden=r.hidden) for r in resp.results], resp.compute_us / 1e6
         )
 
-    async def decode(self, seq_ids: list[str], steps: int = 1) -> list[list[int]]:
-        """Plain decoding: up to `steps` tokens per sequence in one call (every sequence gets as many)."""
-        req = pb.DecodeRequest(items=[pb.DecodeItem(seq_id=s) for s in seq_ids], steps=steps)
-        resp = await _call(self.stub.Decode, req, self.timeout)
-        return [list(r.tokens) or [r.next_token] for r in resp.results]
+    async def decode(
+        self, seq_ids: list[str], steps: int = 1, follow: dict[str, int] | None = None
+    ) -> pb.DecodeResponse:
+        """Plain decoding: up to `steps` tokens per sequence in one call (every sequence gets as many).
+        follow: {seq id: rows already pending in its hidden region} for sequences whose features the
+        draft needs (DecodeItem.want_hidden)."""
+        follow = follow or {}
+        req = pb.DecodeRequest(steps=steps)
+        for s in seq_ids:
+            req.items.add(seq_id=s, want_hidden=s in follow, hidden_row=follow.get(s, 0))
+        return await _call(self.stub.Decode, req, self.timeout)
 
     async def features(self, items: list[tuple[str, list[int]]]) -> list[pb.TensorRef]:
         """(seq id, tokens in its KV cache) -> hidden [num_cached, 3H] for each, recomputed."""

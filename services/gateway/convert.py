@@ -7,8 +7,10 @@ import math
 from common import validate
 from common.config import SamplingConfig
 from common.errors import InvalidRequest
+from common.policy import Shape
 from common.tokenizer import Tokenizer
 from services.gateway.sequence import Delta, Finish, GenRequest, SpecStats
+from services.gateway.speculation import check_tree
 from specdec.v1 import generation_pb2 as gpb
 
 DEFAULT_MAX_TOKENS = 256
@@ -54,7 +56,22 @@ def prompt_ids(req, tok: Tokenizer) -> list[int]:
     return ids
 
 
-def gen_request(req: gpb.GenerateRequest, tok: Tokenizer, max_context: int) -> GenRequest:
+def pinned_tree(req: gpb.GenerateRequest, dinfo) -> Shape | None:
+    """The request's pinned tree (GenerateRequest.tree), checked against the draft's; None when unset."""
+    if not req.HasField("tree"):
+        return None
+    try:
+        shape = Shape(req.tree.depth, req.tree.nodes)
+    except ValueError as e:
+        raise InvalidRequest(f"tree: {e}") from None
+    if shape.plain:
+        raise InvalidRequest("tree: depth 0 is no tree; for plain decoding set speculative to false")
+    check_tree(shape, dinfo)
+    return shape
+
+
+def gen_request(req: gpb.GenerateRequest, tok: Tokenizer, max_context: int, dinfo=None) -> GenRequest:
+    """The public request as the gateway's own; dinfo: the draft's DraftInfoResponse (None: no draft)."""
     ids = prompt_ids(req, tok)
     if len(ids) >= max_context:
         raise InvalidRequest(
@@ -97,6 +114,7 @@ def gen_request(req: gpb.GenerateRequest, tok: Tokenizer, max_context: int) -> G
         stop_token_ids=frozenset(req.stop_token_ids),
         ignore_eos=req.ignore_eos,
         speculative=req.speculative if req.HasField("speculative") else True,
+        tree=pinned_tree(req, dinfo),
     )
 
 

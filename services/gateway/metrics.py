@@ -71,6 +71,21 @@ class Metrics:
         self.round_seconds = Histogram(
             "specdec_round_seconds", "One batched round, wall time", ["phase"], registry=r, buckets=LATENCY_BUCKETS
         )
+        self.tree_nodes = Histogram(
+            "specdec_policy_tree_nodes",
+            "Tree nodes verified per group round, as the speculation policy chose (0: a round without a draft)",
+            registry=r,
+            buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128),
+        )
+        self.tree_depth = Histogram(
+            "specdec_policy_tree_depth",
+            "Draft depth per group round, as the speculation policy chose (0: a round without a draft)",
+            registry=r,
+            buckets=(0, 1, 2, 3, 4, 5, 6, 8, 12, 16),
+        )
+        self.plain_rounds = Counter(
+            "specdec_policy_plain_rounds", "Group rounds of speculative requests decoded without a draft", registry=r
+        )
         self.max_depth = max_depth
         # Label children resolved once, on first use (labels() takes a lock and hashes on every call,
         # and these run every round); created lazily so the exposition is as before.
@@ -87,6 +102,12 @@ class Metrics:
 
     def serve(self, port: int, addr: str) -> None:
         start_http_server(port, addr=addr, registry=self.registry)
+
+    def round_shape(self, depth: int, nodes: int) -> None:
+        self.tree_nodes.observe(nodes)
+        self.tree_depth.observe(depth)
+        if depth == 0:
+            self.plain_rounds.inc()
 
     def accepted(self, n: int) -> None:
         self.accepted_tokens.inc(n)

@@ -17,6 +17,11 @@ draft works. The next round uses those trees for the sequences still active (one
 dropped: its tree is wasted work, never a wrong token) and proposes separately for sequences that joined
 or catch up (ProposalPlan). The draft's copy of a finished sequence is released only after the prefired
 call that names it has returned.
+
+Speculation policy (common/policy.py): each group round has a shape, chosen when its trees are prefired
+(or at the round's start when nothing was): a tree (depth, nodes) or plain decoding. A request may pin
+its own tree. Speculative sequences in a plain round bring their features back from the verifier, so
+the draft stays in step without a catch-up (services/gateway/speculation.py).
 """
 
 from __future__ import annotations
@@ -29,11 +34,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from common.errors import CapacityExhausted, PeerUnavailable
+from common.policy import PLAIN, FixedPolicy, Policy, Shape
 from common.rounds import start_shift
 from services.gateway.clients import DraftClient, VerifierClient
 from services.gateway.health import DraftLink
 from services.gateway.metrics import Metrics
 from services.gateway.sequence import Delta, Finish, Generation
+from services.gateway.speculation import append_plain_round
 from specdec.v1 import internal_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -46,6 +53,7 @@ class Active:
     out: asyncio.Queue  # Delta items, then None; or an exception
     speculative: bool = False  # the request wants speculation and a draft is configured
     group: int = 0  # the round group it runs in (SchedulerConfig.groups)
+    pin: Shape | None = None  # the request's own tree (the policy off for it)
     next_propose: pb.ProposeItem | None = None  # the draft's input for the next round; None: plain (or lost)
     started: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
@@ -103,15 +111,23 @@ class SchedulerConfig:
 
 class Scheduler:
     def __init__(
-        self, verifier: VerifierClient, draft: DraftClient | None, cfg: SchedulerConfig, metrics: Metrics | None = None
+        self,
+        verifier: VerifierClient,
+        draft: DraftClient | None,
+        cfg: SchedulerConfig,
+        metrics: Metrics | None = None,
+        policy: Policy | None = None,
     ) -> None:
         self.verifier, self.draft, self.cfg = verifier, draft, cfg
         self.metrics = metrics or Metrics()
+        self.policy = policy or FixedPolicy(Shape(1, cfg.tree_size))
+        self.choices: dict[Shape, int] = {}  # group rounds per round shape (plain: no draft), since start
         self.waiting: dict[str, Active] = {}  # seq id -> queued request, oldest first
         self.active: list[Active] = []
         self.draft_link = DraftLink(cfg.draft_retry_s)
         self.draining = False
         self._prefired: dict[int, Prefired] = {}  # per group: the draft working on its next round (see Overlap)
+        self._decided: dict[int, Shape] = {}  # per group: the next round's shape, chosen at the prefire
         self._wake = asyncio.Event()
         self._ids = itertools.count()
         self._task: asyncio.Task | None = None
@@ -155,6 +171,7 @@ class Scheduler:
             gen=gen,
             out=asyncio.Queue(),
             speculative=gen.request.speculative and self.draft is not None,
+            pin=gen.request.tree,
         )
         self.waiting[a.seq_id] = a
         self._wake.set()
@@ -187,8 +204,10 @@ class Scheduler:
         group's verification while another's draft proposes, so that neither service waits for the other."""
         t0 = time.perf_counter()
         prefired = self._prefired.pop(group, None)  # the draft's trees started last round, or None
-        spec = [a for a in members if a.next_propose is not None]
-        proposed = await self._proposals(spec, prefired)  # propose
+        decided = self._decided.pop(group, None)  # chosen when the last round's trees were prefired
+        shape = decided if decided is not None else self._choose(members)  # the policy's
+        spec = [a for a in members if a.next_propose is not None and not self._tree(a, shape).plain]
+        proposed = await self._proposals(spec, prefired, shape)  # propose
         if proposed is None:  # the draft is down or failed: this round is plain decoding for all
             spec = []
         plain = [a for a in members if a not in spec]
@@ -198,28 +217,61 @@ class Scheduler:
             verified = await self.verifier.verify([(a.seq_id, trees[a.seq_id]) for a in spec])  # verify
             t2 = time.perf_counter()
             for a, r in zip(spec, verified.results):
-                a.next_propose = pb.ProposeItem(
-                    seq_id=a.seq_id, token_ids=r.tokens, hidden=r.hidden, max_nodes=self.cfg.tree_size
-                )
+                a.next_propose = pb.ProposeItem(seq_id=a.seq_id, token_ids=r.tokens, hidden=r.hidden)
             self._prefire(group, spec)  # the draft starts on the next round while we commit and stream
             for a, r in zip(spec, verified.results):
                 self._count_round(a, len(trees[a.seq_id].token_ids), len(r.tokens) - 1)
+                self.policy.observe(a.seq_id, self._tree(a, shape), len(r.tokens) - 1)
                 self._emit(a, a.gen.commit(r.tokens))  # commit, stream
             self._time_round(t0, t1, t2, draft_s, verified.compute_s)
-        if plain:  # several tokens per call; commit cuts at a stop (steps past it are wasted, not wrong)
-            left = max(a.gen.request.max_tokens - len(a.gen.token_ids) for a in plain)
-            steps = max(1, min(self.cfg.plain_steps, left))
-            for a, tokens in zip(plain, await self.verifier.decode([a.seq_id for a in plain], steps)):
-                self._emit(a, a.gen.commit(tokens))
+            self.policy.observe_round(len(spec), self._round_shape(spec, shape), t2 - t0, 1)
+        if plain:
+            await self._plain_round(plain)
+        if any(a.speculative for a in members):
+            self._count_choice(self._round_shape(spec, shape) if spec else PLAIN)
         await self._retire()
 
+    async def _plain_round(self, plain: list[Active]) -> None:
+        """Several tokens per call; commit cuts at a stop (steps past it are wasted, not wrong). Speculative
+        sequences bring their features back for the draft (see services/gateway/speculation.py)."""
+        left = max(a.gen.request.max_tokens - len(a.gen.token_ids) for a in plain)
+        steps = max(1, min(self.cfg.plain_steps, left))
+        follow = {a.seq_id: len(a.next_propose.token_ids) for a in plain if a.next_propose is not None}
+        t0 = time.perf_counter()
+        decoded = await self.verifier.decode([a.seq_id for a in plain], steps, follow)
+        self.policy.observe_round(len(plain), PLAIN, time.perf_counter() - t0, steps)
+        self.policy.observe_step("decode", len(plain), 1, decoded.compute_us / 1e6 / steps)
+        for a, r in zip(plain, decoded.results):
+            if a.seq_id in follow:
+                append_plain_round(a.next_propose, r.tokens, r.hidden)
+            self._emit(a, a.gen.commit(list(r.tokens)))
+
+    def _tree(self, a: Active, shape: Shape) -> Shape:
+        """The tree a sequence drafts in a round of `shape`: its pinned one, else the round's."""
+        return a.pin if a.pin is not None else shape
+
+    def _round_shape(self, spec: list[Active], shape: Shape) -> Shape:
+        """What a round of these sequences drafts and verifies: the deepest depth, the most nodes."""
+        trees = [self._tree(a, shape) for a in spec]
+        return Shape(max(t.depth for t in trees), max(t.nodes for t in trees))
+
+    def _choose(self, members: list[Active]) -> Shape:
+        """The policy's shape for the speculative members without a pinned tree (PLAIN when none)."""
+        ids = [a.seq_id for a in members if a.next_propose is not None and a.pin is None]
+        return self.policy.choose(ids, self.cfg.plain_steps).shape if ids else PLAIN
+
     def _prefire(self, group: int, spec: list[Active]) -> None:
-        if self.draft is not None and spec:
-            task = asyncio.get_running_loop().create_task(self._propose(spec))
-            self._prefired[group] = Prefired(seq_ids=[a.seq_id for a in spec], task=task)
+        """Choose the group's next round shape now and start its trees (none when it is plain)."""
+        if self.draft is None or not spec:
+            return
+        shape = self._decided[group] = self._choose(spec)
+        drafting = [a for a in spec if not self._tree(a, shape).plain]
+        if drafting:
+            task = asyncio.get_running_loop().create_task(self._propose(drafting, shape))
+            self._prefired[group] = Prefired(seq_ids=[a.seq_id for a in drafting], task=task)
 
     async def _proposals(
-        self, spec: list[Active], prefired: Prefired | None
+        self, spec: list[Active], prefired: Prefired | None, shape: Shape
     ) -> tuple[dict[str, pb.DraftTree], float] | None:
         """The round's tree for every sequence in spec ({seq_id: tree}) and the draft's engine seconds, from
         the prefired call and, for what it does not cover, a call now (ProposalPlan); None when the draft
@@ -234,21 +286,26 @@ class Scheduler:
             trees.update((s, t) for s, t in zip(prefired.seq_ids, done.results) if s in use)
             draft_s += done.compute_s
             self.metrics.prefired_dropped.inc(len(plan.dropped))
+            depth = self._round_shape([a for a in spec if a.seq_id in use] or spec, shape).depth
+            self.policy.observe_step("propose", len(prefired.seq_ids), depth, done.compute_s)
             ids = plan.extra
         if ids:
             wanted = set(ids)
-            proposed = await self._propose([a for a in spec if a.seq_id in wanted])
+            proposed = await self._propose([a for a in spec if a.seq_id in wanted], shape)
             if proposed is None:
                 return None
             trees.update(zip(ids, proposed.results))
             draft_s += proposed.compute_s
         return (trees, draft_s) if spec else None
 
-    async def _propose(self, spec: list[Active]):
-        """The draft's trees for `spec`, or None when it failed: then its state of them is forgotten
-        (they catch up later) and nobody's request fails for it."""
+    async def _propose(self, spec: list[Active], shape: Shape):
+        """The draft's trees for `spec` in a round of `shape`, or None when it failed: then its state of
+        them is forgotten (they catch up later) and nobody's request fails for it."""
         if not spec:
             return None
+        for a in spec:
+            tree = self._tree(a, shape)
+            a.next_propose.max_nodes, a.next_propose.max_depth = tree.nodes, tree.depth
         try:
             proposed = await self.draft.propose([a.next_propose for a in spec], owner=self.cfg.instance_id)
         except asyncio.CancelledError:
@@ -291,7 +348,6 @@ class Scheduler:
                 hidden=h,
                 start=True,
                 context_prefix=prefix,
-                max_nodes=self.cfg.tree_size,
             )
         log.info("the draft catches up on %d sequence(s)", len(lost))
 
@@ -302,6 +358,10 @@ class Scheduler:
         self.metrics.drafts.inc()
         self.metrics.draft_tokens.inc(drafted)
         self.metrics.accepted(accepted)
+
+    def _count_choice(self, shape: Shape) -> None:
+        self.choices[shape] = self.choices.get(shape, 0) + 1
+        self.metrics.round_shape(shape.depth, shape.nodes)
 
     def _time_round(self, t0: float, t1: float, t2: float, draft_s: float, verify_s: float) -> None:
         """Round breakdown: engine time in each service, RPC (call wall minus engine time), and the
@@ -343,7 +403,6 @@ class Scheduler:
                 hidden=pre.hidden,
                 start=True,
                 context_prefix=prefix,
-                max_nodes=self.cfg.tree_size,
             )
         self._emit(a, a.gen.commit([pre.next_token]))
 
@@ -372,6 +431,8 @@ class Scheduler:
 
     async def _release(self, done: list[Active]) -> None:
         ids = [a.seq_id for a in done]
+        for s in ids:
+            self.policy.forget(s)
         calls = [self.verifier.release(ids)]  # at once: the slot serves the next request
         if self.draft is not None:
             calls.append(self._release_on_draft(ids))

@@ -7,6 +7,7 @@ import enum
 from dataclasses import dataclass, field
 
 from common.config import SamplingConfig
+from common.policy import Shape
 from common.tokenizer import IncrementalDecoder
 
 
@@ -28,6 +29,7 @@ class GenRequest:
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
     speculative: bool = True
+    tree: Shape | None = None  # a pinned tree for every round (None: the gateway's policy chooses)
 
 
 @dataclass(frozen=True)

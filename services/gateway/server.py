@@ -47,7 +47,7 @@ class GenerationServicer(gpb_grpc.GenerationServicer):
         return await asyncio.get_running_loop().run_in_executor(self._tokenizing, fn, *args)
 
     async def _run(self, request: gpb.GenerateRequest) -> tuple[Generation, AsyncIterator[Delta]]:
-        req = await self._off_loop(convert.gen_request, request, self.tok, self.vinfo.max_context)
+        req = await self._off_loop(convert.gen_request, request, self.tok, self.vinfo.max_context, self.dinfo)
         gen = Generation(request=req, decoder=IncrementalDecoder(self.tok), eos_token_id=self.tok.eos_token_id)
         return gen, self.scheduler.generate(gen)
 
@@ -104,6 +104,11 @@ class GenerationServicer(gpb_grpc.GenerationServicer):
             dtype=self.vinfo.dtype,
             device=self.vinfo.device,
             speculation_degraded=self.scheduler.speculation_degraded,
+            speculation_policy=self.scheduler.policy.name,
+            policy_choices=[
+                gpb.PolicyChoice(tree=gpb.TreeShape(depth=s.depth, nodes=s.nodes), rounds=n)
+                for s, n in sorted(self.scheduler.choices.items())
+            ],
         )
 
     def close(self) -> None:

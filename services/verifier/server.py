@@ -59,6 +59,10 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self.runner = EngineRunner("verifier")
         self.leases = SequenceLeases(lease_ttl, self._release_ids, self.runner)
         self._spare_id = f"~features-{uuid.uuid4().hex}"  # no client can name it
+        # the engine's step times, measured once before serving, for the gateway's speculation policy
+        self.step_costs = [
+            pb.StepCost(kind=c.kind, batch=c.batch, size=c.size, seconds=c.seconds) for c in engine.step_costs()
+        ]
 
     async def Prefill(self, request, context):
         return await self.runner.unary(context, self._admit_prefill, request)
@@ -100,6 +104,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             gpu_uuid=self.gpu_uuid,
             active_sequences=len(self.leases.table),
             draining=self.leases.draining,
+            step_costs=self.step_costs,
         )
 
     # ---- ownership (on the event loop), then the engine call (on the engine thread) ----
@@ -139,12 +144,13 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         return await self.runner.run(self._features, request)
 
     # ---- conversion + engine calls (run on the engine thread) ----
-    def _hidden(self, seq_id: str, hidden: torch.Tensor, msg: pb.TensorRef) -> None:
-        """Hidden states out: a reference into the exported buffer when the draft mapped it, else bytes."""
+    def _hidden(self, seq_id: str, hidden: torch.Tensor, msg: pb.TensorRef, row: int = 0) -> None:
+        """Hidden states out: a reference into the exported buffer when the draft mapped it (written from
+        row `row` of the sequence's region on), else bytes."""
         if self.export is None:
             encode_inline(hidden, msg)
             return
-        offset, writes = self.export.write(seq_id, hidden)
+        offset, writes = self.export.write(seq_id, hidden, row)
         encode_ipc(hidden, msg, self.export.exported.buffer_id, offset, writes)
 
     def _export_hidden(self, request: pb.ExportRequest) -> pb.IpcBuffer:
@@ -237,7 +243,12 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         if not 0 <= request.steps <= MAX_DECODE_STEPS:
             raise InvalidRequest(f"decode steps must be in [0, {MAX_DECODE_STEPS}], got {request.steps}")
         ids = [it.seq_id for it in request.items]
-        tokens = self.engine.decode_steps(ids, max(request.steps, 1))
-        return pb.DecodeResponse(
-            results=[pb.DecodeResult(seq_id=s, next_token=t[0], tokens=t) for s, t in zip(ids, tokens)]
-        )
+        t0 = time.perf_counter()
+        want = any(it.want_hidden for it in request.items)
+        out = self.engine.decode_steps(ids, max(request.steps, 1), with_hidden=want)
+        resp = pb.DecodeResponse(compute_us=int((time.perf_counter() - t0) * 1e6))
+        for i, (it, tokens) in enumerate(zip(request.items, out.tokens)):
+            r = resp.results.add(seq_id=it.seq_id, next_token=tokens[0], tokens=tokens)
+            if it.want_hidden:
+                self._hidden(it.seq_id, out.hidden[i], r.hidden, it.hidden_row)
+        return resp
