@@ -36,15 +36,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-async def one_request(
-    stub, text: str, max_new: int, t_start: float, speculative: bool = True
-) -> tuple[RequestTrace, gpb.GenerateResponse]:
+def request_for(text: str, max_new: int, mode: str = "spec") -> gpb.GenerateRequest:
+    """mode: "spec" (the gateway's speculation policy), "plain", or "tree:DxN" (a pinned tree)."""
     req = gpb.GenerateRequest(
         messages=[gpb.ChatMessage(role="user", content=text)],
         max_tokens=max_new,
         ignore_eos=True,
-        speculative=speculative,
+        speculative=mode != "plain",
     )
+    if mode.startswith("tree:"):
+        req.tree.depth, req.tree.nodes = (int(x) for x in mode[5:].split("x"))
+    return req
+
+
+async def one_request(
+    stub, text: str, max_new: int, t_start: float, mode: str = "spec"
+) -> tuple[RequestTrace, gpb.GenerateResponse]:
+    req = request_for(text, max_new, mode)
     tr = RequestTrace(arrival=t_start)
     last = None
     async for msg in stub.Generate(req):
@@ -55,7 +63,7 @@ async def one_request(
     return tr, last
 
 
-async def closed_loop(addr: str, prompts: list[str], max_new: int, concurrency: int, speculative: bool = True):
+async def closed_loop(addr: str, prompts: list[str], max_new: int, concurrency: int, mode: str = "spec"):
     """`concurrency` workers each send one request at a time until the prompts are used up."""
     async with grpc.aio.insecure_channel(addr) as ch:
         stub = gpb_grpc.GenerationStub(ch)
@@ -65,7 +73,7 @@ async def closed_loop(addr: str, prompts: list[str], max_new: int, concurrency: 
         async def worker():
             while queue:
                 text = queue.pop(0)
-                tr, fin = await one_request(stub, text, max_new, time.perf_counter(), speculative)
+                tr, fin = await one_request(stub, text, max_new, time.perf_counter(), mode)
                 traces.append(tr)
                 finals.append(fin)
 
@@ -122,21 +130,23 @@ def run(args) -> list[RunResult]:
             str(max(args.concurrency)),
             "--round-groups",
             str(args.round_groups),
+            "--policy",
+            args.policy,
         ] + ([] if ipc else ["--no-ipc"])
         with Stack(common_args=common, draft_args=draft, gateway_args=gw) as stack:
             gw_log = (stack.log_dir / "gateway.log").read_text()
             mode = "ipc" if "CUDA IPC" in gw_log.split("hidden states between")[-1][:40] else "inline"
             asyncio.run(closed_loop(stack.gateway, prompts[:2], 16, 1))  # warm-up
-            for c, speculative in [(c, m) for c in args.concurrency for m in args.spec_modes]:
+            for c, m in [(c, m) for c in args.concurrency for m in args.spec_modes]:
                 n = max(len(prompts), args.requests_per_worker * c)  # every worker busy for the whole run
                 load = [prompts[i % len(prompts)] for i in range(n)]
                 before = scrape_rounds(mport)
-                traces, finals, wall = asyncio.run(
-                    closed_loop(stack.gateway, load, args.max_new_tokens, c, speculative)
-                )
+                traces, finals, wall = asyncio.run(closed_loop(stack.gateway, load, args.max_new_tokens, c, m))
+                speculative = m != "plain"
                 rounds = sum(f.speculation.rounds for f in finals)
                 after = scrape_rounds(mport)
-                r = summarize(f"services-{mode}" + ("" if speculative else "-plain"), c, traces, wall, rounds=rounds)
+                suffix = {"spec": "", "plain": "-plain"}.get(m, "-" + m.replace(":", "-"))
+                r = summarize(f"services-{mode}{suffix}", c, traces, wall, rounds=rounds)
                 round_tokens = sum(f.usage.completion_tokens - 1 for f in finals)
                 r.acceptance_length = round_tokens / max(rounds, 1) if speculative else None
                 phase = per_round(before, after)
@@ -172,13 +182,18 @@ def parse_args(argv=None):
     p.add_argument("--tree-size", type=int, default=60)
     p.add_argument("--ipc", default="on,off", help="comma list: on (IPC when colocated), off (inline bytes)")
     p.add_argument("--round-groups", type=int, default=1, help="the gateway's --round-groups")
-    p.add_argument("--modes", default="spec", help="comma list: spec (speculative requests), plain")
+    p.add_argument(
+        "--modes",
+        default="spec",
+        help="comma list: spec (speculative requests, the gateway's policy), plain, tree:DxN (a pinned tree)",
+    )
+    p.add_argument("--policy", default="adaptive", help="the gateway's --policy")
     p.add_argument("--requests-per-worker", type=int, default=2, help="requests = max(prompts, this x concurrency)")
     p.add_argument("--out", default="bench_out")
     a = p.parse_args(argv)
     a.concurrency = [int(c) for c in a.concurrency.split(",")]
     a.ipc_modes = [m == "on" for m in a.ipc.split(",")]
-    a.spec_modes = [m == "spec" for m in a.modes.split(",")]
+    a.spec_modes = a.modes.split(",")
     return a
 
 

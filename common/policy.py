@@ -89,13 +89,17 @@ class StepCost:
 
 
 class Ema:
-    """Exponential moving average; `weight` of the newest sample (the first sample is taken whole)."""
+    """Moving average: the mean of the first samples, then exponential with `weight` for the newest.
+    A start value counts as one sample: [prior 10, then 20, 20] -> 15, 16.7 (weight 0.1: 1/2, 1/3 > 0.1)."""
 
     def __init__(self, weight: float, value: float | None = None) -> None:
         self.weight, self.value = weight, value
+        self.count = 0 if value is None else 1
 
     def add(self, x: float) -> None:
-        self.value = x if self.value is None else self.value + self.weight * (x - self.value)
+        self.count += 1
+        w = max(self.weight, 1 / self.count)
+        self.value = x if self.value is None else self.value + w * (x - self.value)
 
 
 class CostModel:

@@ -77,9 +77,10 @@ def test_shipped_head_acceptance_guard(stack):
     from specdec.v1 import generation_pb2 as gpb
 
     rows = [json.loads(line) for line in (Path(__file__).parent / "data" / "heldout_sharegpt.jsonl").open()]
-    out = complete_many(
-        stack.gateway, [gpb.GenerateRequest(prompt_token_ids=r["prompt_ids"], max_tokens=96) for r in rows]
-    )
+    reqs = [gpb.GenerateRequest(prompt_token_ids=r["prompt_ids"], max_tokens=96) for r in rows]
+    for r in reqs:  # the head's own tree every round, whatever the policy would pick on this machine
+        r.tree.depth, r.tree.nodes = 6, 60
+    out = complete_many(stack.gateway, reqs)
     round_tokens = sum(len(r.token_ids) - 1 for r in out)
     rounds = sum(r.speculation.rounds for r in out)
     assert rounds > 0
@@ -101,3 +102,28 @@ def test_two_round_groups_equal_plain_greedy():
     for p, a, b in zip(prompts, spec, plain):
         assert list(a.token_ids) == list(b.token_ids), p
         assert a.speculation.rounds > 0
+
+
+def test_policy_switching_shapes_every_round_equals_plain_greedy():
+    """--policy cycle: each round of a group has the next shape of plain, 1x1, 2x4, 3x8 and 6x60, so the
+    draft's depth, the verified tree and plain decoding (whose features keep the draft in step) change
+    every round; every output still equals plain greedy decoding, through the three processes."""
+    import grpc
+
+    from services.stack import Stack
+    from specdec.v1 import generation_pb2 as gpb
+    from specdec.v1 import generation_pb2_grpc as gpb_grpc
+    from tests.conftest import COMMON
+
+    prompts = CHAT_PROMPTS[:3]
+    args = ["--policy", "cycle", "--policy-menu", "1x1,2x4,3x8", "--plain-steps", "3"]
+    with Stack(common_args=COMMON, gateway_args=args) as s:
+        spec, plain = speculative_vs_plain(s.gateway, prompts, 40)
+        with grpc.insecure_channel(s.gateway) as ch:
+            info = gpb_grpc.GenerationStub(ch).GetModelInfo(gpb.ModelInfoRequest(), timeout=10)
+    for p, a, b in zip(prompts, spec, plain):
+        assert list(a.token_ids) == list(b.token_ids), p
+        assert a.speculation.rounds > 0
+    assert info.speculation_policy == "cycle"
+    chosen = {(c.tree.depth, c.tree.nodes): c.rounds for c in info.policy_choices}
+    assert {(0, 0), (1, 1), (2, 4), (3, 8), (6, 60)} <= set(chosen), chosen

@@ -178,7 +178,7 @@ class Eagle3Drafter:
             for depth in self.depth_buckets:
                 inputs = {"packed": self._accept_block(bb, 2), "hidden": self._hidden_block(bb, 2)}
                 step = functools.partial(self._propose_step, depth=depth)
-                t = self.graphs.seconds(("propose", bb, 2, depth), step, inputs, 1 if cpu else 3)
+                t = self.graphs.seconds(("propose", bb, 2, depth), step, inputs)
                 out.append(StepTime("propose", bb, depth, t))
         return out
 

@@ -452,20 +452,17 @@ class Verifier:
         On a CPU, eager steps of batch 1 and trees up to CPU_CALIBRATION_ROWS rows only (they are slow;
         the policy scales larger ones linearly and refines every size from the calls it sees)."""
         cpu = self.device.type == "cpu"
-        reps = 1 if cpu else 3
         out = []
         shallow = functools.partial(self._verify_step, max_depth=SHALLOW_DEPTH)
         for bb in self.batch_buckets[:1] if cpu else self.batch_buckets:
             block = {"packed": self._decode_block(bb)}
-            t = self.graphs.seconds(("decode", bb), self._decode_step, block, reps)
+            t = self.graphs.seconds(("decode", bb), self._decode_step, block)
             out.append(StepTime("decode", bb, 1, t))
             for tb in self.tree_buckets:
                 if cpu and tb > CPU_CALIBRATION_ROWS:
                     break
                 block = {"packed": self._verify_block(bb, tb)}
-                out.append(
-                    StepTime("verify", bb, tb, self.graphs.seconds(("verify", bb, tb, True), shallow, block, reps))
-                )
+                out.append(StepTime("verify", bb, tb, self.graphs.seconds(("verify", bb, tb, True), shallow, block)))
         return out
 
     # ---- helpers ----

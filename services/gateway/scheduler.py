@@ -286,8 +286,9 @@ class Scheduler:
             trees.update((s, t) for s, t in zip(prefired.seq_ids, done.results) if s in use)
             draft_s += done.compute_s
             self.metrics.prefired_dropped.inc(len(plan.dropped))
-            depth = self._round_shape([a for a in spec if a.seq_id in use] or spec, shape).depth
-            self.policy.observe_step("propose", len(prefired.seq_ids), depth, done.compute_s)
+            if use:
+                depth = self._round_shape([a for a in spec if a.seq_id in use], shape).depth
+                self.policy.observe_step("propose", len(prefired.seq_ids), depth, done.compute_s)
             ids = plan.extra
         if ids:
             wanted = set(ids)

@@ -65,7 +65,8 @@ def test_capture_succeeds(f32) -> None:
     # every bucket has its graph: verify (deep and shallow trees) per batch x tree bucket, decode per batch
     # bucket; the drafter's proposal per batch bucket x new-token count 1..steps + 1, and its expansion
     assert len(verifier.graphs.report.captured) == len(verifier.batch_buckets) * (2 * len(verifier.tree_buckets) + 1)
-    assert len(drafter.graphs.report.captured) == len(drafter.batch_buckets) * (drafter.max_new + 1)
+    per_depth = drafter.max_new + 1  # a propose graph per count of new tokens, and the expansion
+    assert len(drafter.graphs.report.captured) == len(drafter.batch_buckets) * len(drafter.depth_buckets) * per_depth
 
 
 def test_capture_succeeds_bf16(ckpt) -> None:
@@ -110,7 +111,9 @@ def test_outputs_equal_eager(ckpt, f32, prompts, monkeypatch) -> None:
         for w, g in zip(want, got):
             assert w.tokens == g.tokens
             torch.testing.assert_close(g.hidden, w.hidden, rtol=1e-3, atol=1e-3)
-        items = [ProposeInput(s, w.tokens, w.hidden, False, [], 60) for s, w in zip(ids, want)]
+        # later rounds mix depths: a shallow item in a deeper graph, and a round of depth bucket 2 or 4
+        depths = [(0, 2, 3), (2, 2, 1), (4, 0, 3)][rnd % 3]
+        items = [ProposeInput(s, w.tokens, w.hidden, False, [], 60, max_depth=d) for s, w, d in zip(ids, want, depths)]
     for sub in (ids, ids[:1]):
         assert ev.decode(sub) == gv.decode(sub)
     for eng in (ev, gv, ed, gd, oracle):
