@@ -82,6 +82,13 @@ async def closed_loop(addr: str, prompts: list[str], max_new: int, concurrency: 
         return traces, finals, time.perf_counter() - t0
 
 
+def policy_choices(addr: str) -> dict[str, int]:
+    """The gateway's group rounds per shape since it started (GetModelInfo), e.g. {"plain": 3, "6x60": 40}."""
+    with grpc.insecure_channel(addr) as ch:
+        info = gpb_grpc.GenerationStub(ch).GetModelInfo(gpb.ModelInfoRequest(), timeout=10)
+    return {f"{c.tree.depth}x{c.tree.nodes}" if c.tree.depth else "plain": c.rounds for c in info.policy_choices}
+
+
 def per_round(before: dict, after: dict) -> dict[str, float]:
     """Mean milliseconds per batched round of each phase between two scrapes."""
     out = {}
@@ -140,7 +147,7 @@ def run(args) -> list[RunResult]:
             for c, m in [(c, m) for c in args.concurrency for m in args.spec_modes]:
                 n = max(len(prompts), args.requests_per_worker * c)  # every worker busy for the whole run
                 load = [prompts[i % len(prompts)] for i in range(n)]
-                before = scrape_rounds(mport)
+                before, chosen = scrape_rounds(mport), policy_choices(stack.gateway)
                 traces, finals, wall = asyncio.run(closed_loop(stack.gateway, load, args.max_new_tokens, c, m))
                 speculative = m != "plain"
                 rounds = sum(f.speculation.rounds for f in finals)
@@ -148,19 +155,22 @@ def run(args) -> list[RunResult]:
                 suffix = {"spec": "", "plain": "-plain"}.get(m, "-" + m.replace(":", "-"))
                 r = summarize(f"services-{mode}{suffix}", c, traces, wall, rounds=rounds)
                 round_tokens = sum(f.usage.completion_tokens - 1 for f in finals)
-                r.acceptance_length = round_tokens / max(rounds, 1) if speculative else None
+                r.acceptance_length = round_tokens / rounds if speculative and rounds else None
                 phase = per_round(before, after)
                 r.draft_ms_per_round = phase.get("draft")
                 r.verify_ms_per_round = phase.get("verify")
                 r.rpc_ms_per_round = phase.get("rpc")
                 r.host_ms_per_round = phase.get("orchestration")
+                now = policy_choices(stack.gateway)
+                chosen = {k: v - chosen.get(k, 0) for k, v in now.items() if v - chosen.get(k, 0)}
                 log.info(
-                    "%s c=%d: %.1f tok/s total, %.1f tok/s per request, acceptance %s",
+                    "%s c=%d: %.1f tok/s total, %.1f tok/s per request, acceptance %s, rounds per shape %s",
                     r.method,
                     c,
                     r.tok_s_total,
                     r.tok_s_per_request,
                     r.acceptance_length,
+                    chosen,
                 )
                 results.append(r)
     return results
