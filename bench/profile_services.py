@@ -46,6 +46,9 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=1)
     ap.add_argument("--seconds", type=int, default=6)
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument(
+        "--policy", default="fixed", help="the gateway's --policy (fixed: every round drafts the default tree)"
+    )
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
@@ -54,7 +57,8 @@ def main() -> None:
     mport = free_port()
     prompts = [QUESTIONS[i % len(QUESTIONS)] for i in range(64)]
     with Stack(
-        common_args=["--device", args.device, "--max-context", "1024"], gateway_args=["--metrics-port", str(mport)]
+        common_args=["--device", args.device, "--max-context", "1024"],
+        gateway_args=["--metrics-port", str(mport), "--policy", args.policy],
     ) as stack:
         asyncio.run(closed_loop(stack.gateway, prompts[:2], 16, 1))  # warm-up
         before = scrape_rounds(mport)

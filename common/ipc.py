@@ -3,9 +3,9 @@ it, and each round only a region reference (buffer, offset, shape, dtype) crosse
 
 Synchronisation (why the draft never reads a half-written or reused region):
 1. Each sequence owns one region of the buffer (`HiddenExport`), so writers of different sequences
-   never overlap. A region is written only by Prefill/Verify of its sequence, and the verifier
-   synchronises its CUDA stream after the copy and before it answers: when the reference leaves the
-   verifier the bytes are complete in device memory.
+   never overlap. A region is written only by Prefill/Verify/Decode/Features of its sequence, and the
+   verifier synchronises its CUDA stream once after a call's copies and before it answers: when the
+   reference leaves the verifier the bytes are complete in device memory.
 2. The gateway hands that reference to the draft in the next Propose; the draft copies the rows into
    its own tensors and synchronises its stream before it answers.
 3. Only after the Propose answer does the gateway send that sequence's next Verify, the next writer
@@ -112,8 +112,8 @@ class HiddenExport:
 
     def write(self, seq_id: str, hidden: torch.Tensor, row: int = 0) -> tuple[int, int]:
         """Copy hidden [k, width] into the sequence's region from row `row` on (rows before it hold
-        features the draft has yet to read: a plain round's, see DecodeItem.hidden_row) and wait for the
-        copy. Returns (offset in bytes of the written rows, write count)."""
+        features the draft has yet to read: a plain round's, see DecodeItem.hidden_row); the caller
+        wait()s once after its writes. Returns (offset in bytes of the written rows, write count)."""
         try:
             region, state = self.table.get(seq_id)
         except KeyError:
@@ -122,10 +122,13 @@ class HiddenExport:
         k = hidden.shape[0]
         if row < 0 or row + k > self.rows:
             raise InvalidRequest(f"hidden rows [{row}, {row + k}) exceed the exported region of {self.rows}")
-        self.buffer[region, row : row + k].copy_(hidden)
-        torch.cuda.current_stream(self.buffer.device).synchronize()
+        self.buffer[region, row : row + k].copy_(hidden)  # complete once wait() returns
         state.writes += 1
         return (region * self.rows + row) * self.row_bytes, state.writes
+
+    def wait(self) -> None:
+        """Block until every write so far is in device memory: once per call, before it answers."""
+        torch.cuda.current_stream(self.buffer.device).synchronize()
 
     def release(self, seq_id: str) -> None:
         self.table.release(seq_id)

@@ -25,10 +25,16 @@ def test_documented_requests(stack):
     assert spec.returncode == 0, spec.stderr
     spec = json.loads(spec.stdout)
     plain = json.loads(grpcurl(stack.gateway, COMPLETE, data={**question, "speculative": False}).stdout)
-    assert spec["token_ids"] == plain["token_ids"] and len(spec["token_ids"]) > 0
+    pinned = grpcurl(stack.gateway, COMPLETE, data={**question, "tree": {"depth": 4, "nodes": 16}})
+    assert pinned.returncode == 0, pinned.stderr
+    pinned = json.loads(pinned.stdout)
+    assert spec["token_ids"] == plain["token_ids"] == pinned["token_ids"] and len(spec["token_ids"]) > 0
     assert spec["finish_reason"] in ("FINISH_REASON_LENGTH", "FINISH_REASON_EOS")
     assert spec["usage"]["completion_tokens"] == len(spec["token_ids"])
-    assert int(spec["speculation"]["rounds"]) > 0
+    assert int(pinned["speculation"]["rounds"]) > 0  # the pinned tree drafts every round
+    info = json.loads(grpcurl(stack.gateway, "specdec.v1.Generation/GetModelInfo").stdout)
+    assert info["speculation_policy"] == "adaptive"
+    assert any(c["tree"].get("depth") == 4 and c["tree"].get("nodes") == 16 for c in info["policy_choices"])
     raw = grpcurl(stack.gateway, COMPLETE, data={"prompt": "raw text", "max_tokens": 8})
     assert raw.returncode == 0, raw.stderr
     assert json.loads(raw.stdout)["usage"]["prompt_tokens"] == 2
@@ -59,6 +65,10 @@ BAD = [
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "role"),
     ({"promptTokenIds": [1, 99999999]}, "vocabulary"),
     ({"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}, "only one"),
+    ({"prompt": "hi", "tree": {"depth": 0, "nodes": 0}}, "tree"),
+    ({"prompt": "hi", "tree": {"depth": 4, "nodes": 2}}, "nodes >= depth"),
+    ({"prompt": "hi", "tree": {"depth": 9, "nodes": 20}}, "beyond the draft"),
+    ({"prompt": "hi", "tree": {"depth": 1, "nodes": 20}}, "at depth 1"),
 ]
 
 

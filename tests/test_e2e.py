@@ -12,14 +12,18 @@ pytestmark = pytest.mark.slow
 N_TOKENS = 64
 
 
-def speculative_vs_plain(addr, prompts, n_tokens):
-    spec = complete_many(addr, [chat(p, max_tokens=n_tokens, ignore_eos=True) for p in prompts])
+def speculative_vs_plain(addr, prompts, n_tokens, tree=None):
+    """tree: (depth, nodes) pinned for the speculative requests (the policy off), or None."""
+    spec = [chat(p, max_tokens=n_tokens, ignore_eos=True) for p in prompts]
+    for r in spec if tree else []:
+        r.tree.depth, r.tree.nodes = tree
+    spec = complete_many(addr, spec)
     plain = complete_many(addr, [chat(p, max_tokens=n_tokens, ignore_eos=True, speculative=False) for p in prompts])
     return spec, plain
 
 
 def test_default_head_equals_plain_greedy(stack):
-    spec, plain = speculative_vs_plain(stack.gateway, CHAT_PROMPTS, N_TOKENS)
+    spec, plain = speculative_vs_plain(stack.gateway, CHAT_PROMPTS, N_TOKENS, tree=(6, 60))
     for p, s, r in zip(CHAT_PROMPTS, spec, plain):
         assert len(s.token_ids) == N_TOKENS, p
         assert list(s.token_ids) == list(r.token_ids), p
@@ -97,7 +101,7 @@ def test_two_round_groups_equal_plain_greedy():
     from tests.conftest import COMMON
 
     prompts = CHAT_PROMPTS[:4]
-    with Stack(common_args=COMMON, gateway_args=["--round-groups", "2"]) as s:
+    with Stack(common_args=COMMON, gateway_args=["--round-groups", "2", "--policy", "fixed"]) as s:
         spec, plain = speculative_vs_plain(s.gateway, prompts, 24)
     for p, a, b in zip(prompts, spec, plain):
         assert list(a.token_ids) == list(b.token_ids), p

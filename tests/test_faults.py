@@ -21,7 +21,9 @@ from tests.helpers import chat, complete_many
 pytestmark = pytest.mark.slow
 LEASE_TTL = 2.0
 CAPACITY_TIMEOUT = 2.0
-GATEWAY = ["--health-interval", "0.2", "--capacity-timeout", str(CAPACITY_TIMEOUT)]
+# the fixed policy: every round drafts (the adaptive one may decode plainly on a CPU, and these tests are
+# about what happens to speculation when a process fails)
+GATEWAY = ["--health-interval", "0.2", "--capacity-timeout", str(CAPACITY_TIMEOUT), "--policy", "fixed"]
 
 
 @pytest.fixture(scope="module")

@@ -144,6 +144,11 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         return await self.runner.run(self._features, request)
 
     # ---- conversion + engine calls (run on the engine thread) ----
+    def _published(self) -> None:
+        """Wait once for a call's copies into the exported buffer (see common/ipc.py, rule 1)."""
+        if self.export is not None:
+            self.export.wait()
+
     def _hidden(self, seq_id: str, hidden: torch.Tensor, msg: pb.TensorRef, row: int = 0) -> None:
         """Hidden states out: a reference into the exported buffer when the draft mapped it (written from
         row `row` of the sequence's region on), else bytes."""
@@ -193,6 +198,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         except BaseException:
             self._release_ids(done)  # all or nothing: the earlier items' slots are not left behind
             raise
+        self._published()
         return resp
 
     def _features(self, request: pb.FeaturesRequest) -> pb.FeaturesResponse:
@@ -207,6 +213,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             finally:
                 self.engine.release([self._spare_id])
             self._hidden(it.seq_id, out.hidden, resp.results.add(seq_id=it.seq_id).hidden)
+        self._published()
         return resp
 
     def _verify(self, request: pb.VerifyRequest) -> pb.VerifyResponse:
@@ -235,6 +242,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         for it, out in zip(items, outs):  # built in place: hidden bytes are written once, not copied
             r = resp.results.add(seq_id=it.seq_id, accepted_tokens=out.tokens)
             self._hidden(it.seq_id, out.hidden, r.hidden)
+        self._published()
         return resp
 
     def _decode(self, request: pb.DecodeRequest) -> pb.DecodeResponse:
@@ -251,4 +259,5 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             r = resp.results.add(seq_id=it.seq_id, next_token=tokens[0], tokens=tokens)
             if it.want_hidden:
                 self._hidden(it.seq_id, out.hidden[i], r.hidden, it.hidden_row)
+        self._published()
         return resp
