@@ -8,7 +8,7 @@ python3 -m grpc_tools.protoc -Iprotos --python_out=. --grpc_python_out=. --pyi_o
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name --format=csv,noheader > "$out/gpu.txt"
 timeout 150 python3 -m bench.profile_services --out "$out/profile" --concurrency 1 --seconds 6 > "$out/profile.log" 2>&1
-timeout 120 python3 -m bench.rpc_bench --n 300 --device cuda > "$out/rpc.log" 2>&1
+timeout 120 python3 -m bench.rpc_bench --n 200 --device cuda > "$out/rpc.log" 2>&1
 timeout 300 python3 -m bench.services_bench --device cuda --ipc on --concurrency 1,4,16,64 --prompts 16 \
   --max-new-tokens 128 --requests-per-worker 2 --max-context 1024 \
   --modes spec,plain,tree:6x60,tree:4x16,tree:2x4 --out "$out" > "$out/policy.log" 2>&1
