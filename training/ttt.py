@@ -13,9 +13,11 @@ r - j + s for s = 1..j (the diagonal). K/V of step s live in cache columns [s*T,
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
+from common.kernels import TTTPlan
 from common.model.eagle3 import Eagle3Head
 from common.model.llama import Batch, KVCache
 
@@ -46,6 +48,43 @@ def ttt_mask(t: int, step: int, device: torch.device) -> torch.Tensor:
     return torch.cat(parts, dim=1)
 
 
+class StepAttention(Protocol):
+    """How step j's attention is told who sees whom: both implementations compute the same function."""
+
+    def batch(self, pos: torch.Tensor, slots: torch.Tensor, step: int) -> Batch:
+        """pos [B, T] positions 0..T-1 of every row; slots [B]; K/V of this step land at pos + step * T."""
+        ...
+
+
+@dataclass(frozen=True)
+class FusedAttention:
+    """The training path: common.kernels.ttt (causal flash kernel + the diagonal, merged by log-sum-exp),
+    O(T) memory per step."""
+
+    def batch(self, pos: torch.Tensor, slots: torch.Tensor, step: int) -> Batch:
+        b, t = pos.shape
+        return Batch(
+            input_ids=pos,
+            positions=pos,
+            slots=slots,
+            write_pos=pos + step * t,
+            prefix_len=torch.zeros(b, dtype=torch.long, device=pos.device),
+            window=torch.zeros(b, t, 0, dtype=torch.bool, device=pos.device),  # unused: the plan decides
+            plan=TTTPlan(step=step, length=t),
+        )
+
+
+@dataclass(frozen=True)
+class DenseMaskAttention:
+    """The oracle: ttt_mask as a dense [T, (j+1)T] mask through the PyTorch attention (math kernel,
+    O(j T^2) memory per step). Kept for tests and for bench.ttt_step's comparison."""
+
+    def batch(self, pos: torch.Tensor, slots: torch.Tensor, step: int) -> Batch:
+        b, t = pos.shape
+        mask = ttt_mask(t, step, pos.device)[None, None].expand(b, 1, t, (step + 1) * t)
+        return Batch.masked(input_ids=pos, positions=pos, slots=slots, write_pos=pos + step * t, mask=mask)
+
+
 def make_targets(
     base_logits_fn, hidden_next: torch.Tensor, draft_to_base: torch.Tensor, t2d: torch.Tensor, valid: torch.Tensor
 ) -> TTTTargets:
@@ -58,7 +97,13 @@ def make_targets(
 
 
 def ttt_forward(
-    head: Eagle3Head, embeds: torch.Tensor, aux: torch.Tensor, targets: TTTTargets, steps: int, step_weight: float = 0.8
+    head: Eagle3Head,
+    embeds: torch.Tensor,
+    aux: torch.Tensor,
+    targets: TTTTargets,
+    steps: int,
+    step_weight: float = 0.8,
+    attention: StepAttention = FusedAttention(),
 ) -> TTTResult:
     """embeds [B, T, H] = embed(x_{r+1}); aux [B, T, 3H_target] = a_r. Returns the weighted loss."""
     b, t, _ = embeds.shape
@@ -73,9 +118,7 @@ def ttt_forward(
     total = embeds.new_zeros((), dtype=torch.float32)
     step_loss, step_acc, step_rows = [], [], []
     for j in range(steps):
-        mask = ttt_mask(t, j, device)[None, None].expand(b, 1, t, (j + 1) * t)
-        batch = Batch.masked(input_ids=pos, positions=pos, slots=slots, write_pos=pos + j * t, mask=mask)
-        out = head(embeds, hidden, batch, cache)
+        out = head(embeds, hidden, attention.batch(pos, slots, j), cache)
         rows_ok = targets.valid & (rows >= j)[None, :]  # [B, T]
         pmask = (rows_ok & targets.in_draft).float()  # [B, T] reference: only in-vocab targets
         ce = -(targets.target_p * out.logp).sum(-1)  # [B, T]

@@ -80,6 +80,19 @@ class AttentionPlan:
     bias: torch.Tensor  # [B, 1, G * T, kv_len] additive mask in the compute dtype (see reference.attention)
 
 
+@dataclass(frozen=True)
+class TTTPlan:
+    """Training-time-test attention (common.kernels.ttt): step `step` over a cache whose columns
+    [s * length, (s + 1) * length) hold step s, for s = 0..step. Chosen by the caller, not by the model."""
+
+    step: int  # TTT step j >= 0
+    length: int  # T, rows per step
+
+    def __post_init__(self) -> None:
+        if self.step < 0 or self.length < 1:
+            raise ValueError(f"TTTPlan needs step >= 0 and length >= 1, got {self.step}, {self.length}")
+
+
 def attention_plan(
     witness: torch.Tensor, prefix_len: torch.Tensor, window: torch.Tensor, groups: int
 ) -> AttentionPlan | None:
@@ -99,9 +112,14 @@ def attention(
     slots: torch.Tensor,
     prefix_len: torch.Tensor,
     window: torch.Tensor,
-    plan: AttentionPlan | None = None,
+    plan: AttentionPlan | TTTPlan | None = None,
 ) -> torch.Tensor:
-    """q [B, T, H, D] over the cache kv [S, C, 2, KVH, D]; see reference.attention. [B, T, H * D]"""
+    """q [B, T, H, D] over the cache kv [S, C, 2, KVH, D]; see reference.attention. [B, T, H * D]
+    With a TTTPlan, prefix_len and window are not read: the plan says who sees whom (common.kernels.ttt)."""
+    if isinstance(plan, TTTPlan):
+        from common.kernels import ttt
+
+        return ttt.attention(q, kv, slots, plan.step, plan.length)
     if use_triton(q) and q.dtype == kv.dtype and window.stride(-1) == 1:
         return _ops().attention(q, kv, slots, prefix_len, window)
     if plan is None:
