@@ -1,6 +1,9 @@
-"""One training step of the EAGLE-3 head with training-time test (TTT): the dense-mask attention (the
-PyTorch math kernel over a [T, (j+1)T] mask per step, what training ran before) against the fused one
-(common.kernels.ttt), same batch, same initial weights, same run.
+"""One training step of the EAGLE-3 head with training-time test (TTT), three ways on the same batch with
+the same initial weights in the same run:
+
+  dense        the dense [T, (j+1)T] mask through the PyTorch attention, eager: training before this change
+  fused-eager  common.kernels.ttt (causal flash kernel + diagonal, log-sum-exp merge), eager
+  fused        the same, each TTT step's head forward and loss through torch.compile: training now
 
     python -m bench.ttt_step --out DIR                                        # CPU smoke (small)
     python -m bench.ttt_step --device cuda --batch 8,16,32 --seq 1024 --steps 6 --out DIR
@@ -9,11 +12,12 @@ A step is training.train.optimize_step, the function the Trainer runs: `steps` u
 (bf16 autocast on CUDA), backward, gradient clipping and AdamW. The head has the shipped head's shapes
 (models/eagle3-smollm2/config.json: hidden 576, 9/3 heads of 64, draft vocabulary 8192) with random
 weights; the batch is random features (timing does not depend on their values). Each path runs --warmup
-steps first (not timed; on CUDA they include kernel selection), then --iters timed steps, each ended by a
-device synchronisation. Figures per batch size and path: ms per step (mean and min), samples/s
-(batch / mean step time), peak GPU memory, the first step's loss (the paths must agree), and the fused
-path's speed-up. A path that runs out of GPU memory is recorded as such. Writes DIR/ttt_step.json and
-DIR/ttt_step.md and prints the markdown.
+steps first (not timed; they include torch.compile's compilation, reported as warm-up s), then --iters
+timed steps, each ended by a device synchronisation. Figures per batch size and path: ms per step (mean
+and min), samples/s (batch / mean step time), speed-up over dense, peak GPU memory, the first step's loss
+(the paths must agree) and the warm-up time. A path that runs out of GPU memory is recorded as such.
+On CPU torch.compile is not used, so fused is fused-eager. Writes DIR/ttt_step.json and DIR/ttt_step.md
+and prints the markdown.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import platform
 import statistics
 import sys
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -38,7 +43,19 @@ from training.ttt import DenseMaskAttention, FusedAttention, StepAttention, TTTT
 log = logging.getLogger("bench.ttt_step")
 
 HEAD_CONFIG = Path(__file__).resolve().parents[1] / "models" / "eagle3-smollm2" / "config.json"
-PATHS: dict[str, StepAttention] = {"dense": DenseMaskAttention(), "fused": FusedAttention()}
+
+
+@dataclass(frozen=True)
+class StepVariant:
+    attention: StepAttention
+    compile: bool  # torch.compile the TTT step (CUDA only; ignored on CPU)
+
+
+PATHS = {
+    "dense": StepVariant(DenseMaskAttention(), compile=False),  # training before this change
+    "fused-eager": StepVariant(FusedAttention(), compile=False),
+    "fused": StepVariant(FusedAttention(), compile=True),  # training now (TrainConfig's default)
+}
 
 
 def random_inputs(hcfg: Eagle3Config, batch: int, seq: int, device: torch.device, seed: int) -> TTTInputs:
@@ -63,26 +80,30 @@ def sync(device: torch.device) -> None:
 
 
 def time_path(
-    head: Eagle3Head, inputs: TTTInputs, cfg: TrainConfig, attention: StepAttention, warmup: int, iters: int
+    head: Eagle3Head, inputs: TTTInputs, cfg: TrainConfig, path: StepVariant, warmup: int, iters: int
 ) -> dict:
-    """Fresh copies of the head and its optimizer; returns the timings of `iters` steps after `warmup`."""
+    """Fresh copies of the head and its optimizer; returns the timings of `iters` steps after `warmup`
+    (warmup_s: the warm-up steps' total, torch.compile's compilation included)."""
     device = inputs.embeds.device
+    cfg = replace(cfg, compile=path.compile)
     head = copy.deepcopy(head)
     opt = make_optimizer(head, cfg)
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     first_loss = None
-    times = []
+    times, warm = [], 0.0
     for i in range(warmup + iters):
         sync(device)
         t0 = time.perf_counter()
-        res = optimize_step(head, opt, inputs, cfg, cfg.lr, attention).result
+        res = optimize_step(head, opt, inputs, cfg, cfg.lr, path.attention).result
         sync(device)
         if first_loss is None:
             first_loss = float(res.loss.detach())
         if i >= warmup:
             times.append(time.perf_counter() - t0)
+        else:
+            warm += time.perf_counter() - t0
     batch = inputs.embeds.shape[0]
     mean = statistics.fmean(times)
     out = {
@@ -90,6 +111,7 @@ def time_path(
         "ms_min": 1e3 * min(times),
         "samples_per_s": batch / mean,
         "first_loss": first_loss,
+        "warmup_s": warm,
     }
     if device.type == "cuda":
         out["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
@@ -114,9 +136,11 @@ def run(args: argparse.Namespace) -> dict:
             except torch.OutOfMemoryError:
                 row[name] = {"oom": True}
             log.info("batch %d %s: %s", batch, name, row[name])
-        if "ms_per_step" in row.get("dense", {}) and "ms_per_step" in row.get("fused", {}):
-            row["speedup"] = row["dense"]["ms_per_step"] / row["fused"]["ms_per_step"]
-            row["loss_diff"] = abs(row["dense"]["first_loss"] - row["fused"]["first_loss"])
+        base = row.get("dense", {})
+        for name in args.paths:
+            if name != "dense" and "ms_per_step" in base and "ms_per_step" in row[name]:
+                row[name]["speedup"] = base["ms_per_step"] / row[name]["ms_per_step"]
+                row[name]["loss_diff"] = abs(base["first_loss"] - row[name]["first_loss"])
         results.append(row)
     meta = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
@@ -139,24 +163,23 @@ def markdown(report: dict) -> str:
         f"TTT training step ({m['ttt_steps']} steps, seq {m['seq']}, {m['compute']}) on {m['device']}, "
         f"torch {m['torch']}; mean of {m['iters']} steps after {m['warmup']} warm-up",
         "",
-        "| batch | path | ms/step | min ms | samples/s | peak GiB | first loss |",
-        "|---:|---|---:|---:|---:|---:|---:|",
+        "| batch | path | ms/step | min ms | samples/s | speed-up vs dense | peak GiB | first loss | warm-up s |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in report["results"]:
-        for name in ("dense", "fused"):
+        for name in PATHS:
             r = row.get(name)
             if r is None:
                 continue
             if r.get("oom"):
-                lines.append(f"| {row['batch']} | {name} | out of memory | | | | |")
+                lines.append(f"| {row['batch']} | {name} | out of memory | | | | | | |")
                 continue
             mem = f"{r['peak_mem_gib']:.1f}" if "peak_mem_gib" in r else "-"
+            speedup = f"**{r['speedup']:.2f}x**" if "speedup" in r else "-"
             lines.append(
                 f"| {row['batch']} | {name} | {r['ms_per_step']:.1f} | {r['ms_min']:.1f} | "
-                f"{r['samples_per_s']:.2f} | {mem} | {r['first_loss']:.5f} |"
+                f"{r['samples_per_s']:.2f} | {speedup} | {mem} | {r['first_loss']:.5f} | {r['warmup_s']:.1f} |"
             )
-        if "speedup" in row:
-            lines.append(f"| {row['batch']} | **speed-up** | **{row['speedup']:.2f}x** | | | | |")
     return "\n".join(lines) + "\n"
 
 
@@ -171,10 +194,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=6, help="TTT steps")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--iters", type=int, default=3)
-    ap.add_argument("--paths", default="dense,fused", help="dense, fused or both")
+    ap.add_argument(
+        "--paths",
+        default=None,
+        help=f"comma-separated, of {', '.join(PATHS)} (default: all on CUDA; dense,fused on CPU, where fused "
+        "runs eagerly)",
+    )
     ap.add_argument("--head-config", default=str(HEAD_CONFIG), help="EAGLE-3 config.json giving the shapes")
     args = ap.parse_args(argv)
     args.batch = [int(b) for b in args.batch.split(",")]
+    if args.paths is None:
+        args.paths = ",".join(PATHS) if args.device.startswith("cuda") else "dense,fused"
     args.paths = [p.strip() for p in args.paths.split(",")]
     bad = [p for p in args.paths if p not in PATHS]
     if bad:

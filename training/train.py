@@ -39,6 +39,7 @@ class TrainConfig:
     grad_clip: float = 0.5
     ttt_steps: int = 6
     step_weight: float = 0.8  # loss weight of TTT step j is step_weight ** j (EAGLE-3 reference)
+    compile: bool = True  # torch.compile each TTT step's head forward and loss on CUDA (CPU runs eagerly)
     save_every: int = 200
     log_every: int = 20
     seed: int = 0
@@ -154,14 +155,21 @@ def optimize_step(
     lr: float,
     attention: StepAttention = FusedAttention(),
 ) -> StepOutcome:
-    """One optimizer step: the TTT forward (bf16 autocast on a GPU), backward, clipping, AdamW. The
-    Trainer and bench.ttt_step both run this."""
+    """One optimizer step: the TTT forward (bf16 autocast and, with cfg.compile, torch.compile on a GPU),
+    backward, clipping, AdamW. The Trainer and bench.ttt_step both run this."""
     for g in opt.param_groups:
         g["lr"] = lr
     device = inputs.embeds.device
     with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
         res = ttt_forward(
-            head, inputs.embeds, inputs.aux, inputs.targets, cfg.ttt_steps, cfg.step_weight, attention=attention
+            head,
+            inputs.embeds,
+            inputs.aux,
+            inputs.targets,
+            cfg.ttt_steps,
+            cfg.step_weight,
+            attention=attention,
+            compile=cfg.compile,
         )
     opt.zero_grad(set_to_none=True)
     res.loss.backward()

@@ -82,15 +82,14 @@ class AttentionPlan:
 
 @dataclass(frozen=True)
 class TTTPlan:
-    """Training-time-test attention (common.kernels.ttt): step `step` over a cache whose columns
-    [s * length, (s + 1) * length) hold step s, for s = 0..step. Chosen by the caller, not by the model."""
+    """Training-time-test attention (common.kernels.ttt): step `step` of T query rows over a cache whose
+    columns [s * T, (s + 1) * T) hold step s, for s = 0..step. Chosen by the caller, not by the model."""
 
     step: int  # TTT step j >= 0
-    length: int  # T, rows per step
 
     def __post_init__(self) -> None:
-        if self.step < 0 or self.length < 1:
-            raise ValueError(f"TTTPlan needs step >= 0 and length >= 1, got {self.step}, {self.length}")
+        if self.step < 0:
+            raise ValueError(f"TTTPlan needs step >= 0, got {self.step}")
 
 
 def attention_plan(
@@ -119,7 +118,7 @@ def attention(
     if isinstance(plan, TTTPlan):
         from common.kernels import ttt
 
-        return ttt.attention(q, kv, slots, plan.step, plan.length)
+        return ttt.attention(q, kv, slots, plan.step)
     if use_triton(q) and q.dtype == kv.dtype and window.stride(-1) == 1:
         return _ops().attention(q, kv, slots, prefix_len, window)
     if plan is None:

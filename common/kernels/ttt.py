@@ -123,16 +123,13 @@ class _ShiftedCausalWithDiagonal(torch.autograd.Function):
         return gq, gk0, gv0, g_diag_s, g_diag_v, None, None
 
 
-def attention(q: Tensor, kv: Tensor, slots: Tensor, step: int, length: int) -> Tensor:
+def attention(q: Tensor, kv: Tensor, slots: Tensor, step: int) -> Tensor:
     """Attention of TTT step `step` (see the module docstring).
 
-    q [B, T, H, D] this step's rotated queries (T = length); kv [S, C, 2, KVH, D] one layer's cache, the
-    K/V of step s in columns [s*T, (s+1)*T) for s = 0..step; slots [B]. Returns [B, T, H * D] in q's
-    dtype, the same function as reference.attention under training.ttt.ttt_mask.
+    q [B, T, H, D] this step's rotated queries; kv [S, C, 2, KVH, D] one layer's cache, the K/V of step s
+    in columns [s*T, (s+1)*T) for s = 0..step; slots [B]. Returns [B, T, H * D] in q's dtype, the same
+    function as reference.attention under training.ttt.ttt_mask.
     """
-    b, t, h, d = q.shape
-    if t != length:
-        raise ValueError(f"TTT attention planned for {length} rows got {t}")
     # q's dtype decides (bf16 under the trainer's autocast): autocast would round the float32 diagonal
     # scores and the merge to bf16
     with torch.autocast(q.device.type, enabled=False):
