@@ -179,8 +179,11 @@ def optimize_step(
 
 
 def make_optimizer(head: Eagle3Head, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW over the head's trainable parameters (place the head on its device first: on CUDA the
+    optimizer is the fused single-kernel one)."""
     params = [p for p in head.parameters() if p.requires_grad]
-    return torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    fused = all(p.is_cuda for p in params)
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay, fused=fused)
 
 
 class Trainer:

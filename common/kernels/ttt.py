@@ -87,7 +87,7 @@ class _ShiftedCausalWithDiagonal(torch.autograd.Function):
             merged[..., shift:, :] = torch.exp(lse0 - both)[..., None] * out0.float()
             lse = torch.cat((lse[..., :shift], both), dim=-1)  # [B, KVH, G, T]
         p = torch.exp(diag_s - lse[..., None])  # [B, KVH, G, T, J] diagonal probabilities
-        merged += torch.einsum("bkgtj,bktjd->bkgtd", p, diag_v.float())
+        merged += (p[..., None] * diag_v.float()[:, :, None]).sum(-2)  # [B, KVH, G, T, D]
         out = merged.to(q.dtype)
         ctx.save_for_backward(q, k0, v0, diag_v, out, lse, p, *(x for x in (qs, ks, vs) if x is not None))
         ctx.shift, ctx.scale, ctx.extra = shift, scale, extra
@@ -118,8 +118,8 @@ class _ShiftedCausalWithDiagonal(torch.autograd.Function):
         # diagonal: d out / d score_j = p_j * (v_j - out), so d loss / d score_j = p_j * (grad . v_j - delta)
         gf = grad.float()
         delta = (gf * out.float()).sum(-1, keepdim=True)  # [B, KVH, G, T, 1]
-        g_diag_s = p * (torch.einsum("bkgtd,bktjd->bkgtj", gf, diag_v.float()) - delta)
-        g_diag_v = torch.einsum("bkgtj,bkgtd->bktjd", p, gf).to(diag_v.dtype)
+        g_diag_s = p * ((gf[..., None, :] * diag_v.float()[:, :, None]).sum(-1) - delta)  # [B, KVH, G, T, J]
+        g_diag_v = (p[..., None] * gf[..., None, :]).sum(2).to(diag_v.dtype)  # [B, KVH, T, J, D]
         return gq, gk0, gv0, g_diag_s, g_diag_v, None, None
 
 
@@ -153,7 +153,8 @@ def _attention(q: Tensor, kv: Tensor, slots: Tensor, step: int) -> Tensor:
     diag_k = diag[:, :, :, 0].permute(0, 3, 1, 2, 4)  # [B, KVH, T, j, D]
     diag_v = diag[:, :, :, 1].permute(0, 3, 1, 2, 4)  # [B, KVH, T, j, D]
     scale = 1.0 / math.sqrt(d)
-    diag_s = torch.einsum("bkgtd,bktjd->bkgtj", qg.float(), diag_k.float()) * scale  # [B, KVH, G, T, j]
+    # j dot products per row: broadcast multiply and sum (batched matmuls of size j run far slower)
+    diag_s = (qg.float()[..., None, :] * diag_k.float()[:, :, None]).sum(-1) * scale  # [B, KVH, G, T, j]
     diag_s = diag_s.masked_fill(rows < 0, float("-inf"))
     k0 = keys[:, 0, :, 0].transpose(1, 2)  # [B, KVH, T, D]
     v0 = keys[:, 0, :, 1].transpose(1, 2)  # [B, KVH, T, D]
