@@ -303,6 +303,9 @@ def test_run_resumes_and_exports(tmp_path):
     assert (w / "train" / "DONE").exists() and (w / "head" / "config.json").exists()
     lines = (w / "train" / "train_log.jsonl").read_text().splitlines()
     assert json.loads(lines[-1])["step"] == 4
+    assert json.loads(lines[-1])["samples_per_s"] > 0  # throughput for the model card
+    done = json.loads((w / "train" / "DONE").read_text())
+    assert done["samples"] == 4 * 4 and done["samples_per_s"] > 0  # 4 steps of batch 4, across the resume
 
 
 # ---- evaluation loop ----
