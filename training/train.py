@@ -17,7 +17,7 @@ from common.model.eagle3_io import save_eagle3
 from common.model.llama import LlamaModel
 from training.features import StoredFeatures, base_features, pad_batch
 from training.generate import Sequences
-from training.ttt import make_targets, ttt_forward
+from training.ttt import FusedAttention, StepAttention, TTTResult, TTTTargets, make_targets, ttt_forward
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +39,7 @@ class TrainConfig:
     grad_clip: float = 0.5
     ttt_steps: int = 6
     step_weight: float = 0.8  # loss weight of TTT step j is step_weight ** j (EAGLE-3 reference)
+    compile: bool = True  # torch.compile each TTT step's head forward and loss on CUDA (CPU runs eagerly)
     save_every: int = 200
     log_every: int = 20
     seed: int = 0
@@ -131,6 +132,60 @@ def epoch_batches(lengths: np.ndarray, batch_size: int, seed: int, epoch: int) -
     return batches
 
 
+@dataclass
+class TTTInputs:
+    """One batch, ready for training-time test (rows predict x_{r+2}, see training.ttt)."""
+
+    embeds: torch.Tensor  # [B, T, H] float32 embed(x_{r+1})
+    aux: torch.Tensor  # [B, T, 3H_target] float32 base features a_r
+    targets: TTTTargets
+
+
+@dataclass
+class StepOutcome:
+    result: TTTResult
+    grad_norm: float  # before clipping
+
+
+def optimize_step(
+    head: Eagle3Head,
+    opt: torch.optim.Optimizer,
+    inputs: TTTInputs,
+    cfg: TrainConfig,
+    lr: float,
+    attention: StepAttention = FusedAttention(),
+) -> StepOutcome:
+    """One optimizer step: the TTT forward (bf16 autocast and, with cfg.compile, torch.compile on a GPU),
+    backward, clipping, AdamW. The Trainer and bench.ttt_step both run this."""
+    for g in opt.param_groups:
+        g["lr"] = lr
+    device = inputs.embeds.device
+    with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        res = ttt_forward(
+            head,
+            inputs.embeds,
+            inputs.aux,
+            inputs.targets,
+            cfg.ttt_steps,
+            cfg.step_weight,
+            attention=attention,
+            compile=cfg.compile,
+        )
+    opt.zero_grad(set_to_none=True)
+    res.loss.backward()
+    gnorm = torch.nn.utils.clip_grad_norm_(head.parameters(), cfg.grad_clip)
+    opt.step()
+    return StepOutcome(result=res, grad_norm=float(gnorm))
+
+
+def make_optimizer(head: Eagle3Head, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW over the head's trainable parameters (place the head on its device first: on CUDA the
+    optimizer is the fused single-kernel one)."""
+    params = [p for p in head.parameters() if p.requires_grad]
+    fused = all(p.is_cuda for p in params)
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay, fused=fused)
+
+
 class Trainer:
     def __init__(
         self,
@@ -155,11 +210,13 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.head = Eagle3Head(self.hcfg)
         self.step, self.epoch, self.pos, self.elapsed = 0, 0, 0, 0.0
+        self.samples = 0  # sequences trained on, across resumes
         state_path = self.dir / STATE_FILE
         if state_path.exists():
             st = torch.load(str(state_path), map_location="cpu", weights_only=False)
             self.head.load_state_dict(st["head"])
             self.step, self.epoch, self.pos, self.elapsed = st["step"], st["epoch"], st["pos"], st["elapsed"]
+            self.samples = st.get("samples", 0)  # absent in states saved before it was counted
             log.info("train: resumed at step %d (%.1f min trained)", self.step, self.elapsed / 60)
         elif init_from is not None:  # continue from a saved head (fresh optimizer and schedule)
             from common.model.eagle3_io import load_eagle3
@@ -179,11 +236,9 @@ class Trainer:
         self.head.to(device)
         self.head.train()
         self.draft_to_base = self.head.d2t + torch.arange(cfg.draft_vocab, device=device)
-        params = [p for p in self.head.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+        self.opt = make_optimizer(self.head, cfg)
         if st is not None:
             self.opt.load_state_dict(st["opt"])
-        self.autocast = device.type == "cuda"
         self._epoch_cache: tuple[int, list[np.ndarray]] | None = None
 
     def done(self) -> bool:
@@ -201,6 +256,7 @@ class Trainer:
                 "epoch": self.epoch,
                 "pos": self.pos,
                 "elapsed": self.elapsed,
+                "samples": self.samples,
                 "config": asdict(self.cfg),
             },
             str(tmp),
@@ -249,23 +305,18 @@ class Trainer:
             embeds = self.base.embed_tokens(ids[:, 1:]).float()  # [B, T-1, H] embed(x_{r+1})
         aux = feats.aux[:, :-1].float()  # [B, T-1, 3H] a_r
         lr = lr_at(cfg, self.step, self.elapsed)
-        for g in self.opt.param_groups:
-            g["lr"] = lr
-        with torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-            res = ttt_forward(self.head, embeds, aux, targets, cfg.ttt_steps, cfg.step_weight)
-        self.opt.zero_grad(set_to_none=True)
-        res.loss.backward()
-        gnorm = torch.nn.utils.clip_grad_norm_(self.head.parameters(), cfg.grad_clip)
-        self.opt.step()
+        done = optimize_step(self.head, self.opt, TTTInputs(embeds=embeds, aux=aux, targets=targets), cfg, lr)
         self.step += 1
+        res = done.result
         return {
             "step": self.step,
             "lr": lr,
             "loss": float(res.loss.detach()),
-            "grad_norm": float(gnorm),
+            "grad_norm": done.grad_norm,
             "step_loss": res.step_loss,
             "step_acc": res.step_acc,
             "tokens": int(valid.sum()),
+            "samples": b,
         }
 
     def run(self, deadline: float | None = None) -> bool:
@@ -281,7 +332,9 @@ class Trainer:
                     return False
                 rec = self.train_step()
                 now = time.time()
+                rec["seconds"] = now - t_last
                 self.elapsed += now - t_last
+                self.samples += rec["samples"]
                 t_last = now
                 window.append(rec)
                 if self.step % cfg.log_every == 0 or self.done():
@@ -290,11 +343,12 @@ class Trainer:
                     logf.write(json.dumps(avg) + "\n")
                     logf.flush()
                     log.info(
-                        "train step %d lr %.2e loss %.3f acc/step %s (%.1f min)",
+                        "train step %d lr %.2e loss %.3f acc/step %s (%.1f samples/s, %.1f min)",
                         self.step,
                         rec["lr"],
                         avg["loss"],
                         " ".join(f"{a:.2f}" for a in avg["step_acc"]),
+                        avg["samples_per_s"],
                         self.elapsed / 60,
                     )
                     window = []
@@ -302,7 +356,19 @@ class Trainer:
                     self.save_state()
         self.save_state()
         self.export()
-        (self.dir / "DONE").write_text(json.dumps({"step": self.step, "elapsed_min": self.elapsed / 60}) + "\n")
+        done = {
+            "step": self.step,
+            "elapsed_min": self.elapsed / 60,
+            "samples": self.samples,
+            # the throughput for the model card: sequences per second of training wall time (batching,
+            # features, forward, backward, optimizer and the periodic saves)
+            "samples_per_s": self.samples / max(self.elapsed, 1e-9),
+            "batch_size": self.cfg.batch_size,
+            "max_len": self.cfg.max_len,
+            "ttt_steps": self.cfg.ttt_steps,
+            "device": str(self.device),
+        }
+        (self.dir / "DONE").write_text(json.dumps(done) + "\n")
         return True
 
 
@@ -314,4 +380,6 @@ def summarize(recs: list[dict]) -> dict:
         "step_loss": [sum(r["step_loss"][j] for r in recs) / n for j in range(len(recs[0]["step_loss"]))],
         "step_acc": [sum(r["step_acc"][j] for r in recs) / n for j in range(len(recs[0]["step_acc"]))],
         "tokens": sum(r["tokens"] for r in recs),
+        "samples": sum(r["samples"] for r in recs),
+        "samples_per_s": sum(r["samples"] for r in recs) / max(sum(r["seconds"] for r in recs), 1e-9),
     }

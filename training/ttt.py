@@ -8,14 +8,21 @@ step. This is what the drafter does at inference: a depth-j node over a committe
 at position m + j - 1 and sees the committed entries [0, m) plus its ancestors.
 Attention for row r at step j sees: step-0 entries at rows <= r - j, and the step-s entry at row
 r - j + s for s = 1..j (the diagonal). K/V of step s live in cache columns [s*T, (s+1)*T).
+
+Training runs that attention as FusedAttention (common.kernels.ttt: a causal flash kernel plus the
+diagonal, no mask); DenseMaskAttention, the mask ttt_mask through the PyTorch attention, is the oracle the
+tests and bench.ttt_step compare it with. On CUDA each step (ttt_step) may run through torch.compile.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
+from common.kernels import TTTPlan
 from common.model.eagle3 import Eagle3Head
 from common.model.llama import Batch, KVCache
 
@@ -46,6 +53,43 @@ def ttt_mask(t: int, step: int, device: torch.device) -> torch.Tensor:
     return torch.cat(parts, dim=1)
 
 
+class StepAttention(Protocol):
+    """How step j's attention is told who sees whom: both implementations compute the same function."""
+
+    def batch(self, pos: torch.Tensor, slots: torch.Tensor, step: int) -> Batch:
+        """pos [B, T] positions 0..T-1 of every row; slots [B]; K/V of this step land at pos + step * T."""
+        ...
+
+
+@dataclass(frozen=True)
+class FusedAttention:
+    """The training path: common.kernels.ttt (causal flash kernel + the diagonal, merged by log-sum-exp),
+    O(T) memory per step."""
+
+    def batch(self, pos: torch.Tensor, slots: torch.Tensor, step: int) -> Batch:
+        b, t = pos.shape
+        return Batch(
+            input_ids=pos,
+            positions=pos,
+            slots=slots,
+            write_pos=pos + step * t,
+            prefix_len=torch.zeros(b, dtype=torch.long, device=pos.device),
+            window=torch.zeros(b, t, 0, dtype=torch.bool, device=pos.device),  # unused: the plan decides
+            plan=TTTPlan(step=step),
+        )
+
+
+@dataclass(frozen=True)
+class DenseMaskAttention:
+    """The oracle: ttt_mask as a dense [T, (j+1)T] mask through the PyTorch attention (math kernel,
+    O(j T^2) memory per step). Kept for tests and for bench.ttt_step's comparison."""
+
+    def batch(self, pos: torch.Tensor, slots: torch.Tensor, step: int) -> Batch:
+        b, t = pos.shape
+        mask = ttt_mask(t, step, pos.device)[None, None].expand(b, 1, t, (step + 1) * t)
+        return Batch.masked(input_ids=pos, positions=pos, slots=slots, write_pos=pos + step * t, mask=mask)
+
+
 def make_targets(
     base_logits_fn, hidden_next: torch.Tensor, draft_to_base: torch.Tensor, t2d: torch.Tensor, valid: torch.Tensor
 ) -> TTTTargets:
@@ -57,13 +101,58 @@ def make_targets(
     return TTTTargets(target_p=target_p, base_top=base_top, in_draft=t2d[base_top], valid=valid)
 
 
+@dataclass
+class StepOutput:
+    hidden: torch.Tensor  # [B, T, H] the layer's output, fed back (shifted one row) to the next step
+    loss: torch.Tensor  # scalar: mean soft cross-entropy over the rows of pmask
+    draft_top: torch.Tensor  # [B, T] the draft's argmax (draft vocabulary ids)
+
+
+def ttt_step(
+    head: Eagle3Head,
+    embeds: torch.Tensor,
+    hidden: torch.Tensor,
+    batch: Batch,
+    cache: KVCache,
+    target_p: torch.Tensor,
+    pmask: torch.Tensor,
+) -> StepOutput:
+    """One TTT step: the head forward and its loss. target_p [B, T, Vd] float32; pmask [B, T] float32,
+    1 on the rows that count. The cross-entropy is -sum_v p_v log q_v with the log-softmax in float32;
+    the argmax of the logits is the argmax of the log-probabilities."""
+    h, normed = head.hidden_and_normed(embeds, hidden, batch, cache)
+    logits = head.lm_head(normed)  # [B, T, Vd] in the compute dtype
+    logp = torch.log_softmax(logits.float(), dim=-1)  # [B, T, Vd]
+    ce = -(target_p * logp).sum(-1)  # [B, T]
+    loss = (ce * pmask).sum() / pmask.sum().clamp(min=1.0)
+    return StepOutput(hidden=h, loss=loss, draft_top=logits.detach().argmax(-1))
+
+
+@functools.cache
+def compiled_step():
+    """ttt_step compiled by TorchInductor, for CUDA: the norms, RoPE, SwiGLU, casts and the vocabulary-wide
+    loss become a few fused kernels. dynamic=True: one graph per TTT step j whatever the batch and length
+    (not one per padded length). Built on first use (importing the compiler costs a CPU process time);
+    compiling costs a minute or two once per process."""
+    return torch.compile(ttt_step, dynamic=True)
+
+
 def ttt_forward(
-    head: Eagle3Head, embeds: torch.Tensor, aux: torch.Tensor, targets: TTTTargets, steps: int, step_weight: float = 0.8
+    head: Eagle3Head,
+    embeds: torch.Tensor,
+    aux: torch.Tensor,
+    targets: TTTTargets,
+    steps: int,
+    step_weight: float = 0.8,
+    attention: StepAttention = FusedAttention(),
+    compile: bool = False,
 ) -> TTTResult:
-    """embeds [B, T, H] = embed(x_{r+1}); aux [B, T, 3H_target] = a_r. Returns the weighted loss."""
+    """embeds [B, T, H] = embed(x_{r+1}); aux [B, T, 3H_target] = a_r. Returns the weighted loss.
+    compile: run ttt_step through torch.compile when on CUDA (the same function; CPU runs it eagerly)."""
     b, t, _ = embeds.shape
     device = embeds.device
     c = head.cfg
+    step_fn = compiled_step() if compile and device.type == "cuda" else ttt_step
     cache_dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     cache = KVCache.allocate(1, b, steps * t, c.num_kv_heads, c.head_dim, cache_dtype, device)
     rows = torch.arange(t, device=device)
@@ -71,23 +160,21 @@ def ttt_forward(
     slots = torch.arange(b, device=device)
     hidden = aux
     total = embeds.new_zeros((), dtype=torch.float32)
-    step_loss, step_acc, step_rows = [], [], []
+    stats = []  # per step: [loss, rows counted, rows where the draft argmax is the base argmax]
     for j in range(steps):
-        mask = ttt_mask(t, j, device)[None, None].expand(b, 1, t, (j + 1) * t)
-        batch = Batch.masked(input_ids=pos, positions=pos, slots=slots, write_pos=pos + j * t, mask=mask)
-        out = head(embeds, hidden, batch, cache)
         rows_ok = targets.valid & (rows >= j)[None, :]  # [B, T]
         pmask = (rows_ok & targets.in_draft).float()  # [B, T] reference: only in-vocab targets
-        ce = -(targets.target_p * out.logp).sum(-1)  # [B, T]
-        loss = (ce * pmask).sum() / pmask.sum().clamp(min=1.0)
-        total = total + (step_weight**j) * loss
+        out = step_fn(head, embeds, hidden, attention.batch(pos, slots, j), cache, targets.target_p, pmask)
+        total = total + (step_weight**j) * out.loss
         with torch.no_grad():
-            pred = head.to_base_ids(out.logp.argmax(-1))  # [B, T]
-            n = int(rows_ok.sum())
-            acc = float(((pred == targets.base_top) & rows_ok).sum()) / max(n, 1)
-        step_loss.append(float(loss.detach()))
-        step_acc.append(acc)
-        step_rows.append(n)
+            hit = (head.to_base_ids(out.draft_top) == targets.base_top) & rows_ok  # [B, T]
+            stats.append(torch.stack((out.loss.detach().float(), rows_ok.sum().float(), hit.sum().float())))
         # next step: row r gets this step's output at row r-1 (row 0 gets zeros; it is masked)
         hidden = torch.cat((out.hidden.new_zeros(b, 1, out.hidden.shape[-1]), out.hidden[:, :-1]), dim=1)
-    return TTTResult(loss=total, step_loss=step_loss, step_acc=step_acc, step_rows=step_rows)
+    per_step = torch.stack(stats).tolist()  # one device sync for the whole unroll
+    return TTTResult(
+        loss=total,
+        step_loss=[s[0] for s in per_step],
+        step_acc=[s[2] / max(s[1], 1.0) for s in per_step],
+        step_rows=[int(s[1]) for s in per_step],
+    )

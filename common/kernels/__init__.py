@@ -80,6 +80,18 @@ class AttentionPlan:
     bias: torch.Tensor  # [B, 1, G * T, kv_len] additive mask in the compute dtype (see reference.attention)
 
 
+@dataclass(frozen=True)
+class TTTPlan:
+    """Training-time-test attention (common.kernels.ttt): step `step` of T query rows over a cache whose
+    columns [s * T, (s + 1) * T) hold step s, for s = 0..step. Chosen by the caller, not by the model."""
+
+    step: int  # TTT step j >= 0
+
+    def __post_init__(self) -> None:
+        if self.step < 0:
+            raise ValueError(f"TTTPlan needs step >= 0, got {self.step}")
+
+
 def attention_plan(
     witness: torch.Tensor, prefix_len: torch.Tensor, window: torch.Tensor, groups: int
 ) -> AttentionPlan | None:
@@ -99,14 +111,27 @@ def attention(
     slots: torch.Tensor,
     prefix_len: torch.Tensor,
     window: torch.Tensor,
-    plan: AttentionPlan | None = None,
+    plan: AttentionPlan | TTTPlan | None = None,
 ) -> torch.Tensor:
-    """q [B, T, H, D] over the cache kv [S, C, 2, KVH, D]; see reference.attention. [B, T, H * D]"""
+    """q [B, T, H, D] over the cache kv [S, C, 2, KVH, D]; see reference.attention. [B, T, H * D]
+    With a TTTPlan, prefix_len and window are not read: the plan says who sees whom (common.kernels.ttt)."""
+    if isinstance(plan, TTTPlan):
+        return _ttt_attention(q, kv, slots, plan)
     if use_triton(q) and q.dtype == kv.dtype and window.stride(-1) == 1:
         return _ops().attention(q, kv, slots, prefix_len, window)
     if plan is None:
         plan = _reference_plan(prefix_len, window, q.shape[2] // kv.shape[3], q.dtype)
     return reference.attention(q, kv, slots, plan.kv_len, plan.bias)
+
+
+@torch.compiler.disable
+def _ttt_attention(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, plan: TTTPlan) -> torch.Tensor:
+    """Under torch.compile (training's TTT step) this runs eagerly between the compiled graphs around it:
+    it is fused kernels already, Inductor's dynamic-shape stride checks reject the flash backward's gradient
+    layouts, and the step it reads here stays out of the graphs (one graph serves every TTT step)."""
+    from common.kernels import ttt
+
+    return ttt.attention(q, kv, slots, plan.step)
 
 
 def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -154,8 +154,8 @@ class Batch:
     prefix_len: torch.Tensor  # [B] cache positions every row sees
     window: torch.Tensor  # [B, T, W] bool: row t also sees position prefix_len + w
     # the PyTorch attention's mask, shared by the layers of one forward (filled by the models; None on
-    # the Triton path, which reads prefix_len and window directly)
-    plan: kernels.AttentionPlan | None = None
+    # the Triton path, which reads prefix_len and window directly), or a TTTPlan set by training-time test
+    plan: kernels.AttentionPlan | kernels.TTTPlan | None = None
 
     @classmethod
     def masked(
@@ -177,7 +177,9 @@ class Batch:
 
     def planned(self, witness: torch.Tensor, groups: int) -> Batch:
         """This batch with its attention plan for one forward (witness: a tensor of the forward's device and
-        compute dtype; groups: query heads per KV head)."""
+        compute dtype; groups: query heads per KV head). A TTTPlan, chosen by the caller, is kept."""
+        if isinstance(self.plan, kernels.TTTPlan):
+            return self
         return replace(self, plan=kernels.attention_plan(witness, self.prefix_len, self.window, groups))
 
 
