@@ -210,6 +210,11 @@ class FollowingVerifier(FakeVerifier):
             self.last[s] = v.tokens[-1]
         return out
 
+    async def features(self, items: list[tuple[str, list[int]]]) -> list[pb.TensorRef]:
+        """The catch-up's recompute: rows of the cached tokens (each produced the token after it)."""
+        self.log.append(("features", [s for s, _ in items]))
+        return [_rows(tokens[1:] + [tokens[-1] + 1]) for _, tokens in items]
+
     async def decode(self, seq_ids, steps=1, follow=None):
         follow = follow or {}
         self.log.append(("decode", list(seq_ids), dict(follow)))
@@ -281,3 +286,33 @@ def test_pinned_trees_run_beside_the_policy() -> None:
     assert outs == [list(range(101, 113)), list(range(201, 213))]
     assert {e[1:] for e in log if e[0] == "tree"} == {("gw-0", 2, 3)}
     assert all(e[1] == ["gw-1"] for e in log if e[0] == "decode")
+
+
+def test_sequences_the_policy_keeps_plain_are_parked_and_catch_up_for_a_tree() -> None:
+    """Six plain rounds, then trees: the draft follows for park_after = 4 plain rounds (features
+    fetched), then not at all (parked: no features), and when the policy picks a tree the sequences catch
+    up (Features, a start=True item) and speculate again; every token exact."""
+
+    async def run():
+        log: list = []
+        policy = CyclePolicy([PLAIN] * 6 + [Shape(1, 3)] * 40)
+        cfg = SchedulerConfig(max_active=4, tree_size=3, plain_steps=2, park_after=4)
+        sched = Scheduler(FollowingVerifier(log, 2), FollowingDraft(log), cfg, policy=policy)
+        sched.start()
+
+        async def one(first: int) -> list[int]:
+            req = GenRequest(prompt_ids=[first - 1, first], max_tokens=30, sampling=SamplingConfig(), ignore_eos=True)
+            gen = Generation(request=req, decoder=Decoder(), eos_token_id=EOS)
+            return [t for d in [d async for d in sched.generate(gen)] for t in d.token_ids]
+
+        outs = await asyncio.gather(one(100), one(200))
+        await sched.stop()
+        return outs, log
+
+    outs, log = asyncio.run(run())
+    assert outs == [list(range(101, 131)), list(range(201, 231))]
+    decodes = [e for e in log if e[0] == "decode"]
+    assert [bool(e[2]) for e in decodes[:6]] == [True] * 4 + [False] * 2  # followed, then parked
+    assert ("features", ["gw-0", "gw-1"]) in log  # the catch-up when the tree was chosen
+    after = log[log.index(("features", ["gw-0", "gw-1"])) :]
+    assert any(e[0] == "verify" for e in after)  # speculating again

@@ -21,7 +21,11 @@ call that names it has returned.
 Speculation policy (common/policy.py): each group round has a shape, chosen when its trees are prefired
 (or at the round's start when nothing was): a tree (depth, nodes) or plain decoding. A request may pin
 its own tree. Speculative sequences in a plain round bring their features back from the verifier, so
-the draft stays in step without a catch-up (services/gateway/speculation.py).
+the draft stays in step without a catch-up (services/gateway/speculation.py). After `park_after` plain
+rounds in a row they are parked instead: no features are fetched while the policy keeps choosing plain
+(following costs each sequence some work every round), and when it chooses a tree again they catch up
+as after a draft failure (Verifier.Features). An exploring choice never unparks: a catch-up costs more
+than what exploring one round learns.
 """
 
 from __future__ import annotations
@@ -54,6 +58,8 @@ class Active:
     speculative: bool = False  # the request wants speculation and a draft is configured
     group: int = 0  # the round group it runs in (SchedulerConfig.groups)
     pin: Shape | None = None  # the request's own tree (the policy off for it)
+    parked: bool = False  # speculative, but the draft does not follow it while the policy chooses plain
+    plain_streak: int = 0  # plain rounds in a row while followed
     next_propose: pb.ProposeItem | None = None  # the draft's input for the next round; None: plain (or lost)
     started: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
@@ -97,12 +103,15 @@ class SchedulerConfig:
     draft_retry_s: float = 0.5  # after a draft failure, speculation is retried no sooner than this
     plain_steps: int = 8  # plain decoding tokens per verifier call (one RPC and one host sync for all)
     groups: int = 1  # round groups run concurrently (2: one verifies while the other drafts)
+    park_after: int = 4  # plain rounds in a row after which the draft stops following a sequence
 
     def __post_init__(self) -> None:
         if self.max_active < 1 or self.max_waiting < 0 or self.tree_size < 1:
             raise ValueError("max_active and tree_size must be >= 1, max_waiting >= 0")
         if not 1 <= self.groups <= 4:
             raise ValueError(f"groups must be in [1, 4], got {self.groups}")
+        if self.park_after < 1:
+            raise ValueError(f"park_after must be >= 1, got {self.park_after}")
         if not 1 <= self.plain_steps <= 64:
             raise ValueError(f"plain_steps must be in [1, 64], got {self.plain_steps}")
         if not self.instance_id or self.draft_retry_s <= 0:
@@ -218,6 +227,7 @@ class Scheduler:
             t2 = time.perf_counter()
             for a, r in zip(spec, verified.results):
                 a.next_propose = pb.ProposeItem(seq_id=a.seq_id, token_ids=r.tokens, hidden=r.hidden)
+                a.plain_streak = 0
             self._prefire(group, spec)  # the draft starts on the next round while we commit and stream
             for a, r in zip(spec, verified.results):
                 self._count_round(a, len(trees[a.seq_id].token_ids), len(r.tokens) - 1)
@@ -244,6 +254,9 @@ class Scheduler:
         for a, r in zip(plain, decoded.results):
             if a.seq_id in follow:
                 append_plain_round(a.next_propose, r.tokens, r.hidden)
+                a.plain_streak += 1
+                if a.plain_streak >= self.cfg.park_after and a.pin is None:
+                    a.next_propose, a.parked = None, True  # see Speculation policy: parked
             self._emit(a, a.gen.commit(list(r.tokens)))
 
     def _tree(self, a: Active, shape: Shape) -> Shape:
@@ -256,9 +269,19 @@ class Scheduler:
         return Shape(max(t.depth for t in trees), max(t.nodes for t in trees))
 
     def _choose(self, members: list[Active]) -> Shape:
-        """The policy's shape for the speculative members without a pinned tree (PLAIN when none)."""
-        ids = [a.seq_id for a in members if a.next_propose is not None and a.pin is None]
-        return self.policy.choose(ids, self.cfg.plain_steps).shape if ids else PLAIN
+        """The policy's shape for the speculative members without a pinned tree (PLAIN when none). A tree
+        it prefers (not one it explores) unparks the parked ones: they catch up and join later rounds."""
+        mine = [a for a in members if a.pin is None and (a.next_propose is not None or a.parked)]
+        if not mine:
+            return PLAIN
+        choice = self.policy.choose([a.seq_id for a in mine], self.cfg.plain_steps)
+        parked = [a for a in mine if a.parked]
+        if parked and not choice.shape.plain:
+            if choice.explored:
+                return PLAIN
+            for a in parked:
+                a.parked = False  # lost now: _catch_up restores the draft's state of it
+        return choice.shape
 
     def _prefire(self, group: int, spec: list[Active]) -> None:
         """Choose the group's next round shape now and start its trees (none when it is plain)."""
@@ -328,7 +351,7 @@ class Scheduler:
         """Restart the draft on every speculative sequence it does not hold: hidden states of the tokens
         in the verifier's cache, recomputed, paired with the tokens that follow them (as after a prefill:
         context [t0 .. tn] with tn pending -> hidden of t0..t(n-1), token_ids t1..tn, prefix [t0])."""
-        lost = [a for a in self.active if a.speculative and a.next_propose is None]
+        lost = [a for a in self.active if a.speculative and a.next_propose is None and not a.parked]
         self.metrics.degraded.set(1 if self.speculation_degraded else 0)
         if not lost or not self.draft_link.may_try(time.monotonic()) or not self.draft.reachable():
             return
