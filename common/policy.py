@@ -113,21 +113,32 @@ class CostModel:
     def __init__(self, costs: Iterable[StepCost] = (), weight: float = 0.1) -> None:
         self.weight = weight
         self.engine: dict[tuple[str, int, int], Ema] = {}
+        self._grid: dict[str, dict[int, list[int]]] = {}  # kind -> batch bucket -> sizes (sorted); see _index
+        self._indexed = -1  # keys in _grid
         self.overhead = {"spec": Ema(weight), "plain": Ema(weight)}
         for c in costs:
             self.engine[(c.kind, c.batch, c.size)] = Ema(weight, c.seconds)
 
+    def _index(self) -> dict[str, dict[int, list[int]]]:
+        """The measured grid, rebuilt when a key was added (the policy asks it several times a round)."""
+        if self._indexed != len(self.engine):  # keys are only ever added
+            self._indexed = len(self.engine)
+            grid: dict[str, dict[int, list[int]]] = {}
+            for k, b, sz in self.engine:
+                grid.setdefault(k, {}).setdefault(b, []).append(sz)
+            self._grid = {k: {b: sorted(v) for b, v in sorted(g.items())} for k, g in grid.items()}
+        return self._grid
+
     def known(self, kind: str) -> bool:
-        return any(k == kind for k, _, _ in self.engine)
+        return kind in self._index()
 
     def step(self, kind: str, batch: int, size: int) -> float | None:
         """Estimated seconds of one engine step, or None when nothing of that kind was measured."""
-        entries = [(b, s) for k, b, s in self.engine if k == kind]
-        if not entries:
+        grid = self._index().get(kind)
+        if not grid:
             return None
-        batches = sorted({b for b, _ in entries})
-        bb = bucket(batch, batches)
-        sizes = sorted(s for b, s in entries if b == bb)
+        bb = bucket(batch, list(grid))
+        sizes = grid[bb]
         sb = bucket(size, sizes)
         t = self.engine[(kind, bb, sb)].value
         return t * max(batch / bb, 1.0) * max(size / sb, 1.0)
@@ -135,9 +146,10 @@ class CostModel:
     def observe_step(self, kind: str, batch: int, size: int, seconds: float) -> None:
         """An engine call's reported time, counted at the measured bucket it ran in (the smallest >= its
         batch and size: the graph that ran); past every measured bucket it starts a bucket of its own."""
-        batches = sorted({b for k, b, _ in self.engine if k == kind})
+        grid = self._index().get(kind, {})
+        batches = list(grid)
         bb = bucket(batch, batches) if batches and batch <= batches[-1] else batch
-        sizes = sorted(s for k, b, s in self.engine if k == kind and b == bb)
+        sizes = grid.get(bb, [])
         sb = bucket(size, sizes) if sizes and size <= sizes[-1] else size
         key = (kind, bb, sb)
         if key in self.engine:
@@ -289,12 +301,15 @@ class AdaptivePolicy:
         if plain is not None:
             out[PLAIN] = b * steps / plain
         factors = [self.seqs[s].value if s in self.seqs else 1.0 for s in seq_ids]
+        total, top = sum(factors), max(factors, default=0.0)
         for shape in self.cfg.menu:
             seconds = self.costs.round_seconds(b, shape)
             if seconds is None:
                 continue
             e = self.stats.expected(shape)
-            out[shape] = sum(1 + min(f * e, shape.depth) for f in factors) / seconds
+            # sum of 1 + min(f * e, depth) over the sequences; no cap bites when the largest factor's doesn't
+            accepted = e * total if top * e <= shape.depth else sum(min(f * e, shape.depth) for f in factors)
+            out[shape] = (b + accepted) / seconds
         return out
 
     def choose(self, seq_ids: Sequence[str], steps: int) -> Choice:
