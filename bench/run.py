@@ -8,8 +8,8 @@ same run, on the same prompts.
    of a 60-node tree and the draft's proposal, on the real model.
 1. bench.engine_bench (in one process): Hugging Face `generate` (same model and dtype), the project's
    plain decoding, speculative decoding without gRPC.
-2. bench.services_bench: speculative decoding through the three services over gRPC, with CUDA IPC and
-   with inline bytes.
+2. bench.services_bench: through the three services over gRPC (CUDA IPC and/or inline bytes): the
+   draft's default tree pinned, plain decoding, and the gateway's speculation policy.
 Writes bench-results/{engine_bench,services}.json, summary.json, summary.md and summary.png (when
 matplotlib is available), and prints the markdown.
 """
@@ -38,6 +38,9 @@ def _rows(path: Path) -> list[dict]:
 
 def _get(rows: list[dict], method: str, c: int) -> dict | None:
     return next((r for r in rows if r["method"] == method and r["concurrency"] == c), None)
+
+
+TREE = "tree:6x60"  # the draft's default tree (steps x verify size), pinned in the services runs
 
 
 def per(r: dict | None) -> float | None:
@@ -72,14 +75,16 @@ def summarize(rows: list[dict], concurrency: list[int], meta: dict) -> tuple[str
         "",
         "| concurrency | plain ms/token (per request) | spec / plain | spec / HF | services-ipc / in-process "
         "| services-inline / in-process | gateway plain / engine plain | services spec / gateway plain "
-        "| services tok/s total |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| services tok/s total | policy / gateway plain |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     hf = _get(rows, "hf-generate", 1)
     for c in concurrency:
         plain, spec = _get(rows, "plain", c), _get(rows, "speculative", c)
-        ipc, inline = _get(rows, "services-ipc", c), _get(rows, "services-inline", c)
+        pinned = "-" + TREE.replace(":", "-")
+        ipc, inline = _get(rows, "services-ipc" + pinned, c), _get(rows, "services-inline" + pinned, c)
         gw_plain = _get(rows, "services-ipc-plain", c) or _get(rows, "services-inline-plain", c)
+        policy = _get(rows, "services-ipc", c) or _get(rows, "services-inline", c)
         entry = {
             "plain_ms_per_token": 1000 / per(plain) if plain and per(plain) else None,
             "spec_over_plain": ratio(spec, plain),
@@ -91,6 +96,7 @@ def summarize(rows: list[dict], concurrency: list[int], meta: dict) -> tuple[str
             "gateway_plain_over_engine_plain": ratio(gw_plain, plain),
             "services_spec_over_gateway_plain": ratio(ipc, gw_plain),
             "services_ipc_tok_s_total": ipc["tok_s_total"] if ipc else None,
+            "policy_over_gateway_plain": ratio(policy, gw_plain),
         }
         ratios[c] = entry
         lines.append(
@@ -99,9 +105,14 @@ def summarize(rows: list[dict], concurrency: list[int], meta: dict) -> tuple[str
             f"| {fmt(entry['services_inline_over_inprocess'], 2)}x "
             f"| {fmt(entry['gateway_plain_over_engine_plain'], 2)}x "
             f"| {fmt(entry['services_spec_over_gateway_plain'], 2)}x "
-            f"| {fmt(entry['services_ipc_tok_s_total'], 0)} |"
+            f"| {fmt(entry['services_ipc_tok_s_total'], 0)} | {fmt(entry['policy_over_gateway_plain'], 2)}x |"
         )
-    lines += ["", "Ratios compare tokens/s per request at the same concurrency (HF: batch 1 only)."]
+    lines += [
+        "",
+        "Ratios compare tokens/s per request at the same concurrency (HF: batch 1 only). Services runs pin the",
+        f"draft's default tree ({TREE[5:]}, as in-process speculation) except the policy column (the gateway's",
+        "adaptive speculation policy).",
+    ]
     return "\n".join(lines) + "\n", ratios
 
 
@@ -176,7 +187,9 @@ def main(argv: list[str] | None = None) -> int:
         return rc
     rows = _rows(out / "engine_bench.json")
     if not a.skip_services:
-        services_bench.main([*common, "--dtype", dtype, "--modes", "spec,plain", "--ipc", a.ipc, "--out", str(out)])
+        # the draft's default tree pinned (what in-process speculation runs), plain, and the gateway's policy
+        modes = f"{TREE},plain,spec"
+        services_bench.main([*common, "--dtype", dtype, "--modes", modes, "--ipc", a.ipc, "--out", str(out)])
         rows += _rows(out / "services.json")
     meta = {
         "device_name": engine_bench.device_name(a.device),
