@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from common.errors import CapacityExhausted, PeerUnavailable
 from common.rounds import start_shift
-from services.gateway.clients import DraftClient, VerifierClient
+from services.gateway.clients import DraftClient, VerifierClient, sampling_msg
 from services.gateway.health import DraftLink
 from services.gateway.metrics import Metrics
 from services.gateway.sequence import Delta, Finish, Generation
@@ -292,6 +292,7 @@ class Scheduler:
                 start=True,
                 context_prefix=prefix,
                 max_nodes=self.cfg.tree_size,
+                sampling=sampling_msg(a.gen.request.sampling),
             )
         log.info("the draft catches up on %d sequence(s)", len(lost))
 
@@ -344,6 +345,7 @@ class Scheduler:
                 start=True,
                 context_prefix=prefix,
                 max_nodes=self.cfg.tree_size,
+                sampling=sampling_msg(req.sampling),
             )
         self._emit(a, a.gen.commit([pre.next_token]))
 
