@@ -152,7 +152,7 @@ def main() -> None:
             drafter.graphs,
             ("propose", 1, 4),
             drafter._propose_step,
-            {"packed": packed, "hidden": hidden},
+            {"packed": packed, "hidden": hidden, **drafter._noise_block(1)},  # greedy: no draws
             args.verbose,
         )
     )

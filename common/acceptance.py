@@ -119,7 +119,7 @@ def accept_sampled_q(
          because of its value would bias it: with p = [.5, .5], q = [.9, .1] and "keep x_1 only if
          it is token 1", token 1 comes out with probability .45 + .1 = .55.
     common/engine/draft.py meets 2. by scoring the i-th drawn child of v with v's score plus the i-th
-    largest log q at v, which depends on v alone, not on what was drawn (see its _expand_step).
+    largest draft log-probability at v, which depends on v alone, not on what was drawn (its _children).
 
     q [R, M]: the draft's q at every row with children (DraftQ); target_probs(row) -> p at that row [V].
     """

@@ -11,17 +11,17 @@ of new tokens, 1..steps + 1) and replayed. A round with a new sequence runs its 
 eagerly (prompt lengths vary), then the captured expansion.
 
 Data flow of one propose call without new sequences:
-    host --[B, L + 4] int64 + [B, L, 3H] features + [B, 3] sampling + [B, steps, K, W] noise-->
+    host --[B, L + 4] int64 + [B, L, 3H] features + [B] temperatures + [B, steps, K, W] noise-->
     propose graph --[B, 4, N] float64 (+ q of the sampling rows)--> host
 (tokens, parents, draft probabilities and q rows of the N best nodes per sequence; ties in the selection
 go to the earlier-created node, a parent before its children, as common.tree.select_top_nodes does).
 
 Sampled children (DraftingConfig.sampling_rule "q", a sequence with temperature > 0): each expanded
-node's K children are drawn from q, the draft's distribution over its W best tokens processed as the
-request's (temperature, top-k, top-p), without replacement (Gumbel-top-K on log q with host-made Gumbel
-noise, one seeded numpy generator per sequence), and q travels with the tree. The tree's shape is chosen exactly as for
-the top-k tree, with the i-th drawn child of v scored by v's score plus the i-th largest log q at v:
-see _children for why that keeps the verifier's q rule lossless. Greedy sequences get today's top-k
+node's K children are drawn from q, the draft's distribution over its W best tokens at the request's
+temperature, without replacement (Gumbel-top-K on log q with host-made Gumbel noise, one seeded numpy
+generator per sequence), and q travels with the tree. The tree's shape is chosen exactly as for the
+top-k tree, the i-th drawn child of v scored by v's score plus the i-th largest draft log-probability
+at v: see _children for why that keeps the verifier's q rule lossless. Greedy sequences get today's top-k
 tree, bit for bit.
 """
 
@@ -76,17 +76,19 @@ class DraftOut:
 LOG_Q_FLOOR = -60.0  # log q below this counts as outside q: such a probability could round to 0 on the wire
 
 
-def _children(logp: torch.Tensor, ids: torch.Tensor, sampling: torch.Tensor, gumbel: torch.Tensor, k: int) -> Children:
+def _children(logp: torch.Tensor, ids: torch.Tensor, temp: torch.Tensor, gumbel: torch.Tensor, k: int) -> Children:
     """The children of F expanded nodes per sequence. logp, ids [B, F, W]: the W best draft tokens of
-    each node, descending; sampling [B, 3]: temperature (0: top-k children), top-p, top-k (0: off) of
-    each sequence; gumbel [B, F, W] Gumbel(0, 1) noise.
+    each node, descending; temp [B] each sequence's temperature (0: top-k children); gumbel [B, F, W]
+    Gumbel(0, 1) noise.
 
     Top-k rows keep the K best, scored by their log-probability (EAGLE-2). Sampled rows draw K tokens
-    from q = the W best at the request's temperature, cut by its top-k and top-p and renormalised
-    (Gumbel-top-K: the keys log q + g in descending order are draws without replacement, in sampling
-    order; tokens outside q come last with key -inf, score -inf and q 0, and the host drops them), and
-    the i-th draw is scored by the i-th LARGEST log q, not by its own: a child's score then depends on
-    its parent's q only, never on what was drawn.
+    from q = softmax(logp / T) over the W (Gumbel-top-K: the keys log q + g in descending order are
+    draws without replacement, in sampling order; tokens with log q below LOG_Q_FLOOR are outside q:
+    they come last with key -inf, score -inf and q 0, and the host drops them), and the i-th draw is
+    scored as the top-k tree scores its i-th child, by the i-th LARGEST draft log-probability, not by
+    its own: a child's score then depends on its parent alone, never on what was drawn. (Scoring by
+    the i-th largest log q at the temperature instead measured the same within noise; cutting q by the
+    request's top-p, which shrinks the trees, measured worse: docs/benchmarks.md.)
     Why the verifier's q rule stays lossless (common.acceptance.accept_sampled_q, condition 2): child i
     of v sits in the final tree iff fewer than `keep` candidates outrank it (higher score, or equal and
     created earlier). Children i' >= i of v and everything below them score <= s(v, i) and are created
@@ -95,23 +97,19 @@ def _children(logp: torch.Tensor, ids: torch.Tensor, sampling: torch.Tensor, gum
     candidates outrank child i, hence whether v keeps it, is fixed before its draw: the kept children of
     every node are a prefix of its sampling order whose length is a stopping time (test_sampling_rule.py
     checks the prefix on random trees, and the resulting distribution).
-    Example (K 2, W 3, temperature 1, no cuts): logp [-.1, -1, -3] -> log q [-.4, -1.3, -3.3]; keys
-    log q + g = [-.9, .4, -2.5] -> ids of [1, 0], scores [-.4, -1.3] (the two largest, in rank order),
-    logq of the drawn [-1.3, -.4]."""
+    Example (K 2, W 3, temperature 0.5): logp [-.1, -1, -3] -> log q [-.15, -1.95, -5.95]; keys
+    log q + g = [-.9, .4, -4.5] -> ids of [1, 0], scores [-.1, -1] (the two largest logp, in rank
+    order), logq of the drawn [-1.95, -.15]."""
     b, f, w = logp.shape
-    temp, top_p, top_k = sampling[:, 0, None, None], sampling[:, 1, None, None], sampling[:, 2, None, None]
-    sampled = temp > 0  # [B, 1, 1]
-    lq = torch.log_softmax(logp / torch.where(sampled, temp, 1.0), dim=-1)  # [B, F, W] descending
-    rank = torch.arange(w, device=logp.device)
-    before = lq.exp().cumsum(-1) - lq.exp()  # [B, F, W] mass of the better tokens
-    inside = (before < top_p - 1e-6) & ((top_k == 0) | (rank < top_k)) & (lq > LOG_Q_FLOOR)  # a prefix of ranks
-    lq = torch.where(inside | ~sampled, lq, -torch.inf)
+    sampled = (temp > 0)[:, None, None]  # [B, 1, 1]
+    lq = torch.log_softmax(logp / torch.where(sampled, temp[:, None, None], 1.0), dim=-1)  # [B, F, W] descending
+    lq = torch.where((lq > LOG_Q_FLOOR) | ~sampled, lq, -torch.inf)  # a prefix of ranks
     lq = lq - torch.logsumexp(lq, dim=-1, keepdim=True)
     order = (lq + gumbel).topk(k, dim=-1).indices  # [B, F, K] sampling order
     pick = torch.where(sampled, order, torch.arange(k, device=logp.device).expand(b, f, k))
     return Children(
         ids=ids.gather(-1, pick),
-        score=torch.where(sampled, lq[..., :k], logp[..., :k]),
+        score=torch.where(sampled & (lq[..., :k] == -torch.inf), -torch.inf, logp[..., :k]),
         logq=torch.where(sampled, lq.gather(-1, pick), logp[..., :k]),
         q=lq.exp(),
     )
@@ -268,19 +266,19 @@ class Eagle3Drafter:
         root_hidden: torch.Tensor,
         root_logp: torch.Tensor,
         root_ids: torch.Tensor,
-        sampling: torch.Tensor,
+        temp: torch.Tensor,
         gumbel: torch.Tensor,
     ) -> DraftOut:
         """EAGLE-2: K children per expanded node (_children: the top-K, or K drawn from q), expand the K
         best of each level by cumulative score, and keep the best `keep` nodes. packed [B, 3]: committed
-        length m, slot, keep; root_* as Root; sampling [B, 3] as _children; gumbel [B, steps, K, W] noise
+        length m, slot, keep; root_* as Root; temp [B] as _children; gumbel [B, steps, K, W] noise
         (level d's nodes read [:, d]; the root [:, 0, 0]). Returns DraftOut: [B, 4, N] float64 base token
         ids, parents (re-indexed, -1 = root), draft probabilities given the parent and q rows of the N
         best nodes (one D2H copy; int64 ids are exact), and q of the root and every expanded node."""
         k, steps, scratch = self.drafting.top_k, self.drafting.steps, self.scratch
         bb, dev = packed.shape[0], packed.device
         m, slots, keep = packed[:, 0], packed[:, 1], packed[:, 2]  # [B] each
-        kids = _children(root_logp[:, None], root_ids[:, None], sampling, gumbel[:, 0, :1], k)
+        kids = _children(root_logp[:, None], root_ids[:, None], temp, gumbel[:, 0, :1], k)
         q_ids, q_probs = [root_ids[:, None]], [kids.q]  # [B, 1 + levels * K, W] once concatenated
         front_tok, front_score = kids.ids[:, 0], kids.score[:, 0]  # [B, K]
         cand_tok, cand_score, cand_logq = [front_tok], [front_score], [kids.logq[:, 0]]
@@ -303,7 +301,7 @@ class Eagle3Drafter:
             )
             embeds = F.embedding(front_tok, self._draft_embed)  # one gather: no d2t mapping per level
             out = self.head.top_k(embeds, front_hidden, batch, self.cache, self.width)
-            kids = _children(out.logp, out.ids, sampling, gumbel[:, depth], k)
+            kids = _children(out.logp, out.ids, temp, gumbel[:, depth], k)
             fronts.append(front_id)
             q_ids.append(out.ids)
             q_probs.append(kids.q)
@@ -331,7 +329,7 @@ class Eagle3Drafter:
         parent_score = torch.where(par < 0, 0.0, scores.gather(1, par.clamp(min=0)))
         probs = torch.exp(scores.gather(1, kept) - parent_score)  # [B, N]
         drawn = torch.cat(cand_logq, 1).gather(1, kept).exp()  # [B, N] sampled rows: q of the drawn token
-        probs = torch.where((sampling[:, 0] > 0)[:, None], drawn, probs)  # 0: drawn outside q (_trees drops it)
+        probs = torch.where((temp > 0)[:, None], drawn, probs)  # 0: drawn outside q (_trees drops it)
         # q row of every candidate: level d's expanded nodes are rows 1 + (d - 1) K .. d K (the root is 0)
         q_row = torch.full_like(parents, -1)  # [B, C]
         for level, ids in enumerate(fronts):
@@ -344,15 +342,15 @@ class Eagle3Drafter:
         )
 
     def _propose_step(
-        self, packed: torch.Tensor, hidden: torch.Tensor, sampling: torch.Tensor, gumbel: torch.Tensor
+        self, packed: torch.Tensor, hidden: torch.Tensor, temp: torch.Tensor, gumbel: torch.Tensor
     ) -> DraftOut:
         """A whole round's drafting: the accept pass, then the expansion from its root. packed and hidden
-        as _accept_step, sampling and gumbel as _expand_step; returns _expand_step's DraftOut."""
+        as _accept_step, temp and gumbel as _expand_step; returns _expand_step's DraftOut."""
         length = packed.shape[1] - 4
         root = self._accept_step(packed, hidden)
         m_after = packed[:, length] + packed[:, length + 1]
         expand = torch.stack((m_after, packed[:, length + 2], packed[:, length + 3]), dim=1)  # [B, 3]
-        return self._expand_step(expand, root.hidden, root.logp, root.ids, sampling, gumbel)
+        return self._expand_step(expand, root.hidden, root.logp, root.ids, temp, gumbel)
 
     # ---- host side ----
     def _accept_block(self, b: int, length: int) -> torch.Tensor:
@@ -367,18 +365,17 @@ class Eagle3Drafter:
         return torch.zeros(b, length, self.feature_dim, dtype=self.cache.kv.dtype)
 
     def _noise_block(self, b: int, items: list[ProposeInput] | None = None) -> dict[str, torch.Tensor]:
-        """sampling [b, 3] float32 (temperature, top-p, top-k) and gumbel [b, steps, K, W] float32 for the
-        items (the rest: padding, top-k rows): Gumbel noise from each sampling sequence's own generator,
-        zeros elsewhere."""
+        """temp [b] float32 and gumbel [b, steps, K, W] float32 for the items (the rest: padding, top-k
+        rows): Gumbel noise from each sampling sequence's own generator, zeros elsewhere."""
         d = self.drafting
-        sampling = np.zeros((b, 3), dtype=np.float32)
+        temp = np.zeros(b, dtype=np.float32)
         gumbel = np.zeros((b, d.steps, d.top_k, self.width), dtype=np.float32)
         for i, it in enumerate(items or []):
-            s = self.seqs.get(it.seq_id)[1].sampling
-            if not s.greedy:
-                sampling[i] = (s.temperature, s.top_p, s.top_k)
-                gumbel[i] = self.seqs.get(it.seq_id)[1].rng.gumbel(size=gumbel.shape[1:])
-        return {"sampling": torch.from_numpy(sampling), "gumbel": torch.from_numpy(gumbel)}
+            st = self.seqs.get(it.seq_id)[1]
+            if not st.sampling.greedy:
+                temp[i] = st.sampling.temperature
+                gumbel[i] = st.rng.gumbel(size=gumbel.shape[1:])
+        return {"temp": torch.from_numpy(temp), "gumbel": torch.from_numpy(gumbel)}
 
     def _new_seq(self, it: ProposeInput) -> DraftSeq:
         """A sequence's draft state: under the q rule its sampling and a generator seeded apart from the
@@ -459,7 +456,7 @@ class Eagle3Drafter:
             )
         else:
             res = self._run_with_prompts(items, bb, noise)
-        sampled = [i for i in range(b) if noise["sampling"][i, 0] > 0]
+        sampled = [i for i in range(b) if noise["temp"][i] > 0]
         q = None
         if sampled:  # q crosses to the host for the sampling rows only
             rows = torch.tensor(sampled, device=res.q_ids.device)
