@@ -256,7 +256,6 @@ def real():
     from common.weights import load_checkpoint
     from services.draft.__main__ import DEFAULT_HEAD
 
-    torch.set_grad_enabled(False)
     verifier = Verifier(load_checkpoint(), VerifierConfig(max_sequences=2, max_context=256))
     head = load_eagle3(DEFAULT_HEAD, dtype=torch.float32)[0].eval()
     prompt = Tokenizer(default_model_path()).encode_chat([("user", "What should I cook tonight?")])
