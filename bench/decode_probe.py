@@ -150,9 +150,9 @@ def main() -> None:
         probe_step(
             "propose B=1, 10/6/60",
             drafter.graphs,
-            ("propose", 1, 4),
-            drafter._propose_step,
-            {"packed": packed, "hidden": hidden},
+            ("propose", 1, 4, drafter.drafting.steps),
+            functools.partial(drafter._propose_step, depth=drafter.drafting.steps),
+            {"packed": packed, "hidden": hidden, **drafter._noise_block(1)},  # greedy: no draws
             args.verbose,
         )
     )

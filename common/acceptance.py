@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from common.tree import children_lists
+from common.tree import DraftQ, children_lists
 
 
 @dataclass(frozen=True)
@@ -83,6 +83,81 @@ def accept_sampled(
             return Acceptance(path=path, tokens=[int(tokens[c]) for c in path] + [bonus])
         path.append(accepted)
         row = accepted + 1
+
+
+def accept_sampled_q(
+    tokens: np.ndarray,
+    parents: np.ndarray,
+    q: DraftQ,
+    target_probs: Callable[[int], np.ndarray],
+    rng: np.random.Generator,
+) -> Acceptance:
+    """Lossless recursive rejection sampling over siblings drawn from the draft's q without replacement.
+
+    At a row with target p whose children x_1, x_2, ... (node order = sampling order) were drawn from q
+    one after another without replacement: q_i is q with x_1..x_{i-1} removed and renormalised; x_i is
+    accepted with probability min(1, p(x_i) / q_i(x_i)); on rejection p <- normalize(max(p - q_i, 0))
+    and the next sibling is tried; when every child is rejected the bonus is drawn from the last p.
+    Worked example: p = [.5, .3, .2], q = [.6, .4, 0], two children; they come in order [0, 1] with
+    probability .6 and [1, 0] with probability .4.
+        [0, 1]: child 0, q_1 = [.6, .4, 0]: accept w.p. .5/.6;  else p <- normalize([0, 0, .2]) = [0, 0, 1]
+                child 1, q_2 = [0, 1, 0]:   accept w.p. 0;      else p stays [0, 0, 1] -> bonus 2
+                -> token 0 w.p. 5/6, token 2 w.p. 1/6
+        [1, 0]: child 1, accept w.p. .3/.4; else p <- [0, 0, 1]; child 0 never -> token 1 .75, token 2 .25
+        overall: P(0) = .6 * 5/6 = .5,  P(1) = .4 * .75 = .3,  P(2) = .6/6 + .4/4 = .2   = p
+    Why the output is p (SpecInfer, Miao et al. 2023, with sampling without replacement): at one
+    step, P(output x_i = y) = q_i(y) min(1, p(y) / q_i(y)) = min(p, q_i)(y), the rejection mass is
+    sum(max(p - q_i, 0)), and continuing with p' = normalize(max(p - q_i, 0)) gives
+    min(p, q_i) + max(p - q_i, 0) = p, whatever x_i was (p' does not depend on it). By induction over
+    the siblings, the token leaving a row is distributed as its p, given anything decided before the
+    row was reached. This needs two things of the draft, or the sum breaks:
+      1. the children really are drawn from q in node order, without replacement (Gumbel-top-k of
+         log q: the keys in descending order are such a sequence of draws);
+      2. whether a row keeps its i-th child is decided without looking at the i-th or later draws
+         (or anything drafted below them): the kept children of every row are a PREFIX of its
+         sampling order, and the length of that prefix is a stopping time. A rule that kept x_i
+         because of its value would bias it: with p = [.5, .5], q = [.9, .1] and "keep x_1 only if
+         it is token 1", token 1 comes out with probability .45 + .1 = .55.
+    common/engine/draft.py meets 2. by scoring the i-th drawn child of v with v's score plus the i-th
+    largest draft log-probability at v, which depends on v alone, not on what was drawn (its _children).
+
+    q [R, M]: the draft's q at every row with children (DraftQ); target_probs(row) -> p at that row [V].
+    """
+    kids = children_lists(parents)
+    path: list[int] = []
+    row = 0
+    while True:
+        p = np.array(target_probs(row), dtype=np.float64)
+        accepted = None
+        if kids[row]:
+            q_ids, q_probs = _q_at(q, row)
+            left = q_probs.copy()  # [M] q without the siblings already drawn
+            for c in kids[row]:
+                x = int(tokens[c])
+                j = int(np.flatnonzero(q_ids == x)[0])
+                qi = left / left.sum()  # [M] q_i
+                if rng.random() * qi[j] < p[x]:
+                    accepted = c
+                    break
+                residual = p.copy()
+                residual[q_ids] = np.maximum(p[q_ids] - qi, 0.0)
+                if residual.sum() <= 0:  # rejection had probability 0 (p = q_i); rounding got here
+                    break
+                p = residual / residual.sum()
+                left[j] = 0.0
+        if accepted is None:
+            bonus = int(rng.choice(p.shape[0], p=p / p.sum()))
+            return Acceptance(path=path, tokens=[int(tokens[c]) for c in path] + [bonus])
+        path.append(accepted)
+        row = accepted + 1
+
+
+def _q_at(q: DraftQ, row: int) -> tuple[np.ndarray, np.ndarray]:
+    """q at a row with children as (ids [M] int64, probs [M] float64); ValueError when it has none."""
+    at = q.at(row)
+    if at is None:
+        raise ValueError(f"tree row {row} has children but the tree carries no q for it")
+    return np.asarray(at[0], dtype=np.int64), np.asarray(at[1], dtype=np.float64)
 
 
 @dataclass(frozen=True)

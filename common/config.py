@@ -47,16 +47,31 @@ class LlamaConfig:
         return (2, self.num_layers // 2, self.num_layers - 3)
 
 
+SAMPLING_RULES = ("onehot", "q")
+
+
 @dataclass(frozen=True)
 class DraftingConfig:
     """EAGLE-2 dynamic tree: expand the best `top_k` nodes per level for `steps` levels, verify the best
-    `verify_tree_size` nodes. Defaults are TensorRT Edge-LLM's (draftingTopK, draftingStep, verifyTreeSize)."""
+    `verify_tree_size` nodes. Defaults are TensorRT Edge-LLM's (draftingTopK, draftingStep, verifyTreeSize).
+
+    sampling_rule picks how sampled (temperature > 0) sequences are drafted and accepted (greedy ones
+    always get the deterministic top-k tree): "onehot" drafts the same top-k tree and the verifier
+    treats each child as a point mass (common.acceptance.accept_sampled); "q" draws each node's children
+    from the draft's distribution at the request's temperature, truncated to its q_width best tokens,
+    and the verifier uses that q (common.acceptance.accept_sampled_q)."""
 
     top_k: int = 10
     steps: int = 6
     verify_tree_size: int = 60
+    sampling_rule: str = "q"
+    q_width: int = 32  # M: tokens of the draft's q per expanded node under the q rule (top_k if larger)
 
     def __post_init__(self) -> None:
+        if self.sampling_rule not in SAMPLING_RULES:
+            raise ValueError(f"sampling_rule must be one of {', '.join(SAMPLING_RULES)}, got {self.sampling_rule!r}")
+        if not 1 <= self.q_width <= 256:
+            raise ValueError(f"q_width must be in [1, 256], got {self.q_width}")
         if not 1 <= self.top_k <= 64:
             raise ValueError(f"drafting top_k must be in [1, 64], got {self.top_k}")
         if not 1 <= self.steps <= 32:
@@ -68,6 +83,11 @@ class DraftingConfig:
                 f"verify_tree_size {self.verify_tree_size} exceeds the {self.max_candidates()} "
                 f"nodes that top_k={self.top_k}, steps={self.steps} can draft"
             )
+
+    @property
+    def width(self) -> int:
+        """Draft tokens read per expanded node: top_k, or the q rule's q_width when that is larger."""
+        return max(self.top_k, self.q_width) if self.sampling_rule == "q" else self.top_k
 
     def max_candidates(self) -> int:
         """Nodes the expansion creates: top_k at depth 1, then top_k * top_k per further step."""

@@ -23,12 +23,34 @@ from common.errors import InvalidRequest
 
 
 @dataclass(frozen=True)
+class DraftQ:
+    """The distribution q a sampled tree's children were drawn from, at each row that has children
+    (common.acceptance.accept_sampled_q). Sparse: the draft samples from its top-M tokens only, so q is
+    exactly M ids and their probabilities per row. Example: rows [0, 2] -> the root's q is ids[0],
+    node 1's (row 2) is ids[1]; rows without children carry none."""
+
+    rows: np.ndarray  # [R] int64 tree rows (0 = root, i + 1 = node i), ascending
+    ids: np.ndarray  # [R, M] int64 token ids
+    probs: np.ndarray  # [R, M] float32 their probabilities (each row sums to 1)
+
+    def at(self, row: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """(ids [M], probs [M]) of q at `row`, or None when the row has none."""
+        i = int(np.searchsorted(self.rows, row))
+        if i == self.rows.shape[0] or self.rows[i] != row:
+            return None
+        return self.ids[i], self.probs[i]
+
+
+@dataclass(frozen=True)
 class Tree:
     """A draft tree as it travels between services."""
 
     tokens: np.ndarray  # [N] int64 token ids
     parents: np.ndarray  # [N] int64 parent node index, -1 for the root
     probs: np.ndarray  # [N] float32 draft probability of each node given its parent
+    # children drawn from q in node order, without replacement: the verifier uses the q rule; None: the
+    # children were picked deterministically (top-k) and the one-hot rule applies
+    q: DraftQ | None = None
 
     @property
     def size(self) -> int:
@@ -36,7 +58,13 @@ class Tree:
 
 
 def validate_tree(
-    tokens: np.ndarray, parents: np.ndarray, probs: np.ndarray, *, max_nodes: int, vocab_size: int
+    tokens: np.ndarray,
+    parents: np.ndarray,
+    probs: np.ndarray,
+    *,
+    max_nodes: int,
+    vocab_size: int,
+    q: DraftQ | None = None,
 ) -> Tree:
     """Check a tree from the wire and return it. Raises InvalidRequest naming what is wrong.
 
@@ -68,7 +96,34 @@ def validate_tree(
         )
     if probs.shape[0] == 0:
         probs = np.ones(n, dtype=np.float32)
-    return Tree(tokens=tokens, parents=parents, probs=probs)
+    return Tree(tokens=tokens, parents=parents, probs=probs, q=validate_q(tokens, parents, q) if q else None)
+
+
+def validate_q(tokens: np.ndarray, parents: np.ndarray, q: DraftQ) -> DraftQ:
+    """Check a sampled tree's q: one row per row with children, ascending, probabilities that are a
+    distribution, and children that are distinct tokens of q's support (drawn without replacement).
+    Raises InvalidRequest."""
+    rows = np.asarray(q.rows, dtype=np.int64)
+    ids = np.asarray(q.ids, dtype=np.int64)
+    probs = np.asarray(q.probs, dtype=np.float32)
+    if ids.ndim != 2 or ids.shape != probs.shape or ids.shape[0] != rows.shape[0]:
+        raise InvalidRequest(f"q has {rows.shape[0]} rows, ids {ids.shape} and probs {probs.shape}")
+    if rows.shape[0] and ((np.diff(rows) <= 0).any() or rows[0] < 0 or rows[-1] > tokens.shape[0]):
+        raise InvalidRequest("q rows must be ascending tree rows")
+    if not np.isfinite(probs).all() or (probs < 0).any() or (np.abs(probs.sum(1) - 1) > 1e-3).any():
+        raise InvalidRequest("q probabilities must be finite, non-negative and sum to 1 per row")
+    out = DraftQ(rows=rows, ids=ids, probs=probs)
+    for row, kids in enumerate(children_lists(parents)):
+        if not kids:
+            continue
+        at = out.at(row)
+        if at is None:
+            raise InvalidRequest(f"tree row {row} has children but no q")
+        support = dict(zip(at[0].tolist(), (at[1] > 0).tolist()))
+        want = tokens[kids].tolist()
+        if len(set(want)) != len(want) or not all(support.get(t, False) for t in want):
+            raise InvalidRequest(f"the children of tree row {row} are not distinct tokens drawn from its q")
+    return out
 
 
 def depths(parents: np.ndarray) -> np.ndarray:
@@ -106,6 +161,20 @@ def children_lists(parents: np.ndarray) -> list[list[int]]:
     for i, p in enumerate(parents):
         kids[p + 1].append(i)
     return kids
+
+
+def drop_subtrees(parents: np.ndarray, drop: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Remove the nodes marked in drop [N] and all their descendants. Returns (the kept node indices
+    [n], their parents re-indexed into them).
+    Example: parents [-1, -1, 0, 1, 3], drop [0, 1, 0, 0, 0] (node 1 and below: 3, 4)
+             -> kept [0, 2], parents [-1, 0]"""
+    gone = np.asarray(drop, dtype=bool).copy()
+    for i, p in enumerate(parents):  # parents precede children
+        gone[i] |= p >= 0 and gone[p]
+    kept = np.flatnonzero(~gone)
+    position = np.full(parents.shape[0], -1, dtype=np.int64)
+    position[kept] = np.arange(kept.shape[0])
+    return kept, np.where(parents[kept] < 0, -1, position[np.maximum(parents[kept], 0)])
 
 
 def path_to_root(parents: np.ndarray, node: int) -> list[int]:

@@ -86,14 +86,20 @@ class ProposeInput:
     context_prefix: list[int]  # tokens before the first pair (on start: the prompt's first token)
     max_nodes: int
     max_depth: int = 0  # tree levels to draft; 0 = the drafter's steps
+    sampling: SamplingConfig = SamplingConfig()  # read on start: how the sequence samples (the q rule's needs)
 
     @classmethod
     def after_prefill(
-        cls, seq_id: str, prompt_ids: list[int], prefilled: PrefillOutput, max_nodes: int
+        cls,
+        seq_id: str,
+        prompt_ids: list[int],
+        prefilled: PrefillOutput,
+        max_nodes: int,
+        sampling: SamplingConfig = SamplingConfig(),
     ) -> ProposeInput:
         """A sequence's first propose (common.rounds.start_shift)."""
         token_ids, prefix = start_shift(prompt_ids, prefilled.next_token)
-        return cls(seq_id, token_ids, prefilled.hidden, True, prefix, max_nodes)
+        return cls(seq_id, token_ids, prefilled.hidden, True, prefix, max_nodes, sampling=sampling)
 
     @classmethod
     def after_verify(cls, seq_id: str, verified: VerifyOutput, max_nodes: int) -> ProposeInput:

@@ -16,9 +16,8 @@ of new tokens, 1..steps + 1, and depth bucket) and replayed. A round with a new 
 eagerly (prompt lengths vary), then the captured expansion.
 
 Data flow of one propose call without new sequences:
-    host --[B, L + 5] int64 + [B, L, 3H] features--> propose graph --[B, 3, N] float64--> host
-(tokens, parents, draft probabilities of the N best nodes per sequence; ties in the selection go to the
-earlier-created node, a parent before its children, as common.tree.select_top_nodes does).
+from common.config import DraftingConfig, SamplingConfig
+from common.engine.base import ProposeInput
 """
 
 from __future__ import annotations
@@ -32,14 +31,14 @@ import torch
 import torch.nn.functional as F
 
 from common import validate
-from common.config import DraftingConfig
+from common.config import DraftingConfig, SamplingConfig
 from common.engine.base import ProposeInput, StepTime
 from common.engine.cuda_graphs import CudaGraphManager, GraphConfig, batch_buckets_for
 from common.errors import CapacityExhausted, InvalidRequest
 from common.model.eagle3 import Eagle3Head
 from common.model.llama import Batch, KVCache
 from common.slots import SlotTable, check_unique
-from common.tree import Tree
+from common.tree import DraftQ, Tree, drop_subtrees
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +46,69 @@ log = logging.getLogger(__name__)
 @dataclass
 class DraftSeq:
     length: int  # committed pairs in the draft KV cache
+    sampling: SamplingConfig  # temperature > 0: its children are drawn from q (the q rule); 0: the top-k tree
+    rng: np.random.Generator  # the Gumbel noise of its draws (independent of the verifier's generator)
+
+
+@dataclass(frozen=True)
+class Children:
+    """The K children of each expanded node, in sampling order (_children)."""
+
+    ids: torch.Tensor  # [B, F, K] draft ids
+    score: torch.Tensor  # [B, F, K] log-probability added to the parent's score (the tree's shape)
+    logq: torch.Tensor  # [B, F, K] log-probability each child was drawn with (the probs channel)
+    q: torch.Tensor  # [B, F, W] q over the node's W best draft tokens (sampling rows; top-k rows: unused)
+
+
+@dataclass(frozen=True)
+class DraftOut:
+    """_expand_step's outputs (static buffers under a graph)."""
+
+    tree: torch.Tensor  # [B, 4, N] float64: base ids, parents (-1 = root), probs, q row (-1: none)
+    q_ids: torch.Tensor  # [B, Q, W] int64 base ids of q at the root (row 0) and each expanded node
+    q_probs: torch.Tensor  # [B, Q, W] float32 their probabilities
+
+
+LOG_Q_FLOOR = -60.0  # log q below this counts as outside q: such a probability could round to 0 on the wire
+
+
+def _children(logp: torch.Tensor, ids: torch.Tensor, temp: torch.Tensor, gumbel: torch.Tensor, k: int) -> Children:
+    """The children of F expanded nodes per sequence. logp, ids [B, F, W]: the W best draft tokens of
+    each node, descending; temp [B] each sequence's temperature (0: top-k children); gumbel [B, F, W]
+    Gumbel(0, 1) noise.
+
+    Top-k rows keep the K best, scored by their log-probability (EAGLE-2). Sampled rows draw K tokens
+    from q = softmax(logp / T) over the W (Gumbel-top-K: the keys log q + g in descending order are
+    draws without replacement, in sampling order; tokens with log q below LOG_Q_FLOOR are outside q:
+    they come last with key -inf, score -inf and q 0, and the host drops them), and the i-th draw is
+    scored as the top-k tree scores its i-th child, by the i-th LARGEST draft log-probability, not by
+    its own: a child's score then depends on its parent alone, never on what was drawn. (Scoring by
+    the i-th largest log q at the temperature instead measured the same within noise; cutting q by the
+    request's top-p, which shrinks the trees, measured worse: docs/benchmarks.md.)
+    Why the verifier's q rule stays lossless (common.acceptance.accept_sampled_q, condition 2): child i
+    of v sits in the final tree iff fewer than `keep` candidates outrank it (higher score, or equal and
+    created earlier). Children i' >= i of v and everything below them score <= s(v, i) and are created
+    after child i, so they never outrank it; and a frontier (top-K) that one of them enters only displaces
+    a candidate scoring no more than s(v, i), whose descendants cannot outrank child i either. So which
+    candidates outrank child i, hence whether v keeps it, is fixed before its draw: the kept children of
+    every node are a prefix of its sampling order whose length is a stopping time (test_sampling_rule.py
+    checks the prefix on random trees, and the resulting distribution).
+    Example (K 2, W 3, temperature 0.5): logp [-.1, -1, -3] -> log q [-.15, -1.95, -5.95]; keys
+    log q + g = [-.9, .4, -4.5] -> ids of [1, 0], scores [-.1, -1] (the two largest logp, in rank
+    order), logq of the drawn [-1.95, -.15]."""
+    b, f, w = logp.shape
+    sampled = (temp > 0)[:, None, None]  # [B, 1, 1]
+    lq = torch.log_softmax(logp / torch.where(sampled, temp[:, None, None], 1.0), dim=-1)  # [B, F, W] descending
+    lq = torch.where((lq > LOG_Q_FLOOR) | ~sampled, lq, -torch.inf)  # a prefix of ranks
+    lq = lq - torch.logsumexp(lq, dim=-1, keepdim=True)
+    order = (lq + gumbel).topk(k, dim=-1).indices  # [B, F, K] sampling order
+    pick = torch.where(sampled, order, torch.arange(k, device=logp.device).expand(b, f, k))
+    return Children(
+        ids=ids.gather(-1, pick),
+        score=torch.where(sampled & (lq[..., :k] == -torch.inf), -torch.inf, logp[..., :k]),
+        logq=torch.where(sampled, lq.gather(-1, pick), logp[..., :k]),
+        q=lq.exp(),
+    )
 
 
 @dataclass(frozen=True)
@@ -54,8 +116,8 @@ class Root:
     """The head's output at each sequence's last committed pair: where the tree grows from."""
 
     hidden: torch.Tensor  # [B, H] fed back with the depth-1 nodes
-    logp: torch.Tensor  # [B, K] the K best draft log-probabilities, descending
-    ids: torch.Tensor  # [B, K] their draft-vocabulary ids
+    logp: torch.Tensor  # [B, W] the W best draft log-probabilities, descending (W = DraftingConfig.width)
+    ids: torch.Tensor  # [B, W] their draft-vocabulary ids
 
 
 def select_top_nodes_device(
@@ -107,6 +169,9 @@ class Eagle3Drafter:
         head.fuse()  # fused q|k|v and gate|up weights, built before any CUDA graph capture
         c = head.cfg
         k, steps = drafting.top_k, drafting.steps
+        self.width = drafting.width  # W
+        if self.width > c.draft_vocab_size:
+            raise ValueError(f"the draft reads {self.width} tokens per node; its vocabulary has {c.draft_vocab_size}")
         self.scratch = (steps - 1) * k
         self.max_new = steps + 1  # committed tokens per round: at most the tree's depth plus the bonus
         self.tree_size = drafting.verify_tree_size
@@ -147,7 +212,9 @@ class Eagle3Drafter:
                     for length in range(self.max_new, 0, -1):
                         packed, hidden = self._accept_block(bb, length), self._hidden_block(bb, length)
                         self.graphs.capture(
-                            ("propose", bb, length, depth), propose, {"packed": packed, "hidden": hidden}
+                            ("propose", bb, length, depth),
+                            propose,
+                            {"packed": packed, "hidden": hidden, **self._noise_block(bb)},
                         )
                     root = self._accept_step(
                         self._accept_block(bb, 1).to(self.device), self._hidden_block(bb, 1).to(self.device)
@@ -160,6 +227,7 @@ class Eagle3Drafter:
                             "root_hidden": root.hidden,
                             "root_logp": root.logp,
                             "root_ids": root.ids,
+                            **self._noise_block(bb),
                         },
                     )
         self.graphs.log_report()
@@ -176,7 +244,11 @@ class Eagle3Drafter:
         out = []
         for bb in self.batch_buckets[:1] if cpu else self.batch_buckets:
             for depth in self.depth_buckets:
-                inputs = {"packed": self._accept_block(bb, 2), "hidden": self._hidden_block(bb, 2)}
+                inputs = {
+                    "packed": self._accept_block(bb, 2),
+                    "hidden": self._hidden_block(bb, 2),
+                    **self._noise_block(bb),
+                }
                 step = functools.partial(self._propose_step, depth=depth)
                 t = self.graphs.seconds(("propose", bb, 2, depth), step, inputs)
                 out.append(StepTime("propose", bb, depth, t))
@@ -202,7 +274,7 @@ class Eagle3Drafter:
             prefix_len=m,
             window=causal[None].expand(packed.shape[0], length, length),
         )
-        out = self.head.top_k(self.embed(ids), hidden, batch, self.cache, self.drafting.top_k)
+        out = self.head.top_k(self.embed(ids), hidden, batch, self.cache, self.width)
         rows = torch.arange(packed.shape[0], device=packed.device)
         last = (new - 1).clamp(min=0)
         return Root(hidden=out.hidden[rows, last], logp=out.logp[rows, last], ids=out.ids[rows, last])
@@ -213,22 +285,29 @@ class Eagle3Drafter:
         root_hidden: torch.Tensor,
         root_logp: torch.Tensor,
         root_ids: torch.Tensor,
+        temp: torch.Tensor,
+        gumbel: torch.Tensor,
         depth: int | None = None,
-    ) -> torch.Tensor:
-        """EAGLE-2: keep top-K children per expanded node, expand the K best of each level by cumulative
-        log-probability for `depth` levels (None: the drafter's steps), and keep the best `keep` nodes
-        of at most the row's depth. packed [B, 4]: committed length m, slot, keep, the row's depth;
-        root_* as Root. Returns [B, 3, N] float64: base token ids, parents (re-indexed, -1 = root) and
-        draft probabilities given the parent of the N best nodes (one D2H copy; int64 ids are exact)."""
+    ) -> DraftOut:
+        """EAGLE-2: K children per expanded node (_children: the top-K, or K drawn from q), expand the K
+        best of each level by cumulative score for `depth` levels (None: the drafter's steps), and keep
+        the best `keep` nodes of at most the row's depth. packed [B, 4]: committed length m, slot, keep,
+        the row's depth; root_* as Root; temp [B] as _children; gumbel [B, steps, K, W] noise (level d's
+        nodes read [:, d]; the root [:, 0, 0]). Returns DraftOut: [B, 4, N] float64 base token ids,
+        parents (re-indexed, -1 = root), draft probabilities given the parent and q rows of the N best
+        nodes (one D2H copy; int64 ids are exact), and q of the root and every expanded node."""
         k, scratch = self.drafting.top_k, self.scratch
         steps = depth or self.drafting.steps
         bb, dev = packed.shape[0], packed.device
         m, slots, keep, row_depth = packed[:, 0], packed[:, 1], packed[:, 2], packed[:, 3]  # [B] each
-        front_tok, front_score = root_ids, root_logp  # [B, K]
-        cand_tok, cand_score = [front_tok], [front_score]
+        kids = _children(root_logp[:, None], root_ids[:, None], temp, gumbel[:, 0, :1], k)
+        q_ids, q_probs = [root_ids[:, None]], [kids.q]  # [B, 1 + levels * K, W] once concatenated
+        front_tok, front_score = kids.ids[:, 0], kids.score[:, 0]  # [B, K]
+        cand_tok, cand_score, cand_logq = [front_tok], [front_score], [kids.logq[:, 0]]
         cand_parent = [torch.full((bb, k), -1, device=dev)]
         cand_depth = [torch.full((k,), 1, device=dev)]
         front_id = torch.arange(k, device=dev).expand(bb, k)  # [B, K] creation index
+        fronts = []  # creation indices of each level's expanded nodes, [B, K] each
         front_hidden = root_hidden[:, None, :].expand(bb, k, root_hidden.shape[-1])  # [B, K, H]
         front_anc = torch.zeros(bb, k, max(scratch, 1), dtype=torch.bool, device=dev)  # [B, K, S]
         created = k
@@ -244,11 +323,16 @@ class Eagle3Drafter:
                 window=anc,
             )
             embeds = F.embedding(front_tok, self._draft_embed)  # one gather: no d2t mapping per level
-            out = self.head.top_k(embeds, front_hidden, batch, self.cache, k)
-            scores = (front_score[:, :, None] + out.logp).reshape(bb, k * k)  # [B, K*K]
-            child_tok = out.ids.reshape(bb, k * k)
+            out = self.head.top_k(embeds, front_hidden, batch, self.cache, self.width)
+            kids = _children(out.logp, out.ids, temp, gumbel[:, depth], k)
+            fronts.append(front_id)
+            q_ids.append(out.ids)
+            q_probs.append(kids.q)
+            scores = (front_score[:, :, None] + kids.score).reshape(bb, k * k)  # [B, K*K]
+            child_tok = kids.ids.reshape(bb, k * k)
             cand_tok.append(child_tok)
             cand_score.append(scores)
+            cand_logq.append(kids.logq.reshape(bb, k * k))
             cand_parent.append(front_id[:, :, None].expand(bb, k, k).reshape(bb, k * k))
             cand_depth.append(torch.full((k * k,), depth + 1, device=dev))
             if depth == steps - 1:
@@ -271,16 +355,34 @@ class Eagle3Drafter:
         par = parents.gather(1, kept)
         parent_score = torch.where(par < 0, 0.0, scores.gather(1, par.clamp(min=0)))
         probs = torch.exp(scores.gather(1, kept) - parent_score)  # [B, N]
-        return torch.stack((toks.gather(1, kept).double(), new_parents.double(), probs.double()), 1)
+        drawn = torch.cat(cand_logq, 1).gather(1, kept).exp()  # [B, N] sampled rows: q of the drawn token
+        probs = torch.where((temp > 0)[:, None], drawn, probs)  # 0: drawn outside q (_trees drops it)
+        # q row of every candidate: level d's expanded nodes are rows 1 + (d - 1) K .. d K (the root is 0)
+        q_row = torch.full_like(parents, -1)  # [B, C]
+        for level, ids in enumerate(fronts):
+            q_row.scatter_(1, ids, 1 + level * k + torch.arange(k, device=dev).expand(bb, k))
+        tree = torch.stack(
+            (toks.gather(1, kept).double(), new_parents.double(), probs.double(), q_row.gather(1, kept).double()), 1
+        )
+        return DraftOut(
+            tree=tree, q_ids=self.head.to_base_ids(torch.cat(q_ids, 1)), q_probs=torch.cat(q_probs, 1).float()
+        )
 
-    def _propose_step(self, packed: torch.Tensor, hidden: torch.Tensor, depth: int | None = None) -> torch.Tensor:
+    def _propose_step(
+        self,
+        packed: torch.Tensor,
+        hidden: torch.Tensor,
+        temp: torch.Tensor,
+        gumbel: torch.Tensor,
+        depth: int | None = None,
+    ) -> DraftOut:
         """A whole round's drafting: the accept pass, then the expansion from its root. packed and hidden
-        as _accept_step; returns _expand_step's [B, 3, N]."""
+        as _accept_step, temp, gumbel and depth as _expand_step; returns _expand_step's DraftOut."""
         length = packed.shape[1] - 5
         root = self._accept_step(packed, hidden)
         m_after = packed[:, length] + packed[:, length + 1]
         expand = torch.stack((m_after, packed[:, length + 2], packed[:, length + 3], packed[:, length + 4]), dim=1)
-        return self._expand_step(expand, root.hidden, root.logp, root.ids, depth)
+        return self._expand_step(expand, root.hidden, root.logp, root.ids, temp, gumbel, depth)
 
     # ---- host side ----
     def _accept_block(self, b: int, length: int) -> torch.Tensor:
@@ -294,6 +396,26 @@ class Eagle3Drafter:
 
     def _hidden_block(self, b: int, length: int) -> torch.Tensor:
         return torch.zeros(b, length, self.feature_dim, dtype=self.cache.kv.dtype)
+
+    def _noise_block(self, b: int, items: list[ProposeInput] | None = None) -> dict[str, torch.Tensor]:
+        """temp [b] float32 and gumbel [b, steps, K, W] float32 for the items (the rest: padding, top-k
+        rows): Gumbel noise from each sampling sequence's own generator, zeros elsewhere."""
+        d = self.drafting
+        temp = np.zeros(b, dtype=np.float32)
+        gumbel = np.zeros((b, d.steps, d.top_k, self.width), dtype=np.float32)
+        for i, it in enumerate(items or []):
+            st = self.seqs.get(it.seq_id)[1]
+            if not st.sampling.greedy:
+                temp[i] = st.sampling.temperature
+                gumbel[i] = st.rng.gumbel(size=gumbel.shape[1:])
+        return {"temp": torch.from_numpy(temp), "gumbel": torch.from_numpy(gumbel)}
+
+    def _new_seq(self, it: ProposeInput) -> DraftSeq:
+        """A sequence's draft state: under the q rule its sampling and a generator seeded apart from the
+        verifier's (a spawned child of the request's seed); else greedy (the top-k tree)."""
+        s: SamplingConfig = it.sampling if self.drafting.sampling_rule == "q" else SamplingConfig()
+        seed = np.random.SeedSequence(s.seed).spawn(1)[0] if s.seed is not None else None
+        return DraftSeq(length=0, sampling=s, rng=np.random.default_rng(seed))
 
     def _expand_block(self, b: int) -> torch.Tensor:
         """An all-padding expand block [b, 4]: length 0, the trash slot, keep 1, depth 1."""
@@ -349,8 +471,9 @@ class Eagle3Drafter:
     def propose(self, items: list[ProposeInput]) -> list[Tree]:
         check_unique([it.seq_id for it in items])
         started = [it.seq_id for it in items if it.start]
-        for s in started:
-            self.seqs.acquire(s, DraftSeq(length=0))
+        for it in items:
+            if it.start:
+                self.seqs.acquire(it.seq_id, self._new_seq(it))
         try:
             self._check(items)
             with self.graphs.on_stream():
@@ -363,20 +486,28 @@ class Eagle3Drafter:
             self.seqs.get(it.seq_id)[1].length += len(it.token_ids)
         return trees
 
-    def _run(self, items: list[ProposeInput]) -> torch.Tensor:
+    def _run(self, items: list[ProposeInput]) -> list[Tree]:
         b = len(items)
         bb = self.graphs.bucket(b, self.batch_buckets)
         length = max(len(it.token_ids) for it in items)
         depth = self.graphs.bucket(max(self._depth(it) for it in items), self.depth_buckets)
+        noise = self._noise_block(bb, items)
         if not any(it.start for it in items) and length <= self.max_new:
             packed, hidden = self._pack(items, bb, length)
             step = functools.partial(self._propose_step, depth=depth)
-            res = self.graphs.run(("propose", bb, length, depth), step, {"packed": packed, "hidden": hidden})
+            res = self.graphs.run(("propose", bb, length, depth), step, {"packed": packed, "hidden": hidden, **noise})
         else:
-            res = self._run_with_prompts(items, bb, depth)
-        return self._trees(res[:b].cpu().numpy(), [self._keep(it) for it in items])
+            res = self._run_with_prompts(items, bb, depth, noise)
+        sampled = [i for i in range(b) if noise["temp"][i] > 0]
+        q = None
+        if sampled:  # q crosses to the host for the sampling rows only
+            rows = torch.tensor(sampled, device=res.q_ids.device)
+            q = (res.q_ids.index_select(0, rows).cpu().numpy(), res.q_probs.index_select(0, rows).cpu().numpy())
+        return self._trees(res.tree[:b].cpu().numpy(), [self._keep(it) for it in items], sampled, q)
 
-    def _run_with_prompts(self, items: list[ProposeInput], bb: int, depth: int) -> torch.Tensor:
+    def _run_with_prompts(
+        self, items: list[ProposeInput], bb: int, depth: int, noise: dict[str, torch.Tensor]
+    ) -> DraftOut:
         """A round where sequences start: accept passes in two eager groups (new sequences over their
         prompts; the others over their few new tokens), so that no padded row runs past its slot, then
         the expansion for everyone."""
@@ -407,19 +538,37 @@ class Eagle3Drafter:
                 "root_hidden": stacked("hidden"),
                 "root_logp": stacked("logp"),
                 "root_ids": stacked("ids"),
+                **noise,
             },
         )
 
-    def _trees(self, res: np.ndarray, keeps: list[int]) -> list[Tree]:
-        """res [B, 3, N] from _expand_step -> one Tree per sequence with its first keep nodes."""
+    def _trees(
+        self, res: np.ndarray, keeps: list[int], sampled: list[int], q: tuple[np.ndarray, np.ndarray] | None
+    ) -> list[Tree]:
+        """res [B, 4, N] from _expand_step -> one Tree per sequence with its first keep nodes; the rows
+        `sampled` also get q (q_ids, q_probs [len(sampled), Q, W]) at each tree row with children.
+        Example: parents [-1, -1, 0], q rows of the nodes [1, 2, -1] -> tree rows with children [0, 1],
+        q rows [0, 1] (the root's is 0)."""
         trees = []
         for i, keep in enumerate(keeps):
             parents = res[i, 1, :keep].astype(np.int64)
             if (parents >= np.arange(keep)).any():
                 raise ValueError("tree selection dropped a parent while keeping its child")
+            nodes, draft_q = np.arange(keep), None
+            if i in sampled:  # drop the draws from outside q (probability 0) and what hangs below them
+                nodes, parents = drop_subtrees(parents, res[i, 2, :keep] == 0)
+                rows = np.unique(parents + 1)  # [R] tree rows with children, ascending
+                q_rows = np.where(rows == 0, 0, res[i, 3, nodes[np.maximum(rows - 1, 0)]]).astype(np.int64)
+                if (q_rows < 0).any():
+                    raise ValueError("a kept node has children but was never expanded")
+                j = sampled.index(i)
+                draft_q = DraftQ(rows=rows, ids=q[0][j, q_rows], probs=q[1][j, q_rows])
             trees.append(
                 Tree(
-                    tokens=res[i, 0, :keep].astype(np.int64), parents=parents, probs=res[i, 2, :keep].astype(np.float32)
+                    tokens=res[i, 0, nodes].astype(np.int64),
+                    parents=parents,
+                    probs=res[i, 2, nodes].astype(np.float32),
+                    q=draft_q,
                 )
             )
         return trees

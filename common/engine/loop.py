@@ -30,16 +30,19 @@ def speculative_loop(
     tree_size: int,
     commit: Callable[[str, list[int]], bool],
     on_round: Callable[[Round], None] | None = None,
+    sampling: dict[str, SamplingConfig] | None = None,
 ) -> None:
     """Prefill every prompt (seq id -> prompt ids), then run rounds until every sequence is done.
     commit(seq_id, new_tokens) receives each sequence's tokens as they come (the prefill's first token,
     then each round's) and returns whether the sequence goes on; a finished one is released on both
-    engines. on_round sees each round's timing and committed counts."""
+    engines. on_round sees each round's timing and committed counts. sampling: seq id -> how it samples
+    (absent: greedy)."""
     items: dict[str, ProposeInput] = {}
     for sid, prompt in prompts.items():
-        out = verifier.prefill(PrefillInput(sid, prompt, SamplingConfig()))
+        cfg = (sampling or {}).get(sid, SamplingConfig())
+        out = verifier.prefill(PrefillInput(sid, prompt, cfg))
         if commit(sid, [out.next_token]):
-            items[sid] = ProposeInput.after_prefill(sid, prompt, out, tree_size)
+            items[sid] = ProposeInput.after_prefill(sid, prompt, out, tree_size, cfg)
         else:
             verifier.release([sid])
     while items:

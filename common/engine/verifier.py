@@ -11,7 +11,8 @@ One verify call moves: the host packs one int64 block [B, 2T + 3] (tokens, paren
 greedy flag); the step builds the tree mask and positions, runs the model, accepts greedily, compacts
 the accepted path's K/V in every layer, and gathers the kept EAGLE features; the host reads back one
 [B, T + 1] block (accepted count, tokens). Sequences that sample accept on the host from their logits
-rows (common.acceptance.accept_sampled) and compact afterwards.
+rows and compact afterwards: with the q rule when the tree carries the draft's q
+(common.acceptance.accept_sampled_q), else with the one-hot rule (accept_sampled).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import numpy as np
 import torch
 
 from common import validate
-from common.acceptance import Acceptance, accept_sampled, compaction_plan
+from common.acceptance import Acceptance, accept_sampled, accept_sampled_q, compaction_plan
 from common.config import LlamaConfig, SamplingConfig
 from common.engine.base import Decoded, EngineInfo, PrefillInput, PrefillOutput, StepTime, VerifyInput, VerifyOutput
 from common.engine.cuda_graphs import CudaGraphManager, GraphConfig, batch_buckets_for
@@ -356,9 +357,15 @@ class Verifier:
         """Host-side lossless acceptance for a sampling sequence, then its KV compaction.
         hidden [T, H], aux [T, 3H]: the step's rows for this sequence."""
         logits = self.model.logits(hidden[: it.tree.size + 1])  # [size + 1, V]
-        acc: Acceptance = accept_sampled(
-            it.tree.tokens, it.tree.parents, lambda r: target_distribution(logits[r].cpu().numpy(), st.sampling), st.rng
-        )
+
+        def target(row: int) -> np.ndarray:
+            return target_distribution(logits[row].cpu().numpy(), st.sampling)
+
+        tree = it.tree
+        if tree.q is not None:
+            acc: Acceptance = accept_sampled_q(tree.tokens, tree.parents, tree.q, target, st.rng)
+        else:
+            acc = accept_sampled(tree.tokens, tree.parents, target, st.rng)
         move = compaction_plan(acc.path, st.length)
         if move.src:
             src, dst = self._t(np.array(move.src)), self._t(np.array(move.dst))

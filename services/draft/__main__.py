@@ -39,7 +39,13 @@ def build_drafter(args: argparse.Namespace) -> Built:
     from common.model.llama import LlamaModel
     from common.weights import load_checkpoint
 
-    drafting = DraftingConfig(top_k=args.top_k, steps=args.steps, verify_tree_size=args.verify_tree_size)
+    drafting = DraftingConfig(
+        top_k=args.top_k,
+        steps=args.steps,
+        verify_tree_size=args.verify_tree_size,
+        sampling_rule=args.sampling_rule,
+        q_width=args.q_width,
+    )
     ckpt = load_checkpoint(args.model)
     device, dtype = torch.device(args.device), torch_dtype(pick_dtype(args.device, args.dtype))
     if args.drafter in ("oracle-greedy", "oracle-wrong"):  # the test oracles run the whole base model
@@ -114,6 +120,8 @@ async def main(args: argparse.Namespace) -> None:
 
 
 def cli() -> None:
+    from common.config import SAMPLING_RULES, DraftingConfig
+
     p = argparse.ArgumentParser(prog="python -m services.draft", description=__doc__)
     common_arguments(p, "DRAFT_ADDR", "127.0.0.1:50052")
     engine_arguments(p)
@@ -122,6 +130,14 @@ def cli() -> None:
     p.add_argument("--top-k", type=int, default=10, help="drafting_top_k")
     p.add_argument("--steps", type=int, default=6, help="drafting_steps")
     p.add_argument("--verify-tree-size", type=int, default=60)
+    p.add_argument(
+        "--sampling-rule",
+        default=DraftingConfig.sampling_rule,
+        choices=SAMPLING_RULES,
+        help="sampled requests: onehot (top-k tree, one-hot acceptance) or q (children drawn from the "
+        "draft's q, recursive rejection sampling; the verifier follows the tree)",
+    )
+    p.add_argument("--q-width", type=int, default=DraftingConfig.q_width, help="tokens of q per node (q rule)")
     a = parse_and_log(p)
     asyncio.run(main(a))
 

@@ -7,21 +7,47 @@ import logging
 import socket
 import time
 
+import numpy as np
 import torch
 
 from common import validate
-from common.config import DraftingConfig
+from common.config import DraftingConfig, SamplingConfig
 from common.engine.base import Drafter, ProposeInput
 from common.errors import InvalidRequest
 from common.ipc import ExportedBuffer, MappedBuffers, gpu_uuid
 from common.slots import check_unique
 from common.tensors import decode
+from common.tree import Tree
 from services.engine_runner import EngineRunner
 from services.leasing import SequenceLeases
 from specdec.v1 import internal_pb2 as pb
 from specdec.v1 import internal_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
+
+
+def sampling_config(msg: pb.SamplingParams) -> SamplingConfig:
+    try:
+        return SamplingConfig(
+            temperature=msg.temperature,
+            top_p=msg.top_p or 1.0,
+            top_k=msg.top_k,
+            seed=msg.seed if msg.has_seed else None,
+        )
+    except ValueError as e:
+        raise InvalidRequest(str(e)) from e
+
+
+def tree_msg(t: Tree, msg: pb.DraftTree) -> None:
+    """Fill a DraftTree in place; q (sampled trees) as packed little-endian bytes."""
+    msg.token_ids.extend(t.tokens.tolist())
+    msg.parents.extend(t.parents.tolist())
+    msg.draft_probs.extend(t.probs.tolist())
+    if t.q is not None:
+        msg.q_width = t.q.ids.shape[1]
+        msg.q_rows = t.q.rows.astype("<i4").tobytes()
+        msg.q_ids = t.q.ids.astype("<i4").tobytes()
+        msg.q_probs = np.ascontiguousarray(t.q.probs, dtype="<f4").tobytes()
 
 
 class DraftServicer(pb_grpc.DraftServicer):
@@ -144,6 +170,7 @@ class DraftServicer(pb_grpc.DraftServicer):
                     context_prefix=list(it.context_prefix),
                     max_nodes=min(it.max_nodes or self.drafting.verify_tree_size, self.drafting.verify_tree_size),
                     max_depth=it.max_depth,
+                    sampling=sampling_config(it.sampling),
                 )
             )
         # bytes from the wire are checked; an IPC region is the verifier's own output in its own buffer (only
@@ -159,8 +186,5 @@ class DraftServicer(pb_grpc.DraftServicer):
         compute_us = int((time.perf_counter() - t0) * 1e6)
         resp = pb.ProposeResponse(compute_us=compute_us)
         for it, t in zip(items, trees):  # built in place, no copies of nested messages
-            tree = resp.results.add(seq_id=it.seq_id).tree
-            tree.token_ids.extend(t.tokens.tolist())
-            tree.parents.extend(t.parents.tolist())
-            tree.draft_probs.extend(t.probs.tolist())
+            tree_msg(t, resp.results.add(seq_id=it.seq_id).tree)
         return resp

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from common.errors import CapacityExhausted, PeerUnavailable
 from common.policy import PLAIN, FixedPolicy, Policy, Shape
 from common.rounds import start_shift
-from services.gateway.clients import DraftClient, VerifierClient
+from services.gateway.clients import DraftClient, VerifierClient, sampling_msg
 from services.gateway.health import DraftLink
 from services.gateway.metrics import Metrics
 from services.gateway.sequence import Delta, Finish, Generation
@@ -372,6 +372,7 @@ class Scheduler:
                 hidden=h,
                 start=True,
                 context_prefix=prefix,
+                sampling=sampling_msg(a.gen.request.sampling),
             )
         log.info("the draft catches up on %d sequence(s)", len(lost))
 
@@ -427,6 +428,7 @@ class Scheduler:
                 hidden=pre.hidden,
                 start=True,
                 context_prefix=prefix,
+                sampling=sampling_msg(req.sampling),
             )
         self._emit(a, a.gen.commit([pre.next_token]))
 

@@ -8,6 +8,7 @@ import socket
 import time
 import uuid
 
+import numpy as np
 import torch
 
 from common.config import SamplingConfig
@@ -16,7 +17,7 @@ from common.errors import CapacityExhausted, InvalidRequest, UnknownSequence
 from common.ipc import HiddenExport, gpu_uuid
 from common.slots import check_unique
 from common.tensors import encode_inline, encode_ipc
-from common.tree import validate_tree
+from common.tree import DraftQ, validate_tree
 from services.engine_runner import EngineRunner
 from services.leasing import SequenceLeases
 from specdec.v1 import internal_pb2 as pb
@@ -36,6 +37,22 @@ def sampling_config(msg: pb.SamplingParams) -> SamplingConfig:
         )
     except ValueError as e:
         raise InvalidRequest(str(e)) from e
+
+
+def draft_q(msg: pb.DraftTree) -> DraftQ | None:
+    """A sampled tree's q from its packed bytes (checked against the tree by validate_tree), or None."""
+    if msg.q_width == 0:
+        return None
+    m = msg.q_width
+    if m < 0 or len(msg.q_ids) != len(msg.q_probs) or len(msg.q_ids) != 4 * m * (len(msg.q_rows) // 4):
+        raise InvalidRequest(f"q bytes do not match q_width {m} and {len(msg.q_rows) // 4} rows")
+    if len(msg.q_rows) % 4:
+        raise InvalidRequest("q_rows is not a whole number of int32")
+    return DraftQ(
+        rows=np.frombuffer(msg.q_rows, dtype="<i4").astype(np.int64),
+        ids=np.frombuffer(msg.q_ids, dtype="<i4").astype(np.int64).reshape(-1, m),
+        probs=np.frombuffer(msg.q_probs, dtype="<f4").astype(np.float32).reshape(-1, m),
+    )
 
 
 class VerifierServicer(pb_grpc.VerifierServicer):
@@ -229,6 +246,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                     list(it.tree.draft_probs),
                     max_nodes=info.max_tree_nodes,
                     vocab_size=info.vocab_size,
+                    q=draft_q(it.tree),
                 ),
             )
             for it in request.items
