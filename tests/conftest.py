@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
-import pytest
+import os
 
-from services.stack import Stack
+import pytest
+import torch
+
+# Triton reads TRITON_INTERPRET once, when something first imports it (torch.compile's machinery does, via
+# common.kernels), so on a CPU the interpreter that tests/test_kernels.py needs is chosen here, first.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from services.stack import Stack  # noqa: E402
 
 # Small context keeps the CPU KV caches small; everything else is the real model in float32.
 COMMON = ["--max-context", "512", "--max-sequences", "8", "--dtype", "float32", "--device", "cpu"]
