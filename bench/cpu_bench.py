@@ -47,7 +47,7 @@ def through_services(addr: str, prompts: list[str], max_new: int, speculative: b
             t0 = time.perf_counter()
             resp = stub.Complete(req, timeout=600)
             per_token.append((time.perf_counter() - t0) / len(resp.token_ids))
-            if speculative:
+            if speculative and resp.speculation.rounds:  # the policy may not have drafted at all
                 accept.append(resp.speculation.mean_acceptance_length)
     return {
         "ms_per_token": 1e3 * sum(per_token) / len(per_token),
