@@ -228,29 +228,41 @@ class FollowingVerifier(FakeVerifier):
         return resp
 
 
+def _follow(policy, cfg: SchedulerConfig, requests: list[tuple[int, int, Shape | None]]):
+    """Run requests (first prompt token, max_tokens, pinned tree) through a scheduler with the following
+    fakes under `policy`; returns (tokens per request, call log, the scheduler's shape counts)."""
+
+    async def run():
+        log: list = []
+        sched = Scheduler(FollowingVerifier(log, 2), FollowingDraft(log), cfg, policy=policy)
+        sched.start()
+
+        async def one(first: int, max_tokens: int, pin: Shape | None) -> list[int]:
+            req = GenRequest(
+                prompt_ids=[first - 1, first],
+                max_tokens=max_tokens,
+                sampling=SamplingConfig(),
+                ignore_eos=True,
+                tree=pin,
+            )
+            gen = Generation(request=req, decoder=Decoder(), eos_token_id=EOS)
+            return [t for d in [d async for d in sched.generate(gen)] for t in d.token_ids]
+
+        outs = await asyncio.gather(*(one(*r) for r in requests))
+        await sched.stop()
+        return outs, log, sched.choices
+
+    return asyncio.run(run())
+
+
 def test_policy_switching_between_plain_and_trees_keeps_the_draft_in_step() -> None:
     """The cycle policy alternates plain rounds and trees: a plain round of a speculative sequence asks
     for its features after the rows still pending (hidden_row), appends tokens and rows to the pending
     item, and the next tree starts from all of them; every committed token is exact, and each tree is
     drafted at the shape of its round."""
-
-    async def run():
-        log: list = []
-        policy = CyclePolicy([PLAIN, Shape(1, 3), Shape(2, 2)])
-        cfg = SchedulerConfig(max_active=4, tree_size=3, plain_steps=4)
-        sched = Scheduler(FollowingVerifier(log, 2), FollowingDraft(log), cfg, policy=policy)
-        sched.start()
-
-        async def one(first: int) -> list[int]:
-            req = GenRequest(prompt_ids=[first - 1, first], max_tokens=30, sampling=SamplingConfig(), ignore_eos=True)
-            gen = Generation(request=req, decoder=Decoder(), eos_token_id=EOS)
-            return [t for d in [d async for d in sched.generate(gen)] for t in d.token_ids]
-
-        outs = await asyncio.gather(one(100), one(200))
-        await sched.stop()
-        return outs, log, sched.choices
-
-    outs, log, choices = asyncio.run(run())
+    policy = CyclePolicy([PLAIN, Shape(1, 3), Shape(2, 2)])
+    cfg = SchedulerConfig(max_active=4, tree_size=3, plain_steps=4)
+    outs, log, choices = _follow(policy, cfg, [(100, 30, None), (200, 30, None)])
     assert outs == [list(range(101, 131)), list(range(201, 231))]
     decodes = [e for e in log if e[0] == "decode"]
     assert decodes and all(e[2] for e in decodes)  # every plain round follows both sequences
@@ -264,25 +276,8 @@ def test_policy_switching_between_plain_and_trees_keeps_the_draft_in_step() -> N
 def test_pinned_trees_run_beside_the_policy() -> None:
     """A request pinning its tree drafts that tree whatever the policy picks for the others (here always
     plain): its rounds verify while the other request decodes plainly, both exact."""
-
-    async def run():
-        log: list = []
-        cfg = SchedulerConfig(max_active=4, tree_size=3, plain_steps=4)
-        sched = Scheduler(FollowingVerifier(log, 2), FollowingDraft(log), cfg, policy=CyclePolicy([PLAIN]))
-        sched.start()
-
-        async def one(first: int, pin: Shape | None) -> list[int]:
-            req = GenRequest(
-                prompt_ids=[first - 1, first], max_tokens=12, sampling=SamplingConfig(), ignore_eos=True, tree=pin
-            )
-            gen = Generation(request=req, decoder=Decoder(), eos_token_id=EOS)
-            return [t for d in [d async for d in sched.generate(gen)] for t in d.token_ids]
-
-        outs = await asyncio.gather(one(100, Shape(2, 3)), one(200, None))
-        await sched.stop()
-        return outs, log
-
-    outs, log = asyncio.run(run())
+    cfg = SchedulerConfig(max_active=4, tree_size=3, plain_steps=4)
+    outs, log, _ = _follow(CyclePolicy([PLAIN]), cfg, [(100, 12, Shape(2, 3)), (200, 12, None)])
     assert outs == [list(range(101, 113)), list(range(201, 213))]
     assert {e[1:] for e in log if e[0] == "tree"} == {("gw-0", 2, 3)}
     assert all(e[1] == ["gw-1"] for e in log if e[0] == "decode")
@@ -292,24 +287,9 @@ def test_sequences_the_policy_keeps_plain_are_parked_and_catch_up_for_a_tree() -
     """Six plain rounds, then trees: the draft follows for park_after = 4 plain rounds (features
     fetched), then not at all (parked: no features), and when the policy picks a tree the sequences catch
     up (Features, a start=True item) and speculate again; every token exact."""
-
-    async def run():
-        log: list = []
-        policy = CyclePolicy([PLAIN] * 6 + [Shape(1, 3)] * 40)
-        cfg = SchedulerConfig(max_active=4, tree_size=3, plain_steps=2, park_after=4)
-        sched = Scheduler(FollowingVerifier(log, 2), FollowingDraft(log), cfg, policy=policy)
-        sched.start()
-
-        async def one(first: int) -> list[int]:
-            req = GenRequest(prompt_ids=[first - 1, first], max_tokens=30, sampling=SamplingConfig(), ignore_eos=True)
-            gen = Generation(request=req, decoder=Decoder(), eos_token_id=EOS)
-            return [t for d in [d async for d in sched.generate(gen)] for t in d.token_ids]
-
-        outs = await asyncio.gather(one(100), one(200))
-        await sched.stop()
-        return outs, log
-
-    outs, log = asyncio.run(run())
+    policy = CyclePolicy([PLAIN] * 6 + [Shape(1, 3)] * 40)
+    cfg = SchedulerConfig(max_active=4, tree_size=3, plain_steps=2, park_after=4)
+    outs, log, _ = _follow(policy, cfg, [(100, 30, None), (200, 30, None)])
     assert outs == [list(range(101, 131)), list(range(201, 231))]
     decodes = [e for e in log if e[0] == "decode"]
     assert [bool(e[2]) for e in decodes[:6]] == [True] * 4 + [False] * 2  # followed, then parked

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from common import validate
-from common.config import DraftingConfig, SamplingConfig
+from common.config import DraftingConfig
 from common.engine.base import Drafter, ProposeInput
 from common.errors import InvalidRequest
 from common.ipc import ExportedBuffer, MappedBuffers, gpu_uuid
@@ -20,22 +20,11 @@ from common.tensors import decode
 from common.tree import Tree
 from services.engine_runner import EngineRunner
 from services.leasing import SequenceLeases
+from services.sampling import sampling_config
 from specdec.v1 import internal_pb2 as pb
 from specdec.v1 import internal_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
-
-
-def sampling_config(msg: pb.SamplingParams) -> SamplingConfig:
-    try:
-        return SamplingConfig(
-            temperature=msg.temperature,
-            top_p=msg.top_p or 1.0,
-            top_k=msg.top_k,
-            seed=msg.seed if msg.has_seed else None,
-        )
-    except ValueError as e:
-        raise InvalidRequest(str(e)) from e
 
 
 def tree_msg(t: Tree, msg: pb.DraftTree) -> None:

@@ -19,6 +19,7 @@ import grpc
 from common.config import SamplingConfig
 from common.errors import PeerUnavailable
 from common.rpc import CHANNEL_OPTIONS
+from services.sampling import sampling_msg
 from specdec.v1 import internal_pb2 as pb
 from specdec.v1 import internal_pb2_grpc as pb_grpc
 
@@ -41,12 +42,6 @@ class Batched:
 
     results: list
     compute_s: float
-
-
-def sampling_msg(s: SamplingConfig) -> pb.SamplingParams:
-    return pb.SamplingParams(
-        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed or 0, has_seed=s.seed is not None
-    )
 
 
 def _method_name(method) -> str:

@@ -40,11 +40,12 @@ from dataclasses import dataclass, field
 from common.errors import CapacityExhausted, PeerUnavailable
 from common.policy import PLAIN, FixedPolicy, Policy, Shape
 from common.rounds import start_shift
-from services.gateway.clients import DraftClient, VerifierClient, sampling_msg
+from services.gateway.clients import DraftClient, VerifierClient
 from services.gateway.health import DraftLink
 from services.gateway.metrics import Metrics
 from services.gateway.sequence import Delta, Finish, Generation
 from services.gateway.speculation import append_plain_round
+from services.sampling import sampling_msg
 from specdec.v1 import internal_pb2 as pb
 
 log = logging.getLogger(__name__)

@@ -20,23 +20,12 @@ from common.tensors import encode_inline, encode_ipc
 from common.tree import DraftQ, validate_tree
 from services.engine_runner import EngineRunner
 from services.leasing import SequenceLeases
+from services.sampling import sampling_config
 from specdec.v1 import internal_pb2 as pb
 from specdec.v1 import internal_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 MAX_DECODE_STEPS = 64  # per Decode call: bounds one call's time and the tokens wasted past a stop
-
-
-def sampling_config(msg: pb.SamplingParams) -> SamplingConfig:
-    try:
-        return SamplingConfig(
-            temperature=msg.temperature,
-            top_p=msg.top_p or 1.0,
-            top_k=msg.top_k,
-            seed=msg.seed if msg.has_seed else None,
-        )
-    except ValueError as e:
-        raise InvalidRequest(str(e)) from e
 
 
 def draft_q(msg: pb.DraftTree) -> DraftQ | None:
