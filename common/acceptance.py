@@ -61,28 +61,21 @@ def accept_sampled(
 
     target_probs(row) returns the processed (temperature, top-k, top-p) distribution at a row, [V].
     """
-    kids = children_lists(parents)
-    path: list[int] = []
-    row = 0
-    while True:
-        p = np.array(target_probs(row), dtype=np.float64)
-        accepted = None
-        for c in kids[row]:
+
+    def row_rule(row: int, children: list[int], p: np.ndarray) -> tuple[int | None, np.ndarray]:
+        target = p.copy()
+        for c in children:
             x = int(tokens[c])
             mass = p.sum()
             if mass <= 0:
                 break
             if rng.random() * mass < p[x]:
-                accepted = c
-                break
+                return c, p
             p[x] = 0.0
-        if accepted is None:
-            if p.sum() <= 0:  # every candidate rejected and nothing left: cannot happen when p > 0
-                p = np.array(target_probs(row), dtype=np.float64)
-            bonus = int(rng.choice(p.shape[0], p=p / p.sum()))
-            return Acceptance(path=path, tokens=[int(tokens[c]) for c in path] + [bonus])
-        path.append(accepted)
-        row = accepted + 1
+        # every candidate rejected and nothing left cannot happen when p > 0: then the target itself
+        return None, (p if p.sum() > 0 else target)
+
+    return _descend(tokens, parents, target_probs, rng, row_rule)
 
 
 def accept_sampled_q(
@@ -123,28 +116,47 @@ def accept_sampled_q(
 
     q [R, M]: the draft's q at every row with children (DraftQ); target_probs(row) -> p at that row [V].
     """
+
+    def row_rule(row: int, children: list[int], p: np.ndarray) -> tuple[int | None, np.ndarray]:
+        if not children:
+            return None, p
+        q_ids, q_probs = _q_at(q, row)
+        left = q_probs.copy()  # [M] q without the siblings already drawn
+        for c in children:
+            x = int(tokens[c])
+            j = int(np.flatnonzero(q_ids == x)[0])
+            qi = left / left.sum()  # [M] q_i
+            if rng.random() * qi[j] < p[x]:
+                return c, p
+            residual = p.copy()
+            residual[q_ids] = np.maximum(p[q_ids] - qi, 0.0)
+            if residual.sum() <= 0:  # rejection had probability 0 (p = q_i); rounding got here
+                break
+            p = residual / residual.sum()
+            left[j] = 0.0
+        return None, p
+
+    return _descend(tokens, parents, target_probs, rng, row_rule)
+
+
+RowRule = Callable[[int, list[int], np.ndarray], tuple[int | None, np.ndarray]]
+
+
+def _descend(
+    tokens: np.ndarray,
+    parents: np.ndarray,
+    target_probs: Callable[[int], np.ndarray],
+    rng: np.random.Generator,
+    row_rule: RowRule,
+) -> Acceptance:
+    """The walk both sampling rules share: from the root, row_rule(row, its children, p [V] float64) says
+    which child is accepted, or None and the distribution left to draw the bonus from; an accepted child's
+    row is next."""
     kids = children_lists(parents)
     path: list[int] = []
     row = 0
     while True:
-        p = np.array(target_probs(row), dtype=np.float64)
-        accepted = None
-        if kids[row]:
-            q_ids, q_probs = _q_at(q, row)
-            left = q_probs.copy()  # [M] q without the siblings already drawn
-            for c in kids[row]:
-                x = int(tokens[c])
-                j = int(np.flatnonzero(q_ids == x)[0])
-                qi = left / left.sum()  # [M] q_i
-                if rng.random() * qi[j] < p[x]:
-                    accepted = c
-                    break
-                residual = p.copy()
-                residual[q_ids] = np.maximum(p[q_ids] - qi, 0.0)
-                if residual.sum() <= 0:  # rejection had probability 0 (p = q_i); rounding got here
-                    break
-                p = residual / residual.sum()
-                left[j] = 0.0
+        accepted, p = row_rule(row, kids[row], np.array(target_probs(row), dtype=np.float64))
         if accepted is None:
             bonus = int(rng.choice(p.shape[0], p=p / p.sum()))
             return Acceptance(path=path, tokens=[int(tokens[c]) for c in path] + [bonus])

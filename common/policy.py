@@ -129,9 +129,6 @@ class CostModel:
             self._grid = {k: {b: sorted(v) for b, v in sorted(g.items())} for k, g in grid.items()}
         return self._grid
 
-    def known(self, kind: str) -> bool:
-        return kind in self._index()
-
     def step(self, kind: str, batch: int, size: int) -> float | None:
         """Estimated seconds of one engine step, or None when nothing of that kind was measured."""
         grid = self._index().get(kind)
@@ -232,10 +229,6 @@ class AcceptanceStats:
             total += reach
         return total
 
-    def rounds(self, shape: Shape) -> float:
-        """Decayed rounds seen at this shape."""
-        return self.reached.get(shape, [0.0])[0]
-
 
 @dataclass
 class SequenceFactor:
@@ -252,7 +245,6 @@ class SequenceFactor:
 @dataclass(frozen=True)
 class Choice:
     shape: Shape
-    rate: float  # expected committed tokens per second of the batch (0 when nothing is known)
     explored: bool = False  # not the best estimate: tried to keep its statistics fresh
 
 
@@ -315,14 +307,14 @@ class AdaptivePolicy:
     def choose(self, seq_ids: Sequence[str], steps: int) -> Choice:
         rates = self.rates(seq_ids, steps)
         if all(s.plain for s in rates):  # the draft's costs are unknown: speculate until they come in
-            return Choice(self.cfg.menu[-1], 0.0)
+            return Choice(self.cfg.menu[-1])
         best = max(rates, key=lambda s: (rates[s], -s.nodes))
         if self.rng.random() < self.cfg.explore:
             close = [s for s, r in rates.items() if s != best and r >= self.cfg.explore_within * rates[best]]
             if close:
                 pick = self.rng.choice(sorted(close))
-                return Choice(pick, rates[pick], explored=True)
-        return Choice(best, rates[best])
+                return Choice(pick, explored=True)
+        return Choice(best)
 
     def observe(self, seq_id: str, shape: Shape, accepted: int) -> None:
         if shape.plain:
@@ -367,7 +359,7 @@ class FixedPolicy(_Stateless):
         self.shape = shape
 
     def choose(self, seq_ids: Sequence[str], steps: int) -> Choice:
-        return Choice(self.shape, 0.0)
+        return Choice(self.shape)
 
 
 class CyclePolicy(_Stateless):
@@ -382,4 +374,4 @@ class CyclePolicy(_Stateless):
 
     def choose(self, seq_ids: Sequence[str], steps: int) -> Choice:
         self.i = (self.i + 1) % len(self.shapes)
-        return Choice(self.shapes[self.i], 0.0)
+        return Choice(self.shapes[self.i])

@@ -11,13 +11,14 @@ import asyncio
 import numpy as np
 
 from common.config import SamplingConfig
-from common.policy import PLAIN, CyclePolicy, Shape
+from common.policy import PLAIN, CyclePolicy, FixedPolicy, Shape
 from services.gateway.clients import Batched, Prefilled, Verified
 from services.gateway.scheduler import ProposalPlan, Scheduler, SchedulerConfig
 from services.gateway.sequence import Generation, GenRequest
 from specdec.v1 import internal_pb2 as pb
 
 EOS = 0
+FIXED = FixedPolicy(Shape(1, 3))  # the fakes' chains: every round drafts, 3 nodes
 
 
 def test_plan_hit_miss_partial() -> None:
@@ -84,7 +85,7 @@ class FakeVerifier:
 async def _run(prompts: list[tuple[int, int]], accept: int, stagger: float = 0.0):
     """prompts: (first prompt token, max_tokens). Returns (tokens per request, call log)."""
     log: list = []
-    sched = Scheduler(FakeVerifier(log, accept), FakeDraft(log), SchedulerConfig(max_active=4, tree_size=3))
+    sched = Scheduler(FakeVerifier(log, accept), FakeDraft(log), SchedulerConfig(max_active=4), FIXED)
     sched.start()
 
     async def one(first: int, max_tokens: int, delay: float) -> list[int]:
@@ -143,7 +144,7 @@ def test_two_groups_run_their_rounds_concurrently() -> None:
 
     async def run():
         log: list = []
-        sched = Scheduler(FakeVerifier(log, 2), FakeDraft(log), SchedulerConfig(max_active=4, tree_size=3, groups=2))
+        sched = Scheduler(FakeVerifier(log, 2), FakeDraft(log), SchedulerConfig(max_active=4, groups=2), FIXED)
         sched.start()
 
         async def one(first: int) -> list[int]:
@@ -234,7 +235,7 @@ def _follow(policy, cfg: SchedulerConfig, requests: list[tuple[int, int, Shape |
 
     async def run():
         log: list = []
-        sched = Scheduler(FollowingVerifier(log, 2), FollowingDraft(log), cfg, policy=policy)
+        sched = Scheduler(FollowingVerifier(log, 2), FollowingDraft(log), cfg, policy)
         sched.start()
 
         async def one(first: int, max_tokens: int, pin: Shape | None) -> list[int]:
@@ -261,7 +262,7 @@ def test_policy_switching_between_plain_and_trees_keeps_the_draft_in_step() -> N
     item, and the next tree starts from all of them; every committed token is exact, and each tree is
     drafted at the shape of its round."""
     policy = CyclePolicy([PLAIN, Shape(1, 3), Shape(2, 2)])
-    cfg = SchedulerConfig(max_active=4, tree_size=3, plain_steps=4)
+    cfg = SchedulerConfig(max_active=4, plain_steps=4)
     outs, log, choices = _follow(policy, cfg, [(100, 30, None), (200, 30, None)])
     assert outs == [list(range(101, 131)), list(range(201, 231))]
     decodes = [e for e in log if e[0] == "decode"]
@@ -276,7 +277,7 @@ def test_policy_switching_between_plain_and_trees_keeps_the_draft_in_step() -> N
 def test_pinned_trees_run_beside_the_policy() -> None:
     """A request pinning its tree drafts that tree whatever the policy picks for the others (here always
     plain): its rounds verify while the other request decodes plainly, both exact."""
-    cfg = SchedulerConfig(max_active=4, tree_size=3, plain_steps=4)
+    cfg = SchedulerConfig(max_active=4, plain_steps=4)
     outs, log, _ = _follow(CyclePolicy([PLAIN]), cfg, [(100, 12, Shape(2, 3)), (200, 12, None)])
     assert outs == [list(range(101, 113)), list(range(201, 213))]
     assert {e[1:] for e in log if e[0] == "tree"} == {("gw-0", 2, 3)}
@@ -288,7 +289,7 @@ def test_sequences_the_policy_keeps_plain_are_parked_and_catch_up_for_a_tree() -
     fetched), then not at all (parked: no features), and when the policy picks a tree the sequences catch
     up (Features, a start=True item) and speculate again; every token exact."""
     policy = CyclePolicy([PLAIN] * 6 + [Shape(1, 3)] * 40)
-    cfg = SchedulerConfig(max_active=4, tree_size=3, plain_steps=2, park_after=4)
+    cfg = SchedulerConfig(max_active=4, plain_steps=2, park_after=4)
     outs, log, _ = _follow(policy, cfg, [(100, 30, None), (200, 30, None)])
     assert outs == [list(range(101, 131)), list(range(201, 231))]
     decodes = [e for e in log if e[0] == "decode"]

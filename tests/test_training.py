@@ -138,16 +138,22 @@ def test_ttt_mask_diagonal():
     assert m[0].tolist().count(True) == 1  # row 0 at step 2 sees only itself
 
 
-def test_ttt_matches_drafter_chain():
-    """TTT step j at row r computes exactly what the drafter computes for a depth-j chain node."""
-    base = tiny_base()
-    torch.manual_seed(3)
-    hcfg = Eagle3Config.for_base(CFG, 64)
-    head = Eagle3Head(hcfg)
+def random_head(seed: int) -> Eagle3Head:
+    """A 64-token draft head on the tiny base with N(0, 0.1) weights (seeded)."""
+    torch.manual_seed(seed)
+    head = Eagle3Head(Eagle3Config.for_base(CFG, 64))
     with torch.no_grad():
         for p in head.parameters():
             p.normal_(0, 0.1)
     head.set_vocab_map(torch.arange(64))
+    return head
+
+
+def test_ttt_matches_drafter_chain():
+    """TTT step j at row r computes exactly what the drafter computes for a depth-j chain node."""
+    base = tiny_base()
+    head = random_head(seed=3)
+    hcfg = head.cfg
     head.eval()
     from training.ttt import ttt_forward
 
@@ -237,13 +243,8 @@ def random_ttt_inputs(hcfg: Eagle3Config, b: int, t: int, seed: int) -> TTTInput
 def test_fused_train_step_equals_dense_mask_step():
     """One training step (6 TTT steps, forward, backward, clipping, AdamW) with the fused attention gives
     the dense-mask step's losses, accuracies, gradients and updated weights (float32, CPU)."""
-    torch.manual_seed(5)
-    hcfg = Eagle3Config.for_base(CFG, 64)
-    head = Eagle3Head(hcfg)
-    with torch.no_grad():
-        for p in head.parameters():
-            p.normal_(0, 0.1)
-    head.set_vocab_map(torch.arange(64))
+    head = random_head(seed=5)
+    hcfg = head.cfg
     cfg = TrainConfig(draft_vocab=64, ttt_steps=6, grad_clip=1e9)  # no clipping: compare raw gradients
     inputs = random_ttt_inputs(hcfg, b=3, t=19, seed=1)
     heads = {"dense": copy.deepcopy(head), "fused": copy.deepcopy(head)}

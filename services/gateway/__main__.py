@@ -125,12 +125,11 @@ async def main(cfg: GatewayConfig, port_file: str | None) -> None:
             plain_steps=cfg.plain_steps,
             groups=cfg.groups,
             max_waiting=cfg.max_waiting,
-            tree_size=dinfo.verify_tree_size if dinfo else 1,
             instance_id=instance_id,
             draft_retry_s=cfg.health.draft_retry_s,
         ),
-        metrics,
         policy,
+        metrics,
     )
     sched.start()
     servicer = GenerationServicer(sched, tok, vinfo, dinfo)

@@ -38,7 +38,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from common.errors import CapacityExhausted, PeerUnavailable
-from common.policy import PLAIN, FixedPolicy, Policy, Shape
+from common.policy import PLAIN, Policy, Shape
 from common.rounds import start_shift
 from services.gateway.clients import DraftClient, VerifierClient
 from services.gateway.health import DraftLink
@@ -99,7 +99,6 @@ class Prefired:
 class SchedulerConfig:
     max_active: int = 8  # sequences in the rounds at once (<= the services' slots)
     max_waiting: int = 64  # queued requests beyond that before RESOURCE_EXHAUSTED
-    tree_size: int = 60  # nodes the draft proposes per sequence and round
     instance_id: str = "gw"  # this gateway process; prefix of its sequence ids, owner of its sequences
     draft_retry_s: float = 0.5  # after a draft failure, speculation is retried no sooner than this
     plain_steps: int = 8  # plain decoding tokens per verifier call (one RPC and one host sync for all)
@@ -107,8 +106,8 @@ class SchedulerConfig:
     park_after: int = 4  # plain rounds in a row after which the draft stops following a sequence
 
     def __post_init__(self) -> None:
-        if self.max_active < 1 or self.max_waiting < 0 or self.tree_size < 1:
-            raise ValueError("max_active and tree_size must be >= 1, max_waiting >= 0")
+        if self.max_active < 1 or self.max_waiting < 0:
+            raise ValueError("max_active must be >= 1, max_waiting >= 0")
         if not 1 <= self.groups <= 4:
             raise ValueError(f"groups must be in [1, 4], got {self.groups}")
         if self.park_after < 1:
@@ -125,12 +124,12 @@ class Scheduler:
         verifier: VerifierClient,
         draft: DraftClient | None,
         cfg: SchedulerConfig,
+        policy: Policy,
         metrics: Metrics | None = None,
-        policy: Policy | None = None,
     ) -> None:
         self.verifier, self.draft, self.cfg = verifier, draft, cfg
         self.metrics = metrics or Metrics()
-        self.policy = policy or FixedPolicy(Shape(1, cfg.tree_size))
+        self.policy = policy  # the shape of each round (common/policy.py)
         self.choices: dict[Shape, int] = {}  # group rounds per round shape (plain: no draft), since start
         self.waiting: dict[str, Active] = {}  # seq id -> queued request, oldest first
         self.active: list[Active] = []
@@ -235,11 +234,12 @@ class Scheduler:
                 self.policy.observe(a.seq_id, self._tree(a, shape), len(r.tokens) - 1)
                 self._emit(a, a.gen.commit(r.tokens))  # commit, stream
             self._time_round(t0, t1, t2, draft_s, verified.compute_s)
-            self.policy.observe_round(len(spec), self._round_shape(spec, shape), t2 - t0, 1)
+            drafted = self._round_shape(spec, shape)
+            self.policy.observe_round(len(spec), drafted, t2 - t0, 1)
         if plain:
             await self._plain_round(plain)
         if any(a.speculative for a in members):
-            self._count_choice(self._round_shape(spec, shape) if spec else PLAIN)
+            self._count_choice(drafted if spec else PLAIN)
         await self._retire()
 
     async def _plain_round(self, plain: list[Active]) -> None:

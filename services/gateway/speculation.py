@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from common.errors import InvalidRequest
 from common.policy import (
     DEFAULT_MENU,
+    PLAIN,
     AdaptivePolicy,
     CostModel,
     CyclePolicy,
@@ -86,7 +87,7 @@ def build_policy(
         check_tree(tree, dinfo)
         return FixedPolicy(tree)
     if kind == "cycle":
-        return CyclePolicy((Shape(0, 0), *shapes))
+        return CyclePolicy((PLAIN, *shapes))
     costs = [StepCost(c.kind, c.batch, c.size, c.seconds) for c in (*vinfo.step_costs, *dinfo.step_costs)]
     return AdaptivePolicy(PolicyConfig(menu=shapes), CostModel(costs))
 
