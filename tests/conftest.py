@@ -8,7 +8,8 @@ import pytest
 import torch
 
 # Triton reads TRITON_INTERPRET once, when something first imports it (torch.compile's machinery does, via
-# common.kernels), so on a CPU the interpreter that tests/test_kernels.py needs is chosen here, first.
+# the training tests' TTT kernels), so on a CPU the interpreter tests/test_kernels.py needs is chosen here,
+# before any test module runs, whatever their order.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

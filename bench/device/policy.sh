@@ -1,15 +1,33 @@
 #!/usr/bin/env bash
-# On the GPU machine, after the model is carried: the GPU tests, then the speculation-policy load run
-# through the gateway (the adaptive policy, plain decoding and three pinned trees, same stack, same
-# prompts, concurrency 1, 4, 16, 64), into $OUT.
+# On the GPU machine, after the model is carried (.devcarry, see README "On a GPU"): the speculation
+# policy's runs, into $OUT.
+#   bench/device/policy.sh load    the adaptive policy, plain decoding and three pinned trees, same stack,
+#                                  same prompts, concurrency 1, 4, 16, 64 (PROMPTS, PER_WORKER: 24, 3),
+#                                  then a py-spy round profile of the fixed policy at concurrency 1
+#   bench/device/policy.sh order   plain and policy requests alternated twice at concurrency 16 and 64
+#   bench/device/policy.sh rpc     the bare per-call RPC overhead (bench.rpc_bench)
+#   bench/device/policy.sh tests   the GPU tests
 set -uo pipefail
+mode=${1:-load}
 out=${OUT:-device-out}; mkdir -p "$out"
 python3 -m grpc_tools.protoc -Iprotos --python_out=. --grpc_python_out=. --pyi_out=. protos/specdec/v1/*.proto
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name --format=csv,noheader > "$out/gpu.txt"
-timeout 150 python3 -m pytest -q -m gpu tests/gpu > "$out/gpu_tests.log" 2>&1
-timeout 330 python3 -m bench.services_bench --device cuda --ipc on --concurrency 1,4,16,64 --prompts 16 \
-  --max-new-tokens 128 --requests-per-worker 2 --max-context 1024 \
-  --modes spec,plain,tree:6x60,tree:4x16,tree:2x4 --out "$out" > "$out/policy.log" 2>&1
-cp /tmp/specdec-*/gateway.log "$out/" 2>/dev/null
-tail -5 "$out/gpu_tests.log"; grep -E "tok/s total" "$out/policy.log"
+load=(python3 -m bench.services_bench --device cuda --ipc on --max-new-tokens 128 --max-context 1024 --out "$out")
+case "$mode" in
+  load)
+    timeout 330 "${load[@]}" --concurrency 1,4,16,64 --prompts "${PROMPTS:-24}" \
+      --requests-per-worker "${PER_WORKER:-3}" --modes spec,plain,tree:6x60,tree:4x16,tree:2x4 > "$out/policy.log" 2>&1
+    python3 -m pip install -q --no-deps .devcarry/b/wheels/py_spy-*.whl 2>/dev/null
+    timeout 150 python3 -m bench.profile_services --out "$out/profile" --concurrency 1 --seconds 6 > "$out/profile.log" 2>&1
+    grep -E "tok/s total" "$out/policy.log"; python3 -m bench.policy_table "$out/services.json" ;;
+  order)
+    timeout 240 "${load[@]}" --concurrency 16,64 --prompts 24 --requests-per-worker 4 \
+      --modes plain,spec,plain,spec > "$out/order.log" 2>&1
+    grep -E "tok/s total" "$out/order.log" ;;
+  rpc)
+    timeout 120 python3 -m bench.rpc_bench --n 200 --device cuda > "$out/rpc.log" 2>&1; tail -10 "$out/rpc.log" ;;
+  tests)
+    timeout 300 python3 -m pytest -q -m gpu tests/gpu > "$out/gpu_tests.log" 2>&1; tail -5 "$out/gpu_tests.log" ;;
+  *) echo "usage: $0 load|order|rpc|tests" >&2; exit 2 ;;
+esac

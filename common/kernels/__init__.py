@@ -124,14 +124,12 @@ def attention(
     return reference.attention(q, kv, slots, plan.kv_len, plan.bias)
 
 
-@torch.compiler.disable
 def _ttt_attention(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, plan: TTTPlan) -> torch.Tensor:
-    """Under torch.compile (training's TTT step) this runs eagerly between the compiled graphs around it:
-    it is fused kernels already, Inductor's dynamic-shape stride checks reject the flash backward's gradient
-    layouts, and the step it reads here stays out of the graphs (one graph serves every TTT step)."""
+    """Training-time test only: common.kernels.ttt is imported here, on first use, because it loads
+    torch.compile's machinery (torch._dynamo, Triton: over a second), which no service needs."""
     from common.kernels import ttt
 
-    return ttt.attention(q, kv, slots, plan.step)
+    return ttt.planned_attention(q, kv, slots, plan)
 
 
 def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -123,6 +123,15 @@ class _ShiftedCausalWithDiagonal(torch.autograd.Function):
         return gq, gk0, gv0, g_diag_s, g_diag_v, None, None
 
 
+@torch.compiler.disable
+def planned_attention(q: Tensor, kv: Tensor, slots: Tensor, plan) -> Tensor:
+    """attention for a common.kernels.TTTPlan. Under torch.compile (training's TTT step) this runs eagerly
+    between the compiled graphs around it: it is fused kernels already, Inductor's dynamic-shape stride
+    checks reject the flash backward's gradient layouts, and the step it reads here stays out of the
+    graphs (one graph serves every TTT step)."""
+    return attention(q, kv, slots, plan.step)
+
+
 def attention(q: Tensor, kv: Tensor, slots: Tensor, step: int) -> Tensor:
     """Attention of TTT step `step` (see the module docstring).
 
