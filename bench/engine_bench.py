@@ -83,6 +83,7 @@ class RunResult:
     verify_ms_per_round: float | None = None
     host_ms_per_round: float | None = None
     rpc_ms_per_round: float | None = None  # through the services only
+    draft_wait_ms_per_round: float | None = None  # the verifier waiting for chained trees (services only)
     outputs: list[list[int]] = field(default_factory=list, repr=False)
 
 

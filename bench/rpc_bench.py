@@ -4,7 +4,7 @@
     python -m bench.rpc_bench --n 500 --device cuda         # same, on the GPU
     python -m bench.rpc_bench --n 500 --verifier 127.0.0.1:50052 --draft 127.0.0.1:50053   # running services
 
-Uses the gateway's own clients (services/gateway/clients.py) with tiny payloads, one call at a time
+Uses the gateway's own clients (services/clients.py) with tiny payloads, one call at a time
 like the scheduler's rounds, alternating the unary and the streaming variant of each call:
 
   info            Verifier.Info, unary: a bare round trip (no engine thread)
@@ -31,7 +31,7 @@ import torch
 from common.config import SamplingConfig
 from common.rounds import start_shift
 from common.tensors import encode_inline
-from services.gateway.clients import DraftClient, VerifierClient
+from services.clients import DraftClient, RoundItem, VerifierClient
 from specdec.v1 import internal_pb2 as pb
 
 log = logging.getLogger("bench.rpc_bench")
@@ -78,7 +78,7 @@ class Bench:
                     await self.v.release([sid])
                     await self.v.prefill(sid, PROMPT, SamplingConfig(), want_hidden=False)
                 await self.timed(
-                    f"verify/{'stream' if stream else 'unary'}", self.v.verify([(sid, one)], stream=stream), i
+                    f"verify/{'stream' if stream else 'unary'}", self.v.verify([RoundItem(sid, one)], stream=stream), i
                 )
         await self.v.release(list(ids.values()))
 

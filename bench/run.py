@@ -59,8 +59,8 @@ def summarize(rows: list[dict], concurrency: list[int], meta: dict) -> tuple[str
         f"Command: `{meta['command']}`",
         "",
         "| method | conc. | tok/s/req | tok/s total | TTFT ms | ITL ms | accept len | draft ms | verify ms "
-        "| rpc ms | host ms |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| wait ms | rpc ms | host ms |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     fmt = lambda v, d=1: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
     for r in rows:
@@ -68,7 +68,8 @@ def summarize(rows: list[dict], concurrency: list[int], meta: dict) -> tuple[str
             f"| {r['method']} | {r['concurrency']} | {fmt(r['tok_s_per_request'])} | {fmt(r['tok_s_total'])} "
             f"| {fmt(r['ttft_ms'])} | {fmt(r['itl_ms'], 2)} | {fmt(r.get('acceptance_length'), 2)} "
             f"| {fmt(r.get('draft_ms_per_round'), 2)} | {fmt(r.get('verify_ms_per_round'), 2)} "
-            f"| {fmt(r.get('rpc_ms_per_round'), 2)} | {fmt(r.get('host_ms_per_round'), 2)} |"
+            f"| {fmt(r.get('draft_wait_ms_per_round'), 2)} | {fmt(r.get('rpc_ms_per_round'), 2)} "
+            f"| {fmt(r.get('host_ms_per_round'), 2)} |"
         )
     ratios = {}
     lines += [

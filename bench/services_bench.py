@@ -115,7 +115,7 @@ def scrape_rounds(metrics_port: int) -> dict[str, tuple[float, float]]:
 def run(args) -> list[RunResult]:
     prompts = [QUESTIONS[i % len(QUESTIONS)] for i in range(args.prompts)]
     results = []
-    for ipc in args.ipc_modes:
+    for ipc, chain in [(i, c) for i in args.ipc_modes for c in args.chain_modes]:
         mport = free_port()
         common = [
             "--device",
@@ -130,16 +130,20 @@ def run(args) -> list[RunResult]:
         draft = ["--top-k", str(args.top_k), "--steps", str(args.steps), "--verify-tree-size", str(args.tree_size)]
         if args.head:
             draft += ["--head", args.head]
-        gw = [
-            "--metrics-port",
-            str(mport),
-            "--max-active",
-            str(max(args.concurrency)),
-            "--round-groups",
-            str(args.round_groups),
-            "--policy",
-            args.policy,
-        ] + ([] if ipc else ["--no-ipc"])
+        gw = (
+            [
+                "--metrics-port",
+                str(mport),
+                "--max-active",
+                str(max(args.concurrency)),
+                "--round-groups",
+                str(args.round_groups),
+                "--policy",
+                args.policy,
+            ]
+            + ([] if ipc else ["--no-ipc"])
+            + ([] if chain else ["--verifier-draft", "none"])
+        )
         with Stack(common_args=common, draft_args=draft, gateway_args=gw) as stack:
             gw_log = (stack.log_dir / "gateway.log").read_text()
             mode = "ipc" if "CUDA IPC" in gw_log.split("hidden states between")[-1][:40] else "inline"
@@ -153,6 +157,7 @@ def run(args) -> list[RunResult]:
                 rounds = sum(f.speculation.rounds for f in finals)
                 after = scrape_rounds(mport)
                 suffix = {"spec": "", "plain": "-plain"}.get(m, "-" + m.replace(":", "-"))
+                suffix += "" if chain or m == "plain" else "-unchained"
                 r = summarize(f"services-{mode}{suffix}", c, traces, wall, rounds=rounds)
                 round_tokens = sum(f.usage.completion_tokens - 1 for f in finals)
                 r.acceptance_length = round_tokens / rounds if speculative and rounds else None
@@ -160,17 +165,20 @@ def run(args) -> list[RunResult]:
                 r.draft_ms_per_round = phase.get("draft")
                 r.verify_ms_per_round = phase.get("verify")
                 r.rpc_ms_per_round = phase.get("rpc")
+                r.draft_wait_ms_per_round = phase.get("draft_wait")
                 r.host_ms_per_round = phase.get("orchestration")
                 now = policy_choices(stack.gateway)
                 chosen = {k: v - chosen.get(k, 0) for k, v in now.items() if v - chosen.get(k, 0)}
                 log.info(
-                    "%s c=%d: %.1f tok/s total, %.1f tok/s per request, acceptance %s, rounds per shape %s",
+                    "%s c=%d: %.1f tok/s total, %.1f tok/s per request, acceptance %s, rounds per shape %s, "
+                    "ms per round %s",
                     r.method,
                     c,
                     r.tok_s_total,
                     r.tok_s_per_request,
                     r.acceptance_length,
                     chosen,
+                    {k: round(v, 3) for k, v in phase.items()},
                 )
                 results.append(r)
     return results
@@ -193,6 +201,12 @@ def parse_args(argv=None):
     p.add_argument("--ipc", default="on,off", help="comma list: on (IPC when colocated), off (inline bytes)")
     p.add_argument("--round-groups", type=int, default=1, help="the gateway's --round-groups")
     p.add_argument(
+        "--chain",
+        default="on",
+        help="comma list: on (the verifier sends each round's outcome to the draft: one gateway hop a round), "
+        "off (the gateway's --verifier-draft none: it proposes every tree itself)",
+    )
+    p.add_argument(
         "--modes",
         default="spec",
         help="comma list: spec (speculative requests, the gateway's policy), plain, tree:DxN (a pinned tree)",
@@ -203,6 +217,7 @@ def parse_args(argv=None):
     a = p.parse_args(argv)
     a.concurrency = [int(c) for c in a.concurrency.split(",")]
     a.ipc_modes = [m == "on" for m in a.ipc.split(",")]
+    a.chain_modes = [m == "on" for m in a.chain.split(",")]
     a.spec_modes = a.modes.split(",")
     return a
 

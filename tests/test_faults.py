@@ -197,6 +197,8 @@ def test_health_not_serving_without_capacity_then_serving(faulty):
     """Every verifier slot held by someone else (here: anonymous sequences): after the capacity timeout
     the gateway says NOT_SERVING; once they are released it serves again."""
     s = faulty
+    # the previous test's last request releases its sequence after its response: wait for that
+    wait_for(lambda: held(s) == (0, 0), timeout=10)
     v = pb_grpc.VerifierStub(grpc.insecure_channel(s.address("verifier")))
     ids = [f"squatter{i}" for i in range(info(s.address("verifier")).max_sequences)]
     v.Prefill(pb.PrefillRequest(items=[pb.PrefillItem(seq_id=i, token_ids=[1, 2, 3]) for i in ids]), timeout=60)

@@ -1,33 +1,30 @@
-"""The round overlap of services/gateway/scheduler.py: the draft proposes the next round while the
-gateway commits and streams. Pinned with fake draft and verifier clients (no gRPC, no model) whose
-answers are worked out by hand: every tree proposes the sequence's next "true" tokens, and the verifier
-accepts a fixed number of them per round, so the committed tokens are known in advance.
+"""The round protocol of services/gateway/scheduler.py and services/verifier/chain.py: the verifier sends
+each round's outcome to the draft itself and keeps the next tree, so the draft proposes while the gateway
+commits, streams and sends the next round. Pinned with fake draft and verifier engines (no gRPC, no model)
+whose answers are worked out by hand: every tree proposes the sequence's next "true" tokens, and the
+verifier accepts a fixed number of them per round, so the committed tokens are known in advance. The
+scheduler, the gateway's verifier client (message conversion) and the verifier's chain bookkeeping are the
+real ones; only the engines and the transport are fake.
 """
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import numpy as np
 
 from common.config import SamplingConfig
 from common.policy import PLAIN, CyclePolicy, FixedPolicy, Shape
-from services.gateway.clients import Batched, Prefilled, Verified
-from services.gateway.scheduler import ProposalPlan, Scheduler, SchedulerConfig
+from services.clients import Batched, Prefilled, VerifierClient
+from services.gateway.scheduler import Scheduler, SchedulerConfig
 from services.gateway.sequence import Generation, GenRequest
+from services.verifier.chain import DraftChain
 from specdec.v1 import internal_pb2 as pb
 
 EOS = 0
 FIXED = FixedPolicy(Shape(1, 3))  # the fakes' chains: every round drafts, 3 nodes
-
-
-def test_plan_hit_miss_partial() -> None:
-    assert ProposalPlan.of(["a", "b"], ["a", "b"]) == ProposalPlan(use=["a", "b"], extra=[], dropped=[])  # hit
-    assert ProposalPlan.of(["a", "b", "c"], ["b", "c", "d"]) == ProposalPlan(
-        use=["b", "c"], extra=["d"], dropped=["a"]
-    )  # a done, d joined
-    assert ProposalPlan.of([], ["a"]) == ProposalPlan(use=[], extra=["a"], dropped=[])  # nothing prefired
-    assert ProposalPlan.of(["a"], []) == ProposalPlan(use=[], extra=[], dropped=["a"])  # everyone finished
+DRAFT = "fake-draft:1"  # the draft address the scheduler names (the fake verifier's chain connects to it)
 
 
 class Decoder:
@@ -58,34 +55,59 @@ class FakeDraft:
         self.log.append(("release-draft", list(seq_ids)))
 
 
-class FakeVerifier:
-    """Accepts the first `accept` nodes of each chain and adds the bonus token after them."""
+class FakeVerifier(VerifierClient):
+    """The gateway's real verifier client over a fake transport: each VerifyRequest goes through the
+    verifier's real DraftChain (connected to `draft`), and the fake engine accepts the first `accept` nodes
+    of each chain and adds the bonus token after them."""
 
-    def __init__(self, log: list, accept: int) -> None:
+    def __init__(self, log: list, accept: int, draft: FakeDraft) -> None:  # no channel: nothing is sent
         self.log, self.accept = log, accept
+        self.chain = DraftChain(lambda address: draft if address == DRAFT else None)
+        self.streamed = self._verify_call
+
+    def _hidden(self, tokens: list[int]) -> pb.TensorRef:
+        return pb.TensorRef()
 
     async def prefill(self, seq_id, token_ids, sampling, want_hidden, owner="") -> Prefilled:
         return Prefilled(next_token=token_ids[-1] + 1, hidden=pb.TensorRef())
 
-    async def verify(self, items: list[tuple[str, pb.DraftTree]]) -> Batched:
-        self.log.append(("verify", [s for s, _ in items]))
-        out = []
-        for _, tree in items:
-            acc = list(tree.token_ids[: self.accept])
-            out.append(Verified(tokens=acc + [acc[-1] + 1 if acc else tree.token_ids[0]], hidden=pb.TensorRef()))
-        return Batched(out, 0.001)
+    async def _verify_call(self, request: pb.VerifyRequest) -> pb.VerifyResponse:
+        self.chain.check(request)
+        if any(it.chained for it in request.items):
+            self.log.append(("chained", [it.seq_id for it in request.items if it.chained]))
+        return await self.chain.verify(request, self._engine_verify)
 
-    async def decode(self, seq_ids, steps=1):
+    async def _engine_verify(self, request: pb.VerifyRequest, failed: dict[str, str]) -> pb.VerifyResponse:
+        self.log.append(("verify", [it.seq_id for it in request.items]))
+        resp = pb.VerifyResponse(compute_us=1000)
+        for it in request.items:
+            if it.seq_id in failed:
+                resp.results.add(seq_id=it.seq_id, draft_error=failed[it.seq_id])
+                continue
+            acc = list(it.tree.token_ids[: self.accept])
+            tokens = acc + [acc[-1] + 1 if acc else it.tree.token_ids[0]]
+            r = resp.results.add(seq_id=it.seq_id, accepted_tokens=tokens, tree_nodes=len(it.tree.token_ids))
+            r.hidden.CopyFrom(self._hidden(tokens))
+            self.accepted(it.seq_id, tokens)
+        return resp
+
+    def accepted(self, seq_id: str, tokens: list[int]) -> None:
+        pass
+
+    async def decode(self, seq_ids, steps=1, follow=None):
         raise AssertionError("no plain decoding expected")
 
     async def release(self, seq_ids: list[str]) -> None:
+        await self.chain.settle(seq_ids)
         self.log.append(("release-verifier", list(seq_ids)))
 
 
-async def _run(prompts: list[tuple[int, int]], accept: int, stagger: float = 0.0):
+async def _run(prompts: list[tuple[int, int]], accept: int, stagger: float = 0.0, draft_address: str = DRAFT):
     """prompts: (first prompt token, max_tokens). Returns (tokens per request, call log)."""
     log: list = []
-    sched = Scheduler(FakeVerifier(log, accept), FakeDraft(log), SchedulerConfig(max_active=4), FIXED)
+    draft = FakeDraft(log)
+    cfg = SchedulerConfig(max_active=4, draft_address=draft_address)
+    sched = Scheduler(FakeVerifier(log, accept, draft), draft, cfg, FIXED)
     sched.start()
 
     async def one(first: int, max_tokens: int, delay: float) -> list[int]:
@@ -98,44 +120,68 @@ async def _run(prompts: list[tuple[int, int]], accept: int, stagger: float = 0.0
 
     outs = await asyncio.gather(*(one(f, m, i * stagger) for i, (f, m) in enumerate(prompts)))
     await sched.stop()
-    log.append(("dropped", sched.metrics.registry.get_sample_value("specdec_prefired_trees_dropped_total")))
     return outs, log
 
 
-def test_overlap_commits_the_right_tokens_and_proposes_once_per_round() -> None:
-    """Two sequences, partial acceptance (2 of 3 nodes): every round commits 3 tokens of the count-up;
-    after the first round, each round's trees come from the call prefired in the round before."""
+def test_chained_rounds_commit_the_right_tokens_and_propose_once_per_round() -> None:
+    """Two sequences, partial acceptance (2 of 3 nodes): every round commits 3 tokens of the count-up. The
+    first round's trees come from the gateway's own (start) call; every later round's from the call the
+    verifier chained after the round before, and a Verify carries no tree for them."""
     outs, log = asyncio.run(_run([(100, 10), (200, 10)], accept=2))
     assert outs == [list(range(101, 111)), list(range(201, 211))]
     verifies = [e for e in log if e[0] == "verify"]
     proposes = [e for e in log if e[0] == "propose"]
     # the prefill's token, then 3 per round: 3 rounds for 10 tokens; one propose per round (the first
-    # round's is the start call), plus the one prefired after the last round (its trees are dropped)
+    # round's is the gateway's start call), plus the one chained after the last round (its trees are dropped)
     assert len(verifies) == 3 and len(proposes) == 4
     assert all(e[1] == ["gw-0", "gw-1"] for e in proposes)
+    assert [e[1] for e in log if e[0] == "chained"] == [["gw-0", "gw-1"]] * 2  # rounds 2 and 3
 
 
-def test_sequence_finishing_mid_overlap_is_released_after_its_prefired_call() -> None:
-    """A sequence that finishes while the next round's propose names it: its draft copy is released only
-    once that call returned, and the other sequence goes on with its prefired tree."""
+def test_without_a_draft_address_the_gateway_proposes_every_round() -> None:
+    """draft_address "" (no chaining): the same tokens, each round's trees from a call of the gateway's."""
+    outs, log = asyncio.run(_run([(100, 10), (200, 10)], accept=2, draft_address=""))
+    assert outs == [list(range(101, 111)), list(range(201, 211))]
+    assert len([e for e in log if e[0] == "propose"]) == len([e for e in log if e[0] == "verify"]) == 3
+    assert not [e for e in log if e[0] == "chained"]
+
+
+def test_sequence_finishing_mid_overlap_is_released_after_its_chained_call() -> None:
+    """A sequence that finishes in a round whose outcome went to the draft: the verifier's release waits for
+    the chained call naming it, the draft's copy is released after that, and the other sequence goes on with
+    its chained tree."""
     outs, log = asyncio.run(_run([(100, 4), (200, 13)], accept=3))
     assert outs == [list(range(101, 105)), list(range(201, 214))]
-    release = log.index(("release-draft", ["gw-0"]))
-    named = [e for e in log[:release] if e[0] in ("propose", "proposed") and "gw-0" in e[1]]
-    assert len(named) >= 4 and len(named) % 2 == 0  # every propose naming gw-0 returned before its release
-    assert [e[0] for e in named] == ["propose", "proposed"] * (len(named) // 2)
-    assert any(e[0] == "propose" and e[1] == ["gw-1"] for e in log[release:])  # gw-1 goes on alone
-    assert log[-1] == ("dropped", 1.0)  # gw-0's tree of the round it did not live to see
+    released = log.index(("release-verifier", ["gw-0"]))
+    named = [e for e in log[:released] if e[0] in ("propose", "proposed") and "gw-0" in e[1]]
+    assert len(named) == 4  # the start call and the call chained after gw-0's only round, both answered
+    assert [e[0] for e in named] == ["propose", "proposed"] * 2
+    assert log.index(("release-draft", ["gw-0"])) > released
+    assert any(e[0] == "chained" and e[1] == ["gw-1"] for e in log[released:])  # gw-1 goes on alone
 
 
 def test_joining_sequence_gets_its_own_propose_call() -> None:
-    """A request arriving while others run is proposed in an extra call (a miss of the prefired set) in its
-    first round and from the prefired call afterwards; both keep their exact tokens."""
+    """A request arriving while others run gets its first tree from a call of the gateway's (a start call
+    of its own) and chained trees afterwards, in the same calls as the others; both keep their exact
+    tokens."""
     outs, log = asyncio.run(_run([(100, 12), (300, 6)], accept=1, stagger=0.05))
     assert outs == [list(range(101, 113)), list(range(301, 307))]
-    assert ("propose", ["gw-1"]) in log  # the newcomer alone: the extra call of its first round
+    assert ("propose", ["gw-1"]) in log  # the newcomer alone: the gateway's call in its first round
     first_both = next(i for i, e in enumerate(log) if e == ("propose", ["gw-0", "gw-1"]))
-    assert log.index(("propose", ["gw-1"])) < first_both  # then both from one prefired call
+    assert log.index(("propose", ["gw-1"])) < first_both  # then both from one chained call
+
+
+def test_a_chained_call_that_fails_means_plain_decoding_and_a_catch_up() -> None:
+    """The draft fails the call the verifier chained: the next Verify answers draft_error for those
+    sequences (nothing verified), the round decodes them plainly, and once the draft answers again they
+    catch up (Features, a start call) and speculate; every token exact."""
+    cfg = SchedulerConfig(max_active=4, plain_steps=2, draft_retry_s=0.003)
+    outs, log, _ = _follow(FIXED, cfg, [(100, 30, None), (200, 30, None)], fail_call=2)
+    assert outs == [list(range(101, 131)), list(range(201, 231))]
+    failed = log.index(("draft-failed", ["gw-0", "gw-1"]))
+    after = log[failed:]
+    assert after.index(("decode", ["gw-0", "gw-1"], {})) < after.index(("features", ["gw-0", "gw-1"]))
+    assert any(e[0] == "chained" for e in after)  # speculating again, chained
 
 
 def test_two_groups_run_their_rounds_concurrently() -> None:
@@ -144,7 +190,9 @@ def test_two_groups_run_their_rounds_concurrently() -> None:
 
     async def run():
         log: list = []
-        sched = Scheduler(FakeVerifier(log, 2), FakeDraft(log), SchedulerConfig(max_active=4, groups=2), FIXED)
+        draft = FakeDraft(log)
+        cfg = SchedulerConfig(max_active=4, groups=2, draft_address=DRAFT)
+        sched = Scheduler(FakeVerifier(log, 2, draft), draft, cfg, FIXED)
         sched.start()
 
         async def one(first: int) -> list[int]:
@@ -177,7 +225,15 @@ class FollowingDraft(FakeDraft):
     fakes below write the fed token's id as the row's value), so pending rows and plain rounds' rows
     must line up with the tokens exactly."""
 
+    def __init__(self, log: list, fail_call: int = 0) -> None:
+        super().__init__(log)
+        self.calls, self.fail_call = 0, fail_call  # fail_call: this call (1-based) fails, as a draft going down
+
     async def propose(self, items: list[pb.ProposeItem], owner: str = "") -> Batched:
+        self.calls += 1
+        if self.calls == self.fail_call:
+            self.log.append(("draft-failed", [it.seq_id for it in items]))
+            raise ConnectionError("the draft went away")
         for it in items:
             rows = np.frombuffer(it.hidden.inline_data, dtype=np.float32)
             assert list(it.hidden.shape) == [len(it.token_ids), 1], (it.seq_id, list(it.hidden.shape))
@@ -196,28 +252,30 @@ class FollowingVerifier(FakeVerifier):
     """FakeVerifier whose prefill, verify and decode return features (_rows), and plain decoding that
     counts up from the sequence's last token."""
 
-    def __init__(self, log: list, accept: int) -> None:
-        super().__init__(log, accept)
+    def __init__(self, log: list, accept: int, draft: FakeDraft) -> None:
+        super().__init__(log, accept, draft)
         self.last: dict[str, int] = {}
 
     async def prefill(self, seq_id, token_ids, sampling, want_hidden, owner="") -> Prefilled:
         self.last[seq_id] = token_ids[-1] + 1
         return Prefilled(next_token=token_ids[-1] + 1, hidden=_rows(token_ids[1:] + [token_ids[-1] + 1]))
 
-    async def verify(self, items: list[tuple[str, pb.DraftTree]]) -> Batched:
-        out = await super().verify(items)
-        for (s, _), v in zip(items, out.results):
-            v.hidden.CopyFrom(_rows(v.tokens))
-            self.last[s] = v.tokens[-1]
-        return out
+    def _hidden(self, tokens: list[int]) -> pb.TensorRef:
+        return _rows(tokens)
+
+    def accepted(self, seq_id: str, tokens: list[int]) -> None:
+        self.last[seq_id] = tokens[-1]
 
     async def features(self, items: list[tuple[str, list[int]]]) -> list[pb.TensorRef]:
         """The catch-up's recompute: rows of the cached tokens (each produced the token after it)."""
+        await self.chain.settle([s for s, _ in items])
         self.log.append(("features", [s for s, _ in items]))
         return [_rows(tokens[1:] + [tokens[-1] + 1]) for _, tokens in items]
 
     async def decode(self, seq_ids, steps=1, follow=None):
         follow = follow or {}
+        await self.chain.settle(seq_ids)
+        await asyncio.sleep(0.001)  # a round takes time (the draft's retry delay passes)
         self.log.append(("decode", list(seq_ids), dict(follow)))
         resp = pb.DecodeResponse(compute_us=100)
         for s in seq_ids:
@@ -229,13 +287,14 @@ class FollowingVerifier(FakeVerifier):
         return resp
 
 
-def _follow(policy, cfg: SchedulerConfig, requests: list[tuple[int, int, Shape | None]]):
+def _follow(policy, cfg: SchedulerConfig, requests: list[tuple[int, int, Shape | None]], fail_call: int = 0):
     """Run requests (first prompt token, max_tokens, pinned tree) through a scheduler with the following
-    fakes under `policy`; returns (tokens per request, call log, the scheduler's shape counts)."""
+    fakes under `policy`, chained; returns (tokens per request, call log, the scheduler's shape counts)."""
 
     async def run():
         log: list = []
-        sched = Scheduler(FollowingVerifier(log, 2), FollowingDraft(log), cfg, policy)
+        draft = FollowingDraft(log, fail_call)
+        sched = Scheduler(FollowingVerifier(log, 2, draft), draft, replace(cfg, draft_address=DRAFT), policy)
         sched.start()
 
         async def one(first: int, max_tokens: int, pin: Shape | None) -> list[int]:

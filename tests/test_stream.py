@@ -12,7 +12,7 @@ import torch
 from common.config import SamplingConfig
 from common.rounds import start_shift
 from common.tensors import encode_inline
-from services.gateway.clients import DraftClient, VerifierClient
+from services.clients import DraftClient, RoundItem, VerifierClient
 from specdec.v1 import internal_pb2 as pb
 from specdec.v1 import internal_pb2_grpc as pb_grpc
 
@@ -27,26 +27,38 @@ def _clients(stack):
     )
 
 
+async def _started(v: VerifierClient, seqs) -> dict[str, pb.ProposeItem]:
+    """Each sequence prefilled with PROMPT, and the draft's start item for it."""
+    nxt = {}
+    for s in seqs:
+        pre = await v.prefill(s, PROMPT, SamplingConfig(), want_hidden=True)
+        token_ids, prefix = start_shift(PROMPT, pre.next_token)
+        nxt[s] = pb.ProposeItem(
+            seq_id=s, token_ids=token_ids, hidden=pre.hidden, start=True, context_prefix=prefix, max_nodes=30
+        )
+    return nxt
+
+
 def test_invalid_tree_fails_only_its_call_on_the_stream(stack):
     async def go():
         v, _ = _clients(stack)
         try:
             await v.prefill("st-bad", PROMPT, SamplingConfig(), want_hidden=False)
             one = pb.DraftTree(token_ids=[5], parents=[-1])
-            first = await v.verify([("st-bad", one)])
+            first = await v.verify([RoundItem("st-bad", one)])
             opened = v.streamed._stream
             assert opened is not None and len(first.results[0].tokens) >= 1
             bad = pb.DraftTree(token_ids=[5, 6], parents=[-1, 7])  # parent index out of range
             with pytest.raises(grpc.aio.AioRpcError) as e:
-                await v.verify([("st-bad", bad)])
+                await v.verify([RoundItem("st-bad", bad)])
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "outside" in e.value.details()
             # the same stream carries the next call, and the sequence is untouched
-            ok = await v.verify([("st-bad", one)])
+            ok = await v.verify([RoundItem("st-bad", one)])
             assert len(ok.results[0].tokens) >= 1
             assert v.streamed._stream is opened and not opened.done() and v.streamed.streaming
             # an unknown sequence is NOT_FOUND, as on the unary call
             with pytest.raises(grpc.aio.AioRpcError) as e:
-                await v.verify([("ghost", one)])
+                await v.verify([RoundItem("ghost", one)])
             assert e.value.code() == grpc.StatusCode.NOT_FOUND
             assert v.streamed._stream is opened
         finally:
@@ -86,18 +98,12 @@ def test_rounds_are_identical_on_stream_and_unary(stack):
         v, d = _clients(stack)
         seqs = {"st-s": True, "st-u": False}
         try:
-            nxt = {}
-            for s in seqs:
-                pre = await v.prefill(s, PROMPT, SamplingConfig(), want_hidden=True)
-                token_ids, prefix = start_shift(PROMPT, pre.next_token)
-                nxt[s] = pb.ProposeItem(
-                    seq_id=s, token_ids=token_ids, hidden=pre.hidden, start=True, context_prefix=prefix, max_nodes=30
-                )
+            nxt = await _started(v, seqs)
             for _ in range(3):
                 out = {}
                 for s, stream in seqs.items():
                     proposed = await d.propose([nxt[s]], stream=stream)
-                    verified = await v.verify([(s, proposed.results[0])], stream=stream)
+                    verified = await v.verify([RoundItem(s, proposed.results[0])], stream=stream)
                     r = verified.results[0]
                     out[s] = (proposed.results[0], r.tokens, r.hidden)
                     nxt[s] = pb.ProposeItem(seq_id=s, token_ids=r.tokens, hidden=r.hidden, max_nodes=30)
@@ -113,6 +119,56 @@ def test_rounds_are_identical_on_stream_and_unary(stack):
             await d.close()
 
     asyncio.run(go())
+
+
+def test_chained_rounds_equal_rounds_the_gateway_proposes(stack):
+    """The round protocol against the real services: one sequence whose outcome the verifier sends to the
+    draft itself (next tree kept there, the next Verify names it `chained`), one whose every tree the
+    caller proposes, same prompt, four rounds: the same tokens; the chained trees come from the draft's
+    calls that the verifier reports. Then the protocol's bad input: a chained item with no pending tree is
+    a per-item draft_error (the call succeeds), a tree and `chained` together or next_nodes without an
+    address are INVALID_ARGUMENT."""
+    draft_addr = f"127.0.0.1:{stack.ports['draft']}"
+
+    async def go():
+        v, d = _clients(stack)
+        seqs = ["st-chain", "st-direct"]
+        try:
+            nxt = await _started(v, seqs)
+            first = (await d.propose([nxt["st-chain"]])).results[0]
+            got = {s: [] for s in seqs}
+            for i in range(4):
+                item = RoundItem("st-chain", first if i == 0 else None, next=(4, 30))
+                c = await v.verify([item], draft=draft_addr)
+                r = c.results[0]
+                assert r.chained and not r.draft_error and not r.hidden.ByteSize() and r.nodes > 0
+                assert (c.draft_batch > 0) == (i > 0)  # rounds after the first verify a tree the draft chained
+                got["st-chain"] += r.tokens
+                proposed = await d.propose([nxt["st-direct"]])
+                r = (await v.verify([RoundItem("st-direct", proposed.results[0])])).results[0]
+                got["st-direct"] += r.tokens
+                nxt["st-direct"] = pb.ProposeItem(seq_id="st-direct", token_ids=r.tokens, hidden=r.hidden, max_nodes=30)
+            assert got["st-chain"] == got["st-direct"] and len(got["st-chain"]) > 4
+            # the last round chained a tree; a Decode drops it (and waits for it), then nothing is pending
+            await v.decode(["st-chain"])
+            lost = (await v.verify([RoundItem("st-chain", None)])).results[0]
+            assert lost.draft_error and not lost.tokens
+            one = pb.DraftTree(token_ids=[5], parents=[-1])
+            bad = pb.VerifyRequest(items=[pb.VerifyItem(seq_id="st-direct", tree=one, chained=True)])
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await v.stub.Verify(bad)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "one or the other" in e.value.details()
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await v.verify([RoundItem("st-direct", one, next=(2, 4))])
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "draft address" in e.value.details()
+        finally:
+            await v.release(seqs)
+            await d.release(seqs)
+            await v.close()
+            await d.close()
+
+    asyncio.run(go())
+    assert all(stack.alive().values())
 
 
 def test_raw_stream_answers_every_request_in_order(stack):

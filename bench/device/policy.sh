@@ -7,6 +7,9 @@
 #   bench/device/policy.sh order   plain and policy requests alternated twice at concurrency 16 and 64
 #   bench/device/policy.sh rpc     the bare per-call RPC overhead (bench.rpc_bench)
 #   bench/device/policy.sh tests   the GPU tests
+#   bench/device/policy.sh chain   the GPU tests, then the round protocol A/B: the verifier chaining the draft
+#                                  (on) against the gateway proposing every tree (off), one stack each,
+#                                  6x60 pinned, plain and the policy at concurrency 1, 16, 64
 set -uo pipefail
 mode=${1:-load}
 out=${OUT:-device-out}; mkdir -p "$out"
@@ -29,5 +32,10 @@ case "$mode" in
     timeout 120 python3 -m bench.rpc_bench --n 200 --device cuda > "$out/rpc.log" 2>&1; tail -10 "$out/rpc.log" ;;
   tests)
     timeout 300 python3 -m pytest -q -m gpu tests/gpu > "$out/gpu_tests.log" 2>&1; tail -5 "$out/gpu_tests.log" ;;
-  *) echo "usage: $0 load|order|rpc|tests" >&2; exit 2 ;;
+  chain)
+    timeout 150 python3 -m pytest -q -m gpu tests/gpu > "$out/gpu_tests.log" 2>&1; tail -3 "$out/gpu_tests.log"
+    timeout 420 "${load[@]}" --concurrency 1,16,64 --prompts 16 --requests-per-worker 2 --chain on,off \
+      --modes tree:6x60,plain,spec > "$out/chain.log" 2>&1
+    grep -E "tok/s total" "$out/chain.log" ;;
+  *) echo "usage: $0 load|order|rpc|tests|chain" >&2; exit 2 ;;
 esac

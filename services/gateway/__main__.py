@@ -42,6 +42,15 @@ class GatewayConfig:
     policy: str = "adaptive"  # speculation policy: adaptive (per round), fixed, cycle (tests)
     tree: str = ""  # the fixed policy's tree, DEPTHxNODES ("" = the draft's own)
     menu: str = ""  # the adaptive policy's trees, comma-separated DEPTHxNODES ("" = common.policy.DEFAULT_MENU)
+    # the draft's address as the verifier reaches it, for chained rounds ("" = `draft`; "none" = no chaining:
+    # the gateway proposes every tree itself, one more hop a round)
+    verifier_draft: str = ""
+
+    @property
+    def chain_address(self) -> str:
+        if not self.draft or self.verifier_draft == "none":
+            return ""
+        return self.verifier_draft or self.draft
 
     def __post_init__(self) -> None:
         if not self.address or not self.verifier:
@@ -72,7 +81,7 @@ async def main(cfg: GatewayConfig, port_file: str | None) -> None:
 
     from common.rpc import start_server
     from common.tokenizer import Tokenizer
-    from services.gateway.clients import DraftClient, VerifierClient, connect_ipc
+    from services.clients import DraftClient, VerifierClient, connect_ipc
     from services.gateway.metrics import Metrics
     from services.gateway.scheduler import Scheduler, SchedulerConfig
     from services.gateway.server import GenerationServicer
@@ -127,6 +136,7 @@ async def main(cfg: GatewayConfig, port_file: str | None) -> None:
             max_waiting=cfg.max_waiting,
             instance_id=instance_id,
             draft_retry_s=cfg.health.draft_retry_s,
+            draft_address=cfg.chain_address,
         ),
         policy,
         metrics,
@@ -239,6 +249,13 @@ def cli() -> None:
     )
     p.add_argument("--tree", default="", help="the fixed policy's tree, DEPTHxNODES (default: the draft's own)")
     p.add_argument("--policy-menu", default="", help="trees the adaptive policy chooses from, e.g. 1x1,2x4,4x16,6x60")
+    p.add_argument(
+        "--verifier-draft",
+        default=os.environ.get("VERIFIER_DRAFT", ""),
+        help="the draft's address as the verifier reaches it (default: --draft); the verifier sends each "
+        "round's outcome there and keeps the next tree (one gateway hop a round); 'none' = the gateway "
+        "proposes every tree itself",
+    )
     a = parse_and_log(p)
     cfg = GatewayConfig(
         address=a.addr,
@@ -260,6 +277,7 @@ def cli() -> None:
         policy=a.policy,
         tree=a.tree,
         menu=a.policy_menu,
+        verifier_draft=a.verifier_draft,
     )
     asyncio.run(main(cfg, a.port_file))
 

@@ -63,11 +63,6 @@ class Metrics:
         self.draft_failures = Counter(
             "specdec_draft_failures", "Rounds whose propose failed (decoded plainly)", registry=r
         )
-        self.prefired_dropped = Counter(
-            "specdec_prefired_trees_dropped",
-            "Trees drafted ahead for the next round whose sequence had finished or failed meanwhile (wasted work)",
-            registry=r,
-        )
         self.round_seconds = Histogram(
             "specdec_round_seconds", "One batched round, wall time", ["phase"], registry=r, buckets=LATENCY_BUCKETS
         )
@@ -96,7 +91,8 @@ class Metrics:
     def round_phase(self) -> dict:
         if self._phase is None:
             self._phase = {
-                p: self.round_seconds.labels(p) for p in ("draft", "verify", "rpc", "orchestration", "total")
+                p: self.round_seconds.labels(p)
+                for p in ("draft", "verify", "draft_wait", "rpc", "orchestration", "total")
             }
         return self._phase
 

@@ -11,15 +11,18 @@ of each sequence's cached tokens (Features, in a spare slot) and the draft is re
 start=True ProposeItem, exactly as after a prefill. Sequence ids start with this gateway's instance id,
 under which the services hold them (see common/leases.py).
 
-Overlap: as soon as a round's verification returns, the draft is asked for the next round's trees of
-every sequence in it (a prefired propose), and the gateway commits, detokenizes and streams while the
-draft works. The next round uses those trees for the sequences still active (one that finished is
-dropped: its tree is wasted work, never a wrong token) and proposes separately for sequences that joined
-or catch up (ProposalPlan). The draft's copy of a finished sequence is released only after the prefired
-call that names it has returned.
+The round protocol, one gateway hop a round (services/verifier/chain.py): a round's Verify names, for each
+sequence, the tree of the next round to ask the draft for. The verifier sends the outcome straight to the
+draft and keeps the draft's next tree; the next round's Verify names the sequence `chained` instead of
+carrying a tree. So the draft proposes while the gateway commits, detokenizes, streams and sends the next
+round. Sequences that joined, caught up or come from a plain round get their tree from a propose the
+gateway makes itself at the round's start. A chained tree whose sequence finished is dropped (wasted
+work, never a wrong token); the verifier's Release waits for the proposal naming it, and the draft's
+copy is released after that. With no draft address for the verifier (SchedulerConfig.draft_address ""),
+every tree comes from the gateway's own propose.
 
-Speculation policy (common/policy.py): each group round has a shape, chosen when its trees are prefired
-(or at the round's start when nothing was): a tree (depth, nodes) or plain decoding. A request may pin
+Speculation policy (common/policy.py): each group round has a shape, chosen when the round before was sent
+(its trees are drafted from there) or at the round's start: a tree (depth, nodes) or plain decoding. A request may pin
 its own tree. Speculative sequences in a plain round bring their features back from the verifier, so
 the draft stays in step without a catch-up (services/gateway/speculation.py). After `park_after` plain
 rounds in a row they are parked instead: no features are fetched while the policy keeps choosing plain
@@ -40,7 +43,7 @@ from dataclasses import dataclass, field
 from common.errors import CapacityExhausted, PeerUnavailable
 from common.policy import PLAIN, Policy, Shape
 from common.rounds import start_shift
-from services.gateway.clients import DraftClient, VerifierClient
+from services.clients import DraftClient, RoundItem, Verified, VerifierClient
 from services.gateway.health import DraftLink
 from services.gateway.metrics import Metrics
 from services.gateway.sequence import Delta, Finish, Generation
@@ -62,37 +65,9 @@ class Active:
     parked: bool = False  # speculative, but the draft does not follow it while the policy chooses plain
     plain_streak: int = 0  # plain rounds in a row while followed
     next_propose: pb.ProposeItem | None = None  # the draft's input for the next round; None: plain (or lost)
+    chained: bool = False  # the verifier holds its next tree (the draft has every token; next_propose is empty)
     started: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
-
-
-@dataclass(frozen=True)
-class ProposalPlan:
-    """Which trees of a round come from the prefired propose and which need a call of their own.
-    Example: prefired for [a, b, c]; the round's speculative sequences are [b, c, d] (a finished, d joined)
-    -> use [b, c], extra [d], dropped [a]."""
-
-    use: list[str]  # [n] sequences whose prefired tree this round verifies
-    extra: list[str]  # [m] sequences proposed now (joined, caught up, or no prefired call)
-    dropped: list[str]  # [k] prefired trees of sequences no longer speculative (finished, failed)
-
-    @classmethod
-    def of(cls, prefired: list[str], spec: list[str]) -> ProposalPlan:
-        have = set(prefired)
-        want = set(spec)
-        return cls(
-            use=[s for s in spec if s in have],
-            extra=[s for s in spec if s not in have],
-            dropped=[s for s in prefired if s not in want],
-        )
-
-
-@dataclass
-class Prefired:
-    """A propose started for the next round: its sequences and the task that returns Batched or None."""
-
-    seq_ids: list[str]  # [n]
-    task: asyncio.Task
 
 
 @dataclass(frozen=True)
@@ -104,6 +79,7 @@ class SchedulerConfig:
     plain_steps: int = 8  # plain decoding tokens per verifier call (one RPC and one host sync for all)
     groups: int = 1  # round groups run concurrently (2: one verifies while the other drafts)
     park_after: int = 4  # plain rounds in a row after which the draft stops following a sequence
+    draft_address: str = ""  # the draft as the verifier reaches it: chained rounds ("" = the gateway proposes)
 
     def __post_init__(self) -> None:
         if self.max_active < 1 or self.max_waiting < 0:
@@ -135,8 +111,8 @@ class Scheduler:
         self.active: list[Active] = []
         self.draft_link = DraftLink(cfg.draft_retry_s)
         self.draining = False
-        self._prefired: dict[int, Prefired] = {}  # per group: the draft working on its next round (see Overlap)
-        self._decided: dict[int, Shape] = {}  # per group: the next round's shape, chosen at the prefire
+        self._decided: dict[int, Shape] = {}  # per group: the next round's shape, chosen when this one was sent
+        self._releasing: set[asyncio.Task] = set()  # draft releases after the verifier's (see _release)
         self._wake = asyncio.Event()
         self._ids = itertools.count()
         self._task: asyncio.Task | None = None
@@ -155,15 +131,12 @@ class Scheduler:
         if self._task:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        for pre in self._prefired.values():
-            pre.task.cancel()
-        await asyncio.gather(*(pre.task for pre in self._prefired.values()), return_exceptions=True)
-        self._prefired = {}
         left = self.active + list(self.waiting.values())
         self.waiting.clear()
         self._fail(left, PeerUnavailable("the gateway shut down before this request finished"))
         await self._release([a for a in left if a in self.active])
         self.active = []
+        await asyncio.gather(*self._releasing, return_exceptions=True)
 
     @property
     def speculation_degraded(self) -> bool:
@@ -212,28 +185,33 @@ class Scheduler:
         """One round for the members of a group. With several groups their rounds run concurrently: one
         group's verification while another's draft proposes, so that neither service waits for the other."""
         t0 = time.perf_counter()
-        prefired = self._prefired.pop(group, None)  # the draft's trees started last round, or None
-        decided = self._decided.pop(group, None)  # chosen when the last round's trees were prefired
+        decided = self._decided.pop(group, None)  # chosen when the last round was sent (its trees are chained)
         shape = decided if decided is not None else self._choose(members)  # the policy's
         spec = [a for a in members if a.next_propose is not None and not self._tree(a, shape).plain]
-        proposed = await self._proposals(spec, prefired, shape)  # propose
-        if proposed is None:  # the draft is down or failed: this round is plain decoding for all
-            spec = []
+        trees, draft_s = await self._proposals([a for a in spec if not a.chained], shape)  # propose the unchained
+        spec = [a for a in spec if a.chained or a.seq_id in trees]
         plain = [a for a in members if a not in spec]
         if spec:
             t1 = time.perf_counter()
-            trees, draft_s = proposed
-            verified = await self.verifier.verify([(a.seq_id, trees[a.seq_id]) for a in spec])  # verify
+            nxt = self._next_shape(group, spec)
+            items = [RoundItem(a.seq_id, trees.get(a.seq_id), self._next_tree(a, nxt)) for a in spec]
+            verified = await self.verifier.verify(items, self.cfg.draft_address, self.cfg.instance_id)  # verify
             t2 = time.perf_counter()
+            lost = [(a, r.draft_error) for a, r in zip(spec, verified.results) if r.draft_error]
+            if lost:  # their chained trees never came: plain this round, caught up later
+                self._draft_failed([a for a, _ in lost], lost[0][1])
+                plain += [a for a, _ in lost]
             for a, r in zip(spec, verified.results):
-                a.next_propose = pb.ProposeItem(seq_id=a.seq_id, token_ids=r.tokens, hidden=r.hidden)
-                a.plain_streak = 0
-            self._prefire(group, spec)  # the draft starts on the next round while we commit and stream
-            for a, r in zip(spec, verified.results):
-                self._count_round(a, len(trees[a.seq_id].token_ids), len(r.tokens) - 1)
+                if r.draft_error:
+                    continue
+                self._follow(a, r)
+                self._count_round(a, r.nodes, len(r.tokens) - 1)
                 self.policy.observe(a.seq_id, self._tree(a, shape), len(r.tokens) - 1)
                 self._emit(a, a.gen.commit(r.tokens))  # commit, stream
-            self._time_round(t0, t1, t2, draft_s, verified.compute_s)
+            if verified.draft_batch:  # the chained trees' call: the draft's engine time at its batch and depth
+                depth = self._round_shape([a for a in spec if a.seq_id not in trees], shape).depth
+                self.policy.observe_step("propose", verified.draft_batch, depth, verified.draft_s)
+            self._time_round(t0, t1, t2, draft_s, verified)
             drafted = self._round_shape(spec, shape)
             self.policy.observe_round(len(spec), drafted, t2 - t0, 1)
         if plain:
@@ -241,6 +219,30 @@ class Scheduler:
         if any(a.speculative for a in members):
             self._count_choice(drafted if spec else PLAIN)
         await self._retire()
+
+    def _next_shape(self, group: int, spec: list[Active]) -> Shape | None:
+        """The group's next round shape, chosen now so that the verifier can chain its trees (None: no
+        chaining, the next round chooses at its start)."""
+        if not self.cfg.draft_address or self.draft_link.degraded:
+            return None
+        shape = self._decided[group] = self._choose(spec)
+        return shape
+
+    def _next_tree(self, a: Active, nxt: Shape | None) -> tuple[int, int] | None:
+        """(depth, nodes) of the tree the verifier asks the draft for after this round, or None."""
+        if nxt is None:
+            return None
+        tree = self._tree(a, nxt)
+        return None if tree.plain else (tree.depth, tree.nodes)
+
+    def _follow(self, a: Active, r: Verified) -> None:
+        """Where the draft's next input is after a verify: with the draft already (chained), or here."""
+        a.chained = r.chained
+        if r.chained:
+            a.next_propose = pb.ProposeItem(seq_id=a.seq_id)
+        else:
+            a.next_propose = pb.ProposeItem(seq_id=a.seq_id, token_ids=r.tokens, hidden=r.hidden)
+        a.plain_streak = 0
 
     async def _plain_round(self, plain: list[Active]) -> None:
         """Several tokens per call; commit cuts at a stop (steps past it are wasted, not wrong). Speculative
@@ -253,6 +255,7 @@ class Scheduler:
         self.policy.observe_round(len(plain), PLAIN, time.perf_counter() - t0, steps)
         self.policy.observe_step("decode", len(plain), 1, decoded.compute_us / 1e6 / steps)
         for a, r in zip(plain, decoded.results):
+            a.chained = False  # a pending chained tree was dropped by the Decode
             if a.seq_id in follow:
                 append_plain_round(a.next_propose, r.tokens, r.hidden)
                 a.plain_streak += 1
@@ -284,44 +287,15 @@ class Scheduler:
                 a.parked = False  # lost now: _catch_up restores the draft's state of it
         return choice.shape
 
-    def _prefire(self, group: int, spec: list[Active]) -> None:
-        """Choose the group's next round shape now and start its trees (none when it is plain)."""
-        if self.draft is None or not spec:
-            return
-        shape = self._decided[group] = self._choose(spec)
-        drafting = [a for a in spec if not self._tree(a, shape).plain]
-        if drafting:
-            task = asyncio.get_running_loop().create_task(self._propose(drafting, shape))
-            self._prefired[group] = Prefired(seq_ids=[a.seq_id for a in drafting], task=task)
-
-    async def _proposals(
-        self, spec: list[Active], prefired: Prefired | None, shape: Shape
-    ) -> tuple[dict[str, pb.DraftTree], float] | None:
-        """The round's tree for every sequence in spec ({seq_id: tree}) and the draft's engine seconds, from
-        the prefired call and, for what it does not cover, a call now (ProposalPlan); None when the draft
-        failed (its sequences are plain this round, see _propose)."""
-        trees: dict[str, pb.DraftTree] = {}
-        draft_s = 0.0
-        ids = [a.seq_id for a in spec]
-        done = await prefired.task if prefired is not None else None  # Batched, or None when the draft failed
-        if done is not None:
-            plan = ProposalPlan.of(prefired.seq_ids, ids)
-            use = set(plan.use)
-            trees.update((s, t) for s, t in zip(prefired.seq_ids, done.results) if s in use)
-            draft_s += done.compute_s
-            self.metrics.prefired_dropped.inc(len(plan.dropped))
-            if use:
-                depth = self._round_shape([a for a in spec if a.seq_id in use], shape).depth
-                self.policy.observe_step("propose", len(prefired.seq_ids), depth, done.compute_s)
-            ids = plan.extra
-        if ids:
-            wanted = set(ids)
-            proposed = await self._propose([a for a in spec if a.seq_id in wanted], shape)
-            if proposed is None:
-                return None
-            trees.update(zip(ids, proposed.results))
-            draft_s += proposed.compute_s
-        return (trees, draft_s) if spec else None
+    async def _proposals(self, fresh: list[Active], shape: Shape) -> tuple[dict[str, pb.DraftTree], float]:
+        """Trees of the sequences the verifier holds none for ({seq_id: tree}) and the draft's engine
+        seconds; none when the draft failed (those sequences are plain this round, see _propose)."""
+        proposed = await self._propose(fresh, shape)
+        if proposed is None:
+            return {}, 0.0
+        depth = self._round_shape(fresh, shape).depth
+        self.policy.observe_step("propose", len(fresh), depth, proposed.compute_s)
+        return dict(zip([a.seq_id for a in fresh], proposed.results)), proposed.compute_s
 
     async def _propose(self, spec: list[Active], shape: Shape):
         """The draft's trees for `spec` in a round of `shape`, or None when it failed: then its state of
@@ -341,12 +315,12 @@ class Scheduler:
         self.draft_link.succeeded()
         return proposed
 
-    def _draft_failed(self, group: list[Active], e: Exception) -> None:
+    def _draft_failed(self, group: list[Active], e: Exception | str) -> None:
         log.warning("draft failed for %d sequence(s) (%s): plain decoding until it is back", len(group), e)
         self.draft_link.failed(time.monotonic())
         self.metrics.draft_failures.inc()
         for a in group:
-            a.next_propose = None
+            a.next_propose, a.chained = None, False
 
     async def _catch_up(self) -> None:
         """Restart the draft on every speculative sequence it does not hold: hidden states of the tokens
@@ -389,13 +363,15 @@ class Scheduler:
         self.choices[shape] = self.choices.get(shape, 0) + 1
         self.metrics.round_shape(shape.depth, shape.nodes)
 
-    def _time_round(self, t0: float, t1: float, t2: float, draft_s: float, verify_s: float) -> None:
-        """Round breakdown: engine time in each service, RPC (call wall minus engine time), and the
-        gateway's own orchestration (commit, detokenize, stream)."""
+    def _time_round(self, t0: float, t1: float, t2: float, draft_s: float, v) -> None:
+        """Round breakdown: engine time in each service (the draft's: this round's trees, chained or not),
+        the verifier's wait for chained trees not ready when the round arrived, RPC (call wall minus all
+        that), and the gateway's own orchestration (commit, detokenize, stream)."""
         phase = self.metrics.round_phase
-        phase["draft"].observe(draft_s)
-        phase["verify"].observe(verify_s)
-        phase["rpc"].observe(max((t1 - t0) - draft_s, 0) + max((t2 - t1) - verify_s, 0))
+        phase["draft"].observe(draft_s + v.draft_s)
+        phase["verify"].observe(v.compute_s)
+        phase["draft_wait"].observe(v.wait_s)
+        phase["rpc"].observe(max((t1 - t0) - draft_s, 0) + max((t2 - t1) - v.compute_s - v.wait_s, 0))
         t3 = time.perf_counter()
         phase["orchestration"].observe(t3 - t2)
         phase["total"].observe(t3 - t0)
@@ -457,25 +433,28 @@ class Scheduler:
         await self._release(done)
 
     async def _release(self, done: list[Active]) -> None:
+        """The verifier's slots at once (its Release waits for the chained proposals naming them); the
+        draft's copies after that, in the background: the draft must not be asked about a sequence it has
+        freed. Unknown ids are ignored on both."""
         ids = [a.seq_id for a in done]
+        if not ids:
+            return
         for s in ids:
             self.policy.forget(s)
-        calls = [self.verifier.release(ids)]  # at once: the slot serves the next request
+        try:
+            await self.verifier.release(ids)
+        except Exception as e:  # noqa: BLE001 - a lost release is reaped by the lease
+            log.warning("release of %s on the verifier failed: %s", ids, e)
         if self.draft is not None:
-            calls.append(self._release_on_draft(ids))
-        results = await asyncio.gather(*calls, return_exceptions=True)
-        for r in results:
-            if isinstance(r, BaseException):
-                log.warning("release of %s failed: %s", ids, r)
+            task = asyncio.get_running_loop().create_task(self._release_on_draft(ids))
+            self._releasing.add(task)
+            task.add_done_callback(self._releasing.discard)
 
     async def _release_on_draft(self, ids: list[str]) -> None:
-        """After the prefired propose that names any of ids has returned: the draft must not be asked
-        about a sequence it has freed. Unknown ids are ignored there."""
-        named = set(ids)
-        pending = [p.task for p in self._prefired.values() if not p.task.done() and named & set(p.seq_ids)]
-        if pending:
-            await asyncio.wait(pending)
-        await self.draft.release(ids)
+        try:
+            await self.draft.release(ids)
+        except Exception as e:  # noqa: BLE001 - a lost release is reaped by the lease
+            log.warning("release of %s on the draft failed: %s", ids, e)
 
     async def _guarded(self, group: list[Active], work) -> None:
         """Run one step; if it fails, fail the requests it was for (others keep going)."""

@@ -8,7 +8,7 @@ import logging
 import time
 
 from common.rpc import Server
-from services.gateway.clients import DraftClient, VerifierClient
+from services.clients import DraftClient, VerifierClient
 from services.gateway.health import Capacity, HealthConfig
 from services.gateway.scheduler import Scheduler
 

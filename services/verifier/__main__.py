@@ -37,7 +37,11 @@ async def main(args: argparse.Namespace) -> None:
     )
     engine = make_verifier(ckpt, cfg, graphs=args.graphs)  # CUDA graphs on a GPU, eager on CPU
     servicer = VerifierServicer(
-        engine, hidden_width=3 * ckpt.config.hidden_size, max_sequences=args.max_sequences, lease_ttl=args.lease_ttl
+        engine,
+        hidden_width=3 * ckpt.config.hidden_size,
+        max_sequences=args.max_sequences,
+        lease_ttl=args.lease_ttl,
+        draft_timeout=args.draft_timeout,
     )
     await serve(
         args.addr,
@@ -54,6 +58,12 @@ def cli() -> None:
     common_arguments(p, "VERIFIER_ADDR", "127.0.0.1:50053")
     engine_arguments(p)
     p.add_argument("--max-tree-nodes", type=int, default=64, help="largest draft tree accepted")
+    p.add_argument(
+        "--draft-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a chained propose may take before its sequences fall back to plain decoding",
+    )
     a = parse_and_log(p)
     asyncio.run(main(a))
 

@@ -1,5 +1,6 @@
 """The verifier service: owns the base model and its KV cache. Thin servicer, one error boundary,
-message conversion in this file only."""
+message conversion in this file only. It also sends each chained sequence's verified outcome to the draft
+(the round protocol, services/verifier/chain.py)."""
 
 from __future__ import annotations
 
@@ -18,9 +19,11 @@ from common.ipc import HiddenExport, gpu_uuid
 from common.slots import check_unique
 from common.tensors import encode_inline, encode_ipc
 from common.tree import DraftQ, validate_tree
+from services.clients import DraftClient
 from services.engine_runner import EngineRunner
 from services.leasing import SequenceLeases
 from services.sampling import sampling_config
+from services.verifier.chain import DraftChain
 from specdec.v1 import internal_pb2 as pb
 from specdec.v1 import internal_pb2_grpc as pb_grpc
 
@@ -48,7 +51,14 @@ class VerifierServicer(pb_grpc.VerifierServicer):
     """`engine` has one slot more than `max_sequences`: the spare one recomputes a sequence's features
     for a draft that catches up (Features), so that never waits for capacity."""
 
-    def __init__(self, engine: VerifierEngine, hidden_width: int, max_sequences: int, lease_ttl: float) -> None:
+    def __init__(
+        self,
+        engine: VerifierEngine,
+        hidden_width: int,
+        max_sequences: int,
+        lease_ttl: float,
+        draft_timeout: float = 10.0,
+    ) -> None:
         if not 1 <= max_sequences < engine.info.max_sequences:
             raise ValueError(
                 f"max_sequences must be in [1, {engine.info.max_sequences}) (one engine slot is "
@@ -64,6 +74,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self.export: HiddenExport | None = None  # set once the draft has mapped our buffer
         self.runner = EngineRunner("verifier")
         self.leases = SequenceLeases(lease_ttl, self._release_ids, self.runner)
+        # the next trees of chained sequences (a propose not answered within draft_timeout fails its items)
+        self.chain = DraftChain(lambda address: DraftClient(address, timeout=draft_timeout))
         self._spare_id = f"~features-{uuid.uuid4().hex}"  # no client can name it
         # the engine's step times, measured once before serving, for the gateway's speculation policy
         self.step_costs = [
@@ -128,15 +140,33 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         return resp
 
     async def _touched_verify(self, request: pb.VerifyRequest) -> pb.VerifyResponse:
+        """The chained items' trees from the draft (waiting for what is not done yet), the verify, then the
+        outcome of every item with next_nodes to the draft for its next tree (see chain.py)."""
+        self._check_chain(request)
         self.leases.touch([it.seq_id for it in request.items])
-        return await self.runner.run(self._verify, request, inline=self.inline)
+        return await self.chain.verify(request, self._run_verify)
+
+    async def _run_verify(self, request: pb.VerifyRequest, failed: dict[str, str]) -> pb.VerifyResponse:
+        return await self.runner.run(self._verify, request, failed, inline=self.inline)
+
+    def _check_chain(self, request: pb.VerifyRequest) -> None:
+        """Known, distinct sequences and well-formed protocol fields, checked before anything runs."""
+        if not request.items:
+            raise InvalidRequest("verify request has no items")
+        check_unique([it.seq_id for it in request.items])
+        for it in request.items:
+            if self.leases.table.owner_of(it.seq_id) is None:
+                raise UnknownSequence(f"unknown sequence id {it.seq_id!r}")
+        self.chain.check(request)
 
     async def _touched_decode(self, request: pb.DecodeRequest) -> pb.DecodeResponse:
         self.leases.touch([it.seq_id for it in request.items])
+        await self.chain.settle([it.seq_id for it in request.items])
         return await self.runner.run(self._decode, request, inline=self.inline)
 
     async def _release_owned(self, request: pb.ReleaseRequest) -> pb.ReleaseResponse:
         ids = list(request.seq_ids)
+        await self.chain.settle(ids)  # the draft answers for them before anyone frees its copies
         n = await self.runner.run(self._release_ids, ids)
         self.leases.removed(ids)
         return pb.ReleaseResponse(released=n)
@@ -147,6 +177,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         for it in request.items:
             if self.leases.table.owner_of(it.seq_id) is None:
                 raise UnknownSequence(f"unknown sequence id {it.seq_id!r}")
+        await self.chain.settle([it.seq_id for it in request.items])
         return await self.runner.run(self._features, request)
 
     # ---- conversion + engine calls (run on the engine thread) ----
@@ -182,6 +213,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.engine.info.dtype]
 
     def _release_ids(self, ids: list[str]) -> int:
+        self.chain.forget(ids)
         if self.export is not None:
             for s in ids:
                 self.export.release(s)
@@ -222,10 +254,10 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self._published()
         return resp
 
-    def _verify(self, request: pb.VerifyRequest) -> pb.VerifyResponse:
-        if not request.items:
-            raise InvalidRequest("verify request has no items")
+    def _verify(self, request: pb.VerifyRequest, failed: dict[str, str]) -> pb.VerifyResponse:
+        """Every item but the `failed` ones (chained trees that never came: answered with draft_error)."""
         info = self.engine.info
+        todo = [it for it in request.items if it.seq_id not in failed]
         items = [
             VerifyInput(
                 seq_id=it.seq_id,
@@ -238,16 +270,19 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                     q=draft_q(it.tree),
                 ),
             )
-            for it in request.items
+            for it in todo
         ]
         if any(it.tree.size == 0 for it in items):
             raise InvalidRequest("a tree has no nodes")
         t0 = time.perf_counter()
-        outs = self.engine.verify(items)
-        compute_us = int((time.perf_counter() - t0) * 1e6)
-        resp = pb.VerifyResponse(compute_us=compute_us)
-        for it, out in zip(items, outs):  # built in place: hidden bytes are written once, not copied
-            r = resp.results.add(seq_id=it.seq_id, accepted_tokens=out.tokens)
+        outs = dict(zip([it.seq_id for it in items], self.engine.verify(items) if items else []))
+        resp = pb.VerifyResponse(compute_us=int((time.perf_counter() - t0) * 1e6))
+        for it in request.items:  # built in place: hidden bytes are written once, not copied
+            if it.seq_id in failed:
+                resp.results.add(seq_id=it.seq_id, draft_error=failed[it.seq_id])
+                continue
+            out = outs[it.seq_id]
+            r = resp.results.add(seq_id=it.seq_id, accepted_tokens=out.tokens, tree_nodes=len(it.tree.token_ids))
             self._hidden(it.seq_id, out.hidden, r.hidden)
         self._published()
         return resp

@@ -32,8 +32,33 @@ class Prefilled:
 
 @dataclass(frozen=True)
 class Verified:
-    tokens: list[int]  # [num_accepted + 1]
-    hidden: pb.TensorRef  # [num_accepted + 1, 3H]
+    tokens: list[int]  # [num_accepted + 1]; empty when draft_error
+    hidden: pb.TensorRef  # [num_accepted + 1, 3H]; unset when chained
+    nodes: int = 0  # nodes of the tree verified
+    chained: bool = False  # the draft has the outcome and its next tree waits at the verifier
+    draft_error: str = ""  # a chained tree that never came: not verified, the draft lost the sequence
+
+
+@dataclass(frozen=True)
+class RoundItem:
+    """One sequence of a Verify (see VerifyItem): its tree, or None when the verifier holds it (chained);
+    `next` the tree (depth, nodes) to ask the draft for right after, or None."""
+
+    seq_id: str
+    tree: pb.DraftTree | None
+    next: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
+class VerifiedRound:
+    """A Verify's results (in item order), its engine time, and the chained trees' draft calls: engine
+    time, largest batch, and how long the verifier waited for them."""
+
+    results: list[Verified]
+    compute_s: float
+    draft_s: float = 0.0
+    draft_batch: int = 0
+    wait_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -187,14 +212,31 @@ class VerifierClient(_ServiceClient):
         r = (await _call(self.stub.Prefill, req, self.timeout)).results[0]
         return Prefilled(next_token=r.next_token, hidden=r.hidden)
 
-    async def verify(self, items: list[tuple[str, pb.DraftTree]], stream: bool = True) -> Batched:
-        req = pb.VerifyRequest()
+    async def verify(
+        self, items: list[RoundItem], draft: str = "", owner: str = "", stream: bool = True
+    ) -> VerifiedRound:
+        """draft: the draft's address as the verifier reaches it (for items with `next`)."""
+        req = pb.VerifyRequest(draft=draft, owner=owner)
         add = req.items.add
-        for s, t in items:
-            add(seq_id=s, tree=t)  # one copy of each tree (a VerifyItem list would copy twice)
+        for it in items:  # one copy of each tree (a VerifyItem list would copy twice)
+            depth, nodes = it.next or (0, 0)
+            if it.tree is None:
+                add(seq_id=it.seq_id, chained=True, next_depth=depth, next_nodes=nodes)
+            else:
+                add(seq_id=it.seq_id, tree=it.tree, next_depth=depth, next_nodes=nodes)
         resp = await (self.streamed(req) if stream else _call(self.stub.Verify, req, self.timeout))
-        return Batched(
-            [Verified(tokens=list(r.accepted_tokens), hidden=r.hidden) for r in resp.results], resp.compute_us / 1e6
+        results = [
+            Verified(
+                tokens=list(r.accepted_tokens),
+                hidden=r.hidden,
+                nodes=r.tree_nodes,
+                chained=r.chained,
+                draft_error=r.draft_error,
+            )
+            for r in resp.results
+        ]
+        return VerifiedRound(
+            results, resp.compute_us / 1e6, resp.draft_compute_us / 1e6, resp.draft_batch, resp.draft_wait_us / 1e6
         )
 
     async def decode(

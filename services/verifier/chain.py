@@ -1,0 +1,167 @@
+"""The verifier's side of the round protocol (see VerifyItem in protos/specdec/v1/internal.proto).
+
+After a verify, the outcome of each chained sequence goes straight from the verifier to the draft
+(accepted tokens and a reference to their hidden states), and the draft's next tree waits here until the
+gateway's next Verify names the sequence `chained`. A round then costs one gateway hop: the draft
+proposes while the gateway commits, streams and sends the next round, and the verifier waits only for
+what is not done by then (`Taken.wait_s`).
+
+Example, one sequence s, accepting 2 of 4 drafted tokens a round:
+  Verify([s: tree T1, next 4x8])  -> verifies T1, answers [t1 t2 t3]; send(draft, [s: t1 t2 t3 + hidden])
+  (gateway streams t1 t2 t3)         the draft proposes T2 meanwhile; pending[s] = (call, 0)
+  Verify([s: chained, next 4x8])  -> take([s]) = T2 (waits if the call is still running); verifies T2 ...
+  Decode([s]) instead              -> settle([s]): waits for the call, drops T2; then decodes
+
+Bookkeeping only (asyncio and messages, no torch): `connect(address)` returns a client whose
+`propose(items, owner=...)` answers services.clients.Batched (trees in item order, engine seconds)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from common.errors import InvalidRequest
+from specdec.v1 import internal_pb2 as pb
+
+log = logging.getLogger(__name__)
+MAX_DRAFTS = 4  # distinct draft addresses one verifier talks to (a typo in a flag should not open channels forever)
+
+
+@dataclass(frozen=True)
+class Pending:
+    task: asyncio.Task  # the propose call -> Batched
+    index: int  # this sequence's tree among the call's results
+    batch: int  # sequences in the call
+
+
+@dataclass
+class Taken:
+    """The chained trees of a Verify, and what was missing."""
+
+    trees: dict[str, pb.DraftTree] = field(default_factory=dict)  # seq id -> its next tree
+    failed: dict[str, str] = field(default_factory=dict)  # seq id -> why there is no tree
+    compute_s: float = 0.0  # the draft's engine time in the calls that made them
+    batch: int = 0  # the largest of those calls
+    wait_s: float = 0.0  # how long the Verify waited for them
+
+
+def _retrieve(task: asyncio.Task) -> None:
+    """Mark a dropped call's failure as seen (asyncio logs unretrieved exceptions at exit)."""
+    if not task.cancelled():
+        task.exception()
+
+
+class DraftChain:
+    def __init__(self, connect: Callable[[str], object]) -> None:
+        self._connect = connect
+        self._clients: dict[str, object] = {}  # address -> client
+        self._pending: dict[str, Pending] = {}  # seq id -> the call proposing its next tree
+
+    async def verify(
+        self, request: pb.VerifyRequest, run: Callable[[pb.VerifyRequest, dict[str, str]], Awaitable[pb.VerifyResponse]]
+    ) -> pb.VerifyResponse:
+        """A Verify under the protocol: the chained items' trees into the request (waiting for calls still
+        running), `run(request, failed)` verifies every item but the failed ones (answered with
+        draft_error), then each item with next_nodes goes to the draft for its next tree."""
+        await self.settle([it.seq_id for it in request.items if not it.chained])
+        taken = await self.take([it.seq_id for it in request.items if it.chained])
+        for it in request.items:
+            if it.seq_id in taken.trees:
+                it.tree.CopyFrom(taken.trees[it.seq_id])
+        resp = await run(request, taken.failed)
+        resp.draft_compute_us = int(taken.compute_s * 1e6)
+        resp.draft_batch = taken.batch
+        resp.draft_wait_us = int(taken.wait_s * 1e6)
+        chained = []
+        for it, r in zip(request.items, resp.results):
+            if it.next_nodes > 0 and not r.draft_error:
+                chained.append(
+                    pb.ProposeItem(
+                        seq_id=it.seq_id,
+                        token_ids=r.accepted_tokens,
+                        hidden=r.hidden,
+                        max_nodes=it.next_nodes,
+                        max_depth=it.next_depth,
+                    )
+                )
+                r.chained = True
+                r.ClearField("hidden")  # the draft has it
+        self.send(request.draft, request.owner, chained)
+        return resp
+
+    def check(self, request: pb.VerifyRequest) -> None:
+        """The protocol's fields of a Verify (InvalidRequest), before anything runs."""
+        for it in request.items:
+            if it.chained and it.HasField("tree"):
+                raise InvalidRequest(f"sequence {it.seq_id!r} is chained and carries a tree: one or the other")
+            if it.next_nodes < 0 or it.next_depth < 0:
+                raise InvalidRequest(f"sequence {it.seq_id!r}: next_nodes and next_depth must be >= 0")
+        if any(it.next_nodes > 0 for it in request.items):
+            self.link(request.draft)
+
+    def link(self, address: str):
+        """The client of the draft at `address` (connected on first use); checked before a Verify runs."""
+        if not address:
+            raise InvalidRequest("next_nodes is set but the request names no draft address")
+        client = self._clients.get(address)
+        if client is None:
+            if len(self._clients) >= MAX_DRAFTS:
+                raise InvalidRequest(f"already linked to {MAX_DRAFTS} draft addresses; refusing {address!r}")
+            client = self._clients[address] = self._connect(address)
+        return client
+
+    def send(self, address: str, owner: str, items: list[pb.ProposeItem]) -> None:
+        """Ask the draft at `address` for these sequences' next trees, in the background."""
+        if not items:
+            return
+        task = asyncio.get_running_loop().create_task(self.link(address).propose(items, owner=owner))
+        task.add_done_callback(_retrieve)
+        for i, it in enumerate(items):
+            self._pending[it.seq_id] = Pending(task, i, len(items))
+
+    async def take(self, seq_ids: list[str]) -> Taken:
+        """The pending trees of these sequences (waiting for calls still running); each is used once."""
+        t0 = time.perf_counter()
+        pend = {s: self._pending.pop(s) for s in seq_ids if s in self._pending}
+        calls = {p.task for p in pend.values()}
+        if calls:
+            await asyncio.wait(calls)
+        out = Taken(wait_s=time.perf_counter() - t0)
+        counted: set[asyncio.Task] = set()
+        for s in seq_ids:
+            p = pend.get(s)
+            if p is None:
+                out.failed[s] = "no proposal pending (the last Verify did not chain this sequence)"
+            elif p.task.cancelled() or p.task.exception() is not None:
+                out.failed[s] = f"the draft failed: {'cancelled' if p.task.cancelled() else p.task.exception()}"
+            else:
+                done = p.task.result()
+                out.trees[s] = done.results[p.index]
+                if p.task not in counted:
+                    counted.add(p.task)
+                    out.compute_s += done.compute_s
+                    out.batch = max(out.batch, p.batch)
+        return out
+
+    async def settle(self, seq_ids: list[str]) -> None:
+        """Wait for the calls proposing these sequences' next trees and drop the trees: another call on
+        them follows (the draft must be done reading their hidden states before those are rewritten)."""
+        calls = {self._pending.pop(s).task for s in seq_ids if s in self._pending}
+        if calls:
+            await asyncio.wait(calls)
+
+    def forget(self, seq_ids: list[str]) -> None:
+        """Drop without waiting (sequences freed by lease expiry: the draft frees its copies on its own)."""
+        for s in seq_ids:
+            self._pending.pop(s, None)
+
+    async def close(self) -> None:
+        for p in self._pending.values():
+            p.task.cancel()
+        self._pending.clear()
+        for c in self._clients.values():
+            await c.close()
+        self._clients.clear()
