@@ -3,6 +3,9 @@ requests through the gateway, then one request with a long prompt (about --promp
 the running requests' inter-token gaps while it is prefilled are compared with their gaps before it.
 
     python -m bench.prefill_stall --out DIR [--device cuda] [--concurrency 16] [--prompt-tokens 2000]
+                                  [--prefill-chunk 0,512]
+
+Each --prefill-chunk value is the gateway's (0 = the prompt in one call), on a stack of its own.
 
 Figures (milliseconds, over the running streams' messages; a speculative round's tokens come in one
 message): the median gap between a stream's messages in the second before the long request is sent
@@ -85,25 +88,31 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--prompt-tokens", type=int, default=2000)
+    ap.add_argument("--prefill-chunk", default="0,512", help="comma list of the gateway's --prefill-chunk")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     rows = []
-    with Stack(common_args=["--device", args.device, "--max-context", "4096"]) as stack:
-        for speculative in (True, False):
-            rows.append(asyncio.run(measure(stack.gateway, args.concurrency, args.prompt_tokens, speculative)))
-            log.info("%s", rows[-1])
+    for chunk in [int(c) for c in args.prefill_chunk.split(",")]:
+        common = ["--device", args.device, "--max-context", "4096"]
+        with Stack(common_args=common, gateway_args=["--prefill-chunk", str(chunk)]) as stack:
+            for speculative in (True, False):
+                row = asyncio.run(measure(stack.gateway, args.concurrency, args.prompt_tokens, speculative))
+                rows.append({"prefill_chunk": chunk, **row})
+                log.info("%s", rows[-1])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "prefill_stall.json").write_text(json.dumps(rows, indent=1))
     lines = [
         f"# Long prompt under load ({args.device}, concurrency {args.concurrency})",
         "",
-        "| mode | prompt tokens | prefill wall ms | gap before ms (median) | gap during ms (mean / max) | ratio |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| prefill chunk | mode | prompt tokens | prefill wall ms | gap before ms (median) "
+        "| gap during ms (mean / max) | ratio |",
+        "|---:|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
-            f"| {'speculative' if r['speculative'] else 'plain'} | {r['prompt_tokens']} "
+            f"| {r['prefill_chunk'] or 'whole'} | {'speculative' if r['speculative'] else 'plain'} "
+            f"| {r['prompt_tokens']} "
             f"| {r['prefill_wall_ms']:.1f} | {r['gap_before_median_ms']:.2f} "
             f"| {r['gap_during_mean_ms']:.2f} / {r['gap_during_max_ms']:.2f} | {r['ratio']:.2f} |"
         )

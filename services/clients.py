@@ -199,12 +199,23 @@ class VerifierClient(_ServiceClient):
         return self.streamed
 
     async def prefill(
-        self, seq_id: str, token_ids: list[int], sampling: SamplingConfig, want_hidden: bool, owner: str = ""
+        self,
+        seq_id: str,
+        token_ids: list[int],
+        sampling: SamplingConfig,
+        want_hidden: bool,
+        owner: str = "",
+        more: bool = False,
     ) -> Prefilled:
+        """A prompt, or its next chunk (more: chunks follow; then the result carries nothing)."""
         req = pb.PrefillRequest(
             items=[
                 pb.PrefillItem(
-                    seq_id=seq_id, token_ids=token_ids, sampling=sampling_msg(sampling), want_hidden=want_hidden
+                    seq_id=seq_id,
+                    token_ids=token_ids,
+                    sampling=sampling_msg(sampling),
+                    want_hidden=want_hidden,
+                    more=more,
                 )
             ],
             owner=owner,

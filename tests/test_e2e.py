@@ -94,17 +94,21 @@ def test_shipped_head_acceptance_guard(stack):
     assert round_tokens / rounds >= 3.0, [r.speculation.mean_acceptance_length for r in out]
 
 
-def test_two_round_groups_equal_plain_greedy():
+def test_two_round_groups_and_chunked_prefill_equal_plain_greedy(stack):
     """--round-groups 2: two groups of sequences whose rounds run concurrently (one verified while the
-    other drafts); every output still equals plain greedy decoding, and both groups speculate."""
+    other drafts), and --prefill-chunk 8: every prompt (30-odd tokens) prefilled in chunks between rounds.
+    Every output, speculative and plain, equals plain greedy decoding of the whole prompts (the default
+    stack's), and both groups speculate."""
     from services.stack import Stack
     from tests.conftest import COMMON
 
     prompts = CHAT_PROMPTS[:4]
-    with Stack(common_args=COMMON, gateway_args=["--round-groups", "2", "--policy", "fixed"]) as s:
+    args = ["--round-groups", "2", "--policy", "fixed", "--prefill-chunk", "8"]
+    with Stack(common_args=COMMON, gateway_args=args) as s:
         spec, plain = speculative_vs_plain(s.gateway, prompts, 24)
-    for p, a, b in zip(prompts, spec, plain):
-        assert list(a.token_ids) == list(b.token_ids), p
+    whole = complete_many(stack.gateway, [chat(p, max_tokens=24, ignore_eos=True, speculative=False) for p in prompts])
+    for p, a, b, w in zip(prompts, spec, plain, whole):
+        assert list(a.token_ids) == list(b.token_ids) == list(w.token_ids), p
         assert a.speculation.rounds > 0
 
 

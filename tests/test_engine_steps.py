@@ -20,7 +20,7 @@ from common.engine.draft import Eagle3Drafter, select_top_nodes_device
 from common.engine.factory import make_drafter, make_verifier, pick_dtype
 from common.engine.oracle import GreedyOracleDrafter
 from common.engine.verifier import Verifier, VerifierConfig, accept_greedy_device, tree_ancestors
-from common.errors import InvalidRequest
+from common.errors import InvalidRequest, UnknownSequence
 from common.model.eagle3 import Eagle3Config, Eagle3Head
 from common.tree import Tree, ancestor_mask, depths, select_top_nodes
 
@@ -384,6 +384,33 @@ def test_decode_features_equal_a_prefill_of_the_same_tokens(verifiers) -> None:
     torch.testing.assert_close(out.hidden[0], ref, rtol=1e-4, atol=1e-4)
     assert padded.decode_steps(["f"], 2).hidden is None
     padded.release(["f", "g", "ref"])
+
+
+def test_chunked_prefill_equals_one_prefill(verifiers) -> None:
+    """A prompt in chunks of 5, 1 and the rest (each written after the cache, attending to it as a prefix)
+    gives the first token, the features of every position and the decoding after it of one prefill of the
+    whole prompt; a sequence whose last chunk has not come is refused by decode and verify, a second
+    prefill of a complete sequence is refused, and a chunk past the context frees the sequence."""
+    _, padded = verifiers
+    prompt = PROMPTS[0] + PROMPTS[1]
+    whole = padded.prefill(PrefillInput("w", prompt, SamplingConfig()))
+    parts = [prompt[:5], prompt[5:6], prompt[6:]]
+    outs = [padded.prefill(PrefillInput("c", p, SamplingConfig(), more=i < 2)) for i, p in enumerate(parts)]
+    assert [o.next_token for o in outs[:2]] == [None, None] and outs[2].next_token == whole.next_token
+    torch.testing.assert_close(torch.cat([o.hidden for o in outs]), whole.hidden, rtol=1e-4, atol=1e-4)
+    assert padded.decode_steps(["c"], 6).tokens == padded.decode_steps(["w"], 6).tokens
+    with pytest.raises(InvalidRequest, match="already exists"):
+        padded.prefill(PrefillInput("c", [1, 2], SamplingConfig()))
+    padded.prefill(PrefillInput("p", prompt[:4], SamplingConfig(), more=True))
+    with pytest.raises(InvalidRequest, match="still being prefilled"):
+        padded.decode_steps(["p"], 1)
+    with pytest.raises(InvalidRequest, match="still being prefilled"):
+        padded.verify([VerifyInput("p", Tree(np.array([5]), np.array([-1]), np.ones(1, np.float32)))])
+    with pytest.raises(InvalidRequest, match="the context holds 256"):
+        padded.prefill(PrefillInput("p", [1] * 252, SamplingConfig(), more=True))
+    with pytest.raises(UnknownSequence):  # the failed chunk freed it
+        padded.decode_steps(["p"], 1)
+    padded.release(["w", "c"])
 
 
 def test_tree_depth_and_bounded_ancestors() -> None:

@@ -68,8 +68,9 @@ class FakeVerifier(VerifierClient):
     def _hidden(self, tokens: list[int]) -> pb.TensorRef:
         return pb.TensorRef()
 
-    async def prefill(self, seq_id, token_ids, sampling, want_hidden, owner="") -> Prefilled:
-        return Prefilled(next_token=token_ids[-1] + 1, hidden=pb.TensorRef())
+    async def prefill(self, seq_id, token_ids, sampling, want_hidden, owner="", more=False) -> Prefilled:
+        self.log.append(("prefill", seq_id, len(token_ids), more))
+        return Prefilled(next_token=0 if more else token_ids[-1] + 1, hidden=pb.TensorRef())
 
     async def _verify_call(self, request: pb.VerifyRequest) -> pb.VerifyResponse:
         self.chain.check(request)
@@ -102,23 +103,35 @@ class FakeVerifier(VerifierClient):
         self.log.append(("release-verifier", list(seq_ids)))
 
 
-async def _run(prompts: list[tuple[int, int]], accept: int, stagger: float = 0.0, draft_address: str = DRAFT):
-    """prompts: (first prompt token, max_tokens). Returns (tokens per request, call log)."""
+async def _run(
+    prompts: list[tuple[int, int]],
+    accept: int,
+    stagger: float = 0.0,
+    draft_address: str = DRAFT,
+    prompt_len: tuple[int, ...] = (),
+    prefill_chunk: int = 512,
+):
+    """prompts: (last prompt token, max_tokens), the prompt counting up to it (prompt_len[i] tokens, default
+    2). Returns (tokens per request, call log)."""
     log: list = []
     draft = FakeDraft(log)
-    cfg = SchedulerConfig(max_active=4, draft_address=draft_address)
+    cfg = SchedulerConfig(max_active=4, draft_address=draft_address, prefill_chunk=prefill_chunk)
     sched = Scheduler(FakeVerifier(log, accept, draft), draft, cfg, FIXED)
     sched.start()
 
-    async def one(first: int, max_tokens: int, delay: float) -> list[int]:
+    async def one(first: int, max_tokens: int, delay: float, n: int) -> list[int]:
         await asyncio.sleep(delay)
         req = GenRequest(
-            prompt_ids=[first - 1, first], max_tokens=max_tokens, sampling=SamplingConfig(), ignore_eos=True
+            prompt_ids=list(range(first - n + 1, first + 1)),
+            max_tokens=max_tokens,
+            sampling=SamplingConfig(),
+            ignore_eos=True,
         )
         gen = Generation(request=req, decoder=Decoder(), eos_token_id=EOS)
         return [t for d in [d async for d in sched.generate(gen)] for t in d.token_ids]
 
-    outs = await asyncio.gather(*(one(f, m, i * stagger) for i, (f, m) in enumerate(prompts)))
+    lens = prompt_len or (2,) * len(prompts)
+    outs = await asyncio.gather(*(one(f, m, i * stagger, n) for i, ((f, m), n) in enumerate(zip(prompts, lens))))
     await sched.stop()
     return outs, log
 
@@ -169,6 +182,20 @@ def test_joining_sequence_gets_its_own_propose_call() -> None:
     assert ("propose", ["gw-1"]) in log  # the newcomer alone: the gateway's call in its first round
     first_both = next(i for i, e in enumerate(log) if e == ("propose", ["gw-0", "gw-1"]))
     assert log.index(("propose", ["gw-1"])) < first_both  # then both from one chained call
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_between_the_rounds_of_the_others() -> None:
+    """prefill_chunk 4: a 10-token prompt arriving while another request runs goes in chunks of 4, 4 and 2,
+    one between two rounds of the running request (which keeps its rounds), and joins the rounds after its
+    last chunk; both outputs exact."""
+    outs, log = asyncio.run(_run([(100, 30), (300, 10)], accept=1, stagger=0.05, prompt_len=(2, 10), prefill_chunk=4))
+    assert outs == [list(range(101, 131)), list(range(301, 311))]
+    chunks = [i for i, e in enumerate(log) if e[0] == "prefill" and e[1] == "gw-1"]
+    assert [log[i][2:] for i in chunks] == [(4, True), (4, True), (2, False)]
+    for a, b in zip(chunks, chunks[1:]):  # a round of gw-0 between two chunks, and none of gw-1 yet
+        between = [e for e in log[a:b] if e[0] == "verify"]
+        assert between and all(e[1] == ["gw-0"] for e in between)
+    assert any(e[0] == "verify" and "gw-1" in e[1] for e in log[chunks[-1] :])
 
 
 def test_a_chained_call_that_fails_means_plain_decoding_and_a_catch_up() -> None:
@@ -256,7 +283,7 @@ class FollowingVerifier(FakeVerifier):
         super().__init__(log, accept, draft)
         self.last: dict[str, int] = {}
 
-    async def prefill(self, seq_id, token_ids, sampling, want_hidden, owner="") -> Prefilled:
+    async def prefill(self, seq_id, token_ids, sampling, want_hidden, owner="", more=False) -> Prefilled:
         self.last[seq_id] = token_ids[-1] + 1
         return Prefilled(next_token=token_ids[-1] + 1, hidden=_rows(token_ids[1:] + [token_ids[-1] + 1]))
 

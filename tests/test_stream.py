@@ -6,6 +6,7 @@ on the stream as unary."""
 import asyncio
 
 import grpc
+import numpy as np
 import pytest
 import torch
 
@@ -191,4 +192,36 @@ def test_raw_stream_answers_every_request_in_order(stack):
         assert not resps[2].HasField("error") and len(resps[2].results) == 1
     finally:
         v.Release(pb.ReleaseRequest(seq_ids=["st-raw"]))
+        ch.close()
+
+
+def test_chunked_prefill_on_the_wire(stack):
+    """Prefill in two chunks (more=True, then the rest) returns what one Prefill returns: the same first
+    token and, with want_hidden, the hidden states of the whole prompt (gathered across the chunks); a
+    Verify between the chunks is INVALID_ARGUMENT and leaves the sequence to its last chunk."""
+    ch = grpc.insecure_channel(f"127.0.0.1:{stack.ports['verifier']}")
+    v = pb_grpc.VerifierStub(ch)
+
+    def prefill(seq_id: str, tokens: list[int], more: bool = False) -> pb.PrefillResult:
+        item = pb.PrefillItem(seq_id=seq_id, token_ids=tokens, want_hidden=True, more=more)
+        return v.Prefill(pb.PrefillRequest(items=[item]), timeout=60).results[0]
+
+    try:
+        whole = prefill("st-whole", PROMPT)
+        assert prefill("st-chunks", PROMPT[:4], more=True).next_token == 0
+        with pytest.raises(grpc.RpcError) as e:
+            v.Verify(
+                pb.VerifyRequest(
+                    items=[pb.VerifyItem(seq_id="st-chunks", tree=pb.DraftTree(token_ids=[5], parents=[-1]))]
+                )
+            )
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "still being prefilled" in e.value.details()
+        last = prefill("st-chunks", PROMPT[4:])
+        assert last.next_token == whole.next_token
+        assert list(last.hidden.shape) == list(whole.hidden.shape) == [len(PROMPT), 3 * 576]
+        a = np.frombuffer(last.hidden.inline_data, dtype=np.float32)
+        b = np.frombuffer(whole.hidden.inline_data, dtype=np.float32)
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+    finally:
+        v.Release(pb.ReleaseRequest(seq_ids=["st-whole", "st-chunks"]))
         ch.close()

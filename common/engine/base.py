@@ -25,15 +25,19 @@ class EngineInfo:
 
 @dataclass(frozen=True)
 class PrefillInput:
+    """A prompt, or one chunk of it. The first call creates the sequence; while `more` is set, the next
+    call for the same id continues it (its tokens follow in the KV cache) and no token is chosen yet."""
+
     seq_id: str
-    token_ids: list[int]  # [prompt_len]
+    token_ids: list[int]  # [chunk_len]: the prompt, or its next chunk
     sampling: SamplingConfig
+    more: bool = False  # more chunks follow
 
 
 @dataclass(frozen=True)
 class PrefillOutput:
-    next_token: int
-    hidden: torch.Tensor  # [prompt_len, 3H] EAGLE features of every prompt position
+    next_token: int | None  # None while more chunks follow
+    hidden: torch.Tensor  # [chunk_len, 3H] EAGLE features of this call's positions
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from common.acceptance import Acceptance, accept_sampled, accept_sampled_q, comp
 from common.config import LlamaConfig, SamplingConfig
 from common.engine.base import Decoded, EngineInfo, PrefillInput, PrefillOutput, StepTime, VerifyInput, VerifyOutput
 from common.engine.cuda_graphs import CudaGraphManager, GraphConfig, batch_buckets_for
-from common.errors import CapacityExhausted, InvalidRequest
+from common.errors import CapacityExhausted, InvalidRequest, UnknownSequence
 from common.model.llama import Batch, KVCache, LlamaModel
 from common.sampling import target_distribution
 from common.slots import SlotTable, check_unique
@@ -239,35 +239,60 @@ class Verifier:
     # ---- prefill (eager: prompt lengths vary too much to bucket) ----
     @torch.inference_mode()
     def prefill(self, item: PrefillInput) -> PrefillOutput:
+        """A prompt, or its next chunk (see PrefillInput): chunk k is written after the cached tokens, at
+        positions length .. length + n - 1, seeing the cache as a prefix and itself causally, the same
+        attention as one call over the whole prompt. A failed call frees the sequence."""
         n = len(item.token_ids)
         if n == 0:
             raise InvalidRequest("prompt is empty")
-        if n >= self.cfg.max_context:
-            raise InvalidRequest(f"prompt has {n} tokens; the context holds {self.cfg.max_context}")
-        validate.token_ids(item.token_ids, self.info.vocab_size, "prompt")
-        rng = np.random.default_rng(item.sampling.seed)
-        slot = self.seqs.acquire(item.seq_id, VerifierSeq(length=0, pending=-1, sampling=item.sampling, rng=rng))
+        if self._prefilling(item.seq_id) is None:  # a new sequence
+            rng = np.random.default_rng(item.sampling.seed)
+            self.seqs.acquire(item.seq_id, VerifierSeq(length=0, pending=-1, sampling=item.sampling, rng=rng))
+        slot, state = self.seqs.get(item.seq_id)
+        start = state.length
         try:
+            validate.token_ids(item.token_ids, self.info.vocab_size, "prompt")
+            if start + n >= self.cfg.max_context:
+                raise InvalidRequest(f"prompt has {start + n} tokens; the context holds {self.cfg.max_context}")
             with self.graphs.on_stream():
                 dev = self.device
-                pos = torch.arange(n, device=dev)[None]
+                pos = torch.arange(start, start + n, device=dev)[None]  # [1, n]
                 batch = Batch(
-                    input_ids=torch.tensor([item.token_ids], device=dev),
+                    input_ids=torch.tensor([item.token_ids], device=dev),  # [1, n]
                     positions=pos,
-                    slots=torch.tensor([slot], device=dev),
+                    slots=torch.tensor([slot], device=dev),  # [1]
                     write_pos=pos,
-                    prefix_len=torch.zeros(1, dtype=torch.long, device=dev),
-                    window=torch.ones(n, n, dtype=torch.bool, device=dev).tril()[None],
+                    prefix_len=torch.tensor([start], device=dev),  # [1]
+                    window=torch.ones(n, n, dtype=torch.bool, device=dev).tril()[None],  # [1, n, n]
                 )
                 out = self.model(batch, self.cache)
+                state.length = start + n
+                if item.more:
+                    return PrefillOutput(next_token=None, hidden=out.aux[0])
                 logits = self.model.logits(out.hidden[0, -1])  # [V]
-                _, state = self.seqs.get(item.seq_id)
-                state.length = n
                 state.pending = self._choose(logits, state)
                 return PrefillOutput(next_token=state.pending, hidden=out.aux[0])
         except BaseException:
             self.seqs.release(item.seq_id)
             raise
+
+    def _prefilling(self, seq_id: str) -> VerifierSeq | None:
+        """The state of a sequence whose prompt is partly prefilled (pending -1), None for a new id; an id
+        whose prompt is complete is refused."""
+        try:
+            _, state = self.seqs.get(seq_id)
+        except UnknownSequence:
+            return None
+        if state.pending != -1:
+            raise InvalidRequest(f"sequence {seq_id!r} already exists")
+        return state
+
+    def _ready(self, seq_id: str) -> tuple[int, VerifierSeq]:
+        """(slot, state) of a sequence whose prompt is prefilled (InvalidRequest while chunks are due)."""
+        slot, state = self.seqs.get(seq_id)
+        if state.pending == -1:
+            raise InvalidRequest(f"sequence {seq_id!r} is still being prefilled (its last chunk has not come)")
+        return slot, state
 
     # ---- verification ----
     def _verify_block(self, b: int, t: int) -> torch.Tensor:
@@ -317,7 +342,7 @@ class Verifier:
     @torch.inference_mode()
     def verify(self, items: list[VerifyInput]) -> list[VerifyOutput]:
         check_unique([it.seq_id for it in items])
-        states = [self.seqs.get(it.seq_id) for it in items]
+        states = [self._ready(it.seq_id) for it in items]
         t = 1 + max(it.tree.size for it in items)
         for it, (_, st) in zip(items, states):
             if st.length + t > self.capacity:
@@ -411,7 +436,7 @@ class Verifier:
         if steps < 1:
             raise InvalidRequest(f"decode steps must be >= 1, got {steps}")
         check_unique(seq_ids)
-        states = [self.seqs.get(s) for s in seq_ids]
+        states = [self._ready(s) for s in seq_ids]
         for s, (_, st) in zip(seq_ids, states):
             if st.length + 1 > self.capacity:
                 raise CapacityExhausted(f"sequence {s!r} is at the end of its context")

@@ -28,6 +28,7 @@ class GatewayConfig:
     model: Path  # GGUF file or HF folder the tokenizer is read from
     max_active: int = 0  # sequences per round; 0 = as many as the verifier and the draft hold
     plain_steps: int = 8  # plain decoding tokens per verifier call
+    prefill_chunk: int = 512  # prompt tokens prefilled between two rounds (0 = every prompt whole)
     groups: int = 1  # round groups run concurrently (2: one verifies while the other drafts)
     max_waiting: int = 64
     connect_timeout: float = 120.0
@@ -137,6 +138,7 @@ async def main(cfg: GatewayConfig, port_file: str | None) -> None:
             instance_id=instance_id,
             draft_retry_s=cfg.health.draft_retry_s,
             draft_address=cfg.chain_address,
+            prefill_chunk=cfg.prefill_chunk,
         ),
         policy,
         metrics,
@@ -202,6 +204,13 @@ def cli() -> None:
         default=8,
         help="plain decoding tokens per verifier call (tokens past a stop are discarded)",
     )
+    p.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=512,
+        help="prompt tokens prefilled between two rounds; a longer prompt goes in chunks so that the running "
+        "requests wait for one chunk at a time (0 = every prompt in one call)",
+    )
     p.add_argument("--max-waiting", type=int, default=64)
     p.add_argument(
         "--metrics-port",
@@ -264,6 +273,7 @@ def cli() -> None:
         model=Path(a.model) if a.model else default_model_path(),
         max_active=a.max_active,
         plain_steps=a.plain_steps,
+        prefill_chunk=a.prefill_chunk,
         groups=a.round_groups,
         max_waiting=a.max_waiting,
         metrics_port=a.metrics_port,

@@ -1,7 +1,9 @@
 """Continuous batching of generations over the draft and verifier services.
 
-One loop owns every active sequence. Each iteration admits waiting requests (prefill on the
-verifier), then runs one round for all of them: propose, verify, commit, stream. Sequences join
+One loop owns every active sequence. Each iteration admits waiting requests and prefills up to
+`prefill_chunk` prompt tokens on the verifier (oldest first; a longer prompt goes in chunks, one per
+iteration, so that it stalls the running sequences for one chunk at a time, not for its whole prompt), then
+runs one round for every sequence whose prompt is in: propose, verify, commit, stream. Sequences join
 after their prefill and leave when finished, between rounds, without stalling the others.
 
 The draft is optional to every request. When it is down or a propose fails, the round's speculative
@@ -66,6 +68,9 @@ class Active:
     plain_streak: int = 0  # plain rounds in a row while followed
     next_propose: pb.ProposeItem | None = None  # the draft's input for the next round; None: plain (or lost)
     chained: bool = False  # the verifier holds its next tree (the draft has every token; next_propose is empty)
+    prefilled: int = 0  # prompt tokens in the verifier's cache so far
+    prefilling: bool = True  # its prompt is not all in yet: no rounds
+    wants_hidden: bool = False  # decided at its first chunk: the prefill returns the prompt's features
     started: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
 
@@ -80,12 +85,15 @@ class SchedulerConfig:
     groups: int = 1  # round groups run concurrently (2: one verifies while the other drafts)
     park_after: int = 4  # plain rounds in a row after which the draft stops following a sequence
     draft_address: str = ""  # the draft as the verifier reaches it: chained rounds ("" = the gateway proposes)
+    prefill_chunk: int = 512  # prompt tokens prefilled between two rounds (0 = every prompt whole)
 
     def __post_init__(self) -> None:
         if self.max_active < 1 or self.max_waiting < 0:
             raise ValueError("max_active must be >= 1, max_waiting >= 0")
         if not 1 <= self.groups <= 4:
             raise ValueError(f"groups must be in [1, 4], got {self.groups}")
+        if self.prefill_chunk < 0:
+            raise ValueError(f"prefill_chunk must be >= 0 (0 = whole prompts), got {self.prefill_chunk}")
         if self.park_after < 1:
             raise ValueError(f"park_after must be >= 1, got {self.park_after}")
         if not 1 <= self.plain_steps <= 64:
@@ -178,7 +186,8 @@ class Scheduler:
             await self._admit()
             if self.active:
                 await self._guarded(self.active, self._catch_up())  # sequences the draft lost, once it is back
-            groups = [(g, [a for a in self.active if a.group == g]) for g in range(self.cfg.groups)]
+            ready = [a for a in self.active if not a.prefilling]
+            groups = [(g, [a for a in ready if a.group == g]) for g in range(self.cfg.groups)]
             await asyncio.gather(*(self._guarded(members, self._round(g, members)) for g, members in groups if members))
 
     async def _round(self, group: int, members: list[Active]) -> None:
@@ -326,7 +335,9 @@ class Scheduler:
         """Restart the draft on every speculative sequence it does not hold: hidden states of the tokens
         in the verifier's cache, recomputed, paired with the tokens that follow them (as after a prefill:
         context [t0 .. tn] with tn pending -> hidden of t0..t(n-1), token_ids t1..tn, prefix [t0])."""
-        lost = [a for a in self.active if a.speculative and a.next_propose is None and not a.parked]
+        lost = [
+            a for a in self.active if a.speculative and a.next_propose is None and not a.parked and not a.prefilling
+        ]
         self.metrics.degraded.set(1 if self.speculation_degraded else 0)
         if not lost or not self.draft_link.may_try(time.monotonic()) or not self.draft.reachable():
             return
@@ -383,21 +394,35 @@ class Scheduler:
             a = self.waiting.pop(next(iter(self.waiting)))
             if a.gen.finish is not None:  # cancelled while waiting
                 continue
-            await self._guarded([a], self._prefill(a))
+            sizes = [sum(b.group == g for b in self.active) for g in range(self.cfg.groups)]
+            a.group = sizes.index(min(sizes))  # the smaller group
+            self.active.append(a)
+        budget = self.cfg.prefill_chunk or float("inf")
+        for a in [a for a in self.active if a.prefilling and a.gen.finish is None]:  # oldest first
+            if budget <= 0:
+                break
+            n = int(min(len(a.gen.request.prompt_ids) - a.prefilled, budget))
+            budget -= n
+            await self._guarded([a], self._prefill(a, n))
         await self._retire()
 
-    async def _prefill(self, a: Active) -> None:
+    async def _prefill(self, a: Active, n: int) -> None:
+        """The next n prompt tokens of `a`; the last chunk makes it join the rounds with its first token."""
         req = a.gen.request
-        sizes = [sum(b.group == g for b in self.active) for g in range(self.cfg.groups)]
-        a.group = sizes.index(min(sizes))  # the smaller group
-        self.active.append(a)
-        # while the draft is down, no hidden states: the sequence catches up once it is back
-        speculative = a.speculative and not self.draft_link.degraded
-        self.metrics.prompt_tokens.inc(len(req.prompt_ids))
+        if a.prefilled == 0:
+            # while the draft is down, no hidden states: the sequence catches up once it is back
+            a.wants_hidden = a.speculative and not self.draft_link.degraded
+            self.metrics.prompt_tokens.inc(len(req.prompt_ids))
+        chunk = req.prompt_ids[a.prefilled : a.prefilled + n]
+        more = a.prefilled + n < len(req.prompt_ids)
         pre = await self.verifier.prefill(
-            a.seq_id, req.prompt_ids, req.sampling, want_hidden=speculative, owner=self.cfg.instance_id
+            a.seq_id, chunk, req.sampling, want_hidden=a.wants_hidden, owner=self.cfg.instance_id, more=more
         )
-        if speculative:
+        a.prefilled += n
+        if more:
+            return
+        a.prefilling = False
+        if a.wants_hidden:
             token_ids, prefix = start_shift(req.prompt_ids, pre.next_token)
             a.next_propose = pb.ProposeItem(
                 seq_id=a.seq_id,

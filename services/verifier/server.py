@@ -77,6 +77,9 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         # the next trees of chained sequences (a propose not answered within draft_timeout fails its items)
         self.chain = DraftChain(lambda address: DraftClient(address, timeout=draft_timeout))
         self._spare_id = f"~features-{uuid.uuid4().hex}"  # no client can name it
+        # sequences whose prompt is partly prefilled (more chunks due) -> the hidden states of their chunks
+        # so far (those that want them), returned whole with the last chunk
+        self._chunks: dict[str, list[torch.Tensor]] = {}
         # the engine's step times, measured once before serving, for the gateway's speculation policy
         self.step_costs = [
             pb.StepCost(kind=c.kind, batch=c.batch, size=c.size, seconds=c.seconds) for c in engine.step_costs()
@@ -127,16 +130,19 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
     # ---- ownership (on the event loop), then the engine call (on the engine thread) ----
     async def _admit_prefill(self, request: pb.PrefillRequest) -> pb.PrefillResponse:
+        """New sequences are admitted (capacity, draining); chunks that continue one are not new."""
         ids = [it.seq_id for it in request.items]
         check_unique(ids)
-        self.leases.admit(len(ids))
+        new = [s for s in ids if s not in self._chunks]
+        self.leases.admit(len(new))
         held = len(self.leases.table)
-        if held + len(ids) > self.max_sequences:
+        if held + len(new) > self.max_sequences:
             raise CapacityExhausted(
-                f"{held} of {self.max_sequences} sequence slots are in use; {len(ids)} more do not fit"
+                f"{held} of {self.max_sequences} sequence slots are in use; {len(new)} more do not fit"
             )
+        self.leases.touch([s for s in ids if s in self._chunks])
         resp = await self.runner.run(self._prefill, request)
-        self.leases.added(ids, request.owner)
+        self.leases.added(new, request.owner)
         return resp
 
     async def _touched_verify(self, request: pb.VerifyRequest) -> pb.VerifyResponse:
@@ -214,6 +220,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
     def _release_ids(self, ids: list[str]) -> int:
         self.chain.forget(ids)
+        for s in ids:
+            self._chunks.pop(s, None)
         if self.export is not None:
             for s in ids:
                 self.export.release(s)
@@ -227,14 +235,28 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         try:
             for it in request.items:  # prefill is eager and per sequence
                 out = self.engine.prefill(
-                    PrefillInput(seq_id=it.seq_id, token_ids=list(it.token_ids), sampling=sampling_config(it.sampling))
+                    PrefillInput(
+                        seq_id=it.seq_id,
+                        token_ids=list(it.token_ids),
+                        sampling=sampling_config(it.sampling),
+                        more=it.more,
+                    )
                 )
                 done.append(it.seq_id)
+                chunks = self._chunks.pop(it.seq_id, [])
+                if it.want_hidden:
+                    chunks.append(out.hidden)
+                if it.more:
+                    self._chunks[it.seq_id] = chunks
+                    resp.results.add(seq_id=it.seq_id)
+                    continue
                 r = resp.results.add(seq_id=it.seq_id, next_token=out.next_token)
                 if it.want_hidden:
-                    self._hidden(it.seq_id, out.hidden, r.hidden)
+                    self._hidden(it.seq_id, torch.cat(chunks) if len(chunks) > 1 else chunks[0], r.hidden)
         except BaseException:
-            self._release_ids(done)  # all or nothing: the earlier items' slots are not left behind
+            # all or nothing: the earlier items' slots are not left behind, nor any partly prefilled prompt of
+            # the call (the failed chunk's is freed already; their leases go with the caller's Release)
+            self._release_ids(done + [it.seq_id for it in request.items if it.seq_id in self._chunks])
             raise
         self._published()
         return resp
