@@ -32,6 +32,7 @@ from common.config import SamplingConfig
 from common.rounds import start_shift
 from common.tensors import encode_inline
 from services.clients import DraftClient, RoundItem, VerifierClient
+from services.tree_wire import draft_tree
 from specdec.v1 import internal_pb2 as pb
 
 log = logging.getLogger("bench.rpc_bench")
@@ -70,7 +71,7 @@ class Bench:
             await self.timed("info", self.v.info(), i)
 
     async def verify(self) -> None:
-        one = pb.DraftTree(token_ids=[5], parents=[-1])
+        one = draft_tree([5], [-1])
         ids = {True: "rb-vs", False: "rb-vu"}
         for i in range(self.warmup + self.n):
             for stream, sid in ids.items():

@@ -2,7 +2,7 @@
 
 One numpy conversion each way. A repeated scalar field costs a Python object per element on both sides:
 for a round of 64 sequences with 60-node trees, building, serializing, parsing and converting the
-VerifyRequest took 1.18 ms with repeated fields and 0.36 ms with packed bytes on the CPU of this
+trees took 0.97 ms with repeated fields and 0.36 ms with packed bytes on the 2-core CPU of this
 workplace (`python -m bench.tree_wire`), and with chained rounds that work sits between the draft's
 proposal and the verification. The draft packs (tree_msg), the verifier unpacks and checks (tree_of);
 draft_tree builds a message from plain lists (tests, tools)."""

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from common.tensors import encode_inline
+from services.tree_wire import draft_tree
 from specdec.v1 import generation_pb2 as gpb
 from specdec.v1 import generation_pb2_grpc as gpb_grpc
 from specdec.v1 import internal_pb2 as pb
@@ -111,15 +112,11 @@ def test_verifier_rejects_malformed_trees(stack, tokens, parents, needle):
     v.Prefill(pb.PrefillRequest(items=[pb.PrefillItem(seq_id="t", token_ids=[1, 2, 3])]))
     try:
         code, details = _code(
-            lambda: v.Verify(
-                pb.VerifyRequest(
-                    items=[pb.VerifyItem(seq_id="t", tree=pb.DraftTree(token_ids=tokens, parents=parents))]
-                )
-            )
+            lambda: v.Verify(pb.VerifyRequest(items=[pb.VerifyItem(seq_id="t", tree=draft_tree(tokens, parents))]))
         )
         assert code == grpc.StatusCode.INVALID_ARGUMENT and needle in details
         # the sequence is untouched and still verifies
-        one = pb.DraftTree(token_ids=[5], parents=[-1])
+        one = draft_tree([5], [-1])
         ok = v.Verify(pb.VerifyRequest(items=[pb.VerifyItem(seq_id="t", tree=one)]))
         assert len(ok.results[0].accepted_tokens) >= 1
     finally:

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from common.tensors import encode_inline
+from services.tree_wire import draft_tree
 from specdec.v1 import internal_pb2 as pb
 from specdec.v1 import internal_pb2_grpc as pb_grpc
 from tests.faults import complete, figures, health, held
@@ -112,7 +113,7 @@ def _corpus() -> list[tuple[str, str, object]]:
         (
             "verifier",
             "Verify",
-            pb.VerifyRequest(items=[pb.VerifyItem(seq_id="f-ghost", tree=pb.DraftTree(token_ids=[5], parents=[-1]))]),
+            pb.VerifyRequest(items=[pb.VerifyItem(seq_id="f-ghost", tree=draft_tree([5], [-1]))]),
         ),
         ("verifier", "Features", pb.FeaturesRequest(items=[pb.FeaturesItem(seq_id="f-ghost", token_ids=[1])])),
         ("verifier", "Features", pb.FeaturesRequest()),

@@ -19,6 +19,7 @@ from common.policy import PLAIN, CyclePolicy, FixedPolicy, Shape
 from services.clients import Batched, Prefilled, VerifierClient
 from services.gateway.scheduler import Scheduler, SchedulerConfig
 from services.gateway.sequence import Generation, GenRequest
+from services.tree_wire import draft_tree, unpack
 from services.verifier.chain import DraftChain
 from specdec.v1 import internal_pb2 as pb
 
@@ -47,7 +48,7 @@ class FakeDraft:
         trees = []
         for it in items:
             nxt = it.token_ids[-1] + 1
-            trees.append(pb.DraftTree(token_ids=[nxt, nxt + 1, nxt + 2], parents=[-1, 0, 1]))
+            trees.append(draft_tree([nxt, nxt + 1, nxt + 2], [-1, 0, 1]))
         self.log.append(("proposed", [it.seq_id for it in items]))
         return Batched(trees, 0.01)
 
@@ -85,9 +86,10 @@ class FakeVerifier(VerifierClient):
             if it.seq_id in failed:
                 resp.results.add(seq_id=it.seq_id, draft_error=failed[it.seq_id])
                 continue
-            acc = list(it.tree.token_ids[: self.accept])
-            tokens = acc + [acc[-1] + 1 if acc else it.tree.token_ids[0]]
-            r = resp.results.add(seq_id=it.seq_id, accepted_tokens=tokens, tree_nodes=len(it.tree.token_ids))
+            drafted = unpack(it.tree)[0].tolist()
+            acc = drafted[: self.accept]
+            tokens = acc + [acc[-1] + 1 if acc else drafted[0]]
+            r = resp.results.add(seq_id=it.seq_id, accepted_tokens=tokens, tree_nodes=len(drafted))
             r.hidden.CopyFrom(self._hidden(tokens))
             self.accepted(it.seq_id, tokens)
         return resp

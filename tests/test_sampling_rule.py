@@ -334,9 +334,8 @@ def test_real_first_tokens_follow_the_target(real, rule: str, trials: int) -> No
 def test_q_travels_as_packed_bytes() -> None:
     """The draft service's DraftTree bytes read back as the same q on the verifier, checked there."""
     from common.errors import InvalidRequest
-    from common.tree import Tree, validate_tree
-    from services.draft.server import tree_msg
-    from services.verifier.server import draft_q
+    from common.tree import Tree
+    from services.tree_wire import draft_q, draft_tree, tree_msg, tree_of
     from specdec.v1 import internal_pb2 as pb
 
     ids, probs = np.array([[7, 9, 3], [4, 7, 8]]), np.array([[0.5, 0.3, 0.2], [0.6, 0.4, 0]])
@@ -344,10 +343,13 @@ def test_q_travels_as_packed_bytes() -> None:
     tree = Tree(tokens=np.array([9, 7, 4]), parents=np.array([-1, -1, 0]), probs=np.array([0.3, 0.5, 0.6]), q=q)
     msg = pb.DraftTree()
     tree_msg(tree, msg)
-    got = validate_tree(msg.token_ids, msg.parents, msg.draft_probs, max_nodes=8, vocab_size=10, q=draft_q(msg))
+    got = tree_of(msg, max_nodes=8, vocab_size=10)
+    np.testing.assert_array_equal(got.tokens, tree.tokens)
+    np.testing.assert_array_equal(got.parents, tree.parents)
+    np.testing.assert_allclose(got.probs, tree.probs)
     np.testing.assert_array_equal(got.q.ids, q.ids)
     np.testing.assert_allclose(got.q.probs, q.probs)
-    assert draft_q(pb.DraftTree(token_ids=[1], parents=[-1])) is None  # a top-k tree: the one-hot rule
+    assert draft_q(draft_tree([1], [-1])) is None  # a top-k tree: the one-hot rule
     bad = {
         "drawn from its q": Tree(tree.tokens, tree.parents, tree.probs, DraftQ(q.rows, ids + 1, probs)),
         "no q": Tree(tree.tokens, tree.parents, tree.probs, DraftQ(q.rows[:1], q.ids[:1], q.probs[:1])),
@@ -358,6 +360,8 @@ def test_q_travels_as_packed_bytes() -> None:
         msg = pb.DraftTree()
         tree_msg(t, msg)
         with pytest.raises(InvalidRequest, match=needle):
-            validate_tree(msg.token_ids, msg.parents, msg.draft_probs, max_nodes=8, vocab_size=10, q=draft_q(msg))
+            tree_of(msg, max_nodes=8, vocab_size=10)
     with pytest.raises(InvalidRequest, match="q bytes"):
         draft_q(pb.DraftTree(q_width=3, q_rows=b"\0\0\0\0", q_ids=b"\0" * 8, q_probs=b"\0" * 8))
+    with pytest.raises(InvalidRequest, match="not a whole number"):
+        tree_of(pb.DraftTree(token_ids=b"\0" * 6, parents=b"\0" * 6), max_nodes=8, vocab_size=10)

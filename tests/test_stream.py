@@ -14,6 +14,7 @@ from common.config import SamplingConfig
 from common.rounds import start_shift
 from common.tensors import encode_inline
 from services.clients import DraftClient, RoundItem, VerifierClient
+from services.tree_wire import draft_tree
 from specdec.v1 import internal_pb2 as pb
 from specdec.v1 import internal_pb2_grpc as pb_grpc
 
@@ -45,11 +46,11 @@ def test_invalid_tree_fails_only_its_call_on_the_stream(stack):
         v, _ = _clients(stack)
         try:
             await v.prefill("st-bad", PROMPT, SamplingConfig(), want_hidden=False)
-            one = pb.DraftTree(token_ids=[5], parents=[-1])
+            one = draft_tree([5], [-1])
             first = await v.verify([RoundItem("st-bad", one)])
             opened = v.streamed._stream
             assert opened is not None and len(first.results[0].tokens) >= 1
-            bad = pb.DraftTree(token_ids=[5, 6], parents=[-1, 7])  # parent index out of range
+            bad = draft_tree([5, 6], [-1, 7])  # parent index out of range
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await v.verify([RoundItem("st-bad", bad)])
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "outside" in e.value.details()
@@ -154,7 +155,7 @@ def test_chained_rounds_equal_rounds_the_gateway_proposes(stack):
             await v.decode(["st-chain"])
             lost = (await v.verify([RoundItem("st-chain", None)])).results[0]
             assert lost.draft_error and not lost.tokens
-            one = pb.DraftTree(token_ids=[5], parents=[-1])
+            one = draft_tree([5], [-1])
             bad = pb.VerifyRequest(items=[pb.VerifyItem(seq_id="st-direct", tree=one, chained=True)])
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await v.stub.Verify(bad)
@@ -178,7 +179,7 @@ def test_raw_stream_answers_every_request_in_order(stack):
     ch = grpc.insecure_channel(f"127.0.0.1:{stack.ports['verifier']}")
     v = pb_grpc.VerifierStub(ch)
     v.Prefill(pb.PrefillRequest(items=[pb.PrefillItem(seq_id="st-raw", token_ids=PROMPT)]))
-    one = pb.DraftTree(token_ids=[5], parents=[-1])
+    one = draft_tree([5], [-1])
     reqs = [
         pb.VerifyRequest(items=[pb.VerifyItem(seq_id="st-raw", tree=one)]),
         pb.VerifyRequest(),  # no items
@@ -210,11 +211,7 @@ def test_chunked_prefill_on_the_wire(stack):
         whole = prefill("st-whole", PROMPT)
         assert prefill("st-chunks", PROMPT[:4], more=True).next_token == 0
         with pytest.raises(grpc.RpcError) as e:
-            v.Verify(
-                pb.VerifyRequest(
-                    items=[pb.VerifyItem(seq_id="st-chunks", tree=pb.DraftTree(token_ids=[5], parents=[-1]))]
-                )
-            )
+            v.Verify(pb.VerifyRequest(items=[pb.VerifyItem(seq_id="st-chunks", tree=draft_tree([5], [-1]))]))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "still being prefilled" in e.value.details()
         last = prefill("st-chunks", PROMPT[4:])
         assert last.next_token == whole.next_token

@@ -7,7 +7,6 @@ import logging
 import socket
 import time
 
-import numpy as np
 import torch
 
 from common import validate
@@ -17,26 +16,14 @@ from common.errors import InvalidRequest
 from common.ipc import ExportedBuffer, MappedBuffers, gpu_uuid
 from common.slots import check_unique
 from common.tensors import decode
-from common.tree import Tree
 from services.engine_runner import EngineRunner
 from services.leasing import SequenceLeases
 from services.sampling import sampling_config
+from services.tree_wire import tree_msg
 from specdec.v1 import internal_pb2 as pb
 from specdec.v1 import internal_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
-
-
-def tree_msg(t: Tree, msg: pb.DraftTree) -> None:
-    """Fill a DraftTree in place; q (sampled trees) as packed little-endian bytes."""
-    msg.token_ids.extend(t.tokens.tolist())
-    msg.parents.extend(t.parents.tolist())
-    msg.draft_probs.extend(t.probs.tolist())
-    if t.q is not None:
-        msg.q_width = t.q.ids.shape[1]
-        msg.q_rows = t.q.rows.astype("<i4").tobytes()
-        msg.q_ids = t.q.ids.astype("<i4").tobytes()
-        msg.q_probs = np.ascontiguousarray(t.q.probs, dtype="<f4").tobytes()
 
 
 class DraftServicer(pb_grpc.DraftServicer):

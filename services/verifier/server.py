@@ -9,7 +9,6 @@ import socket
 import time
 import uuid
 
-import numpy as np
 import torch
 
 from common.config import SamplingConfig
@@ -18,33 +17,18 @@ from common.errors import CapacityExhausted, InvalidRequest, UnknownSequence
 from common.ipc import HiddenExport, gpu_uuid
 from common.slots import check_unique
 from common.tensors import encode_inline, encode_ipc
-from common.tree import DraftQ, validate_tree
 from services.clients import DraftClient
 from services.engine_runner import EngineRunner
 from services.leasing import SequenceLeases
 from services.sampling import sampling_config
+from services.tree_wire import size as tree_size
+from services.tree_wire import tree_of
 from services.verifier.chain import DraftChain
 from specdec.v1 import internal_pb2 as pb
 from specdec.v1 import internal_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 MAX_DECODE_STEPS = 64  # per Decode call: bounds one call's time and the tokens wasted past a stop
-
-
-def draft_q(msg: pb.DraftTree) -> DraftQ | None:
-    """A sampled tree's q from its packed bytes (checked against the tree by validate_tree), or None."""
-    if msg.q_width == 0:
-        return None
-    m = msg.q_width
-    if m < 0 or len(msg.q_ids) != len(msg.q_probs) or len(msg.q_ids) != 4 * m * (len(msg.q_rows) // 4):
-        raise InvalidRequest(f"q bytes do not match q_width {m} and {len(msg.q_rows) // 4} rows")
-    if len(msg.q_rows) % 4:
-        raise InvalidRequest("q_rows is not a whole number of int32")
-    return DraftQ(
-        rows=np.frombuffer(msg.q_rows, dtype="<i4").astype(np.int64),
-        ids=np.frombuffer(msg.q_ids, dtype="<i4").astype(np.int64).reshape(-1, m),
-        probs=np.frombuffer(msg.q_probs, dtype="<f4").astype(np.float32).reshape(-1, m),
-    )
 
 
 class VerifierServicer(pb_grpc.VerifierServicer):
@@ -281,18 +265,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         info = self.engine.info
         todo = [it for it in request.items if it.seq_id not in failed]
         items = [
-            VerifyInput(
-                seq_id=it.seq_id,
-                tree=validate_tree(
-                    list(it.tree.token_ids),
-                    list(it.tree.parents),
-                    list(it.tree.draft_probs),
-                    max_nodes=info.max_tree_nodes,
-                    vocab_size=info.vocab_size,
-                    q=draft_q(it.tree),
-                ),
-            )
-            for it in todo
+            VerifyInput(seq_id=it.seq_id, tree=tree_of(it.tree, info.max_tree_nodes, info.vocab_size)) for it in todo
         ]
         if any(it.tree.size == 0 for it in items):
             raise InvalidRequest("a tree has no nodes")
@@ -304,7 +277,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                 resp.results.add(seq_id=it.seq_id, draft_error=failed[it.seq_id])
                 continue
             out = outs[it.seq_id]
-            r = resp.results.add(seq_id=it.seq_id, accepted_tokens=out.tokens, tree_nodes=len(it.tree.token_ids))
+            r = resp.results.add(seq_id=it.seq_id, accepted_tokens=out.tokens, tree_nodes=tree_size(it.tree))
             self._hidden(it.seq_id, out.hidden, r.hidden)
         self._published()
         return resp
