@@ -47,11 +47,12 @@ def through_services(addr: str, prompts: list[str], max_new: int, speculative: b
             t0 = time.perf_counter()
             resp = stub.Complete(req, timeout=600)
             per_token.append((time.perf_counter() - t0) / len(resp.token_ids))
-            if speculative and resp.speculation.rounds:  # the policy may not have drafted at all
-                accept.append(resp.speculation.mean_acceptance_length)
+            if speculative:  # the policy may not have drafted at all: no rounds
+                accept.append((resp.speculation.accepted_tokens, resp.speculation.rounds))
+    rounds = sum(r for _, r in accept)
     return {
         "ms_per_token": 1e3 * sum(per_token) / len(per_token),
-        "acceptance_length": sum(accept) / len(accept) if accept else None,
+        "acceptance_length": (sum(a for a, _ in accept) + rounds) / rounds if rounds else None,
     }
 
 

@@ -159,8 +159,8 @@ def run(args) -> list[RunResult]:
                 suffix = {"spec": "", "plain": "-plain"}.get(m, "-" + m.replace(":", "-"))
                 suffix += "" if chain or m == "plain" else "-unchained"
                 r = summarize(f"services-{mode}{suffix}", c, traces, wall, rounds=rounds)
-                round_tokens = sum(f.usage.completion_tokens - 1 for f in finals)
-                r.acceptance_length = round_tokens / rounds if speculative and rounds else None
+                accepted = sum(f.speculation.accepted_tokens for f in finals)  # tokens per round, bonus included
+                r.acceptance_length = (accepted + rounds) / rounds if speculative and rounds else None
                 phase = per_round(before, after)
                 r.draft_ms_per_round = phase.get("draft")
                 r.verify_ms_per_round = phase.get("verify")

@@ -52,3 +52,16 @@ def test_held_text_released_when_not_a_stop():
     g = gen(stop=("world",), max_tokens=3)
     d = g.commit([5, 6, 7])  # ends by length: the held "wor" is flushed
     assert d.finish == Finish.LENGTH and g.text == "Hello wor"
+
+
+def test_mean_acceptance_length_counts_rounds_only() -> None:
+    """Tokens per verification round, bonus included: 2 rounds accepting 3 and 1 drafted tokens give
+    (4 + 2) / 2 = 3.0, however many tokens the request also decoded plainly; no round: 0."""
+    from services.gateway.convert import speculation
+    from services.gateway.sequence import SpecStats
+
+    stats = SpecStats(rounds=2, drafted=16, accepted=4)
+    assert stats.mean_acceptance_length() == 3.0
+    msg = speculation(stats)
+    assert (msg.rounds, msg.drafted_tokens, msg.accepted_tokens, msg.mean_acceptance_length) == (2, 16, 4, 3.0)
+    assert SpecStats().mean_acceptance_length() == 0.0

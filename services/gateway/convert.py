@@ -122,12 +122,12 @@ def usage(prompt_tokens: int, completion_tokens: int) -> gpb.Usage:
     return gpb.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
 
 
-def speculation(stats: SpecStats, round_tokens: int) -> gpb.SpeculationStats:
+def speculation(stats: SpecStats) -> gpb.SpeculationStats:
     return gpb.SpeculationStats(
         rounds=stats.rounds,
         drafted_tokens=stats.drafted,
         accepted_tokens=stats.accepted,
-        mean_acceptance_length=round_tokens / stats.rounds if stats.rounds else 0.0,
+        mean_acceptance_length=stats.mean_acceptance_length(),
     )
 
 

@@ -47,8 +47,11 @@ class SpecStats:
     drafted: int = 0
     accepted: int = 0
 
-    def mean_acceptance_length(self, completion_tokens: int) -> float:
-        return completion_tokens / self.rounds if self.rounds else 0.0
+    def mean_acceptance_length(self) -> float:
+        """Tokens per verification round: the accepted drafted tokens and the bonus token. Tokens the
+        policy decoded plainly are not rounds' tokens and do not count (0.0 before any round).
+        Example: 2 rounds accepting 3 and 1 drafted tokens -> (4 + 2) / 2 = 3.0."""
+        return (self.accepted + self.rounds) / self.rounds if self.rounds else 0.0
 
 
 @dataclass

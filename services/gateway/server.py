@@ -56,7 +56,7 @@ class GenerationServicer(gpb_grpc.GenerationServicer):
         return dict(
             finish_reason=convert.FINISH[gen.finish],
             usage=convert.usage(len(gen.request.prompt_ids), n),
-            speculation=convert.speculation(gen.stats, max(n - 1, 0)),
+            speculation=convert.speculation(gen.stats),
         )
 
     async def Generate(self, request, context):
