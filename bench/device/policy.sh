@@ -10,6 +10,8 @@
 #   bench/device/policy.sh chain   the GPU tests, then the round protocol A/B: the verifier chaining the draft
 #                                  (on) against the gateway proposing every tree (off), one stack each,
 #                                  6x60 pinned, plain and the policy at concurrency 1, 16, 64
+#   bench/device/policy.sh stall   a 2,000-token prompt joining 16 running streams, whole and in 512- and
+#                                  256-token chunks (bench.prefill_stall)
 set -uo pipefail
 mode=${1:-load}
 out=${OUT:-device-out}; mkdir -p "$out"
@@ -37,5 +39,8 @@ case "$mode" in
     timeout 420 "${load[@]}" --concurrency 1,16,64 --prompts 16 --requests-per-worker 2 --chain on,off \
       --modes tree:6x60,plain,spec > "$out/chain.log" 2>&1
     grep -E "tok/s total" "$out/chain.log" ;;
-  *) echo "usage: $0 load|order|rpc|tests|chain" >&2; exit 2 ;;
+  stall)
+    timeout 500 python3 -m bench.prefill_stall --device cuda --concurrency 16 --prompt-tokens 2000 \
+      --prefill-chunk 0,512,256 --out "$out" > "$out/stall.log" 2>&1; tail -8 "$out/stall.log" ;;
+  *) echo "usage: $0 load|order|rpc|tests|chain|stall" >&2; exit 2 ;;
 esac
