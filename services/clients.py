@@ -30,6 +30,14 @@ class Prefilled:
     hidden: pb.TensorRef  # [prompt_len, 3H]
 
 
+def prefill_item(
+    seq_id: str, token_ids: list[int], sampling: SamplingConfig, want_hidden: bool, more: bool = False
+) -> pb.PrefillItem:
+    return pb.PrefillItem(
+        seq_id=seq_id, token_ids=token_ids, sampling=sampling_msg(sampling), want_hidden=want_hidden, more=more
+    )
+
+
 @dataclass(frozen=True)
 class Verified:
     tokens: list[int]  # [num_accepted + 1]; empty when draft_error
@@ -207,21 +215,14 @@ class VerifierClient(_ServiceClient):
         owner: str = "",
         more: bool = False,
     ) -> Prefilled:
-        """A prompt, or its next chunk (more: chunks follow; then the result carries nothing)."""
-        req = pb.PrefillRequest(
-            items=[
-                pb.PrefillItem(
-                    seq_id=seq_id,
-                    token_ids=token_ids,
-                    sampling=sampling_msg(sampling),
-                    want_hidden=want_hidden,
-                    more=more,
-                )
-            ],
-            owner=owner,
-        )
-        r = (await _call(self.stub.Prefill, req, self.timeout)).results[0]
-        return Prefilled(next_token=r.next_token, hidden=r.hidden)
+        """One prompt, or its next chunk (more: chunks follow; then the result carries nothing)."""
+        item = prefill_item(seq_id, token_ids, sampling, want_hidden, more)
+        return (await self.prefill_many([item], owner))[0]
+
+    async def prefill_many(self, items: list[pb.PrefillItem], owner: str = "") -> list[Prefilled]:
+        """Several prompts or chunks in one call, all or nothing (see Verifier.Prefill)."""
+        resp = await _call(self.stub.Prefill, pb.PrefillRequest(items=items, owner=owner), self.timeout)
+        return [Prefilled(next_token=r.next_token, hidden=r.hidden) for r in resp.results]
 
     async def verify(
         self, items: list[RoundItem], draft: str = "", owner: str = "", stream: bool = True

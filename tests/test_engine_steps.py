@@ -19,7 +19,13 @@ from common.engine.cuda_graphs import CudaGraphManager, GraphConfig, batch_bucke
 from common.engine.draft import Eagle3Drafter, select_top_nodes_device
 from common.engine.factory import make_drafter, make_verifier, pick_dtype
 from common.engine.oracle import GreedyOracleDrafter
-from common.engine.verifier import Verifier, VerifierConfig, accept_greedy_device, tree_ancestors
+from common.engine.verifier import (
+    Verifier,
+    VerifierConfig,
+    accept_greedy_device,
+    prefill_groups,
+    tree_ancestors,
+)
 from common.errors import InvalidRequest, UnknownSequence
 from common.model.eagle3 import Eagle3Config, Eagle3Head
 from common.tree import Tree, ancestor_mask, depths, select_top_nodes
@@ -411,6 +417,43 @@ def test_chunked_prefill_equals_one_prefill(verifiers) -> None:
     with pytest.raises(UnknownSequence):  # the failed chunk freed it
         padded.decode_steps(["p"], 1)
     padded.release(["w", "c"])
+
+
+def test_prefill_groups_docstring_example() -> None:
+    assert prefill_groups([30, 500, 28, 4, 3]) == [[1], [0, 2, 3], [4]]
+    assert prefill_groups([7, 7, 7]) == [[0, 1, 2]] and prefill_groups([]) == []
+    assert prefill_groups([9, 1], waste=1.0) == [[0], [1]]
+    with pytest.raises(ValueError):
+        prefill_groups([1], waste=0.5)
+
+
+def test_batched_prefill_equals_one_prefill_each(verifiers) -> None:
+    """Three prompts or chunks of different lengths in one call (padded rows, each after its own cache: a new
+    sequence, a second chunk, and a new one of another length) give each one's separate prefill; a call
+    with a bad item frees every sequence it created or continued, and nothing else."""
+    _, padded = verifiers
+    a, b = PROMPTS[0], PROMPTS[1] + PROMPTS[0]
+    want = {s: padded.prefill(PrefillInput(s + "-ref", p, SamplingConfig())) for s, p in (("a", a), ("b", b))}
+    padded.prefill(PrefillInput("b", b[:4], SamplingConfig(), more=True))
+    outs = padded.prefill_batch([PrefillInput("a", a, SamplingConfig()), PrefillInput("b", b[4:], SamplingConfig())])
+    assert [o.next_token for o in outs] == [want["a"].next_token, want["b"].next_token]
+    torch.testing.assert_close(outs[0].hidden, want["a"].hidden, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(outs[1].hidden, want["b"].hidden[4:], rtol=1e-4, atol=1e-4)
+    assert padded.decode_steps(["a", "b"], 4).tokens == padded.decode_steps(["a-ref", "b-ref"], 4).tokens
+    padded.release(["b", "a-ref", "b-ref"])  # 4 slots
+    padded.prefill(PrefillInput("c", a[:3], SamplingConfig(), more=True))
+    bad = [
+        PrefillInput("c", a[3:], SamplingConfig()),
+        PrefillInput("d", a, SamplingConfig()),
+        PrefillInput("a", [1], SamplingConfig()),
+    ]
+    with pytest.raises(InvalidRequest, match="already exists"):
+        padded.prefill_batch(bad)
+    for gone in ("c", "d"):
+        with pytest.raises(UnknownSequence):
+            padded.decode_steps([gone], 1)
+    assert len(padded.decode_steps(["a"], 1).tokens[0]) == 1  # the existing sequence it named is untouched
+    padded.release(["a"])
 
 
 def test_tree_depth_and_bounded_ancestors() -> None:

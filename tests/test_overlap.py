@@ -63,14 +63,25 @@ class FakeVerifier(VerifierClient):
 
     def __init__(self, log: list, accept: int, draft: FakeDraft) -> None:  # no channel: nothing is sent
         self.log, self.accept = log, accept
+        self.fail_prefill = 0  # calls of several sequences that fail
         self.chain = DraftChain(lambda address: draft if address == DRAFT else None)
         self.streamed = self._verify_call
 
     def _hidden(self, tokens: list[int]) -> pb.TensorRef:
         return pb.TensorRef()
 
-    async def prefill(self, seq_id, token_ids, sampling, want_hidden, owner="", more=False) -> Prefilled:
-        self.log.append(("prefill", seq_id, len(token_ids), more))
+    async def prefill_many(self, items: list[pb.PrefillItem], owner: str = "") -> list[Prefilled]:
+        self.log.append(("prefill-call", [it.seq_id for it in items]))
+        if self.fail_prefill and len(items) > 1:
+            self.fail_prefill -= 1
+            raise RuntimeError("a prefill of several sequences failed")
+        out = []
+        for it in items:
+            self.log.append(("prefill", it.seq_id, len(it.token_ids), it.more))
+            out.append(self._prefilled(list(it.token_ids), it.more))
+        return out
+
+    def _prefilled(self, token_ids: list[int], more: bool) -> Prefilled:
         return Prefilled(next_token=0 if more else token_ids[-1] + 1, hidden=pb.TensorRef())
 
     async def _verify_call(self, request: pb.VerifyRequest) -> pb.VerifyResponse:
@@ -112,13 +123,16 @@ async def _run(
     draft_address: str = DRAFT,
     prompt_len: tuple[int, ...] = (),
     prefill_chunk: int = 512,
+    fail_prefill: int = 0,
 ):
     """prompts: (last prompt token, max_tokens), the prompt counting up to it (prompt_len[i] tokens, default
     2). Returns (tokens per request, call log)."""
     log: list = []
     draft = FakeDraft(log)
     cfg = SchedulerConfig(max_active=4, draft_address=draft_address, prefill_chunk=prefill_chunk)
-    sched = Scheduler(FakeVerifier(log, accept, draft), draft, cfg, FIXED)
+    verifier = FakeVerifier(log, accept, draft)
+    verifier.fail_prefill = fail_prefill
+    sched = Scheduler(verifier, draft, cfg, FIXED)
     sched.start()
 
     async def one(first: int, max_tokens: int, delay: float, n: int) -> list[int]:
@@ -198,6 +212,21 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_the_rounds_of_the_others()
         between = [e for e in log[a:b] if e[0] == "verify"]
         assert between and all(e[1] == ["gw-0"] for e in between)
     assert any(e[0] == "verify" and "gw-1" in e[1] for e in log[chunks[-1] :])
+
+
+def test_prompts_arriving_together_share_one_prefill_call() -> None:
+    """Three requests admitted together are prefilled in one verifier call; when such a call fails, each of
+    its sequences starts again in a call of its own (so that one request's failure is its own), and all
+    outputs are exact."""
+    prompts = [(100, 7), (200, 7), (300, 7)]
+    want = [list(range(f + 1, f + 8)) for f, _ in prompts]
+    outs, log = asyncio.run(_run(prompts, accept=2))
+    assert outs == want
+    assert [e[1] for e in log if e[0] == "prefill-call"] == [["gw-0", "gw-1", "gw-2"]]
+    outs, log = asyncio.run(_run(prompts, accept=2, fail_prefill=1))
+    assert outs == want
+    calls = [e[1] for e in log if e[0] == "prefill-call"]
+    assert calls == [["gw-0", "gw-1", "gw-2"], ["gw-0"], ["gw-1"], ["gw-2"]]
 
 
 def test_a_chained_call_that_fails_means_plain_decoding_and_a_catch_up() -> None:
@@ -285,9 +314,14 @@ class FollowingVerifier(FakeVerifier):
         super().__init__(log, accept, draft)
         self.last: dict[str, int] = {}
 
-    async def prefill(self, seq_id, token_ids, sampling, want_hidden, owner="", more=False) -> Prefilled:
-        self.last[seq_id] = token_ids[-1] + 1
+    def _prefilled(self, token_ids: list[int], more: bool) -> Prefilled:
+        assert not more  # the following tests' prompts fit one chunk
         return Prefilled(next_token=token_ids[-1] + 1, hidden=_rows(token_ids[1:] + [token_ids[-1] + 1]))
+
+    async def prefill_many(self, items: list[pb.PrefillItem], owner: str = "") -> list[Prefilled]:
+        for it in items:
+            self.last[it.seq_id] = it.token_ids[-1] + 1
+        return await super().prefill_many(items, owner)
 
     def _hidden(self, tokens: list[int]) -> pb.TensorRef:
         return _rows(tokens)

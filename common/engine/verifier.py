@@ -38,6 +38,26 @@ from common.weights import Checkpoint
 log = logging.getLogger(__name__)
 
 
+def prefill_groups(lengths: list[int], waste: float = 1.5) -> list[list[int]]:
+    """Indices of prompts (or chunks) to prefill in one forward each: longest first, a group growing while
+    its padded size (members x its longest) stays within `waste` x its real tokens.
+    Example: lengths [30, 500, 28, 4, 3] -> [[1], [0, 2, 3], [4]]: 500 alone (2 x 500 > 1.5 x 530); 30, 28
+    and 4 pad to 3 x 30 = 90 for 62 tokens (<= 93); 3 more would make 120 for 65 (> 97.5)."""
+    if waste < 1:
+        raise ValueError(f"waste must be >= 1, got {waste}")
+    groups: list[list[int]] = []
+    real = 0
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        g = groups[-1] if groups else None
+        if g is not None and (len(g) + 1) * lengths[g[0]] <= waste * (real + lengths[i]):
+            g.append(i)
+            real += lengths[i]
+        else:
+            groups.append([i])
+            real = lengths[i]
+    return groups
+
+
 @dataclass
 class VerifierSeq:
     length: int  # tokens whose K/V are in the cache
@@ -237,44 +257,69 @@ class Verifier:
         self.graphs.log_report()
 
     # ---- prefill (eager: prompt lengths vary too much to bucket) ----
-    @torch.inference_mode()
     def prefill(self, item: PrefillInput) -> PrefillOutput:
-        """A prompt, or its next chunk (see PrefillInput): chunk k is written after the cached tokens, at
-        positions length .. length + n - 1, seeing the cache as a prefix and itself causally, the same
-        attention as one call over the whole prompt. A failed call frees the sequence."""
-        n = len(item.token_ids)
-        if n == 0:
+        return self.prefill_batch([item])[0]
+
+    @torch.inference_mode()
+    def prefill_batch(self, items: list[PrefillInput]) -> list[PrefillOutput]:
+        """Prompts, or their next chunks (see PrefillInput), of several sequences: one forward per group of
+        similar lengths (prefill_groups), each row written after its sequence's cache and attending to it as
+        a prefix, the same attention as one call over a whole prompt. All or nothing: when the call fails,
+        every sequence it created or continued is freed."""
+        check_unique([it.seq_id for it in items])
+        if any(not it.token_ids for it in items):
             raise InvalidRequest("prompt is empty")
-        if self._prefilling(item.seq_id) is None:  # a new sequence
-            rng = np.random.default_rng(item.sampling.seed)
-            self.seqs.acquire(item.seq_id, VerifierSeq(length=0, pending=-1, sampling=item.sampling, rng=rng))
-        slot, state = self.seqs.get(item.seq_id)
-        start = state.length
+        mine: list[str] = []  # created or continued here: freed if the call fails
         try:
-            validate.token_ids(item.token_ids, self.info.vocab_size, "prompt")
-            if start + n >= self.cfg.max_context:
-                raise InvalidRequest(f"prompt has {start + n} tokens; the context holds {self.cfg.max_context}")
+            for it in items:
+                if self._prefilling(it.seq_id) is None:  # a new sequence
+                    rng = np.random.default_rng(it.sampling.seed)
+                    self.seqs.acquire(it.seq_id, VerifierSeq(length=0, pending=-1, sampling=it.sampling, rng=rng))
+                mine.append(it.seq_id)
+                validate.token_ids(it.token_ids, self.info.vocab_size, "prompt")
+                total = self.seqs.get(it.seq_id)[1].length + len(it.token_ids)
+                if total >= self.cfg.max_context:
+                    raise InvalidRequest(f"prompt has {total} tokens; the context holds {self.cfg.max_context}")
+            outs: dict[str, PrefillOutput] = {}
             with self.graphs.on_stream():
-                dev = self.device
-                pos = torch.arange(start, start + n, device=dev)[None]  # [1, n]
-                batch = Batch(
-                    input_ids=torch.tensor([item.token_ids], device=dev),  # [1, n]
-                    positions=pos,
-                    slots=torch.tensor([slot], device=dev),  # [1]
-                    write_pos=pos,
-                    prefix_len=torch.tensor([start], device=dev),  # [1]
-                    window=torch.ones(n, n, dtype=torch.bool, device=dev).tril()[None],  # [1, n, n]
-                )
-                out = self.model(batch, self.cache)
-                state.length = start + n
-                if item.more:
-                    return PrefillOutput(next_token=None, hidden=out.aux[0])
-                logits = self.model.logits(out.hidden[0, -1])  # [V]
-                state.pending = self._choose(logits, state)
-                return PrefillOutput(next_token=state.pending, hidden=out.aux[0])
+                for group in prefill_groups([len(it.token_ids) for it in items]):
+                    outs.update(self._prefill_rows([items[i] for i in group]))
+            return [outs[it.seq_id] for it in items]
         except BaseException:
-            self.seqs.release(item.seq_id)
+            self.release(mine)
             raise
+
+    def _prefill_rows(self, items: list[PrefillInput]) -> dict[str, PrefillOutput]:
+        """One forward over B rows padded to the longest (T tokens). A padding token of a shorter row is
+        written past its sequence's length (clamped inside the slot: never read before it is rewritten), and
+        no real token sees it (the window is causal)."""
+        b, t = len(items), max(len(it.token_ids) for it in items)
+        slots, states = zip(*(self.seqs.get(it.seq_id) for it in items))
+        ids = np.zeros((b, t), dtype=np.int64)  # [B, T]
+        start = np.array([st.length for st in states], dtype=np.int64)  # [B]
+        for i, it in enumerate(items):
+            ids[i, : len(it.token_ids)] = it.token_ids
+        pos = np.minimum(start[:, None] + np.arange(t)[None], self.capacity - 1)  # [B, T]
+        dev = self.device
+        pos_t = self._t(pos)
+        batch = Batch(
+            input_ids=self._t(ids),
+            positions=pos_t,
+            slots=self._t(np.array(slots)),  # [B]
+            write_pos=pos_t,
+            prefix_len=self._t(start),
+            window=torch.ones(t, t, dtype=torch.bool, device=dev).tril()[None].expand(b, t, t),  # [B, T, T]
+        )
+        out = self.model(batch, self.cache)
+        done = {}
+        for i, (it, st) in enumerate(zip(items, states)):
+            n = len(it.token_ids)
+            st.length += n
+            next_token = None
+            if not it.more:
+                st.pending = next_token = self._choose(self.model.logits(out.hidden[i, n - 1]), st)  # logits [V]
+            done[it.seq_id] = PrefillOutput(next_token=next_token, hidden=out.aux[i, :n])
+        return done
 
     def _prefilling(self, seq_id: str) -> VerifierSeq | None:
         """The state of a sequence whose prompt is partly prefilled (pending -1), None for a new id; an id

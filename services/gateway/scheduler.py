@@ -1,10 +1,11 @@
 """Continuous batching of generations over the draft and verifier services.
 
 One loop owns every active sequence. Each iteration admits waiting requests and prefills up to
-`prefill_chunk` prompt tokens on the verifier (oldest first; a longer prompt goes in chunks, one per
-iteration, so that it stalls the running sequences for one chunk at a time, not for its whole prompt), then
-runs one round for every sequence whose prompt is in: propose, verify, commit, stream. Sequences join
-after their prefill and leave when finished, between rounds, without stalling the others.
+`prefill_chunk` prompt tokens on the verifier in one call (oldest first, several prompts together; a
+longer prompt goes in chunks, one per iteration, so that it stalls the running sequences for one chunk at
+a time, not for its whole prompt), then runs one round for every sequence whose prompt is in: propose,
+verify, commit, stream. Sequences join after their prefill and leave when finished, between rounds,
+without stalling the others.
 
 The draft is optional to every request. When it is down or a propose fails, the round's speculative
 sequences are decoded plainly on the verifier (the same tokens, one a round) and the draft's state of
@@ -45,7 +46,7 @@ from dataclasses import dataclass, field
 from common.errors import CapacityExhausted, PeerUnavailable
 from common.policy import PLAIN, Policy, Shape
 from common.rounds import start_shift
-from services.clients import DraftClient, RoundItem, Verified, VerifierClient
+from services.clients import DraftClient, RoundItem, Verified, VerifierClient, prefill_item
 from services.gateway.health import DraftLink
 from services.gateway.metrics import Metrics
 from services.gateway.sequence import Delta, Finish, Generation
@@ -71,6 +72,7 @@ class Active:
     prefilled: int = 0  # prompt tokens in the verifier's cache so far
     prefilling: bool = True  # its prompt is not all in yet: no rounds
     wants_hidden: bool = False  # decided at its first chunk: the prefill returns the prompt's features
+    solo: bool = False  # a prefill it shared failed: its prompt goes in calls of its own
     started: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
 
@@ -398,41 +400,68 @@ class Scheduler:
             a.group = sizes.index(min(sizes))  # the smaller group
             self.active.append(a)
         budget = self.cfg.prefill_chunk or float("inf")
+        work: list[tuple[Active, int]] = []  # (sequence, prompt tokens it gets now)
         for a in [a for a in self.active if a.prefilling and a.gen.finish is None]:  # oldest first
             if budget <= 0:
                 break
             n = int(min(len(a.gen.request.prompt_ids) - a.prefilled, budget))
             budget -= n
-            await self._guarded([a], self._prefill(a, n))
+            work.append((a, n))
+        for a, n in [(a, n) for a, n in work if a.solo]:  # see _prefill_together
+            await self._guarded([a], self._prefill([(a, n)]))
+        together = [(a, n) for a, n in work if not a.solo]
+        if len(together) == 1:
+            await self._guarded([together[0][0]], self._prefill(together))
+        elif together:
+            await self._prefill_together(together)
         await self._retire()
 
-    async def _prefill(self, a: Active, n: int) -> None:
-        """The next n prompt tokens of `a`; the last chunk makes it join the rounds with its first token."""
+    async def _prefill_together(self, work: list[tuple[Active, int]]) -> None:
+        """Several sequences in one call. It is all or nothing, so that one request's failure never fails the
+        others: they start again, each in a call of its own (the verifier freed what the call had begun)."""
+        try:
+            await self._prefill(work)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - isolated below: each retried alone, failing only itself
+            log.warning("a prefill of %d sequences failed (%s): each is retried alone", len(work), e)
+            for a, _ in work:
+                a.prefilled, a.solo = 0, True
+
+    async def _prefill(self, work: list[tuple[Active, int]]) -> None:
+        """The next n prompt tokens of each sequence, in one verifier call; a last chunk makes its sequence
+        join the rounds with its first token."""
+        items = []
+        for a, n in work:
+            req = a.gen.request
+            if a.prefilled == 0:
+                # while the draft is down, no hidden states: the sequence catches up once it is back
+                a.wants_hidden = a.speculative and not self.draft_link.degraded
+            more = a.prefilled + n < len(req.prompt_ids)
+            chunk = req.prompt_ids[a.prefilled : a.prefilled + n]
+            items.append(prefill_item(a.seq_id, chunk, req.sampling, a.wants_hidden, more))
+        results = await self.verifier.prefill_many(items, self.cfg.instance_id)
+        for (a, n), it, pre in zip(work, items, results):
+            a.prefilled += n
+            if not it.more:
+                self._joined(a, pre.next_token, pre.hidden)
+
+    def _joined(self, a: Active, first_token: int, hidden: pb.TensorRef) -> None:
+        """Its prompt is in: the draft's start item (when it speculates) and its first token."""
         req = a.gen.request
-        if a.prefilled == 0:
-            # while the draft is down, no hidden states: the sequence catches up once it is back
-            a.wants_hidden = a.speculative and not self.draft_link.degraded
-            self.metrics.prompt_tokens.inc(len(req.prompt_ids))
-        chunk = req.prompt_ids[a.prefilled : a.prefilled + n]
-        more = a.prefilled + n < len(req.prompt_ids)
-        pre = await self.verifier.prefill(
-            a.seq_id, chunk, req.sampling, want_hidden=a.wants_hidden, owner=self.cfg.instance_id, more=more
-        )
-        a.prefilled += n
-        if more:
-            return
         a.prefilling = False
+        self.metrics.prompt_tokens.inc(len(req.prompt_ids))
         if a.wants_hidden:
-            token_ids, prefix = start_shift(req.prompt_ids, pre.next_token)
+            token_ids, prefix = start_shift(req.prompt_ids, first_token)
             a.next_propose = pb.ProposeItem(
                 seq_id=a.seq_id,
                 token_ids=token_ids,
-                hidden=pre.hidden,
+                hidden=hidden,
                 start=True,
                 context_prefix=prefix,
                 sampling=sampling_msg(req.sampling),
             )
-        self._emit(a, a.gen.commit([pre.next_token]))
+        self._emit(a, a.gen.commit([first_token]))
 
     def _emit(self, a: Active, delta: Delta) -> None:
         now = time.perf_counter()

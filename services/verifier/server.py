@@ -124,8 +124,13 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             raise CapacityExhausted(
                 f"{held} of {self.max_sequences} sequence slots are in use; {len(new)} more do not fit"
             )
-        self.leases.touch([s for s in ids if s in self._chunks])
-        resp = await self.runner.run(self._prefill, request)
+        continued = [s for s in ids if s in self._chunks]
+        self.leases.touch(continued)
+        try:
+            resp = await self.runner.run(self._prefill, request)
+        except BaseException:
+            self.leases.removed(continued)  # the failed call freed them (see _prefill)
+            raise
         self.leases.added(new, request.owner)
         return resp
 
@@ -212,21 +217,25 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         return self.engine.release(ids)
 
     def _prefill(self, request: pb.PrefillRequest) -> pb.PrefillResponse:
+        """Every item in one engine call (prompts of similar length share a forward). All or nothing: a
+        failed call frees every sequence it created or continued (the engine's rule), and nothing else."""
         if not request.items:
             raise InvalidRequest("prefill request has no items")
-        resp = pb.PrefillResponse()
-        done: list[str] = []
+        inputs = [
+            PrefillInput(
+                seq_id=it.seq_id, token_ids=list(it.token_ids), sampling=sampling_config(it.sampling), more=it.more
+            )
+            for it in request.items
+        ]
         try:
-            for it in request.items:  # prefill is eager and per sequence
-                out = self.engine.prefill(
-                    PrefillInput(
-                        seq_id=it.seq_id,
-                        token_ids=list(it.token_ids),
-                        sampling=sampling_config(it.sampling),
-                        more=it.more,
-                    )
-                )
-                done.append(it.seq_id)
+            outs = self.engine.prefill_batch(inputs)
+        except BaseException:
+            for it in request.items:
+                self._chunks.pop(it.seq_id, None)
+            raise
+        resp = pb.PrefillResponse()
+        try:
+            for it, out in zip(request.items, outs):
                 chunks = self._chunks.pop(it.seq_id, [])
                 if it.want_hidden:
                     chunks.append(out.hidden)
@@ -238,9 +247,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                 if it.want_hidden:
                     self._hidden(it.seq_id, torch.cat(chunks) if len(chunks) > 1 else chunks[0], r.hidden)
         except BaseException:
-            # all or nothing: the earlier items' slots are not left behind, nor any partly prefilled prompt of
-            # the call (the failed chunk's is freed already; their leases go with the caller's Release)
-            self._release_ids(done + [it.seq_id for it in request.items if it.seq_id in self._chunks])
+            self._release_ids([it.seq_id for it in request.items])  # all ours: the engine call succeeded
             raise
         self._published()
         return resp
