@@ -21,8 +21,9 @@ from common.model.eagle3_io import load_eagle3
 from common.model.llama import Batch, KVCache, LlamaModel
 from common.weights import Checkpoint
 from training.evaluate import EvalConfig, evaluate_set
-from training.generate import greedy_generate, load_sequences, save_shard
-from training.prompts import first_human_turn, is_english, iter_json_array
+from training.filters import is_english
+from training.generate import generate_batch, load_sequences, save_shard
+from training.sources import first_human_turn, iter_json_array
 from training.train import TrainConfig, Trainer, TTTInputs, draft_vocab, make_optimizer, optimize_step
 from training.ttt import DenseMaskAttention, FusedAttention, TTTTargets, ttt_mask
 
@@ -109,9 +110,9 @@ def test_batched_greedy_matches_unbatched():
     m = tiny_base()
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 512, size=n).tolist() for n in (5, 11, 2, 8)]
-    batched = greedy_generate(m, prompts, 12, eos_id=2, device=CPU)
+    batched = generate_batch(m, prompts, 12, eos_id=2, device=CPU)
     for p, out in zip(prompts, batched, strict=True):
-        single = greedy_generate(m, [p], 12, eos_id=2, device=CPU)[0]
+        single = generate_batch(m, [p], 12, eos_id=2, device=CPU)[0]
         assert out == single
         # and equal to a plain causal forward, token by token
         seq = list(p)
@@ -265,7 +266,7 @@ def make_workdir(tmp_path: Path, base: LlamaModel, n: int = 48) -> Path:
     """Sequences generated greedily by the tiny base from random prompts."""
     rng = np.random.default_rng(1)
     prompts = [rng.integers(3, 512, size=int(rng.integers(3, 8))).tolist() for _ in range(n)]
-    resp = greedy_generate(base, prompts, 20, eos_id=2, device=CPU)
+    resp = generate_batch(base, prompts, 20, eos_id=2, device=CPU)
     (tmp_path / "gen").mkdir()
     save_shard(tmp_path / "gen" / "gen-00000.npz", prompts, resp, [str(i) for i in range(n)])
     return tmp_path

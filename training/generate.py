@@ -1,4 +1,5 @@
-"""Regenerate responses with the base model itself: batched greedy decoding on LlamaModel + KVCache.
+"""Regenerate responses with the base model itself: batched decoding (greedy, or sampled for Magpie prompts) on
+LlamaModel + KVCache.
 
 Each batch row owns one cache slot. Prompts are left-padded to the batch's longest prompt so that one
 prefill forward covers the batch and every decode step writes all rows at the same cache column; RoPE
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,11 +38,44 @@ class GenerateConfig:
             raise ValueError(f"shard_size must be >= 1, got {self.shard_size}")
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """Temperature and nucleus (top-p) sampling; `seed` makes a batch's draws reproducible."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0 (use no Sampling for greedy), got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+def sample_top_p(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> torch.Tensor:
+    """logits [B, V] -> token ids [B]: draw from the smallest set of most likely tokens whose mass reaches top_p.
+
+    Example: probabilities [0.5, 0.3, 0.2], top_p 0.7 -> mass before each token [0, 0.5, 0.8]: tokens 0 and 1 stay.
+    """
+    probs = torch.softmax(logits.float() / temperature, dim=-1)  # [B, V]
+    sorted_p, order = probs.sort(dim=-1, descending=True)  # [B, V]
+    keep = sorted_p.cumsum(dim=-1) - sorted_p < top_p  # the first token always stays
+    choice = torch.multinomial(torch.where(keep, sorted_p, 0.0), 1, generator=generator)  # [B, 1]
+    return order.gather(-1, choice)[:, 0]
+
+
 @torch.inference_mode()
-def greedy_generate(
-    model: LlamaModel, prompts: list[list[int]], max_new_tokens: int, eos_id: int, device: torch.device
+def generate_batch(
+    model: LlamaModel,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    eos_id: int,
+    device: torch.device,
+    sampling: Sampling | None = None,
 ) -> list[list[int]]:
-    """Greedy continuation of each prompt; a response ends with eos_id when it stopped by itself."""
+    """Continuation of each prompt, greedy when `sampling` is None; a response ends with eos_id when it stopped by
+    itself."""
     cfg = model.cfg
     b = len(prompts)
     p = max(len(x) for x in prompts)
@@ -61,8 +96,15 @@ def greedy_generate(
     mask = (causal[None] & valid[:, None, :p]) | eye[None]  # [B, P, P]
     slots = torch.arange(b, device=device)
     write = torch.arange(p, device=device)[None, :].expand(b, p)
+    gen_rng = None if sampling is None else torch.Generator(device=device).manual_seed(sampling.seed)
+
+    def pick(logits: torch.Tensor) -> torch.Tensor:  # [B, V] -> [B]
+        if sampling is None:
+            return logits.argmax(-1)
+        return sample_top_p(logits, sampling.temperature, sampling.top_p, gen_rng)
+
     out = model(Batch.masked(input_ids=ids, positions=pos, slots=slots, write_pos=write, mask=mask), cache)
-    nxt = model.logits(out.hidden[:, -1]).argmax(-1)  # [B]
+    nxt = pick(model.logits(out.hidden[:, -1]))  # [B]
     gen = torch.zeros(b, max_new_tokens, dtype=torch.long, device=device)  # [B, N]
     done = torch.zeros(b, dtype=torch.bool, device=device)  # [B]
     n_steps = max_new_tokens
@@ -83,7 +125,7 @@ def greedy_generate(
             mask=valid[:, None, None, : c + 1],
         )
         out = model(batch, cache)
-        nxt = torch.where(done, eos_id, model.logits(out.hidden[:, 0]).argmax(-1))
+        nxt = torch.where(done, eos_id, pick(model.logits(out.hidden[:, 0])))
     gen_np = gen[:, :n_steps].cpu().numpy()
     responses = []
     for row in gen_np:
@@ -141,6 +183,18 @@ def load_sequences(gendir: Path) -> Sequences:
     return Sequences(tokens=np.concatenate(toks), offsets=np.concatenate(offs), prompt_len=np.concatenate(plen))
 
 
+def missing_shards(paths: list[Path], deadline: float | None, stage: str) -> Iterator[tuple[int, Path]]:
+    """(k, path) of the shards not written yet, in order, until the time budget is spent; the stage is finished
+    when every path exists afterwards (finished shards are never redone: that is what makes stages resumable)."""
+    for k, path in enumerate(paths):
+        if path.exists():
+            continue
+        if deadline is not None and time.time() > deadline:
+            log.info("%s: time budget spent before shard %d/%d", stage, k, len(paths))
+            return
+        yield k, path
+
+
 def generate_stage(
     model: LlamaModel,
     rows: list[dict],
@@ -155,20 +209,15 @@ def generate_stage(
     if cfg.limit is not None:
         rows = rows[: cfg.limit]
     n_shards = (len(rows) + cfg.shard_size - 1) // cfg.shard_size
-    for k in range(n_shards):
-        path = shard_path(outdir, k)
-        if path.exists():
-            continue
-        if deadline is not None and time.time() > deadline:
-            log.info("generate: time budget spent before shard %d/%d", k, n_shards)
-            return False
+    paths = [shard_path(outdir, k) for k in range(n_shards)]
+    for k, path in missing_shards(paths, deadline, "generate"):
         part = rows[k * cfg.shard_size : (k + 1) * cfg.shard_size]
         order = sorted(range(len(part)), key=lambda i: len(part[i]["prompt_ids"]))  # similar lengths together
         responses: list[list[int] | None] = [None] * len(part)
         t0 = time.time()
         for s in range(0, len(order), cfg.batch_size):
             idx = order[s : s + cfg.batch_size]
-            outs = greedy_generate(model, [part[i]["prompt_ids"] for i in idx], cfg.max_new_tokens, eos_id, device)
+            outs = generate_batch(model, [part[i]["prompt_ids"] for i in idx], cfg.max_new_tokens, eos_id, device)
             for i, r in zip(idx, outs, strict=False):
                 responses[i] = r
         n_tok = sum(len(r) for r in responses)
@@ -183,4 +232,4 @@ def generate_stage(
             dt,
             n_tok / max(dt, 1e-9),
         )
-    return True
+    return all(p.exists() for p in paths)

