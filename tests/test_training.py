@@ -262,6 +262,28 @@ def test_fused_train_step_equals_dense_mask_step():
 
 
 # ---- training ----
+def test_engine_generate_equals_the_model_loop(tmp_path):
+    """The generate stage's engine path (continuous batching over 2 slots for 6 prompts, batched prefill,
+    3 decode steps a call) gives generate_batch's greedy responses, each cut at max_new_tokens or after its
+    eos; a prompt whose first token is eos stops there."""
+    from common.engine.verifier import Verifier, VerifierConfig
+    from training.generate import engine_generate
+
+    base = tiny_base()
+    sd = {k: v.clone() for k, v in base.state_dict().items() if not k.startswith("rope")}
+    ver = Verifier(
+        Checkpoint(name="tiny", config=CFG, state_dict=sd, path=tmp_path),
+        VerifierConfig(max_sequences=2, max_context=64, max_tree_nodes=8),
+    )
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, 512, size=n).tolist() for n in (5, 11, 2, 8, 3, 7)]
+    want = generate_batch(base, prompts, 10, eos_id=2, device=CPU)
+    assert engine_generate(ver, prompts, 10, eos_id=2, steps=3) == want
+    eos = [want[0][0]]  # with the first response's first token as eos, that response is [eos]
+    assert engine_generate(ver, prompts[:1], 10, eos_id=eos[0], steps=3) == [eos]
+    assert len(ver.seqs) == 0  # every slot released
+
+
 def make_workdir(tmp_path: Path, base: LlamaModel, n: int = 48) -> Path:
     """Sequences generated greedily by the tiny base from random prompts."""
     rng = np.random.default_rng(1)

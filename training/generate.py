@@ -1,5 +1,7 @@
-"""Regenerate responses with the base model itself: batched decoding (greedy, or sampled for Magpie prompts) on
-LlamaModel + KVCache.
+"""Regenerate responses with the base model itself. Greedy responses go through the serving engine
+(engine_generate: common.engine.verifier.Verifier with continuous batching, batched prefill and chained
+decode steps, CUDA graphs on a GPU); generate_batch is the plain model loop (sampling, for Magpie prompts,
+and the engine's reference in the tests), batched decoding on LlamaModel + KVCache.
 
 Each batch row owns one cache slot. Prompts are left-padded to the batch's longest prompt so that one
 prefill forward covers the batch and every decode step writes all rows at the same cache column; RoPE
@@ -10,13 +12,15 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from common.config import SamplingConfig
+from common.engine.base import PrefillInput
 from common.model.llama import Batch, KVCache, LlamaModel
 
 log = logging.getLogger(__name__)
@@ -134,6 +138,43 @@ def generate_batch(
     return responses
 
 
+def _response(tokens: list[int], max_new_tokens: int, eos_id: int) -> list[int]:
+    """Cut at the first eos_id (kept) and at max_new_tokens."""
+    out = tokens[:max_new_tokens]
+    return out[: out.index(eos_id) + 1] if eos_id in out else out
+
+
+def engine_generate(verifier, prompts: list[list[int]], max_new_tokens: int, eos_id: int, steps: int = 16):
+    """Greedy continuation of each prompt through the serving engine, as generate_batch gives it: every slot
+    of the engine holds a prompt, a finished one's slot takes the next prompt at once (continuous batching),
+    new prompts are prefilled together (Verifier.prefill_batch) and decoding runs `steps` tokens per call on
+    the device (steps past a stop are cut off). The engine's max_context must hold prompt + max_new_tokens.
+    Returns [len(prompts)] responses, each ending with eos_id when it stopped by itself."""
+    out: list[list[int] | None] = [None] * len(prompts)
+    queue = iter(range(len(prompts)))
+    active: dict[str, tuple[int, list[int]]] = {}  # engine sequence id -> (prompt index, tokens so far)
+    slots = verifier.info.max_sequences
+    while True:
+        new = [i for _, i in zip(range(slots - len(active)), queue)]
+        if new:
+            inputs = [PrefillInput(f"gen-{i}", prompts[i], SamplingConfig()) for i in new]
+            for i, pre in zip(new, verifier.prefill_batch(inputs)):
+                active[f"gen-{i}"] = (i, [pre.next_token])
+        finished = [s for s, (_, r) in active.items() if r[-1] == eos_id or len(r) >= max_new_tokens]
+        for s in finished:
+            i, r = active.pop(s)
+            out[i] = _response(r, max_new_tokens, eos_id)
+        verifier.release(finished)
+        if finished and len(active) < slots:
+            continue  # fill the freed slots before the next decode
+        if not active:
+            return out
+        ids = list(active)
+        n = min(steps, min(max_new_tokens - len(active[s][1]) for s in ids))
+        for s, tokens in zip(ids, verifier.decode_steps(ids, n).tokens):
+            active[s][1].extend(tokens)
+
+
 def shard_path(outdir: Path, k: int) -> Path:
     return outdir / f"gen-{k:05d}.npz"
 
@@ -196,15 +237,14 @@ def missing_shards(paths: list[Path], deadline: float | None, stage: str) -> Ite
 
 
 def generate_stage(
-    model: LlamaModel,
+    generate: Callable[[list[list[int]]], list[list[int]]],
     rows: list[dict],
     outdir: Path,
     cfg: GenerateConfig,
-    eos_id: int,
-    device: torch.device,
     deadline: float | None = None,
 ) -> bool:
-    """Generate responses shard by shard, skipping finished shards. Returns True when all are done."""
+    """Generate responses (generate: prompts -> responses) shard by shard, skipping finished shards. Returns
+    True when all are done."""
     outdir.mkdir(parents=True, exist_ok=True)
     if cfg.limit is not None:
         rows = rows[: cfg.limit]
@@ -217,7 +257,7 @@ def generate_stage(
         t0 = time.time()
         for s in range(0, len(order), cfg.batch_size):
             idx = order[s : s + cfg.batch_size]
-            outs = generate_batch(model, [part[i]["prompt_ids"] for i in idx], cfg.max_new_tokens, eos_id, device)
+            outs = generate([part[i]["prompt_ids"] for i in idx])
             for i, r in zip(idx, outs, strict=False):
                 responses[i] = r
         n_tok = sum(len(r) for r in responses)

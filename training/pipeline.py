@@ -56,6 +56,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--gen-batch", type=int, default=256)
     g.add_argument("--shard-size", type=int, default=1024)
     g.add_argument("--limit", type=int, default=None, help="generate/features: prompts; eval: prompts per set")
+    g.add_argument(
+        "--generator",
+        choices=("engine", "model"),
+        default="engine",
+        help="greedy responses through the serving engine (continuous batching over min(--gen-batch, 64) "
+        "slots, CUDA graphs on a GPU) or the plain batched model loop",
+    )
     g = p.add_argument_group("train")
     g.add_argument("--draft-vocab", type=int, default=8192)
     g.add_argument("--train-steps", type=int, default=2000)
@@ -193,7 +200,30 @@ def stage_generate(ctx: Context) -> bool:
         max_new_tokens=a.max_new_tokens or 256, batch_size=a.gen_batch, shard_size=a.shard_size, limit=a.limit
     )
     rows = read_prompts(w / TRAIN_FILE)
-    ok = generate_stage(ctx.model, rows, w / GEN_DIR, cfg, ctx.ckpt.config.eos_token_id, ctx.device, ctx.deadline)
+    eos = ctx.ckpt.config.eos_token_id
+    if a.generator == "engine":  # the serving engine: CUDA graphs on a GPU, continuous batching
+        from common.engine.factory import make_verifier
+        from common.engine.verifier import VerifierConfig
+        from training.generate import engine_generate
+
+        longest = max((len(r["prompt_ids"]) for r in rows), default=1)
+        vcfg = VerifierConfig(
+            max_sequences=min(a.gen_batch, 64),
+            max_context=longest + cfg.max_new_tokens + 1,
+            dtype=ctx.dtype_name,
+            device=str(ctx.device),
+        )
+        engine = make_verifier(ctx.ckpt, vcfg, graphs=True)
+
+        def generate(prompts: list[list[int]]) -> list[list[int]]:
+            return engine_generate(engine, prompts, cfg.max_new_tokens, eos)
+    else:
+        from training.generate import generate_batch
+
+        def generate(prompts: list[list[int]]) -> list[list[int]]:
+            return generate_batch(ctx.model, prompts, cfg.max_new_tokens, eos, ctx.device)
+
+    ok = generate_stage(generate, rows, w / GEN_DIR, cfg, ctx.deadline)
     if ok:
         n = len(rows) if cfg.limit is None else min(cfg.limit, len(rows))
         done.write_text(json.dumps({"prompts": n, "max_new_tokens": cfg.max_new_tokens}) + "\n")
