@@ -159,7 +159,7 @@ def test_exploration_tries_close_runner_ups_only():
 def test_without_draft_costs_the_largest_tree_runs_until_measured():
     p = AdaptivePolicy(PolicyConfig(menu=(CHAIN1, CHAIN4)), CostModel([StepCost("decode", 1, 1, 0.01)]))
     assert p.choose(["a"], steps=8).shape == CHAIN4
-    p.observe_step("propose", 1, 4, 0.004)  # a prefired call's time: now 4x4 has a cost, 1x1 borrows it
+    p.observe_step("propose", 1, 4, 0.004)  # a chained call's time: now 4x4 has a cost, 1x1 borrows it
     assert p.costs.step("propose", 1, 1) == pytest.approx(0.004)
 
 

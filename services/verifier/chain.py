@@ -157,11 +157,3 @@ class DraftChain:
         """Drop without waiting (sequences freed by lease expiry: the draft frees its copies on its own)."""
         for s in seq_ids:
             self._pending.pop(s, None)
-
-    async def close(self) -> None:
-        for p in self._pending.values():
-            p.task.cancel()
-        self._pending.clear()
-        for c in self._clients.values():
-            await c.close()
-        self._clients.clear()
