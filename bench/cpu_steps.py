@@ -1,7 +1,8 @@
 """What a tree costs against a decode step on the CPU: the verifier engine in this process, one sequence of
 a 40-token prompt, the median time of a plain decoding step and of verifying chains of 1, 3, 7 and 15
-drafted tokens (2, 4, 8, 16 rows), and the matrix product underneath (one row against two rows times the
-fused q|k|v weight of SmolLM2).
+drafted tokens (2, 4, 8, 16 rows), the matrix product underneath (one row against two rows times the
+fused q|k|v weight of SmolLM2), and where a decode step's time goes: torch.profiler over 8 chained decode
+steps, the share of self CPU time of the largest operators (DIR/cpu_steps_profile.txt has the table).
 
     python -m bench.cpu_steps --out DIR
 
@@ -62,9 +63,18 @@ def main() -> None:
         for m in (1, 2):
             x = torch.randn(m, 576)
             res[f"matmul_{m}_row_us"] = 1e3 * median_ms(lambda x=x: F.linear(x, w), n=21)
+        v.decode_steps(["p"], 8)  # warm
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            v.decode_steps(["p"], 8)
+    ops = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in ops)
+    top = sorted(ops, key=lambda e: -e.self_cpu_time_total)[:5]
+    res["decode_profile_self_cpu_share"] = {e.key: round(e.self_cpu_time_total / total, 3) for e in top}
+    res["decode_profile_mm_calls_per_token"] = next((e.count for e in ops if e.key == "aten::mm"), 0) / 8
     res["verify_2_rows_over_decode"] = res["verify_2_rows_ms"] / res["decode_ms"]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    (out / "cpu_steps_profile.txt").write_text(ops.table(sort_by="self_cpu_time_total", row_limit=20))
     (out / "cpu_steps.json").write_text(json.dumps(res, indent=1))
     log.info("\n%s", json.dumps(res, indent=1))
 
