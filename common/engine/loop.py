@@ -32,17 +32,17 @@ def speculative_loop(
     on_round: Callable[[Round], None] | None = None,
     sampling: dict[str, SamplingConfig] | None = None,
 ) -> None:
-    """Prefill every prompt (seq id -> prompt ids), then run rounds until every sequence is done.
+    """Prefill every prompt (seq id -> prompt ids, in one batched call), then run rounds until every sequence is done.
     commit(seq_id, new_tokens) receives each sequence's tokens as they come (the prefill's first token,
     then each round's) and returns whether the sequence goes on; a finished one is released on both
     engines. on_round sees each round's timing and committed counts. sampling: seq id -> how it samples
     (absent: greedy)."""
     items: dict[str, ProposeInput] = {}
-    for sid, prompt in prompts.items():
-        cfg = (sampling or {}).get(sid, SamplingConfig())
-        out = verifier.prefill(PrefillInput(sid, prompt, cfg))
+    cfgs = {sid: (sampling or {}).get(sid, SamplingConfig()) for sid in prompts}
+    outs = verifier.prefill_batch([PrefillInput(sid, p, cfgs[sid]) for sid, p in prompts.items()])
+    for (sid, prompt), out in zip(prompts.items(), outs):
         if commit(sid, [out.next_token]):
-            items[sid] = ProposeInput.after_prefill(sid, prompt, out, tree_size, cfg)
+            items[sid] = ProposeInput.after_prefill(sid, prompt, out, tree_size, cfgs[sid])
         else:
             verifier.release([sid])
     while items:
