@@ -12,6 +12,11 @@
 #                                  6x60 pinned, plain and the policy at concurrency 1, 16, 64
 #   bench/device/policy.sh stall   a 2,000-token prompt joining 16 running streams, whole and in 512- and
 #                                  256-token chunks (bench.prefill_stall)
+#   bench/device/policy.sh bench   one 10-minute call: the GPU tests, then `make bench` (bench.run) on 32
+#                                  prompts (decode probe, engine bench, services at concurrency 1, 16, 64)
+#   bench/device/policy.sh rest    one 10-minute call: the chained/unchained A/B (6x60 pinned and plain,
+#                                  concurrency 1, 16, 64), the long prompt (whole, 512-token chunks) and
+#                                  ghz by reflection (GHZ: the binary, concurrency 1 and 64)
 set -uo pipefail
 mode=${1:-load}
 out=${OUT:-device-out}; mkdir -p "$out"
@@ -42,5 +47,20 @@ case "$mode" in
   stall)
     timeout 500 python3 -m bench.prefill_stall --device cuda --concurrency 16 --prompt-tokens 2000 \
       --prefill-chunk 0,512,256 --out "$out" > "$out/stall.log" 2>&1; tail -8 "$out/stall.log" ;;
-  *) echo "usage: $0 load|order|rpc|tests|chain|stall" >&2; exit 2 ;;
+  bench)
+    timeout 220 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/gpu > "$out/gpu_tests.log" 2>&1
+    tail -3 "$out/gpu_tests.log"; work=/tmp/specdec-bench; mkdir -p "$work"
+    timeout 360 python3 -m bench.run --out "$work" --prompts 32 --hf-prompts 2 > "$out/bench.log" 2>&1
+    cp "$work"/{summary.md,summary.json,decode_probe.md,services.json,engine_bench.json} "$out/" 2>/dev/null
+    tail -25 "$out/bench.log" ;;
+  rest)
+    timeout 220 "${load[@]}" --concurrency 1,16,64 --prompts 16 --requests-per-worker 2 --chain on,off \
+      --modes tree:6x60,plain > "$out/chain.log" 2>&1; grep -E "tok/s total" "$out/chain.log"
+    timeout 190 python3 -m bench.prefill_stall --device cuda --concurrency 16 --prompt-tokens 2000 \
+      --prefill-chunk 0,512 --out "$out" > "$out/stall.log" 2>&1; tail -6 "$out/stall.log"
+    if [ -n "${GHZ:-}" ]; then
+      timeout 150 python3 -m bench.ghz_load --ghz "$GHZ" --concurrency 1,64 --requests-per-worker 2 \
+        --out /tmp/specdec-ghz > "$out/ghz.txt" 2>&1; cp /tmp/specdec-ghz/ghz.md "$out/" 2>/dev/null; tail -8 "$out/ghz.txt"
+    fi ;;
+  *) echo "usage: $0 load|order|rpc|tests|chain|stall|bench|rest" >&2; exit 2 ;;
 esac
