@@ -14,6 +14,8 @@
 #                                  256-token chunks (bench.prefill_stall)
 #   bench/device/policy.sh bench   one 10-minute call: the GPU tests, then `make bench` (bench.run) on 32
 #                                  prompts (decode probe, engine bench, services at concurrency 1, 16, 64)
+#   bench/device/policy.sh profile the GPU services test, then py-spy round profiles (fixed policy, 6x60)
+#                                  at concurrency 1 and 64
 #   bench/device/policy.sh rest    one 10-minute call: the chained/unchained A/B (6x60 pinned and plain,
 #                                  concurrency 1, 16, 64), the long prompt (whole, 512-token chunks) and
 #                                  ghz by reflection (GHZ: the binary, concurrency 1 and 64)
@@ -62,5 +64,13 @@ case "$mode" in
       timeout 150 python3 -m bench.ghz_load --ghz "$GHZ" --concurrency 1,64 --requests-per-worker 2 \
         --out /tmp/specdec-ghz > "$out/ghz.txt" 2>&1; cp /tmp/specdec-ghz/ghz.md "$out/" 2>/dev/null; tail -8 "$out/ghz.txt"
     fi ;;
-  *) echo "usage: $0 load|order|rpc|tests|chain|stall|bench|rest" >&2; exit 2 ;;
+  profile)
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_services.py > "$out/gpu_tests.log" 2>&1
+    tail -3 "$out/gpu_tests.log"
+    python3 -m pip install -q --no-deps .devcarry/b/wheels/py_spy-*.whl 2>/dev/null
+    for c in 1 64; do
+      timeout 150 python3 -m bench.profile_services --out "/tmp/prof$c" --concurrency $c --seconds 5 > "$out/profile$c.log" 2>&1
+      cp "/tmp/prof$c/profile.md" "$out/profile$c.md"; tar czf "$out/spy$c.tgz" -C "/tmp/prof$c" .
+    done; head -4 "$out"/profile*.md ;;
+  *) echo "usage: $0 load|order|rpc|tests|chain|stall|bench|rest|profile" >&2; exit 2 ;;
 esac
