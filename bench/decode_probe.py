@@ -150,9 +150,19 @@ def main() -> None:
         probe_step(
             "propose B=1, 10/6/60",
             drafter.graphs,
-            ("propose", 1, 4, drafter.drafting.steps),
+            ("propose", 1, 4, drafter.drafting.steps, False),  # greedy: the top-k variant, no draws
             functools.partial(drafter._propose_step, depth=drafter.drafting.steps),
-            {"packed": packed, "hidden": hidden, **drafter._noise_block(1)},  # greedy: no draws
+            {"packed": packed, "hidden": hidden},
+            args.verbose,
+        )
+    )
+    rows.append(  # a batch with a sampling row (temperature > 0): the q rule's variant
+        probe_step(
+            "propose B=1, 10/6/60, sampled",
+            drafter.graphs,
+            ("propose", 1, 4, drafter.drafting.steps, True),
+            functools.partial(drafter._propose_step, depth=drafter.drafting.steps),
+            {"packed": packed, "hidden": hidden, **drafter._noise_block(1)},
             args.verbose,
         )
     )

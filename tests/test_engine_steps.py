@@ -320,10 +320,10 @@ def test_padded_drafter_matches_exact(drafters, ckpt) -> None:
         ProposeInput("w", PROMPTS[2][1:] + [3], hidden(len(PROMPTS[2])), True, PROMPTS[2][:1], 20),
     ]
     _same_trees(exact.propose(mixed), padded.propose(mixed))
-    propose_keys = {k for k in keys if k[0] == "propose"}  # ("propose", batch, new tokens, depth)
-    assert {k[2] for k in propose_keys} >= {3, 4, 5} and ("propose", 1, 2, 4) in propose_keys
-    assert all(k[1] == 4 for k in propose_keys if k != ("propose", 1, 2, 4))  # batch of 3 padded to 4
-    assert ("expand", 4, 4) in keys and ("expand", 2, 4) in keys
+    propose_keys = {k for k in keys if k[0] == "propose"}  # ("propose", batch, new tokens, depth, sampled)
+    assert {k[2] for k in propose_keys} >= {3, 4, 5} and ("propose", 1, 2, 4, False) in propose_keys
+    assert all(k[1] == 4 for k in propose_keys if k != ("propose", 1, 2, 4, False))  # batch of 3 padded to 4
+    assert ("expand", 4, 4, False) in keys and ("expand", 2, 4, False) in keys
     for d in (exact, padded):
         assert d.release(ids + ["w"]) == 4
 
@@ -347,7 +347,7 @@ def test_a_shallow_item_gets_the_tree_of_a_shallow_drafter(drafters, ckpt) -> No
     keys = _count_runs(padded)
     nxt = [ProposeInput("a", [5], torch.randn(1, width, generator=gen), False, [], 12, max_depth=2)]
     _same_trees(shallow.propose([ProposeInput(**{**nxt[0].__dict__, "max_depth": 0})]), padded.propose(nxt))
-    assert ("propose", 1, 1, 2) in keys
+    assert ("propose", 1, 1, 2, False) in keys
     with pytest.raises(InvalidRequest, match="max_depth"):
         padded.propose([ProposeInput("a", [5], torch.randn(1, width), False, [], 12, max_depth=5)])
     assert padded.release(["a", "b"]) == 2 and shallow.release(["a"]) == 1 and exact.release(["b"]) == 1

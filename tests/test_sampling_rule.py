@@ -289,6 +289,8 @@ def test_drafter_draws_children_from_q_and_keeps_greedy_trees(real) -> None:
     assert greedy.q is None and want_greedy.q is None and want_onehot.q is None  # top-k trees, one-hot rule
     assert greedy.tokens.tolist() == want_greedy.tokens.tolist() == want_onehot.tokens.tolist()
     assert greedy.parents.tolist() == want_greedy.parents.tolist()
+    # the greedy row of a batch with sampling rows (the sampled step) = a batch of top-k rows alone (its variant)
+    assert np.allclose(greedy.probs, want_greedy.probs, rtol=1e-5)
     assert a.tokens.tolist() == b.tokens.tolist() and a.parents.tolist() == b.parents.tolist()  # same seed
     assert a.tokens.tolist() != c.tokens.tolist()
     for t in (a, c):

@@ -57,7 +57,7 @@ class Children:
     ids: torch.Tensor  # [B, F, K] draft ids
     score: torch.Tensor  # [B, F, K] log-probability added to the parent's score (the tree's shape)
     logq: torch.Tensor  # [B, F, K] log-probability each child was drawn with (the probs channel)
-    q: torch.Tensor  # [B, F, W] q over the node's W best draft tokens (sampling rows; top-k rows: unused)
+    q: torch.Tensor | None  # [B, F, W] q over the node's W best draft tokens (sampling rows; None: no sampling)
 
 
 @dataclass(frozen=True)
@@ -72,10 +72,13 @@ class DraftOut:
 LOG_Q_FLOOR = -60.0  # log q below this counts as outside q: such a probability could round to 0 on the wire
 
 
-def _children(logp: torch.Tensor, ids: torch.Tensor, temp: torch.Tensor, gumbel: torch.Tensor, k: int) -> Children:
+def _children(
+    logp: torch.Tensor, ids: torch.Tensor, temp: torch.Tensor | None, gumbel: torch.Tensor | None, k: int
+) -> Children:
     """The children of F expanded nodes per sequence. logp, ids [B, F, W]: the W best draft tokens of
     each node, descending; temp [B] each sequence's temperature (0: top-k children); gumbel [B, F, W]
-    Gumbel(0, 1) noise.
+    Gumbel(0, 1) noise. temp and gumbel None: every row is a top-k row and q is None (a batch without
+    sampling sequences: its graph skips the q arithmetic, 18 kernels a level).
 
     Top-k rows keep the K best, scored by their log-probability (EAGLE-2). Sampled rows draw K tokens
     from q = softmax(logp / T) over the W (Gumbel-top-K: the keys log q + g in descending order are
@@ -97,16 +100,18 @@ def _children(logp: torch.Tensor, ids: torch.Tensor, temp: torch.Tensor, gumbel:
     log q + g = [-.9, .4, -4.5] -> ids of [1, 0], scores [-.1, -1] (the two largest logp, in rank
     order), logq of the drawn [-1.95, -.15]."""
     b, f, w = logp.shape
-    sampled = (temp > 0)[:, None, None]  # [B, 1, 1]
-    lq = torch.log_softmax(logp / torch.where(sampled, temp[:, None, None], 1.0), dim=-1)  # [B, F, W] descending
-    lq = torch.where((lq > LOG_Q_FLOOR) | ~sampled, lq, -torch.inf)  # a prefix of ranks
+    if temp is None or gumbel is None:
+        return Children(ids=ids[..., :k], score=logp[..., :k], logq=logp[..., :k], q=None)
+    drawn = (temp > 0)[:, None, None]  # [B, 1, 1]
+    lq = torch.log_softmax(logp / torch.where(drawn, temp[:, None, None], 1.0), dim=-1)  # [B, F, W] descending
+    lq = torch.where((lq > LOG_Q_FLOOR) | ~drawn, lq, -torch.inf)  # a prefix of ranks
     lq = lq - torch.logsumexp(lq, dim=-1, keepdim=True)
     order = (lq + gumbel).topk(k, dim=-1).indices  # [B, F, K] sampling order
-    pick = torch.where(sampled, order, torch.arange(k, device=logp.device).expand(b, f, k))
+    pick = torch.where(drawn, order, torch.arange(k, device=logp.device).expand(b, f, k))
     return Children(
         ids=ids.gather(-1, pick),
-        score=torch.where(sampled & (lq[..., :k] == -torch.inf), -torch.inf, logp[..., :k]),
-        logq=torch.where(sampled, lq.gather(-1, pick), logp[..., :k]),
+        score=torch.where(drawn & (lq[..., :k] == -torch.inf), -torch.inf, logp[..., :k]),
+        logq=torch.where(drawn, lq.gather(-1, pick), logp[..., :k]),
         q=lq.exp(),
     )
 
@@ -207,30 +212,38 @@ class Eagle3Drafter:
     def _capture(self) -> None:
         with torch.inference_mode(), self.graphs.on_stream():
             for bb in sorted(self.batch_buckets, reverse=True):
-                for depth in sorted(self.depth_buckets, reverse=True):
+                for depth, sampled in self._variants():
                     propose = functools.partial(self._propose_step, depth=depth)
+                    noise = self._noise_block(bb) if sampled else {}
                     for length in range(self.max_new, 0, -1):
                         packed, hidden = self._accept_block(bb, length), self._hidden_block(bb, length)
                         self.graphs.capture(
-                            ("propose", bb, length, depth),
+                            ("propose", bb, length, depth, sampled),
                             propose,
-                            {"packed": packed, "hidden": hidden, **self._noise_block(bb)},
+                            {"packed": packed, "hidden": hidden, **noise},
                         )
                     root = self._accept_step(
                         self._accept_block(bb, 1).to(self.device), self._hidden_block(bb, 1).to(self.device)
                     )
                     self.graphs.capture(
-                        ("expand", bb, depth),
+                        ("expand", bb, depth, sampled),
                         functools.partial(self._expand_step, depth=depth),
                         {
                             "packed": self._expand_block(bb),
                             "root_hidden": root.hidden,
                             "root_logp": root.logp,
                             "root_ids": root.ids,
-                            **self._noise_block(bb),
+                            **noise,
                         },
                     )
         self.graphs.log_report()
+
+    def _variants(self) -> list[tuple[int, bool]]:
+        """(depth bucket, sampled) of the captured steps, deepest first: top-k trees at every depth bucket;
+        under the q rule, batches with a sampling row at the drafter's depth alone (rows of shallower trees
+        mask their deeper candidates), which halves what sampling adds to capture."""
+        greedy = [(d, False) for d in sorted(self.depth_buckets, reverse=True)]
+        return ([(self.drafting.steps, True)] if self.drafting.sampling_rule == "q" else []) + greedy
 
     def release(self, seq_ids: list[str]) -> int:
         return sum(self.seqs.release(s) for s in seq_ids)
@@ -244,13 +257,9 @@ class Eagle3Drafter:
         out = []
         for bb in self.batch_buckets[:1] if cpu else self.batch_buckets:
             for depth in self.depth_buckets:
-                inputs = {
-                    "packed": self._accept_block(bb, 2),
-                    "hidden": self._hidden_block(bb, 2),
-                    **self._noise_block(bb),
-                }
+                inputs = {"packed": self._accept_block(bb, 2), "hidden": self._hidden_block(bb, 2)}
                 step = functools.partial(self._propose_step, depth=depth)
-                t = self.graphs.seconds(("propose", bb, 2, depth), step, inputs)
+                t = self.graphs.seconds(("propose", bb, 2, depth, False), step, inputs)
                 out.append(StepTime("propose", bb, depth, t))
         return out
 
@@ -285,8 +294,8 @@ class Eagle3Drafter:
         root_hidden: torch.Tensor,
         root_logp: torch.Tensor,
         root_ids: torch.Tensor,
-        temp: torch.Tensor,
-        gumbel: torch.Tensor,
+        temp: torch.Tensor | None = None,
+        gumbel: torch.Tensor | None = None,
         depth: int | None = None,
     ) -> DraftOut:
         """EAGLE-2: K children per expanded node (_children: the top-K, or K drawn from q), expand the K
@@ -295,12 +304,15 @@ class Eagle3Drafter:
         the row's depth; root_* as Root; temp [B] as _children; gumbel [B, steps, K, W] noise (level d's
         nodes read [:, d]; the root [:, 0, 0]). Returns DraftOut: [B, 4, N] float64 base token ids,
         parents (re-indexed, -1 = root), draft probabilities given the parent and q rows of the N best
-        nodes (one D2H copy; int64 ids are exact), and q of the root and every expanded node."""
+        nodes (one D2H copy; int64 ids are exact), and q of the root and every expanded node.
+        temp and gumbel None (a batch where no row samples): top-k children only, no q (q_ids and q_probs
+        [B, 0, W], q rows -1), 18 kernels a level fewer."""
         k, scratch = self.drafting.top_k, self.scratch
+        sampled = temp is not None
         steps = depth or self.drafting.steps
         bb, dev = packed.shape[0], packed.device
         m, slots, keep, row_depth = packed[:, 0], packed[:, 1], packed[:, 2], packed[:, 3]  # [B] each
-        kids = _children(root_logp[:, None], root_ids[:, None], temp, gumbel[:, 0, :1], k)
+        kids = _children(root_logp[:, None], root_ids[:, None], temp, None if gumbel is None else gumbel[:, 0, :1], k)
         q_ids, q_probs = [root_ids[:, None]], [kids.q]  # [B, 1 + levels * K, W] once concatenated
         front_tok, front_score = kids.ids[:, 0], kids.score[:, 0]  # [B, K]
         cand_tok, cand_score, cand_logq = [front_tok], [front_score], [kids.logq[:, 0]]
@@ -324,7 +336,7 @@ class Eagle3Drafter:
             )
             embeds = F.embedding(front_tok, self._draft_embed)  # one gather: no d2t mapping per level
             out = self.head.top_k(embeds, front_hidden, batch, self.cache, self.width)
-            kids = _children(out.logp, out.ids, temp, gumbel[:, depth], k)
+            kids = _children(out.logp, out.ids, temp, None if gumbel is None else gumbel[:, depth], k)
             fronts.append(front_id)
             q_ids.append(out.ids)
             q_probs.append(kids.q)
@@ -355,6 +367,11 @@ class Eagle3Drafter:
         par = parents.gather(1, kept)
         parent_score = torch.where(par < 0, 0.0, scores.gather(1, par.clamp(min=0)))
         probs = torch.exp(scores.gather(1, kept) - parent_score)  # [B, N]
+        if not sampled:
+            no_q = torch.full_like(probs, -1, dtype=torch.float64)
+            tree = torch.stack((toks.gather(1, kept).double(), new_parents.double(), probs.double(), no_q), 1)
+            none = torch.empty(bb, 0, self.width, device=dev)
+            return DraftOut(tree=tree, q_ids=none.long(), q_probs=none)
         drawn = torch.cat(cand_logq, 1).gather(1, kept).exp()  # [B, N] sampled rows: q of the drawn token
         probs = torch.where((temp > 0)[:, None], drawn, probs)  # 0: drawn outside q (_trees drops it)
         # q row of every candidate: level d's expanded nodes are rows 1 + (d - 1) K .. d K (the root is 0)
@@ -372,8 +389,8 @@ class Eagle3Drafter:
         self,
         packed: torch.Tensor,
         hidden: torch.Tensor,
-        temp: torch.Tensor,
-        gumbel: torch.Tensor,
+        temp: torch.Tensor | None = None,
+        gumbel: torch.Tensor | None = None,
         depth: int | None = None,
     ) -> DraftOut:
         """A whole round's drafting: the accept pass, then the expansion from its root. packed and hidden
@@ -399,8 +416,11 @@ class Eagle3Drafter:
 
     def _noise_block(self, b: int, items: list[ProposeInput] | None = None) -> dict[str, torch.Tensor]:
         """temp [b] float32 and gumbel [b, steps, K, W] float32 for the items (the rest: padding, top-k
-        rows): Gumbel noise from each sampling sequence's own generator, zeros elsewhere."""
+        rows): Gumbel noise from each sampling sequence's own generator, zeros elsewhere. {} when no item
+        samples (the steps' top-k variant); items None: the all-zero block a sampled variant captures."""
         d = self.drafting
+        if items is not None and all(self.seqs.get(it.seq_id)[1].sampling.greedy for it in items):
+            return {}
         temp = np.zeros(b, dtype=np.float32)
         gumbel = np.zeros((b, d.steps, d.top_k, self.width), dtype=np.float32)
         for i, it in enumerate(items or []):
@@ -490,15 +510,17 @@ class Eagle3Drafter:
         b = len(items)
         bb = self.graphs.bucket(b, self.batch_buckets)
         length = max(len(it.token_ids) for it in items)
-        depth = self.graphs.bucket(max(self._depth(it) for it in items), self.depth_buckets)
         noise = self._noise_block(bb, items)
+        depth = self.graphs.bucket(max(self._depth(it) for it in items), self.depth_buckets)
+        depth = self.drafting.steps if noise else depth  # sampled variants: the drafter's depth only
         if not any(it.start for it in items) and length <= self.max_new:
             packed, hidden = self._pack(items, bb, length)
             step = functools.partial(self._propose_step, depth=depth)
-            res = self.graphs.run(("propose", bb, length, depth), step, {"packed": packed, "hidden": hidden, **noise})
+            key = ("propose", bb, length, depth, bool(noise))
+            res = self.graphs.run(key, step, {"packed": packed, "hidden": hidden, **noise})
         else:
             res = self._run_with_prompts(items, bb, depth, noise)
-        sampled = [i for i in range(b) if noise["temp"][i] > 0]
+        sampled = [i for i in range(b) if noise and noise["temp"][i] > 0]
         q = None
         if sampled:  # q crosses to the host for the sampling rows only
             rows = torch.tensor(sampled, device=res.q_ids.device)
@@ -531,7 +553,7 @@ class Eagle3Drafter:
             return torch.cat((rows, rows[:1].expand(pad, *rows.shape[1:]))) if pad else rows
 
         return self.graphs.run(
-            ("expand", bb, depth),
+            ("expand", bb, depth, bool(noise)),
             functools.partial(self._expand_step, depth=depth),
             {
                 "packed": expand,

@@ -65,8 +65,10 @@ def test_capture_succeeds(f32) -> None:
     # every bucket has its graph: verify (deep and shallow trees) per batch x tree bucket, decode per batch
     # bucket; the drafter's proposal per batch bucket x new-token count 1..steps + 1, and its expansion
     assert len(verifier.graphs.report.captured) == len(verifier.batch_buckets) * (2 * len(verifier.tree_buckets) + 1)
+    # (top-k variants at every depth bucket, the q rule's sampled variant at the drafter's depth)
     per_depth = drafter.max_new + 1  # a propose graph per count of new tokens, and the expansion
-    assert len(drafter.graphs.report.captured) == len(drafter.batch_buckets) * len(drafter.depth_buckets) * per_depth
+    variants = len(drafter.depth_buckets) + 1
+    assert len(drafter.graphs.report.captured) == len(drafter.batch_buckets) * variants * per_depth
 
 
 def test_capture_succeeds_bf16(ckpt) -> None:
