@@ -217,10 +217,13 @@ def test_padded_verifier_matches_exact(verifiers) -> None:
     keys = _count_runs(padded)
     sampling = [SamplingConfig(), SamplingConfig(), SamplingConfig(temperature=0.8, top_p=0.9, seed=7)]
     ids = ["a", "b", "c"]
-    firsts = []
+    firsts, prefilled = [], []
     for v in (exact, padded):
-        firsts.append([v.prefill(PrefillInput(s, p, smp)).next_token for s, p, smp in zip(ids, PROMPTS, sampling)])
+        prefilled.append([v.prefill(PrefillInput(s, p, smp)) for s, p, smp in zip(ids, PROMPTS, sampling)])
+        firsts.append([out.next_token for out in prefilled[-1]])
     assert firsts[0] == firsts[1]
+    for w, g in zip(*prefilled):  # the padded prefill step (a row of a token bucket) = the exact one
+        torch.testing.assert_close(g.hidden, w.hidden, rtol=1e-4, atol=1e-3)
     oracle = GreedyOracleDrafter(exact.model, 4, CPU)
     items = [ProposeInput(s, p[1:] + [f], None, True, p[:1], 16) for s, p, f in zip(ids, PROMPTS, firsts[0])]
     rng = np.random.default_rng(3)
@@ -239,7 +242,9 @@ def test_padded_verifier_matches_exact(verifiers) -> None:
         if rnd < 2:  # the greedy oracle's path is accepted whole
             assert len(want[0].tokens) == 5 and len(want[1].tokens) == 5
         items = [ProposeInput(s, w.tokens, w.hidden, False, [], 16) for s, w in zip(ids, want)]
-    assert [k[0] for k in keys] == ["verify"] * 3 and all(k[1] == 4 for k in keys)  # batch of 3 padded to 4
+    prefills, verifies = [k for k in keys if k[0] == "prefill"], [k for k in keys if k[0] == "verify"]
+    assert [k[:2] for k in prefills] == [("prefill", 1)] * 3 and {k[2] for k in prefills} <= {32, 64}
+    assert len(verifies) == 3 and all(k[1] == 4 for k in verifies)  # batch of 3 padded to 4
     for sub in (ids, ["c", "a"], ["b"]):
         assert exact.decode(sub) == padded.decode(sub)
     assert ("decode", 2) in keys and ("decode", 1) in keys

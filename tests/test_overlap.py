@@ -191,13 +191,19 @@ def test_sequence_finishing_mid_overlap_is_released_after_its_chained_call() -> 
 
 def test_joining_sequence_gets_its_own_propose_call() -> None:
     """A request arriving while others run gets its first tree from a call of the gateway's (a start call
-    of its own) and chained trees afterwards, in the same calls as the others; both keep their exact
-    tokens."""
-    outs, log = asyncio.run(_run([(100, 12), (300, 6)], accept=1, stagger=0.05))
-    assert outs == [list(range(101, 113)), list(range(301, 307))]
-    assert ("propose", ["gw-1"]) in log  # the newcomer alone: the gateway's call in its first round
+    of its own), sent as soon as its prompt is in; the running sequence's round does not wait for that
+    call (it is verified alone meanwhile), the newcomer joins the round after its tree came, and chained
+    trees follow, in the same calls as the other's; both keep their exact tokens."""
+    outs, log = asyncio.run(_run([(100, 30), (300, 6)], accept=1, stagger=0.05))
+    assert outs == [list(range(101, 131)), list(range(301, 307))]
+    early = log.index(("propose", ["gw-1"]))  # the newcomer alone: the gateway's call
+    assert log[early - 1] == ("prefill", "gw-1", 2, False)  # sent right after its prefill
+    first_in = next(i for i, e in enumerate(log) if e[0] == "verify" and "gw-1" in e[1])
+    assert ("verify", ["gw-0"]) in log[early:first_in]  # a round of the other without it, meanwhile
+    assert log[first_in] == ("verify", ["gw-0", "gw-1"])
+    assert log.index(("proposed", ["gw-1"])) < first_in
     first_both = next(i for i, e in enumerate(log) if e == ("propose", ["gw-0", "gw-1"]))
-    assert log.index(("propose", ["gw-1"])) < first_both  # then both from one chained call
+    assert first_in < first_both  # then both from one chained call
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_between_the_rounds_of_the_others() -> None:

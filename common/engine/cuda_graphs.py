@@ -58,6 +58,11 @@ class GraphConfig:
     batch_buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS
     tree_buckets: tuple[int, ...] = (4, 8, 16, 32, 64)
     depth_buckets: tuple[int, ...] = (2, 4)  # the drafter's expansion depths (its steps are added)
+    # prefill: tokens per row (prompts and chunks up to the largest: the gateway's default chunk is 512) and
+    # rows per call; longer or larger calls run eagerly. An eager forward costs about 16 ms of launches on
+    # an H100 whatever its length, a replayed one about what its matmuls cost.
+    prefill_buckets: tuple[int, ...] = (32, 64, 128, 256, 512)
+    prefill_batch_buckets: tuple[int, ...] = (1, 2, 4, 8)
     warmup_iters: int = 2
     capture: bool = True  # False: never capture (eager on the same static shapes; for debugging)
 
@@ -68,6 +73,9 @@ class GraphConfig:
             raise ValueError(f"batch_buckets has duplicates: {self.batch_buckets}")
         if not self.tree_buckets or any(t < 2 for t in self.tree_buckets):
             raise ValueError(f"tree_buckets must be row counts >= 2 (root + a node), got {self.tree_buckets}")
+        for name in ("prefill_buckets", "prefill_batch_buckets"):
+            if any(n < 1 for n in getattr(self, name)):
+                raise ValueError(f"{name} must be positive sizes, got {getattr(self, name)}")
         if not self.depth_buckets or any(d < 1 for d in self.depth_buckets):
             raise ValueError(f"depth_buckets must be depths >= 1, got {self.depth_buckets}")
         if self.warmup_iters < 1:

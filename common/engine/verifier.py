@@ -187,6 +187,14 @@ class VerifyStep:
 
 
 @dataclass(frozen=True)
+class PrefillStep:
+    """Outputs of _prefill_step (static buffers under a graph)."""
+
+    logits: torch.Tensor  # [B, V] at each row's last real token
+    aux: torch.Tensor  # [B, T, 3H] EAGLE features of every position
+
+
+@dataclass(frozen=True)
 class DecodeStep:
     """Outputs of _decode_step (static buffers under a graph)."""
 
@@ -242,6 +250,8 @@ class Verifier:
         self.graphs = CudaGraphManager.for_engine(self.device, "verifier", graphs, gc)
         self.batch_buckets = batch_buckets_for(cfg.max_sequences, gc.batch_buckets)
         self.tree_buckets = tuple(sorted({t for t in gc.tree_buckets if t <= self.max_rows} | {self.max_rows}))
+        self.prefill_buckets = tuple(sorted(t for t in gc.prefill_buckets if t < cfg.max_context))
+        self.prefill_batch_buckets = tuple(sorted(b for b in gc.prefill_batch_buckets if b <= cfg.max_sequences))
         if self.graphs.enabled:
             self._capture()
 
@@ -254,9 +264,13 @@ class Verifier:
                     shallow = functools.partial(self._verify_step, max_depth=SHALLOW_DEPTH)
                     self.graphs.capture(("verify", bb, tb, True), shallow, {"packed": block})
                 self.graphs.capture(("decode", bb), self._decode_step, {"packed": self._decode_block(bb)})
+            for bb in sorted(self.prefill_batch_buckets, reverse=True):
+                for tb in sorted(self.prefill_buckets, reverse=True):
+                    block = {"packed": self._prefill_block(bb, tb)}
+                    self.graphs.capture(("prefill", bb, tb), self._prefill_step, block)
         self.graphs.log_report()
 
-    # ---- prefill (eager: prompt lengths vary too much to bucket) ----
+    # ---- prefill (graphs per rows and tokens bucket; longer prompts and larger calls eager) ----
     def prefill(self, item: PrefillInput) -> PrefillOutput:
         return self.prefill_batch([item])[0]
 
@@ -289,36 +303,54 @@ class Verifier:
             self.release(mine)
             raise
 
-    def _prefill_rows(self, items: list[PrefillInput]) -> dict[str, PrefillOutput]:
-        """One forward over B rows padded to the longest (T tokens). A padding token of a shorter row is
-        written past its sequence's length (clamped inside the slot: never read before it is rewritten), and
-        no real token sees it (the window is causal)."""
-        b, t = len(items), max(len(it.token_ids) for it in items)
-        slots, states = zip(*(self.seqs.get(it.seq_id) for it in items))
-        ids = np.zeros((b, t), dtype=np.int64)  # [B, T]
-        start = np.array([st.length for st in states], dtype=np.int64)  # [B]
-        for i, it in enumerate(items):
-            ids[i, : len(it.token_ids)] = it.token_ids
-        pos = np.minimum(start[:, None] + np.arange(t)[None], self.capacity - 1)  # [B, T]
-        dev = self.device
-        pos_t = self._t(pos)
+    def _prefill_block(self, b: int, t: int) -> torch.Tensor:
+        """An all-padding prefill block [b, t + 3]: tokens 0, start 0, the trash slot, one real token."""
+        a = np.zeros((b, t + 3), dtype=np.int64)
+        a[:, t + 1] = self.trash_slot
+        a[:, t + 2] = 1
+        return torch.from_numpy(a)
+
+    def _prefill_step(self, packed: torch.Tensor) -> PrefillStep:
+        """packed [B, T + 3]: columns [0, T) the row's tokens (padded), T the length before them (they
+        attend to the cache before it as a prefix), T + 1 the slot, T + 2 the row's real token count n.
+        A padding token is written past its sequence's length (clamped inside the slot: never read before
+        it is rewritten), and no real token sees it (the window is causal)."""
+        b, t = packed.shape[0], packed.shape[1] - 3
+        ids, start, slots, n = packed[:, :t], packed[:, t], packed[:, t + 1], packed[:, t + 2]  # [B, T], [B] x3
+        pos = (start[:, None] + torch.arange(t, device=packed.device)[None, :]).clamp(max=self.capacity - 1)
         batch = Batch(
-            input_ids=self._t(ids),
-            positions=pos_t,
-            slots=self._t(np.array(slots)),  # [B]
-            write_pos=pos_t,
-            prefix_len=self._t(start),
-            window=torch.ones(t, t, dtype=torch.bool, device=dev).tril()[None].expand(b, t, t),  # [B, T, T]
+            input_ids=ids,
+            positions=pos,
+            slots=slots,
+            write_pos=pos,
+            prefix_len=start,
+            window=torch.ones(t, t, dtype=torch.bool, device=packed.device).tril()[None].expand(b, t, t),
         )
         out = self.model(batch, self.cache)
+        last = out.hidden[torch.arange(b, device=packed.device), (n - 1).clamp(min=0)]  # [B, H]
+        return PrefillStep(logits=self.model.logits(last), aux=out.aux)
+
+    def _prefill_rows(self, items: list[PrefillInput]) -> dict[str, PrefillOutput]:
+        """One step over the items' rows, padded to the longest (and on a GPU to their buckets)."""
+        b, t = len(items), max(len(it.token_ids) for it in items)
+        bb, tb = self.graphs.bucket(b, self.prefill_batch_buckets), self.graphs.bucket(t, self.prefill_buckets)
+        slots, states = zip(*(self.seqs.get(it.seq_id) for it in items))
+        block = self._prefill_block(bb, tb)
+        a = block.numpy()  # [bb, tb + 3]
+        for i, (it, slot, st) in enumerate(zip(items, slots, states)):
+            a[i, : len(it.token_ids)] = it.token_ids
+            a[i, tb], a[i, tb + 1], a[i, tb + 2] = st.length, slot, len(it.token_ids)
+        key = ("prefill", bb, tb)
+        out = self.graphs.run(key, self._prefill_step, {"packed": block})
+        aux = out.aux[:b].clone() if self.graphs.is_captured(key) else out.aux  # outlives the next replay
         done = {}
         for i, (it, st) in enumerate(zip(items, states)):
             n = len(it.token_ids)
             st.length += n
             next_token = None
             if not it.more:
-                st.pending = next_token = self._choose(self.model.logits(out.hidden[i, n - 1]), st)  # logits [V]
-            done[it.seq_id] = PrefillOutput(next_token=next_token, hidden=out.aux[i, :n])
+                st.pending = next_token = self._choose(out.logits[i], st)
+            done[it.seq_id] = PrefillOutput(next_token=next_token, hidden=aux[i, :n])
         return done
 
     def _prefilling(self, seq_id: str) -> VerifierSeq | None:

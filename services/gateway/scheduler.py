@@ -57,7 +57,7 @@ from specdec.v1 import internal_pb2 as pb
 log = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(eq=False)  # identity: rounds test membership of 64-long lists (a field-wise __eq__ cost ms)
 class Active:
     seq_id: str
     gen: Generation
@@ -68,6 +68,7 @@ class Active:
     parked: bool = False  # speculative, but the draft does not follow it while the policy chooses plain
     plain_streak: int = 0  # plain rounds in a row while followed
     next_propose: pb.ProposeItem | None = None  # the draft's input for the next round; None: plain (or lost)
+    early: Early | None = None  # its first tree, asked for when its prompt was in (see Scheduler._propose_early)
     chained: bool = False  # the verifier holds its next tree (the draft has every token; next_propose is empty)
     prefilled: int = 0  # prompt tokens in the verifier's cache so far
     prefilling: bool = True  # its prompt is not all in yet: no rounds
@@ -75,6 +76,15 @@ class Active:
     solo: bool = False  # a prefill it shared failed: its prompt goes in calls of its own
     started: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
+
+
+@dataclass(frozen=True)
+class Early:
+    """A propose call the gateway made for sequences as they joined, before their first round."""
+
+    task: asyncio.Task  # -> services.clients.Batched, or None when the draft failed
+    index: int  # this sequence's tree among the call's results
+    shape: Shape  # the round shape it was drafted for
 
 
 @dataclass(frozen=True)
@@ -122,7 +132,8 @@ class Scheduler:
         self.draft_link = DraftLink(cfg.draft_retry_s)
         self.draining = False
         self._decided: dict[int, Shape] = {}  # per group: the next round's shape, chosen when this one was sent
-        self._releasing: set[asyncio.Task] = set()  # draft releases after the verifier's (see _release)
+        self._releasing: set[asyncio.Task] = set()  # background work stop() waits for (releases, early proposes)
+        self._verifier_releases: set[asyncio.Task] = set()  # releases in flight (slots freed when done)
         self._wake = asyncio.Event()
         self._ids = itertools.count()
         self._task: asyncio.Task | None = None
@@ -146,7 +157,8 @@ class Scheduler:
         self._fail(left, PeerUnavailable("the gateway shut down before this request finished"))
         await self._release([a for a in left if a in self.active])
         self.active = []
-        await asyncio.gather(*self._releasing, return_exceptions=True)
+        while self._releasing:
+            await asyncio.gather(*list(self._releasing), return_exceptions=True)
 
     @property
     def speculation_degraded(self) -> bool:
@@ -198,8 +210,11 @@ class Scheduler:
         t0 = time.perf_counter()
         decided = self._decided.pop(group, None)  # chosen when the last round was sent (its trees are chained)
         shape = decided if decided is not None else self._choose(members)  # the policy's
+        members, early = await self._early_trees(members)  # joiners whose first tree is not in yet sit out
         spec = [a for a in members if a.next_propose is not None and not self._tree(a, shape).plain]
-        trees, draft_s = await self._proposals([a for a in spec if not a.chained], shape)  # propose the unchained
+        spec = [a for a in spec if a.seq_id not in early] + [a for a in members if a.seq_id in early]
+        trees, draft_s = await self._proposals([a for a in spec if not a.chained and a.seq_id not in early], shape)
+        trees.update(early)
         spec = [a for a in spec if a.chained or a.seq_id in trees]
         plain = [a for a in members if a not in spec]
         if spec:
@@ -297,6 +312,50 @@ class Scheduler:
             for a in parked:
                 a.parked = False  # lost now: _catch_up restores the draft's state of it
         return choice.shape
+
+    def _propose_early(self, joined: list[Active]) -> None:
+        """Ask the draft for the first trees of sequences whose prompt just went in, in the background, in
+        the shape their group's next round was given when the round before was sent; the rounds go on
+        without them until the trees are in (_early_trees), so a joiner's propose does not hold up the
+        others' round. Nothing when the group has no chosen shape yet, or it is plain: then their first
+        tree comes from the propose at the round's start."""
+        if self.draft is None or self.draft_link.degraded:
+            return
+        by_shape: dict[Shape, list[Active]] = {}
+        for a in joined:
+            shape = self._decided.get(a.group)
+            if a.next_propose is not None and shape is not None and not self._tree(a, shape).plain:
+                by_shape.setdefault(shape, []).append(a)
+        for shape, group in by_shape.items():
+            task = asyncio.get_running_loop().create_task(self._propose(group, shape))
+            self._releasing.add(task)  # awaited on stop like the releases
+            task.add_done_callback(self._releasing.discard)
+            for i, a in enumerate(group):
+                a.early = Early(task, i, shape)
+
+    async def _early_trees(self, members: list[Active]) -> tuple[list[Active], dict[str, pb.DraftTree]]:
+        """The members that run this round, and the first trees of joiners whose early propose is in
+        ({seq_id: tree}; a failed call left them plain: _propose forgot them). Joiners still waiting for
+        theirs sit the round out, unless nobody else is in it: then the round waits for them."""
+        early = [a for a in members if a.early is not None]
+        if not early:
+            return members, {}
+        if all(a.early is not None for a in members):
+            await asyncio.wait({a.early.task for a in early}, return_when=asyncio.FIRST_COMPLETED)
+        sitting = {id(a) for a in early if not a.early.task.done()}
+        trees, counted = {}, set()
+        for a in early:
+            if id(a) in sitting:
+                continue
+            proposed, i = a.early.task.result(), a.early.index
+            if proposed is not None:
+                trees[a.seq_id] = proposed.results[i]
+                if a.early.task not in counted:
+                    counted.add(a.early.task)
+                    depth, batch = a.early.shape.depth, len(proposed.results)
+                    self.policy.observe_step("propose", batch, depth, proposed.compute_s)
+            a.early = None
+        return [a for a in members if id(a) not in sitting], trees
 
     async def _proposals(self, fresh: list[Active], shape: Shape) -> tuple[dict[str, pb.DraftTree], float]:
         """Trees of the sequences the verifier holds none for ({seq_id: tree}) and the draft's engine
@@ -407,6 +466,8 @@ class Scheduler:
             n = int(min(len(a.gen.request.prompt_ids) - a.prefilled, budget))
             budget -= n
             work.append((a, n))
+        if self._verifier_releases and any(a.prefilled == 0 for a, _ in work):  # their slots: see _retire
+            await asyncio.gather(*self._verifier_releases, return_exceptions=True)
         for a, n in [(a, n) for a, n in work if a.solo]:  # see _prefill_together
             await self._guarded([a], self._prefill([(a, n)]))
         together = [(a, n) for a, n in work if not a.solo]
@@ -441,10 +502,13 @@ class Scheduler:
             chunk = req.prompt_ids[a.prefilled : a.prefilled + n]
             items.append(prefill_item(a.seq_id, chunk, req.sampling, a.wants_hidden, more))
         results = await self.verifier.prefill_many(items, self.cfg.instance_id)
+        joined = []
         for (a, n), it, pre in zip(work, items, results):
             a.prefilled += n
             if not it.more:
                 self._joined(a, pre.next_token, pre.hidden)
+                joined.append(a)
+        self._propose_early([a for a in joined if a.gen.finish is None])
 
     def _joined(self, a: Active, first_token: int, hidden: pb.TensorRef) -> None:
         """Its prompt is in: the draft's start item (when it speculates) and its first token."""
@@ -480,16 +544,22 @@ class Scheduler:
                 m.itl.observe((now - a.first_token_at) / (n - 1))
 
     async def _retire(self) -> None:
+        """Finished sequences leave the rounds; their slots are released in the background (the next round
+        need not wait for the verifier's Release, which waits for their chained proposals): _admit waits
+        for those releases before it prefills a new sequence into a slot."""
         done = [a for a in self.active if a.gen.finish is not None]
         if not done:
             return
         self.active = [a for a in self.active if a.gen.finish is None]
-        await self._release(done)
+        task = asyncio.get_running_loop().create_task(self._release(done))
+        for tasks in (self._releasing, self._verifier_releases):
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
 
     async def _release(self, done: list[Active]) -> None:
-        """The verifier's slots at once (its Release waits for the chained proposals naming them); the
-        draft's copies after that, in the background: the draft must not be asked about a sequence it has
-        freed. Unknown ids are ignored on both."""
+        """The verifier's slots (its Release waits for the chained proposals naming them), then the draft's
+        copies (after any early propose naming them): the draft must not be asked about a sequence it has
+        freed. Unknown ids are ignored on both; a lost release is reaped by the lease."""
         ids = [a.seq_id for a in done]
         if not ids:
             return
@@ -499,12 +569,11 @@ class Scheduler:
             await self.verifier.release(ids)
         except Exception as e:  # noqa: BLE001 - a lost release is reaped by the lease
             log.warning("release of %s on the verifier failed: %s", ids, e)
-        if self.draft is not None:
-            task = asyncio.get_running_loop().create_task(self._release_on_draft(ids))
-            self._releasing.add(task)
-            task.add_done_callback(self._releasing.discard)
-
-    async def _release_on_draft(self, ids: list[str]) -> None:
+        if self.draft is None:
+            return
+        early = {a.early.task for a in done if a.early is not None}
+        if early:
+            await asyncio.wait(early)
         try:
             await self.draft.release(ids)
         except Exception as e:  # noqa: BLE001 - a lost release is reaped by the lease

@@ -63,8 +63,11 @@ def test_capture_succeeds(f32) -> None:
         rep = eng.graphs.report
         assert rep.failed == [], rep.failed
     # every bucket has its graph: verify (deep and shallow trees) per batch x tree bucket, decode per batch
-    # bucket; the drafter's proposal per batch bucket x new-token count 1..steps + 1, and its expansion
-    assert len(verifier.graphs.report.captured) == len(verifier.batch_buckets) * (2 * len(verifier.tree_buckets) + 1)
+    # bucket, prefill per rows x tokens bucket; the drafter's proposal per batch bucket x new-token count
+    # 1..steps + 1, and its expansion
+    prefill = len(verifier.prefill_batch_buckets) * len(verifier.prefill_buckets)  # rows x tokens buckets
+    per_batch = 2 * len(verifier.tree_buckets) + 1
+    assert len(verifier.graphs.report.captured) == len(verifier.batch_buckets) * per_batch + prefill
     # (top-k variants at every depth bucket, the q rule's sampled variant at the drafter's depth)
     per_depth = drafter.max_new + 1  # a propose graph per count of new tokens, and the expansion
     variants = len(drafter.depth_buckets) + 1
@@ -96,7 +99,8 @@ def test_outputs_equal_eager(ckpt, f32, prompts, monkeypatch) -> None:
     for s, p in zip(ids, prompts):
         want = ev.prefill(PrefillInput(s, p, SamplingConfig()))
         got = gv.prefill(PrefillInput(s, p, SamplingConfig()))
-        assert want.next_token == got.next_token
+        assert want.next_token == got.next_token  # a replayed prefill graph (rows and tokens bucketed)
+        torch.testing.assert_close(got.hidden, want.hidden, rtol=1e-3, atol=1e-3)
         # the eager prefill's features are what both drafters see
         items.append(ProposeInput.after_prefill(s, p, want, 60))
     oracle = GreedyOracleDrafter(ev.model, 6, DEV)
