@@ -84,7 +84,7 @@ class Early:
 
     task: asyncio.Task  # -> services.clients.Batched, or None when the draft failed
     index: int  # this sequence's tree among the call's results
-    shape: Shape  # the round shape it was drafted for
+    depth: int  # the call's draft depth (its deepest tree)
 
 
 @dataclass(frozen=True)
@@ -330,8 +330,9 @@ class Scheduler:
             task = asyncio.get_running_loop().create_task(self._propose(group, shape))
             self._releasing.add(task)  # awaited on stop like the releases
             task.add_done_callback(self._releasing.discard)
+            depth = self._round_shape(group, shape).depth
             for i, a in enumerate(group):
-                a.early = Early(task, i, shape)
+                a.early = Early(task, i, depth)
 
     async def _early_trees(self, members: list[Active]) -> tuple[list[Active], dict[str, pb.DraftTree]]:
         """The members that run this round, and the first trees of joiners whose early propose is in
@@ -352,8 +353,7 @@ class Scheduler:
                 trees[a.seq_id] = proposed.results[i]
                 if a.early.task not in counted:
                     counted.add(a.early.task)
-                    depth, batch = a.early.shape.depth, len(proposed.results)
-                    self.policy.observe_step("propose", batch, depth, proposed.compute_s)
+                    self.policy.observe_step("propose", len(proposed.results), a.early.depth, proposed.compute_s)
             a.early = None
         return [a for a in members if id(a) not in sitting], trees
 
