@@ -121,7 +121,7 @@ class Root:
     """The head's output at each sequence's last committed pair: where the tree grows from."""
 
     hidden: torch.Tensor  # [B, H] fed back with the depth-1 nodes
-    logp: torch.Tensor  # [B, W] the W best draft log-probabilities, descending (W = DraftingConfig.width)
+    logp: torch.Tensor  # [B, W] the W best draft log-probabilities, descending (W: Eagle3Drafter._width)
     ids: torch.Tensor  # [B, W] their draft-vocabulary ids
 
 
@@ -223,7 +223,9 @@ class Eagle3Drafter:
                             {"packed": packed, "hidden": hidden, **noise},
                         )
                     root = self._accept_step(
-                        self._accept_block(bb, 1).to(self.device), self._hidden_block(bb, 1).to(self.device)
+                        self._accept_block(bb, 1).to(self.device),
+                        self._hidden_block(bb, 1).to(self.device),
+                        self._width(sampled),
                     )
                     self.graphs.capture(
                         ("expand", bb, depth, sampled),
@@ -264,12 +266,18 @@ class Eagle3Drafter:
         return out
 
     # ---- step functions (eager on CPU, captured on a GPU) ----
-    def _accept_step(self, packed: torch.Tensor, hidden: torch.Tensor) -> Root:
+    def _width(self, sampled: bool) -> int:
+        """Draft tokens read per node: W for a batch with sampling rows (q), top_k for top-k trees alone (the
+        top-k kernel's cost grows with it: 32 rounds of argmax instead of 10 at the defaults)."""
+        return self.width if sampled else self.drafting.top_k
+
+    def _accept_step(self, packed: torch.Tensor, hidden: torch.Tensor, width: int | None = None) -> Root:
         """Append each sequence's new (feature, token) pairs and return the head's output at the last.
         packed [B, L + 5]: columns [0, L) new token ids, L the length m before, L + 1 the count k of new
         tokens, L + 2 the slot, L + 3 nodes to keep and L + 4 the tree's depth (both read by _expand_step);
         hidden [B, L, 3H].
-        Rows past k are padding: they write scratch positions (clamped into the slot) and are not read."""
+        Rows past k are padding: they write scratch positions (clamped into the slot) and are not read.
+        width: the root's tokens read (default the drafter's W)."""
         length = packed.shape[1] - 5
         ids = packed[:, :length]  # [B, L]
         m, new, slots = packed[:, length], packed[:, length + 1], packed[:, length + 2]  # [B] each
@@ -283,7 +291,7 @@ class Eagle3Drafter:
             prefix_len=m,
             window=causal[None].expand(packed.shape[0], length, length),
         )
-        out = self.head.top_k(self.embed(ids), hidden, batch, self.cache, self.width)
+        out = self.head.top_k(self.embed(ids), hidden, batch, self.cache, width or self.width)
         rows = torch.arange(packed.shape[0], device=packed.device)
         last = (new - 1).clamp(min=0)
         return Root(hidden=out.hidden[rows, last], logp=out.logp[rows, last], ids=out.ids[rows, last])
@@ -335,7 +343,7 @@ class Eagle3Drafter:
                 window=anc,
             )
             embeds = F.embedding(front_tok, self._draft_embed)  # one gather: no d2t mapping per level
-            out = self.head.top_k(embeds, front_hidden, batch, self.cache, self.width)
+            out = self.head.top_k(embeds, front_hidden, batch, self.cache, self._width(sampled))
             kids = _children(out.logp, out.ids, temp, None if gumbel is None else gumbel[:, depth], k)
             fronts.append(front_id)
             q_ids.append(out.ids)
@@ -396,7 +404,7 @@ class Eagle3Drafter:
         """A whole round's drafting: the accept pass, then the expansion from its root. packed and hidden
         as _accept_step, temp, gumbel and depth as _expand_step; returns _expand_step's DraftOut."""
         length = packed.shape[1] - 5
-        root = self._accept_step(packed, hidden)
+        root = self._accept_step(packed, hidden, self._width(temp is not None))
         m_after = packed[:, length] + packed[:, length + 1]
         expand = torch.stack((m_after, packed[:, length + 2], packed[:, length + 3], packed[:, length + 4]), dim=1)
         return self._expand_step(expand, root.hidden, root.logp, root.ids, temp, gumbel, depth)
@@ -538,7 +546,7 @@ class Eagle3Drafter:
             if group:
                 sub = [items[i] for i in group]
                 packed, hidden = self._pack(sub, len(sub), max(len(it.token_ids) for it in sub))
-                root = self._accept_step(packed.to(self.device), hidden)
+                root = self._accept_step(packed.to(self.device), hidden, self._width(bool(noise)))
                 for j, i in enumerate(group):
                     roots[i] = Root(hidden=root.hidden[j], logp=root.logp[j], ids=root.ids[j])
         pad = bb - len(items)
