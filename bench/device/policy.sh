@@ -50,9 +50,9 @@ case "$mode" in
     timeout 500 python3 -m bench.prefill_stall --device cuda --concurrency 16 --prompt-tokens 2000 \
       --prefill-chunk 0,512,256 --out "$out" > "$out/stall.log" 2>&1; tail -8 "$out/stall.log" ;;
   bench)
-    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu > "$out/gpu_tests.log" 2>&1
+    timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu > "$out/gpu_tests.log" 2>&1
     tail -3 "$out/gpu_tests.log"; work=/tmp/specdec-bench; mkdir -p "$work"
-    timeout 385 python3 -m bench.run --out "$work" --prompts 32 --hf-prompts 2 > "$out/bench.log" 2>&1
+    timeout 280 python3 -m bench.run --out "$work" --prompts 32 --hf-prompts 2 > "$out/bench.log" 2>&1
     cp "$work"/{summary.md,summary.json,decode_probe.md,services.json,engine_bench.json} "$out/" 2>/dev/null
     tail -25 "$out/bench.log" ;;
   rest)
