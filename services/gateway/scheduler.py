@@ -18,8 +18,9 @@ The round protocol, one gateway hop a round (services/verifier/chain.py): a roun
 sequence, the tree of the next round to ask the draft for. The verifier sends the outcome straight to the
 draft and keeps the draft's next tree; the next round's Verify names the sequence `chained` instead of
 carrying a tree. So the draft proposes while the gateway commits, detokenizes, streams and sends the next
-round. Sequences that joined, caught up or come from a plain round get their tree from a propose the
-gateway makes itself at the round's start. A chained tree whose sequence finished is dropped (wasted
+round. Sequences that caught up or come from a plain round get their tree from a propose the gateway
+makes itself at the round's start; a joiner's is asked for in the background as soon as its prompt is in
+(_propose_early), and the others' rounds do not wait for it. A chained tree whose sequence finished is dropped (wasted
 work, never a wrong token); the verifier's Release waits for the proposal naming it, and the draft's
 copy is released after that. With no draft address for the verifier (SchedulerConfig.draft_address ""),
 every tree comes from the gateway's own propose.
