@@ -16,6 +16,7 @@
 #                                  prompts (decode probe, engine bench, services at concurrency 1, 16, 64)
 #   bench/device/policy.sh profile the GPU services test, then py-spy round profiles (fixed policy, 6x60)
 #                                  at concurrency 1 and 64
+#   bench/device/policy.sh sampling the two sampling rules' acceptance (bench.sampling_accept), 48 prompts
 #   bench/device/policy.sh rest    one 10-minute call: the chained/unchained A/B (6x60 pinned and plain,
 #                                  concurrency 1, 16, 64), the long prompt (whole, 512-token chunks) and
 #                                  ghz by reflection (GHZ: the binary, concurrency 1 and 64)
@@ -72,5 +73,8 @@ case "$mode" in
       timeout 150 python3 -m bench.profile_services --out "/tmp/prof$c" --concurrency $c --seconds 5 > "$out/profile$c.log" 2>&1
       cp "/tmp/prof$c/profile.md" "$out/profile$c.md"; tar czf "$out/spy$c.tgz" -C "/tmp/prof$c" .
     done; head -4 "$out"/profile*.md ;;
-  *) echo "usage: $0 load|order|rpc|tests|chain|stall|bench|rest|profile" >&2; exit 2 ;;
+  sampling)
+    timeout 500 python3 -m bench.sampling_accept --device cuda --prompts 48 --max-new-tokens 128 --out "$out" \
+      > "$out/sampling.log" 2>&1; tail -8 "$out/sampling.log" ;;
+  *) echo "usage: $0 load|order|rpc|tests|chain|stall|bench|rest|profile|sampling" >&2; exit 2 ;;
 esac
