@@ -20,10 +20,10 @@ draft and keeps the draft's next tree; the next round's Verify names the sequenc
 carrying a tree. So the draft proposes while the gateway commits, detokenizes, streams and sends the next
 round. Sequences that caught up or come from a plain round get their tree from a propose the gateway
 makes itself at the round's start; a joiner's is asked for in the background as soon as its prompt is in
-(_propose_early), and the others' rounds do not wait for it. A chained tree whose sequence finished is dropped (wasted
-work, never a wrong token); the verifier's Release waits for the proposal naming it, and the draft's
-copy is released after that. With no draft address for the verifier (SchedulerConfig.draft_address ""),
-every tree comes from the gateway's own propose.
+(_propose_early), and the others' rounds do not wait for it. A chained tree whose sequence finished is
+dropped (wasted work, never a wrong token); the verifier's Release waits for the proposal naming it, and
+the draft's copy is released after that (both in the background: _retire). With no draft address for
+the verifier (SchedulerConfig.draft_address ""), every tree comes from the gateway's own propose.
 
 Speculation policy (common/policy.py): each group round has a shape, chosen when the round before was sent
 (its trees are drafted from there) or at the round's start: a tree (depth, nodes) or plain decoding. A request may pin
