@@ -329,6 +329,10 @@ def test_padded_drafter_matches_exact(drafters, ckpt) -> None:
     assert {k[2] for k in propose_keys} >= {3, 4, 5} and ("propose", 1, 2, 4, False) in propose_keys
     assert all(k[1] == 4 for k in propose_keys if k != ("propose", 1, 2, 4, False))  # batch of 3 padded to 4
     assert ("expand", 4, 4, False) in keys and ("expand", 2, 4, False) in keys
+    # the accept passes over prompts: rows and tokens padded to buckets (the 3 starts to 4 rows)
+    accepts = {k for k in keys if k[0] == "accept"}
+    assert accepts and all(k[2] in padded.accept_buckets for k in accepts)
+    assert any(k[1] == 4 for k in accepts) and any(k[1] == 1 for k in accepts)  # 3 starts; 1 start beside 1
     for d in (exact, padded):
         assert d.release(ids + ["w"]) == 4
 

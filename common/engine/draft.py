@@ -69,6 +69,7 @@ class DraftOut:
     q_probs: torch.Tensor  # [B, Q, W] float32 their probabilities
 
 
+ACCEPT_TOKENS = 4096  # rows x tokens of the largest captured accept pass (its hidden input: 14 MB in bf16)
 LOG_Q_FLOOR = -60.0  # log q below this counts as outside q: such a probability could round to 0 on the wire
 
 
@@ -206,6 +207,9 @@ class Eagle3Drafter:
         self.graphs = CudaGraphManager.for_engine(self.device, "drafter", graphs, gc)
         self.batch_buckets = batch_buckets_for(max_sequences, gc.batch_buckets)
         self.depth_buckets = tuple(sorted({d for d in gc.depth_buckets if d <= steps} | {steps}))
+        # a round's accept pass over prompts or many tokens (joiners, catch-ups, a tree after plain rounds):
+        # tokens buckets as the verifier's prefill, at most ACCEPT_TOKENS rows x tokens a graph
+        self.accept_buckets = tuple(sorted(t for t in gc.prefill_buckets if t < max_context))
         if self.graphs.enabled:
             self._capture()
 
@@ -238,6 +242,11 @@ class Eagle3Drafter:
                             **noise,
                         },
                     )
+            for lb in sorted(self.accept_buckets, reverse=True):  # top-k rows only (the common case)
+                for bb in [b for b in sorted(self.batch_buckets, reverse=True) if b * lb <= ACCEPT_TOKENS]:
+                    step = functools.partial(self._accept_step, width=self._width(False))
+                    block = {"packed": self._accept_block(bb, lb), "hidden": self._hidden_block(bb, lb)}
+                    self.graphs.capture(("accept", bb, lb, self._width(False)), step, block)
         self.graphs.log_report()
 
     def _variants(self) -> list[tuple[int, bool]]:
@@ -538,15 +547,22 @@ class Eagle3Drafter:
     def _run_with_prompts(
         self, items: list[ProposeInput], bb: int, depth: int, noise: dict[str, torch.Tensor]
     ) -> DraftOut:
-        """A round where sequences start: accept passes in two eager groups (new sequences over their
-        prompts; the others over their few new tokens), so that no padded row runs past its slot, then
-        the expansion for everyone."""
+        """A round where sequences start or bring more new tokens than a propose graph takes: accept passes
+        in two groups (new sequences over their prompts; the others over their new tokens), each padded to
+        a rows and tokens bucket and replayed where captured (eager beyond), then the expansion for
+        everyone. Padded positions are written past a row's tokens (clamped inside the slot) and never
+        read before they are rewritten."""
         roots: dict[int, Root] = {}
+        width = self._width(bool(noise))
+        step = functools.partial(self._accept_step, width=width)
         for group in ([i for i, it in enumerate(items) if it.start], [i for i, it in enumerate(items) if not it.start]):
             if group:
                 sub = [items[i] for i in group]
-                packed, hidden = self._pack(sub, len(sub), max(len(it.token_ids) for it in sub))
-                root = self._accept_step(packed.to(self.device), hidden, self._width(bool(noise)))
+                gb = self.graphs.bucket(len(sub), self.batch_buckets)
+                lb = self.graphs.bucket(max(len(it.token_ids) for it in sub), self.accept_buckets)
+                packed, hidden = self._pack(sub, gb, lb)
+                out = self.graphs.run(("accept", gb, lb, width), step, {"packed": packed, "hidden": hidden})
+                root = Root(*(t[: len(sub)].clone() for t in (out.hidden, out.logp, out.ids)))  # outlive a replay
                 for j, i in enumerate(group):
                     roots[i] = Root(hidden=root.hidden[j], logp=root.logp[j], ids=root.ids[j])
         pad = bb - len(items)

@@ -14,7 +14,7 @@ import torch
 from common.config import DraftingConfig, SamplingConfig
 from common.engine.base import PrefillInput, ProposeInput, VerifyInput
 from common.engine.cuda_graphs import GraphConfig
-from common.engine.draft import Eagle3Drafter
+from common.engine.draft import ACCEPT_TOKENS, Eagle3Drafter
 from common.engine.oracle import GreedyOracleDrafter
 from common.engine.verifier import Verifier, VerifierConfig
 from common.model.eagle3 import Eagle3Config, Eagle3Head
@@ -71,7 +71,8 @@ def test_capture_succeeds(f32) -> None:
     # (top-k variants at every depth bucket, the q rule's sampled variant at the drafter's depth)
     per_depth = drafter.max_new + 1  # a propose graph per count of new tokens, and the expansion
     variants = len(drafter.depth_buckets) + 1
-    assert len(drafter.graphs.report.captured) == len(drafter.batch_buckets) * variants * per_depth
+    accepts = sum(b * t <= ACCEPT_TOKENS for b in drafter.batch_buckets for t in drafter.accept_buckets)
+    assert len(drafter.graphs.report.captured) == len(drafter.batch_buckets) * variants * per_depth + accepts
 
 
 def test_capture_succeeds_bf16(ckpt) -> None:
