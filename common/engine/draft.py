@@ -12,8 +12,9 @@ free). A depth-d node sits at RoPE position m + d - 1 and in scratch entry (d - 
 
 Step functions of static-shape tensors (_accept_step, _expand_step, and _propose_step = both) run
 eagerly on CPU at exact sizes; on a GPU the same functions are captured per batch bucket (and per count
-of new tokens, 1..steps + 1, and depth bucket) and replayed. A round with a new sequence runs its prompt's accept pass
-eagerly (prompt lengths vary), then the captured expansion.
+of new tokens, 1..steps + 1, and depth bucket) and replayed. A round with a new sequence (or more new
+tokens than steps + 1) runs its accept passes per rows x tokens bucket (captured up to ACCEPT_TOKENS,
+eager beyond), then the captured expansion.
 
 Data flow of one propose call without new sequences:
 from common.config import DraftingConfig, SamplingConfig
