@@ -260,11 +260,12 @@ def real():
     head = load_eagle3(DEFAULT_HEAD, dtype=torch.float32)[0].eval()
     prompt = Tokenizer(default_model_path()).encode_chat([("user", "What should I cook tonight?")])
     pre = verifier.prefill(PrefillInput("r", prompt, SamplingConfig()))
-    # the target's logits after the first token: a prefill of prompt + [first] (its choice is not used)
+    # the target's logits after the first token: a prefill of prompt + [first], sampled so that its logits
+    # reach _choose (its choice is not used)
     logits = []
     choose = verifier._choose
     verifier._choose = lambda row, st: logits.append(row.clone()) or choose(row, st)
-    verifier.prefill(PrefillInput("r2", prompt + [pre.next_token], SamplingConfig()))
+    verifier.prefill(PrefillInput("r2", prompt + [pre.next_token], SamplingConfig(temperature=1.0, seed=0)))
     verifier._choose = choose
     return verifier, head, prompt, pre, logits[0].numpy()
 

@@ -281,13 +281,13 @@ class Eagle3Drafter:
         top-k kernel's cost grows with it: 32 rounds of argmax instead of 10 at the defaults)."""
         return self.width if sampled else self.drafting.top_k
 
-    def _accept_step(self, packed: torch.Tensor, hidden: torch.Tensor, width: int | None = None) -> Root:
+    def _accept_step(self, packed: torch.Tensor, hidden: torch.Tensor, width: int) -> Root:
         """Append each sequence's new (feature, token) pairs and return the head's output at the last.
         packed [B, L + 5]: columns [0, L) new token ids, L the length m before, L + 1 the count k of new
         tokens, L + 2 the slot, L + 3 nodes to keep and L + 4 the tree's depth (both read by _expand_step);
         hidden [B, L, 3H].
         Rows past k are padding: they write scratch positions (clamped into the slot) and are not read.
-        width: the root's tokens read (default the drafter's W)."""
+        width: the root's tokens read (_width)."""
         length = packed.shape[1] - 5
         ids = packed[:, :length]  # [B, L]
         m, new, slots = packed[:, length], packed[:, length + 1], packed[:, length + 2]  # [B] each
@@ -301,7 +301,7 @@ class Eagle3Drafter:
             prefix_len=m,
             window=causal[None].expand(packed.shape[0], length, length),
         )
-        out = self.head.top_k(self.embed(ids), hidden, batch, self.cache, width or self.width)
+        out = self.head.top_k(self.embed(ids), hidden, batch, self.cache, width)
         rows = torch.arange(packed.shape[0], device=packed.device)
         last = (new - 1).clamp(min=0)
         return Root(hidden=out.hidden[rows, last], logp=out.logp[rows, last], ids=out.ids[rows, last])

@@ -191,6 +191,7 @@ class PrefillStep:
     """Outputs of _prefill_step (static buffers under a graph)."""
 
     logits: torch.Tensor  # [B, V] at each row's last real token
+    greedy: torch.Tensor  # [B] their argmax (greedy rows read it: one host copy for the call)
     aux: torch.Tensor  # [B, T, 3H] EAGLE features of every position
 
 
@@ -328,7 +329,8 @@ class Verifier:
         )
         out = self.model(batch, self.cache)
         last = out.hidden[torch.arange(b, device=packed.device), (n - 1).clamp(min=0)]  # [B, H]
-        return PrefillStep(logits=self.model.logits(last), aux=out.aux)
+        logits = self.model.logits(last)  # [B, V]
+        return PrefillStep(logits=logits, greedy=logits.argmax(-1), aux=out.aux)
 
     def _prefill_rows(self, items: list[PrefillInput]) -> dict[str, PrefillOutput]:
         """One step over the items' rows, padded to the longest (and on a GPU to their buckets)."""
@@ -342,14 +344,15 @@ class Verifier:
             a[i, tb], a[i, tb + 1], a[i, tb + 2] = st.length, slot, len(it.token_ids)
         key = ("prefill", bb, tb)
         out = self.graphs.run(key, self._prefill_step, {"packed": block})
-        aux = out.aux[:b].clone() if self.graphs.is_captured(key) else out.aux  # outlives the next replay
+        aux = out.aux[:b, :t].clone() if self.graphs.is_captured(key) else out.aux  # outlives the next replay
+        greedy = out.greedy[:b].tolist()  # the call's one host synchronisation (sampling rows add theirs)
         done = {}
         for i, (it, st) in enumerate(zip(items, states)):
             n = len(it.token_ids)
             st.length += n
             next_token = None
             if not it.more:
-                st.pending = next_token = self._choose(out.logits[i], st)
+                st.pending = next_token = greedy[i] if st.sampling.greedy else self._choose(out.logits[i], st)
             done[it.seq_id] = PrefillOutput(next_token=next_token, hidden=aux[i, :n])
         return done
 
