@@ -133,7 +133,7 @@ class Scheduler:
         self.draft_link = DraftLink(cfg.draft_retry_s)
         self.draining = False
         self._decided: dict[int, Shape] = {}  # per group: the next round's shape, chosen when this one was sent
-        self._releasing: set[asyncio.Task] = set()  # background work stop() waits for (releases, early proposes)
+        self._background: set[asyncio.Task] = set()  # work stop() waits for (releases, early proposes): _spawn
         self._verifier_releases: set[asyncio.Task] = set()  # releases in flight (slots freed when done)
         self._wake = asyncio.Event()
         self._ids = itertools.count()
@@ -158,8 +158,8 @@ class Scheduler:
         self._fail(left, PeerUnavailable("the gateway shut down before this request finished"))
         await self._release([a for a in left if a in self.active])
         self.active = []
-        while self._releasing:
-            await asyncio.gather(*list(self._releasing), return_exceptions=True)
+        while self._background:
+            await asyncio.gather(*list(self._background), return_exceptions=True)
 
     @property
     def speculation_degraded(self) -> bool:
@@ -328,9 +328,7 @@ class Scheduler:
             if a.next_propose is not None and shape is not None and not self._tree(a, shape).plain:
                 by_shape.setdefault(shape, []).append(a)
         for shape, group in by_shape.items():
-            task = asyncio.get_running_loop().create_task(self._propose(group, shape))
-            self._releasing.add(task)  # awaited on stop like the releases
-            task.add_done_callback(self._releasing.discard)
+            task = self._spawn(self._propose(group, shape))
             depth = self._round_shape(group, shape).depth
             for i, a in enumerate(group):
                 a.early = Early(task, i, depth)
@@ -552,10 +550,15 @@ class Scheduler:
         if not done:
             return
         self.active = [a for a in self.active if a.gen.finish is None]
-        task = asyncio.get_running_loop().create_task(self._release(done))
-        for tasks in (self._releasing, self._verifier_releases):
+        self._spawn(self._release(done), self._verifier_releases)
+
+    def _spawn(self, work, *also: set[asyncio.Task]) -> asyncio.Task:
+        """Run `work` in the background, tracked (until done) by stop() and by the sets `also`."""
+        task = asyncio.get_running_loop().create_task(work)
+        for tasks in (self._background, *also):
             tasks.add(task)
             task.add_done_callback(tasks.discard)
+        return task
 
     async def _release(self, done: list[Active]) -> None:
         """The verifier's slots (its Release waits for the chained proposals naming them), then the draft's
