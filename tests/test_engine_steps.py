@@ -16,7 +16,7 @@ from common.acceptance import accept_greedy
 from common.config import DraftingConfig, SamplingConfig
 from common.engine.base import PrefillInput, ProposeInput, VerifyInput
 from common.engine.cuda_graphs import CudaGraphManager, GraphConfig, batch_buckets_for, pick_bucket
-from common.engine.draft import Eagle3Drafter, select_top_nodes_device
+from common.engine.draft import Eagle3Drafter
 from common.engine.factory import make_drafter, make_verifier, pick_dtype
 from common.engine.oracle import GreedyOracleDrafter
 from common.engine.verifier import (
@@ -27,6 +27,7 @@ from common.engine.verifier import (
     tree_ancestors,
 )
 from common.errors import InvalidRequest, UnknownSequence
+from common.kernels.reference import select_top_nodes as select_top_nodes_device
 from common.model.eagle3 import Eagle3Config, Eagle3Head
 from common.tree import Tree, ancestor_mask, depths, select_top_nodes
 

@@ -153,3 +153,189 @@ def test_reference_visibility_example():
     """The worked example of reference.visibility."""
     got = reference.visibility(torch.tensor([3]), torch.tensor([[[1, 0], [1, 1]]], dtype=torch.bool), 6)
     assert got.int().tolist() == [[[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 0]]]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_cat(dtype):
+    g = torch.Generator().manual_seed(6)
+    a, b = (torch.randn(2, 3, 96, generator=g).to(DEV, dtype) for _ in range(2))
+    wa, wb = (torch.rand(96, generator=g).to(DEV, dtype) + 0.5 for _ in range(2))
+    torch.testing.assert_close(ops().rms_norm_cat(a, wa, b, wb, 1e-5), reference.rms_norm_cat(a, wa, b, wb, 1e-5))
+
+
+# ---- the draft's tree expansion: K children a node, S scratch entries, hidden width HD ----
+K, S, HD = 4, 12, 80
+
+
+def _level_inputs(b: int, f: int, g: torch.Generator, ties: bool) -> dict:
+    """One level's inputs: children scores in steps of 0.5 when ties (many equal cumulative scores)."""
+    score = -torch.rand(b, f, K, generator=g)
+    if ties:
+        score = -(torch.randint(0, 4, (b, f, K), generator=g) * 0.5)
+    return dict(
+        kid_ids=torch.randint(0, 50, (b, f, K), generator=g).to(DEV),
+        kid_score=score.to(DEV),
+        kid_logq=(-torch.rand(b, f, K, generator=g)).to(DEV),
+        hidden=torch.randn(b, f, HD, generator=g).to(DEV),
+    )
+
+
+def _cand(b: int, c: int) -> tuple[torch.Tensor, ...]:
+    return (
+        torch.full((b, c), -7, dtype=torch.long, device=DEV),
+        torch.full((b, c), 9.0, device=DEV),
+        torch.full((b, c), 9.0, device=DEV),
+        torch.full((b, c), -7, dtype=torch.long, device=DEV),
+    )
+
+
+@pytest.mark.parametrize("ties", [False, True])
+@pytest.mark.parametrize("where", ["root", "inner", "last"])
+def test_draft_level(where, ties):
+    """The kernel writes the same candidates and returns the same frontier as the reference, exactly
+    (ties broken towards the child created first in both)."""
+    g = torch.Generator().manual_seed(7)
+    b, c = 3, 40
+    embed = torch.randn(50, HD, generator=g).to(DEV)
+    f = 1 if where == "root" else K
+    args = _level_inputs(b, f, g, ties)
+    if where == "root":
+        args.update(front_score=None, front_id=None, front_anc=None, offset=0, created=0, own_base=0)
+    else:
+        args.update(
+            front_score=(-torch.randint(0, 3, (b, K), generator=g) * 0.5).to(DEV),
+            front_id=torch.randint(0, 4, (b, K), generator=g).to(DEV),
+            front_anc=(torch.rand(b, K, S, generator=g) < 0.3).to(DEV),
+            offset=4,
+            created=4,
+            own_base=K if where == "inner" else None,
+        )
+    got_cand, want_cand = _cand(b, c), _cand(b, c)
+    got = ops().draft_level(embed=embed, cand=got_cand, scratch=S, **args)
+    want = reference.draft_level(embed=embed, cand=want_cand, scratch=S, **args)
+    for x, y in zip(got_cand, want_cand):
+        assert torch.equal(x, y)
+    if where == "last":
+        assert got is None and want is None
+        return
+    for x, y in zip(got, want):
+        assert x.dtype == y.dtype and torch.equal(x, y)
+
+
+def test_draft_level_reference_example():
+    """The docstring's example: the root's two children, the better one first in the frontier."""
+    cand = _cand(1, 2)
+    front = reference.draft_level(
+        torch.tensor([[[5, 6]]]),
+        torch.tensor([[[-0.5, -0.1]]]),
+        torch.tensor([[[-0.5, -0.1]]]),
+        None,
+        None,
+        torch.zeros(1, 1, 3),
+        None,
+        torch.eye(7),
+        tuple(t.cpu() for t in cand),
+        offset=0,
+        created=3,
+        own_base=1,
+        scratch=4,
+    )
+    tok, score, ids, _, anc, emb = front
+    assert tok.tolist() == [[6, 5]] and ids.tolist() == [[4, 3]]
+    assert torch.allclose(score, torch.tensor([[-0.1, -0.5]]))
+    assert anc.int().tolist() == [[[0, 1, 0, 0], [0, 0, 1, 0]]]  # own entries own_base + rank
+    assert emb.argmax(-1).tolist() == [[6, 5]]
+
+
+def _random_candidates(b: int, steps: int, g: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """Candidates as the expansion lays them out (K at depth 1, K * K a level below, each level's parents
+    among the level above), scores in steps of 0.5 never above the parent's (many ties)."""
+    c = K + (steps - 1) * K * K
+    score = torch.zeros(b, c)
+    parent = torch.full((b, c), -1, dtype=torch.long)
+    score[:, :K] = -(torch.randint(0, 3, (b, K), generator=g) * 0.5)
+    start, width = 0, K  # the level above: candidates [start, start + width)
+    for level in range(1, steps):
+        lo = K + (level - 1) * K * K
+        par = start + torch.randint(0, width, (b, K * K), generator=g)
+        parent[:, lo : lo + K * K] = par
+        score[:, lo : lo + K * K] = score.gather(1, par) - torch.randint(0, 4, (b, K * K), generator=g) * 0.5
+        start, width = lo, K * K
+    tok = torch.randint(0, 50, (b, c), generator=g)
+    return tok.to(DEV), score.to(DEV), parent.to(DEV)
+
+
+def test_select_tree():
+    """The kernel's trees equal the reference's, entry for entry (filler included), over keeps and row
+    depths that cut the tree at every level."""
+    g = torch.Generator().manual_seed(8)
+    b, steps = 6, 3
+    tok, score, parent = _random_candidates(b, steps, g)
+    d2t = torch.randint(0, 30, (50,), generator=g).to(DEV)
+    keep = torch.tensor([[1, 1], [4, 2], [9, 3], [20, 3], [12, 1], [30, 2]], device=DEV)  # (keep, depth)
+    keep[4, 0] = 4  # depth 1 keeps at most K
+    n = 30
+    got = ops().select_tree(tok, score, parent, d2t, keep[:, 0], keep[:, 1], K, n)
+    want = reference.select_tree(tok, score, parent, d2t, keep[:, 0], keep[:, 1], K, n)
+    assert torch.equal(got[1], want[1])
+    rows = [0, 1, 3]  # ids, parents, q rows exactly; the probabilities to exp's rounding
+    assert torch.equal(got[0][:, rows], want[0][:, rows])
+    torch.testing.assert_close(got[0][:, 2], want[0][:, 2], atol=0, rtol=1e-6)
+
+
+def test_select_tree_reference_example():
+    """K 2, one level below the root: scores [-.1, -2 | -.5, -.5, -3, -2.5] (the last four below
+    candidate 0, 0, 1, 1); keep 3 at depth 2 -> candidates 0, 2, 3 in creation order."""
+    score = torch.tensor([[-0.1, -2.0, -0.5, -0.5, -3.0, -2.5]])
+    parent = torch.tensor([[-1, -1, 0, 0, 1, 1]])
+    tok = torch.tensor([[10, 11, 12, 13, 14, 15]])
+    d2t = torch.zeros(20, dtype=torch.long)
+    d2t[10:16] = 100
+    tree, kept = reference.select_tree(tok, score, parent, d2t, torch.tensor([3]), torch.tensor([2]), 2, 4)
+    assert kept.tolist() == [[0, 2, 3, 0]]
+    assert tree[0, 0].tolist() == [110, 112, 113, 0]
+    assert tree[0, 1].tolist() == [-1, 0, 0, -1]
+    assert torch.allclose(
+        tree[0, 2], torch.tensor([0.1, 0.4, 0.4, 0.0], dtype=torch.float64).neg().exp() * torch.tensor([1, 1, 1, 0])
+    )
+    assert tree[0, 3].tolist() == [-1, -1, -1, -1]
+    # depth 1 only: the two root children, whatever their grandchildren score
+    tree, kept = reference.select_tree(tok, score, parent, d2t, torch.tensor([2]), torch.tensor([1]), 2, 4)
+    assert kept[0, :2].tolist() == [0, 1]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", ["decode", "level"])
+def test_rope_attention(dtype, case):
+    """The fused kernel (RoPE, the K/V write and attention in one launch) against rope_kv_write then
+    attention of the reference: the output, the cache and the rotated q. decode: one token a sequence;
+    level: 10 tokens (a draft level) at one position each, written to scratch entries, seeing ancestors."""
+    from common.model.llama import rope_tables
+
+    g = torch.Generator().manual_seed(9)
+    b, cap = 3, 96
+    cos, sin = (x.to(DEV) for x in rope_tables(D, 128, 10000.0))
+    prefix = torch.tensor([5, 0, 70], device=DEV)
+    slots = torch.tensor([2, 0, 1], device=DEV)
+    if case == "decode":
+        t = 1
+        positions, write_pos = prefix[:, None], prefix[:, None]
+        window = torch.ones(b, 1, 1, dtype=torch.bool, device=DEV)
+    else:
+        t = 10
+        positions = (prefix[:, None] + 2).expand(b, t)  # one depth: one position, stride 0
+        write_pos = (prefix[:, None] + torch.arange(20, device=DEV))[:, 10:20]  # a slice of the scratch
+        window = (torch.rand(b, t, 20, generator=g) < 0.4).to(DEV)
+        window[:, torch.arange(t), 10 + torch.arange(t)] = True  # each sees itself
+    qkv = torch.randn(b, t, (H + 2 * KVH) * D, generator=g).to(DEV, dtype)
+    kv = torch.randn(3, cap, 2, KVH, D, generator=g).to(DEV, dtype)
+    got_qkv, got_kv = qkv.clone(), kv.clone()
+    got = ops().rope_attention(got_qkv, cos, sin, positions, slots, write_pos, got_kv, prefix, window, H, KVH)
+    reference.rope_kv_write(qkv, cos, sin, positions, slots, write_pos, kv, H, KVH)
+    kv_len = int(prefix.max()) + window.shape[-1]
+    q = qkv.view(b, t, H + 2 * KVH, D)[:, :, :H]
+    bias = reference.attention_bias(prefix, window, kv_len, H // KVH, torch.float32)
+    want = reference.attention(q.float(), kv.float(), slots, kv_len, bias)
+    torch.testing.assert_close(got_kv, kv, **tol(dtype))
+    torch.testing.assert_close(got_qkv.view(b, t, -1, D)[:, :, :H], q, **tol(dtype))
+    torch.testing.assert_close(got.float(), want, **tol(dtype))

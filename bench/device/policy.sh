@@ -12,11 +12,13 @@
 #                                  6x60 pinned, plain and the policy at concurrency 1, 16, 64
 #   bench/device/policy.sh stall   a 2,000-token prompt joining 16 running streams, whole and in 512- and
 #                                  256-token chunks (bench.prefill_stall)
-#   bench/device/policy.sh bench   one 10-minute call: the GPU tests, then `make bench` (bench.run) on 32
+#   bench/device/policy.sh bench   one 10-minute call: the GPU tests (SKIP_TESTS=1: none), then `make bench` (bench.run) on 32
 #                                  prompts (decode probe, engine bench, services at concurrency 1, 16, 64)
 #   bench/device/policy.sh profile the GPU services test, then py-spy round profiles (fixed policy, 6x60)
 #                                  at concurrency 1 and 64
 #   bench/device/policy.sh sampling the two sampling rules' acceptance (bench.sampling_accept), 48 prompts
+#   bench/device/policy.sh kernels the Triton kernels against their reference on CUDA (tests/test_kernels.py), the
+#                                  decode probe with every step's kernels by name, then the GPU tests
 #   bench/device/policy.sh rest    one 10-minute call: the chained/unchained A/B (6x60 pinned and plain,
 #                                  concurrency 1, 16, 64), the long prompt (whole, 512-token chunks) and
 #                                  ghz by reflection (GHZ: the binary, concurrency 1 and 64)
@@ -50,9 +52,15 @@ case "$mode" in
   stall)
     timeout 500 python3 -m bench.prefill_stall --device cuda --concurrency 16 --prompt-tokens 2000 \
       --prefill-chunk 0,512,256 --out "$out" > "$out/stall.log" 2>&1; tail -8 "$out/stall.log" ;;
-  bench)
+  kernels)
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_kernel_count.py \
+      > "$out/kernel_tests.log" 2>&1; tail -3 "$out/kernel_tests.log"
+    timeout 150 python3 -m bench.decode_probe --out "$out" -v > "$out/probe.log" 2>&1; cat "$out/decode_probe.md"
     timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu > "$out/gpu_tests.log" 2>&1
-    tail -3 "$out/gpu_tests.log"; work=/tmp/specdec-bench; mkdir -p "$work"
+    tail -3 "$out/gpu_tests.log" ;;
+  bench)
+    [ -n "${SKIP_TESTS:-}" ] || timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu > "$out/gpu_tests.log" 2>&1
+    tail -3 "$out/gpu_tests.log" 2>/dev/null; work=/tmp/specdec-bench; mkdir -p "$work"
     timeout 280 python3 -m bench.run --out "$work" --prompts 32 --hf-prompts 2 > "$out/bench.log" 2>&1
     cp "$work"/{summary.md,summary.json,decode_probe.md,services.json,engine_bench.json} "$out/" 2>/dev/null
     tail -25 "$out/bench.log" ;;
@@ -76,5 +84,5 @@ case "$mode" in
   sampling)
     timeout 500 python3 -m bench.sampling_accept --device cuda --prompts 48 --max-new-tokens 128 --out "$out" \
       > "$out/sampling.log" 2>&1; tail -8 "$out/sampling.log" ;;
-  *) echo "usage: $0 load|order|rpc|tests|chain|stall|bench|rest|profile|sampling" >&2; exit 2 ;;
+  *) echo "usage: $0 load|order|rpc|tests|chain|stall|kernels|bench|rest|profile|sampling" >&2; exit 2 ;;
 esac

@@ -29,9 +29,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from common import validate
+from common import kernels, validate
 from common.config import DraftingConfig, SamplingConfig
 from common.engine.base import ProposeInput, StepTime
 from common.engine.cuda_graphs import CudaGraphManager, GraphConfig, batch_buckets_for
@@ -72,6 +71,18 @@ class DraftOut:
 
 ACCEPT_TOKENS = 4096  # rows x tokens of the largest captured accept pass (its hidden input: 14 MB in bf16)
 LOG_Q_FLOOR = -60.0  # log q below this counts as outside q: such a probability could round to 0 on the wire
+
+
+@dataclass(frozen=True)
+class Frontier:
+    """A level's expanded nodes, best first (kernels.draft_level's outputs)."""
+
+    tok: torch.Tensor  # [B, K] draft ids
+    score: torch.Tensor  # [B, K] float32 cumulative log-probabilities
+    id: torch.Tensor  # [B, K] creation indices among the candidates
+    hidden: torch.Tensor  # [B, K, H] the head's output at each node's parent (fed back with the node)
+    anc: torch.Tensor  # [B, K, S] bool: the scratch entries each node sees (its ancestors and itself)
+    embeds: torch.Tensor  # [B, K, H] the nodes' token embeddings
 
 
 def _children(
@@ -127,36 +138,6 @@ class Root:
     ids: torch.Tensor  # [B, W] their draft-vocabulary ids
 
 
-def select_top_nodes_device(
-    scores: torch.Tensor, parents: torch.Tensor, keep: torch.Tensor, n: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Batched, static-shape common.tree.select_top_nodes.
-
-    scores  [B, C] cumulative log-probabilities in creation order
-    parents [B, C] creation index of each candidate's parent, -1 for the root
-    keep    [B]    nodes to keep per row (<= n)
-    Returns kept [B, n] creation indices and new_parents [B, n] (re-indexed into kept); the first keep[b]
-    entries of row b are its tree in creation order, the rest is filler the caller drops.
-
-    Worked example: scores [-0.1, -2.0, -0.5, -0.5], parents [-1, -1, 0, 0], keep 3, n 4
-        stable descending sort      order [0, 2, 3, 1]   (ties 2, 3 keep creation order)
-        first keep of it are kept   {0, 2, 3};  key = order where rank < keep else order + C
-                                    key [0, 2, 3, 5] -> sorted [0, 2, 3, 5] -> kept [0, 2, 3, 1]
-        position of each kept node  0 -> 0, 2 -> 1, 3 -> 2
-        new_parents                 [-1, 0, 0, ...]
-    """
-    b, c = scores.shape
-    order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :n]  # [B, n] best first
-    rank = torch.arange(n, device=scores.device)
-    key = torch.where(rank[None, :] < keep[:, None], order, order + c)  # kept ones sort first
-    kept = torch.sort(key, dim=1).values % c  # [B, n] creation order
-    position = torch.full((b, c), -1, dtype=torch.long, device=scores.device)  # [B, C]
-    position.scatter_(1, kept, rank[None, :].expand(b, n).contiguous())
-    par = parents.gather(1, kept)  # [B, n]
-    new_parents = torch.where(par < 0, -1, position.gather(1, par.clamp(min=0)))
-    return kept, new_parents
-
-
 class Eagle3Drafter:
     name = "eagle3"
 
@@ -198,10 +179,8 @@ class Eagle3Drafter:
         self.rope_len = head.rope_cos.shape[0]
         self.feature_dim = 3 * c.target_hidden_size
         self.seqs: SlotTable[DraftSeq] = SlotTable(max_sequences)
-        # own[d][j, s] = node j of depth d + 1 sits in scratch entry s  ([steps - 1, K, S]; built here, not
-        # in the step, so that capture never meets one_hot's host-side range checks)
-        self._own = torch.zeros(max(steps - 1, 1), k, max(self.scratch, 1), dtype=torch.bool, device=self.device)
-        self._own.view(-1, max(self.scratch, 1))[torch.arange(self.scratch), torch.arange(self.scratch)] = True
+        # 0, 1, ... [capacity]: the steps slice it (a view) where they would launch an arange
+        self._arange = torch.arange(max(self.cache.capacity, max_sequences + 1), device=self.device)
         with torch.inference_mode():  # base-model embeddings of the draft vocabulary [Vd, H]
             self._draft_embed = self.embed(head.to_base_ids(torch.arange(c.draft_vocab_size, device=self.device)))
         gc = graph_cfg or GraphConfig()
@@ -291,8 +270,9 @@ class Eagle3Drafter:
         length = packed.shape[1] - 5
         ids = packed[:, :length]  # [B, L]
         m, new, slots = packed[:, length], packed[:, length + 1], packed[:, length + 2]  # [B] each
-        pos = m[:, None] + torch.arange(length, device=packed.device)[None, :]  # [B, L]
-        causal = torch.ones(length, length, dtype=torch.bool, device=packed.device).tril()
+        offs = self._arange[:length]  # [L]
+        pos = m[:, None] + offs[None, :]  # [B, L]
+        causal = offs[None, :] <= offs[:, None]  # [L, L]
         batch = Batch(
             input_ids=ids,
             positions=pos.clamp(max=self.rope_len - 1),
@@ -302,7 +282,7 @@ class Eagle3Drafter:
             window=causal[None].expand(packed.shape[0], length, length),
         )
         out = self.head.top_k(self.embed(ids), hidden, batch, self.cache, width)
-        rows = torch.arange(packed.shape[0], device=packed.device)
+        rows = self._arange[: packed.shape[0]]
         last = (new - 1).clamp(min=0)
         return Root(hidden=out.hidden[rows, last], logp=out.logp[rows, last], ids=out.ids[rows, last])
 
@@ -330,75 +310,80 @@ class Eagle3Drafter:
         steps = depth or self.drafting.steps
         bb, dev = packed.shape[0], packed.device
         m, slots, keep, row_depth = packed[:, 0], packed[:, 1], packed[:, 2], packed[:, 3]  # [B] each
+        c = k + (steps - 1) * k * k  # candidates: K at depth 1, K * K a level below
+        # ids, cumulative scores, log q of the draw, parents' creation indices (-1: the root), each [B, C]
+        cand = (
+            torch.empty(bb, c, dtype=torch.long, device=dev),
+            torch.empty(bb, c, device=dev),
+            torch.empty(bb, c, device=dev),
+            torch.empty(bb, c, dtype=torch.long, device=dev),
+        )
+        # RoPE positions [B, steps] (depth d at m + d - 1) and cache positions [B, S] of the scratch entries
+        # (node j of depth d in entry (d - 1) K + j), sliced per level
+        positions = (m[:, None] + self._arange[None, :steps]).clamp(max=self.rope_len - 1)
+        write_pos = m[:, None] + self._arange[None, :scratch]
         kids = _children(root_logp[:, None], root_ids[:, None], temp, None if gumbel is None else gumbel[:, 0, :1], k)
         q_ids, q_probs = [root_ids[:, None]], [kids.q]  # [B, 1 + levels * K, W] once concatenated
-        front_tok, front_score = kids.ids[:, 0], kids.score[:, 0]  # [B, K]
-        cand_tok, cand_score, cand_logq = [front_tok], [front_score], [kids.logq[:, 0]]
-        cand_parent = [torch.full((bb, k), -1, device=dev)]
-        cand_depth = [torch.full((k,), 1, device=dev)]
-        front_id = torch.arange(k, device=dev).expand(bb, k)  # [B, K] creation index
         fronts = []  # creation indices of each level's expanded nodes, [B, K] each
-        front_hidden = root_hidden[:, None, :].expand(bb, k, root_hidden.shape[-1])  # [B, K, H]
-        front_anc = torch.zeros(bb, k, max(scratch, 1), dtype=torch.bool, device=dev)  # [B, K, S]
-        created = k
+        root = kernels.draft_level(
+            kids.ids,
+            kids.score,
+            kids.logq,
+            None,
+            None,
+            root_hidden[:, None, :],
+            None,
+            self._draft_embed,
+            cand,
+            offset=0,
+            created=0,
+            own_base=0 if steps > 1 else None,
+            scratch=scratch,
+        )
+        front = Frontier(*root) if root is not None else None
         for depth in range(1, steps):
-            own = (depth - 1) * k + torch.arange(k, device=dev)  # [K] scratch entries
-            anc = front_anc | self._own[depth - 1][None]  # [B, K, S]
             batch = Batch(
-                input_ids=front_tok,  # draft ids; the head reads only the embeddings below
-                positions=(m + depth - 1)[:, None].expand(bb, k).clamp(max=self.rope_len - 1),
+                input_ids=front.tok,  # draft ids; the head reads only the embeddings
+                positions=positions[:, depth - 1 : depth].expand(bb, k),
                 slots=slots,
-                write_pos=m[:, None] + own[None, :],
+                write_pos=write_pos[:, (depth - 1) * k : depth * k],
                 prefix_len=m,
-                window=anc,
+                window=front.anc,
             )
-            embeds = F.embedding(front_tok, self._draft_embed)  # one gather: no d2t mapping per level
-            out = self.head.top_k(embeds, front_hidden, batch, self.cache, self._width(sampled))
+            out = self.head.top_k(front.embeds, front.hidden, batch, self.cache, self._width(sampled))
             kids = _children(out.logp, out.ids, temp, None if gumbel is None else gumbel[:, depth], k)
-            fronts.append(front_id)
+            fronts.append(front.id)
             q_ids.append(out.ids)
             q_probs.append(kids.q)
-            scores = (front_score[:, :, None] + kids.score).reshape(bb, k * k)  # [B, K*K]
-            child_tok = kids.ids.reshape(bb, k * k)
-            cand_tok.append(child_tok)
-            cand_score.append(scores)
-            cand_logq.append(kids.logq.reshape(bb, k * k))
-            cand_parent.append(front_id[:, :, None].expand(bb, k, k).reshape(bb, k * k))
-            cand_depth.append(torch.full((k * k,), depth + 1, device=dev))
-            if depth == steps - 1:
-                break
-            best = scores.topk(k, dim=-1).indices  # [B, K]
-            src = best // k  # frontier parent
-            front_tok = child_tok.gather(1, best)
-            front_score = scores.gather(1, best)
-            front_id = created + best
-            front_hidden = out.hidden.gather(1, src[:, :, None].expand(bb, k, out.hidden.shape[-1]))
-            front_anc = anc.gather(1, src[:, :, None].expand(bb, k, anc.shape[-1]))
-            created += k * k
-        toks = self.head.to_base_ids(torch.cat(cand_tok, 1))  # [B, C]
-        scores = torch.cat(cand_score, 1).float()  # [B, C]
-        parents = torch.cat(cand_parent, 1)  # [B, C]
-        too_deep = torch.cat(cand_depth)[None, :] > row_depth[:, None]  # [B, C]
-        select = scores.masked_fill(too_deep, float("-inf"))  # deeper than the row's tree: never kept
-        n = min(self.tree_size, scores.shape[1])
-        kept, new_parents = select_top_nodes_device(select, parents, keep, n)  # [B, n]
-        par = parents.gather(1, kept)
-        parent_score = torch.where(par < 0, 0.0, scores.gather(1, par.clamp(min=0)))
-        probs = torch.exp(scores.gather(1, kept) - parent_score)  # [B, N]
+            offset = k + (depth - 1) * k * k
+            nxt = kernels.draft_level(
+                kids.ids,
+                kids.score,
+                kids.logq,
+                front.score,
+                front.id,
+                out.hidden,
+                front.anc,
+                self._draft_embed,
+                cand,
+                offset=offset,
+                created=offset,
+                own_base=depth * k if depth < steps - 1 else None,
+                scratch=scratch,
+            )
+            front = Frontier(*nxt) if nxt is not None else front
+        n = min(self.tree_size, c)
+        tree, kept = kernels.select_tree(cand[0], cand[1], cand[3], self.head.d2t, keep, row_depth, k, n)
         if not sampled:
-            no_q = torch.full_like(probs, -1, dtype=torch.float64)
-            tree = torch.stack((toks.gather(1, kept).double(), new_parents.double(), probs.double(), no_q), 1)
             none = torch.empty(bb, 0, self.width, device=dev)
             return DraftOut(tree=tree, q_ids=none.long(), q_probs=none)
-        drawn = torch.cat(cand_logq, 1).gather(1, kept).exp()  # [B, N] sampled rows: q of the drawn token
-        probs = torch.where((temp > 0)[:, None], drawn, probs)  # 0: drawn outside q (_trees drops it)
+        drawn = cand[2].gather(1, kept).exp()  # [B, N] sampled rows: q of the drawn token
+        tree[:, 2] = torch.where((temp > 0)[:, None], drawn.double(), tree[:, 2])  # 0: drawn outside q
         # q row of every candidate: level d's expanded nodes are rows 1 + (d - 1) K .. d K (the root is 0)
-        q_row = torch.full_like(parents, -1)  # [B, C]
+        q_row = torch.full_like(cand[3], -1)  # [B, C]
         for level, ids in enumerate(fronts):
-            q_row.scatter_(1, ids, 1 + level * k + torch.arange(k, device=dev).expand(bb, k))
-        tree = torch.stack(
-            (toks.gather(1, kept).double(), new_parents.double(), probs.double(), q_row.gather(1, kept).double()), 1
-        )
+            q_row.scatter_(1, ids, 1 + level * k + self._arange[None, :k].expand(bb, k))
+        tree[:, 3] = q_row.gather(1, kept).double()
         return DraftOut(
             tree=tree, q_ids=self.head.to_base_ids(torch.cat(q_ids, 1)), q_probs=torch.cat(q_probs, 1).float()
         )

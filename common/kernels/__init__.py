@@ -124,6 +124,41 @@ def attention(
     return reference.attention(q, kv, slots, plan.kv_len, plan.bias)
 
 
+def rope_attention(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    write_pos: torch.Tensor,
+    kv: torch.Tensor,
+    prefix_len: torch.Tensor,
+    window: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    plan: AttentionPlan | TTTPlan | None = None,
+) -> torch.Tensor:
+    """rope_kv_write, then attention of the rotated queries: [B, T, H * D]. One Triton kernel where a
+    sequence's query rows of one KV head fit one program (T * H / KVH <= 64: decoding, the draft's
+    levels and proposals); else the two operations (prefill, trees, the reference)."""
+    b, t, _ = qkv.shape
+    fused = (
+        use_triton(qkv)
+        and plan is None
+        and t * (num_heads // num_kv_heads) <= 64
+        and qkv.is_contiguous()
+        and qkv.dtype == kv.dtype
+        and kv.stride(-1) == 1
+        and window.stride(-1) == 1
+    )
+    if fused:
+        args = (qkv, cos, sin, positions, slots, write_pos, kv, prefix_len, window, num_heads, num_kv_heads)
+        return _ops().rope_attention(*args)
+    rope_kv_write(qkv, cos, sin, positions, slots, write_pos, kv, num_heads, num_kv_heads)
+    q = qkv.view(b, t, num_heads + 2 * num_kv_heads, -1)[:, :, :num_heads]  # rotated in place
+    return attention(q, kv, slots, prefix_len, window, plan)
+
+
 def _ttt_attention(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, plan: TTTPlan) -> torch.Tensor:
     """Training-time test only: common.kernels.ttt is imported here, on first use, because it loads
     torch.compile's machinery (torch._dynamo, Triton: over a second), which no service needs."""
@@ -137,3 +172,50 @@ def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
     if use_triton(logits) and logits.shape[-1] <= 65536:
         return _ops().topk_logprobs(logits, k)
     return reference.topk_logprobs(logits, k)
+
+
+def rms_norm_cat(a: torch.Tensor, wa: torch.Tensor, b: torch.Tensor, wb: torch.Tensor, eps: float) -> torch.Tensor:
+    """rms_norm(a) * wa | rms_norm(b) * wb; a, b [..., H] -> [..., 2H]."""
+    if use_triton(a):
+        return _ops().rms_norm_cat(a, wa, b, wb, eps)
+    return reference.rms_norm_cat(a, wa, b, wb, eps)
+
+
+def draft_level(
+    kid_ids: torch.Tensor,
+    kid_score: torch.Tensor,
+    kid_logq: torch.Tensor,
+    front_score: torch.Tensor | None,
+    front_id: torch.Tensor | None,
+    hidden: torch.Tensor,
+    front_anc: torch.Tensor | None,
+    embed: torch.Tensor,
+    cand: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    offset: int,
+    created: int,
+    own_base: int | None,
+    scratch: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """One level of the draft's tree expansion: write the children as candidates, return the next frontier
+    (None when own_base is None); see reference.draft_level."""
+    args = (kid_ids, kid_score, kid_logq, front_score, front_id, hidden, front_anc, embed, cand)
+    if use_triton(hidden) and kid_ids.shape[1] * kid_ids.shape[2] <= 1024 and hidden.stride(-1) == 1:
+        return _ops().draft_level(*args, offset, created, own_base, scratch)
+    return reference.draft_level(*args, offset, created, own_base, scratch)
+
+
+def select_tree(
+    tok: torch.Tensor,
+    score: torch.Tensor,
+    parent: torch.Tensor,
+    d2t: torch.Tensor,
+    keep: torch.Tensor,
+    row_depth: torch.Tensor,
+    k: int,
+    n: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The draft tree [B, 4, N] float64 and its candidates' creation indices [B, N] of each row: the keep
+    best candidates no deeper than the row's depth; see reference.select_tree."""
+    if use_triton(score) and score.shape[1] <= 1024:
+        return _ops().select_tree(tok, score, parent, d2t, keep, row_depth, k, n)
+    return reference.select_tree(tok, score, parent, d2t, keep, row_depth, k, n)

@@ -105,3 +105,131 @@ def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
     """logits [..., V] -> the k largest log-probabilities [..., k] (float32, descending) and their ids."""
     values, ids = logits.float().topk(k, dim=-1)
     return values - torch.logsumexp(logits.float(), dim=-1, keepdim=True), ids
+
+
+def rms_norm_cat(a: torch.Tensor, wa: torch.Tensor, b: torch.Tensor, wb: torch.Tensor, eps: float) -> torch.Tensor:
+    """a, b [..., H] -> [..., 2H]: rms_norm(a) * wa | rms_norm(b) * wb, in a's dtype."""
+    return torch.cat((add_rms_norm(a, None, wa, eps)[0], add_rms_norm(b, None, wb, eps)[0]), dim=-1)
+
+
+def draft_level(
+    kid_ids: torch.Tensor,
+    kid_score: torch.Tensor,
+    kid_logq: torch.Tensor,
+    front_score: torch.Tensor | None,
+    front_id: torch.Tensor | None,
+    hidden: torch.Tensor,
+    front_anc: torch.Tensor | None,
+    embed: torch.Tensor,
+    cand: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    offset: int,
+    created: int,
+    own_base: int | None,
+    scratch: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """One level of the draft's tree expansion (common.engine.draft._expand_step).
+
+    kid_ids, kid_score, kid_logq [B, F, K]: the K children of each of F expanded nodes (draft ids, score
+    added to the parent's, log q of the draw); front_score, front_id [B, F] the expanded nodes' cumulative
+    scores and creation indices (None at the root: score 0, parent -1); hidden [B, F, H] the head's output
+    at each expanded node; front_anc [B, F, S] bool their ancestor masks over the S = scratch entries
+    (None at the root: none); embed [Vd, H] the draft vocabulary's embeddings.
+    Writes the F * K children as candidates [offset, offset + F K) of cand = (ids int64, cumulative score
+    float32, log q float32, parent's creation index int64), each [B, C].
+    own_base None: nothing more (the last level). Else returns the next frontier, the K best children by
+    cumulative score (ties: the one created first), best first: ids [B, K], scores [B, K], creation
+    indices [B, K] (created + the child's index in the level), their parents' hidden states [B, K, H],
+    ancestor masks [B, K, S] (the parent's, with the child's own scratch entry own_base + rank set) and
+    their embeddings [B, K, H].
+    Example (F 1, K 2, the root): kid_score [[[-.5, -.1]]] -> candidate scores [-.5, -.1], parents
+    [-1, -1]; frontier ids [kid 1, kid 0], creation indices [created + 1, created], own scratch entries
+    own_base, own_base + 1."""
+    b, f, k = kid_ids.shape
+    n = f * k
+    score = kid_score if front_score is None else front_score[:, :, None] + kid_score  # [B, F, K]
+    parent = kid_ids.new_full((b, f, k), -1) if front_id is None else front_id[:, :, None].expand(b, f, k)
+    tok_c, score_c, logq_c, par_c = cand
+    tok_c[:, offset : offset + n] = kid_ids.reshape(b, n)
+    score_c[:, offset : offset + n] = score.reshape(b, n)
+    logq_c[:, offset : offset + n] = kid_logq.reshape(b, n)
+    par_c[:, offset : offset + n] = parent.reshape(b, n)
+    if own_base is None:
+        return None
+    flat = score.reshape(b, n)
+    best = torch.sort(flat, dim=1, descending=True, stable=True).indices[:, :k]  # [B, K]
+    src = best // k  # [B, K] the expanded node each child hangs below
+    tok = kid_ids.reshape(b, n).gather(1, best)
+    own = torch.arange(scratch, device=tok.device)[None, :] == own_base + torch.arange(k, device=tok.device)[:, None]
+    anc = own[None].expand(b, k, scratch)  # [B, K, S]
+    if front_anc is not None:
+        anc = anc | front_anc.gather(1, src[:, :, None].expand(b, k, scratch))
+    h = hidden.gather(1, src[:, :, None].expand(b, k, hidden.shape[-1]))
+    return tok, flat.gather(1, best), created + best, h, anc, F.embedding(tok, embed)
+
+
+def select_top_nodes(
+    scores: torch.Tensor, parents: torch.Tensor, keep: torch.Tensor, n: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batched, static-shape common.tree.select_top_nodes.
+
+    scores  [B, C] cumulative log-probabilities in creation order
+    parents [B, C] creation index of each candidate's parent, -1 for the root
+    keep    [B]    nodes to keep per row (<= n)
+    Returns kept [B, n] creation indices and new_parents [B, n] (re-indexed into kept); the first keep[b]
+    entries of row b are its tree in creation order, the rest is filler the caller drops.
+
+    Worked example: scores [-0.1, -2.0, -0.5, -0.5], parents [-1, -1, 0, 0], keep 3, n 4
+        stable descending sort      order [0, 2, 3, 1]   (ties 2, 3 keep creation order)
+        first keep of it are kept   {0, 2, 3};  key = order where rank < keep else order + C
+                                    key [0, 2, 3, 5] -> sorted [0, 2, 3, 5] -> kept [0, 2, 3, 1]
+        position of each kept node  0 -> 0, 2 -> 1, 3 -> 2
+        new_parents                 [-1, 0, 0, ...]
+    """
+    b, c = scores.shape
+    order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :n]  # [B, n] best first
+    rank = torch.arange(n, device=scores.device)
+    key = torch.where(rank[None, :] < keep[:, None], order, order + c)  # kept ones sort first
+    kept = torch.sort(key, dim=1).values % c  # [B, n] creation order
+    position = torch.full((b, c), -1, dtype=torch.long, device=scores.device)  # [B, C]
+    position.scatter_(1, kept, rank[None, :].expand(b, n).contiguous())
+    par = parents.gather(1, kept)  # [B, n]
+    new_parents = torch.where(par < 0, -1, position.gather(1, par.clamp(min=0)))
+    return kept, new_parents
+
+
+def candidate_depth(c: int, k: int, device: torch.device) -> torch.Tensor:
+    """[C] the depth of each candidate of a draft tree in creation order: K at depth 1, then K * K a level."""
+    i = torch.arange(c, device=device)
+    return torch.where(i < k, 1, 2 + (i - k).clamp(min=0) // (k * k))
+
+
+def select_tree(
+    tok: torch.Tensor,
+    score: torch.Tensor,
+    parent: torch.Tensor,
+    d2t: torch.Tensor,
+    keep: torch.Tensor,
+    row_depth: torch.Tensor,
+    k: int,
+    n: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The draft tree of each row: the keep[b] best candidates (select_top_nodes) no deeper than
+    row_depth[b], in creation order.
+
+    tok, score, parent [B, C]: the candidates as draft_level writes them (draft ids, cumulative scores,
+    parents' creation indices); d2t [Vd] the draft -> base id offsets; keep, row_depth [B]; k: children
+    per node (the candidate layout); n: tree rows (>= keep).
+    Returns tree [B, 4, N] float64 (base ids, parents re-indexed into the tree with -1 the root, the
+    probability of each node given its parent exp(score - parent's score), and -1: no q row) and kept
+    [B, N] int64 (creation indices); entries past keep[b] are filler (0, -1, 0, -1 and kept 0)."""
+    b, c = score.shape
+    select = score.masked_fill(candidate_depth(c, k, score.device)[None, :] > row_depth[:, None], float("-inf"))
+    kept, new_parents = select_top_nodes(select, parent, keep, n)  # [B, N]
+    par = parent.gather(1, kept)
+    parent_score = torch.where(par < 0, 0.0, score.gather(1, par.clamp(min=0)))
+    probs = torch.exp(score.gather(1, kept) - parent_score)  # [B, N] float32
+    ids = tok.gather(1, kept)
+    tree = torch.stack([t.double() for t in (ids + d2t[ids], new_parents, probs, torch.full_like(probs, -1))], 1)
+    filler = (torch.arange(n, device=score.device)[None, :] >= keep[:, None])[:, None, :]  # [B, 1, N]
+    fill = torch.tensor([0.0, -1.0, 0.0, -1.0], dtype=torch.float64, device=score.device)[None, :, None]
+    return torch.where(filler, fill, tree), kept.masked_fill(filler[:, 0], 0)

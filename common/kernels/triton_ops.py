@@ -216,13 +216,30 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     return out.view(*shape[:-1], n)
 
 
+@triton.jit
+def _rope_rows(base, t, head, ok, cos_ptr, sin_ptr, pos_ptr, sr_t, s_table, s_t, s_h, hd):
+    """The rotate-half RoPE of head head[i] of token t[i] (rows ok) of the vectors at base + t s_t +
+    head s_h, at position pos[t], in float32: the two halves [rows, D / 2] and their addresses."""
+    half: tl.constexpr = hd.shape[0]
+    pos = tl.load(pos_ptr + t * sr_t, mask=ok, other=0)
+    at = base + t[:, None] * s_t + head[:, None] * s_h + hd[None, :]
+    x1 = tl.load(at, mask=ok[:, None], other=0.0).to(tl.float32)
+    x2 = tl.load(at + half, mask=ok[:, None], other=0.0).to(tl.float32)
+    c = tl.load(cos_ptr + pos[:, None] * s_table + hd[None, :], mask=ok[:, None], other=0.0)
+    s = tl.load(sin_ptr + pos[:, None] * s_table + hd[None, :], mask=ok[:, None], other=0.0)
+    return x1 * c - x2 * s, x2 * c + x1 * s, at
+
+
 # ---- Attention over the cache with a prefix and a window mask ------------------------------------------
 # PyTorch (SDPA) needs the keys gathered out of the slot, a dense additive mask over the whole attended
 # length built per forward, and layout permutes: 6-8 launches per layer, and inside a CUDA graph the
 # gathered length is fixed at capture, so every step paid for the whole slot. This kernel reads K/V in
 # place and loops over prefix_len + W positions read at run time: a captured graph's attention costs
 # what the sequence's real length costs.
-@triton.jit(do_not_specialize=["T", "W", "n_rows", "ss_b", "sp_b", "sq_b", "sq_t", "sw_b", "sw_t", "so_b", "so_t"])
+_ATTENTION_VARYING = ["T", "W", "n_rows", "ss_b", "sp_b", "sq_b", "sq_t", "sw_b", "sw_t", "so_b", "so_t"]
+
+
+@triton.jit(do_not_specialize=_ATTENTION_VARYING + ["sr_b", "sr_t", "sx_b", "sx_t"])
 def _attention_kernel(
     q_ptr,
     kv_ptr,
@@ -230,6 +247,10 @@ def _attention_kernel(
     prefix_ptr,
     win_ptr,
     out_ptr,
+    cos_ptr,
+    sin_ptr,
+    pos_ptr,
+    wpos_ptr,
     T,
     W,
     n_rows,
@@ -248,12 +269,18 @@ def _attention_kernel(
     so_b,
     so_t,
     so_h,
+    s_table,
+    sr_b,
+    sr_t,
+    sx_b,
+    sx_t,
     G: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     IEEE: tl.constexpr,
     KVH: tl.constexpr,
+    ROPE: tl.constexpr,
 ):
     bh = tl.program_id(0)  # b * KVH + kv head
     b = bh // KVH
@@ -263,13 +290,40 @@ def _attention_kernel(
     t = r // G
     head = kvh * G + r % G
     d = tl.arange(0, HEAD_DIM)
-    q = tl.load(
-        q_ptr + b * sq_b + t[:, None] * sq_t + head[:, None] * sq_h + d[None, :], mask=row_ok[:, None], other=0.0
-    )
     slot = tl.load(slot_ptr + b * ss_b)
     prefix = tl.load(prefix_ptr + b * sp_b)
     n_keys = prefix + W
     kv_base = kv_ptr + slot * s_slot + kvh * s_head
+    if ROPE:
+        # rope_kv_write for this sequence's KV head, fused (q points into qkv: heads [0, H) are q, then
+        # KVH k heads, then KVH v heads): the only program of (b, kv head) when all its rows fit one block
+        # (rope_attention checks), so nobody else reads what it writes; the barrier makes its own writes
+        # (q rotated in place, k and v in the cache) visible to all its threads before attention reads them.
+        hd = tl.arange(0, HEAD_DIM // 2)
+        half: tl.constexpr = HEAD_DIM // 2
+        pos_b = pos_ptr + b * sr_b
+        y1, y2, at = _rope_rows(
+            q_ptr + b * sq_b, t, head, row_ok, cos_ptr, sin_ptr, pos_b, sr_t, s_table, sq_t, sq_h, hd
+        )
+        tl.store(at, y1.to(q_ptr.dtype.element_ty), mask=row_ok[:, None])  # q, rotated in place
+        tl.store(at + half, y2.to(q_ptr.dtype.element_ty), mask=row_ok[:, None])
+        tok = tl.arange(0, BLOCK_M)
+        tok_ok = tok < T
+        k_head = KVH * G + kvh + tl.zeros([BLOCK_M], tl.int32)
+        y1, y2, _ = _rope_rows(
+            q_ptr + b * sq_b, tok, k_head, tok_ok, cos_ptr, sin_ptr, pos_b, sr_t, s_table, sq_t, sq_h, hd
+        )
+        dst = kv_base + tl.load(wpos_ptr + b * sx_b + tok * sx_t, mask=tok_ok, other=0)[:, None] * s_pos + hd[None, :]
+        tl.store(dst, y1.to(kv_ptr.dtype.element_ty), mask=tok_ok[:, None])  # k, rotated
+        tl.store(dst + half, y2.to(kv_ptr.dtype.element_ty), mask=tok_ok[:, None])
+        v_at = q_ptr + b * sq_b + tok[:, None] * sq_t + (k_head[:, None] + KVH) * sq_h + hd[None, :]
+        for part in tl.static_range(2):  # v as it is
+            v_half = tl.load(v_at + part * half, mask=tok_ok[:, None], other=0.0)
+            tl.store(dst + s_kv + part * half, v_half.to(kv_ptr.dtype.element_ty), mask=tok_ok[:, None])
+        tl.debug_barrier()
+    q = tl.load(
+        q_ptr + b * sq_b + t[:, None] * sq_t + head[:, None] * sq_h + d[None, :], mask=row_ok[:, None], other=0.0
+    )
     m_i = tl.full((BLOCK_M,), -1.0e30, tl.float32)  # finite: a fully masked block leaves it unchanged
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
@@ -311,14 +365,52 @@ def attention(
 ) -> torch.Tensor:
     """See reference.attention. q [B, T, H, D] (any strides, unit on D); kv [S, C, 2, KVH, D] with the
     same dtype as q; window [B, T, W] bool (unit stride on W). Returns [B, T, H * D]."""
-    b, t, h, d = q.shape
+    return _attention(q, q.shape[2], kv, slots, prefix_len, window, None)
+
+
+def rope_attention(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    write_pos: torch.Tensor,
+    kv: torch.Tensor,
+    prefix_len: torch.Tensor,
+    window: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+) -> torch.Tensor:
+    """rope_kv_write, then attention of the rotated q, in one launch: qkv [B, T, (H + 2 KVH) D] contiguous,
+    kv of qkv's dtype; T * H / KVH <= 64 (one program a sequence and KV head: see _attention_kernel).
+    Returns [B, T, H * D]; qkv's q and k parts are rotated in place."""
+    b, t, width = qkv.shape
+    heads = qkv.view(b, t, num_heads + 2 * num_kv_heads, width // (num_heads + 2 * num_kv_heads))
+    return _attention(heads, num_heads, kv, slots, prefix_len, window, (cos, sin, positions, write_pos))
+
+
+def _attention(
+    q: torch.Tensor,
+    h: int,
+    kv: torch.Tensor,
+    slots: torch.Tensor,
+    prefix_len: torch.Tensor,
+    window: torch.Tensor,
+    rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None,
+) -> torch.Tensor:
+    """The launch: q's first h heads attend (with rope: q holds k and v heads after them, rotated and
+    written by the kernel first)."""
+    b, t, _, d = q.shape
     kvh = kv.shape[3]
     g = h // kvh
     n_rows = t * g
     block_m = 16 if n_rows <= 16 else 32 if n_rows <= 32 else 64
+    if rope is not None and n_rows > block_m:
+        raise ValueError(f"rope_attention takes at most 64 query rows per KV head, got {n_rows}")
     out = torch.empty((b, t, h, d), dtype=q.dtype, device=q.device)
     win = window.view(torch.uint8) if window.dtype == torch.bool else window
     scale = 1.0 / math.sqrt(d) * 1.4426950408889634  # log2(e): the kernel uses exp2
+    cos, sin, positions, write_pos = rope if rope is not None else (q, q, slots[:, None], slots[:, None])
     grid = (b * kvh, triton.cdiv(n_rows, block_m))
     _attention_kernel[grid](
         q,
@@ -327,6 +419,10 @@ def attention(
         prefix_len,
         win,
         out,
+        cos,
+        sin,
+        positions,
+        write_pos,
         t,
         window.shape[-1],
         n_rows,
@@ -345,12 +441,18 @@ def attention(
         out.stride(0),
         out.stride(1),
         out.stride(2),
+        cos.stride(0),
+        positions.stride(0),
+        positions.stride(1),
+        write_pos.stride(0),
+        write_pos.stride(1),
         G=g,
         HEAD_DIM=d,
         BLOCK_M=block_m,
         BLOCK_N=64,
         IEEE=q.dtype == torch.float32,
         KVH=kvh,
+        ROPE=rope is not None,
         num_warps=4,
     )
     return out.view(b, t, h * d)
@@ -386,3 +488,297 @@ def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
         x2, vals, ids, shape[-1], x2.stride(0), K=k, BLOCK=block, num_warps=8 if block >= 4096 else 4
     )
     return vals.view(*shape[:-1], k), ids.view(*shape[:-1], k)
+
+
+# ---- Two RMSNorms into one buffer (the draft head's input) ---------------------------------------------
+# PyTorch: two norms and a cat (3 launches and a copy). Program (row, half) normalises its half in place
+# in the output row.
+@triton.jit
+def _rms_norm_cat_kernel(a_ptr, b_ptr, wa_ptr, wb_ptr, out_ptr, n_cols, eps, s_a, s_b, s_o, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    half = tl.program_id(1)
+    cols = tl.arange(0, BLOCK)
+    m = cols < n_cols
+    if half == 0:
+        x = tl.load(a_ptr + row * s_a + cols, mask=m, other=0.0).to(tl.float32)
+        w = tl.load(wa_ptr + cols, mask=m, other=0.0).to(tl.float32)
+    else:
+        x = tl.load(b_ptr + row * s_b + cols, mask=m, other=0.0).to(tl.float32)
+        w = tl.load(wb_ptr + cols, mask=m, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+    tl.store(out_ptr + row * s_o + half * n_cols + cols, (x * rstd * w).to(out_ptr.dtype.element_ty), mask=m)
+
+
+def rms_norm_cat(a: torch.Tensor, wa: torch.Tensor, b: torch.Tensor, wb: torch.Tensor, eps: float) -> torch.Tensor:
+    """a, b [..., H] -> [..., 2H]; see reference.rms_norm_cat."""
+    shape = a.shape
+    a2, b2 = a.reshape(-1, shape[-1]), b.reshape(-1, shape[-1])
+    out = torch.empty((a2.shape[0], 2 * shape[-1]), dtype=a.dtype, device=a.device)
+    block = triton.next_power_of_2(shape[-1])
+    _rms_norm_cat_kernel[(a2.shape[0], 2)](
+        a2, b2, wa, wb, out, shape[-1], eps, a2.stride(0), b2.stride(0), out.stride(0), BLOCK=block, num_warps=4
+    )
+    return out.view(*shape[:-1], 2 * shape[-1])
+
+
+# ---- One level of the draft's tree expansion ------------------------------------------------------------
+# PyTorch: the children's cumulative scores, four candidate records, the next frontier's top-K and six
+# gathers (its ids, scores, creation indices, parents' hidden states, ancestor masks, embeddings): about
+# 15 launches a level, each a few microseconds of an idle GPU. One program per sequence does it all; the
+# top-K is a rank count (how many of the F * K <= 128 children outrank each), not a sort.
+@triton.jit
+def _draft_level_kernel(
+    kid_ids_ptr,
+    kid_score_ptr,
+    kid_logq_ptr,
+    fscore_ptr,
+    fid_ptr,
+    hid_ptr,
+    s_hb,
+    s_hf,
+    anc_ptr,
+    emb_ptr,
+    s_e,
+    ctok_ptr,
+    cscore_ptr,
+    clogq_ptr,
+    cpar_ptr,
+    s_c,
+    ntok_ptr,
+    nscore_ptr,
+    nid_ptr,
+    nhid_ptr,
+    nanc_ptr,
+    nemb_ptr,
+    offset,
+    created,
+    own_base,
+    F: tl.constexpr,
+    K: tl.constexpr,
+    H: tl.constexpr,
+    S: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    ROOT: tl.constexpr,
+    NEXT: tl.constexpr,
+):
+    b = tl.program_id(0)
+    i = tl.arange(0, BLOCK_C)  # child i of expanded node i // K
+    ok = i < F * K
+    f = i // K
+    ids = tl.load(kid_ids_ptr + b * F * K + i, mask=ok, other=0)
+    score = tl.load(kid_score_ptr + b * F * K + i, mask=ok, other=float("-inf"))
+    logq = tl.load(kid_logq_ptr + b * F * K + i, mask=ok, other=0.0)
+    if ROOT:
+        parent = tl.full([BLOCK_C], -1, tl.int64)
+    else:
+        score = score + tl.load(fscore_ptr + b * F + f, mask=ok, other=0.0)
+        parent = tl.load(fid_ptr + b * F + f, mask=ok, other=-1)
+    cand = b * s_c + offset + i
+    tl.store(ctok_ptr + cand, ids, mask=ok)
+    tl.store(cscore_ptr + cand, score, mask=ok)
+    tl.store(clogq_ptr + cand, logq, mask=ok)
+    tl.store(cpar_ptr + cand, parent, mask=ok)
+    if NEXT:
+        # rank of child i: the children with a higher score, or an equal one and created earlier
+        beats = (score[None, :] > score[:, None]) | ((score[None, :] == score[:, None]) & (i[None, :] < i[:, None]))
+        rank = tl.sum((beats & ok[None, :]).to(tl.int32), axis=1)  # [BLOCK_C]
+        r = tl.arange(0, BLOCK_K)  # frontier place r takes the child of rank r
+        hit = (rank[None, :] == r[:, None]) & ok[None, :]  # [BLOCK_K, BLOCK_C], one hit a row r < K
+        src = tl.sum(tl.where(hit, i[None, :], 0), axis=1)  # [BLOCK_K]
+        tok = tl.sum(tl.where(hit, ids[None, :], 0), axis=1)
+        best = tl.sum(tl.where(hit, score[None, :], 0.0), axis=1)
+        rok = r < K
+        out = b * K + r
+        tl.store(ntok_ptr + out, tok, mask=rok)
+        tl.store(nscore_ptr + out, best, mask=rok)
+        tl.store(nid_ptr + out, created + src, mask=rok)
+        fsrc = src // K
+        for h0 in tl.static_range(0, H, BLOCK_H):
+            h = h0 + tl.arange(0, BLOCK_H)
+            hm = rok[:, None] & (h < H)[None, :]
+            v = tl.load(hid_ptr + b * s_hb + fsrc[:, None] * s_hf + h[None, :], mask=hm, other=0.0)
+            tl.store(nhid_ptr + out[:, None] * H + h[None, :], v, mask=hm)
+            e = tl.load(emb_ptr + tok[:, None] * s_e + h[None, :], mask=hm, other=0.0)
+            tl.store(nemb_ptr + out[:, None] * H + h[None, :], e, mask=hm)
+        s = tl.arange(0, BLOCK_S)
+        sm = rok[:, None] & (s < S)[None, :]
+        own = s[None, :] == own_base + r[:, None]
+        if not ROOT:
+            own = own | (tl.load(anc_ptr + (b * F + fsrc)[:, None] * S + s[None, :], mask=sm, other=0) != 0)
+        tl.store(nanc_ptr + out[:, None] * S + s[None, :], own.to(tl.uint8), mask=sm)
+
+
+def draft_level(
+    kid_ids: torch.Tensor,
+    kid_score: torch.Tensor,
+    kid_logq: torch.Tensor,
+    front_score: torch.Tensor | None,
+    front_id: torch.Tensor | None,
+    hidden: torch.Tensor,
+    front_anc: torch.Tensor | None,
+    embed: torch.Tensor,
+    cand: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    offset: int,
+    created: int,
+    own_base: int | None,
+    scratch: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """See reference.draft_level. hidden [B, F, H] with unit stride on H; embed [Vd, H] contiguous rows;
+    cand's four [B, C] tensors share one row stride."""
+    b, f, k = kid_ids.shape
+    hd = hidden.shape[-1]
+    root = front_score is None
+    nxt = own_base is not None
+    tok = torch.empty((b, k), dtype=torch.int64, device=kid_ids.device)
+    score = torch.empty((b, k), dtype=torch.float32, device=kid_ids.device)
+    ids = torch.empty_like(tok)
+    h = torch.empty((b, k, hd), dtype=hidden.dtype, device=hidden.device)
+    anc = torch.empty((b, k, scratch), dtype=torch.bool, device=hidden.device)
+    emb = torch.empty((b, k, hd), dtype=embed.dtype, device=embed.device)
+    front_score = score if root else front_score.contiguous()  # unread at the root
+    front_id = ids if root else front_id.contiguous()
+    front_anc = anc if root else front_anc.contiguous()
+    _draft_level_kernel[(b,)](
+        kid_ids.contiguous(),
+        kid_score.contiguous(),
+        kid_logq.contiguous(),
+        front_score,
+        front_id,
+        hidden,
+        hidden.stride(0),
+        hidden.stride(1),
+        front_anc.view(torch.uint8),
+        embed,
+        embed.stride(0),
+        *cand,
+        cand[0].stride(0),
+        tok,
+        score,
+        ids,
+        h,
+        anc.view(torch.uint8),
+        emb,
+        offset,
+        created,
+        own_base if nxt else 0,
+        F=f,
+        K=k,
+        H=hd,
+        S=scratch,
+        BLOCK_C=triton.next_power_of_2(f * k),
+        BLOCK_K=triton.next_power_of_2(k),
+        BLOCK_H=64,
+        BLOCK_S=triton.next_power_of_2(max(scratch, 1)),
+        ROOT=root,
+        NEXT=nxt,
+        num_warps=4,
+    )
+    return (tok, score, ids, h, anc, emb) if nxt else None
+
+
+# ---- The draft tree's final selection ---------------------------------------------------------------------
+# PyTorch: the depth mask, two sorts (best first, then creation order), a scatter of positions, gathers
+# of parents, scores and ids, the d2t map and a stack of four casts: about 30 launches. One program per
+# sequence: rank by count (the candidates that outrank each, in 64-wide column blocks), positions in
+# creation order by a prefix sum, parents' positions and scores by register gathers.
+@triton.jit
+def _select_tree_kernel(
+    tok_ptr,
+    score_ptr,
+    par_ptr,
+    d2t_ptr,
+    keep_ptr,
+    depth_ptr,
+    tree_ptr,
+    kept_ptr,
+    s_c,
+    s_keep,
+    s_depth,
+    C: tl.constexpr,
+    K: tl.constexpr,
+    N: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_J: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    b = tl.program_id(0)
+    i = tl.arange(0, BLOCK_C)
+    ok = i < C
+    row_depth = tl.load(depth_ptr + b * s_depth)
+    keep = tl.load(keep_ptr + b * s_keep)
+    raw = tl.load(score_ptr + b * s_c + i, mask=ok, other=float("-inf"))
+    deep = tl.where(i < K, 1, 2 + (i - K) // (K * K)) > row_depth  # deeper than the row's tree
+    s = tl.where(deep, float("-inf"), raw)
+    rank = tl.zeros([BLOCK_C], dtype=tl.int32)
+    for j0 in tl.static_range(0, C, BLOCK_J):
+        j = j0 + tl.arange(0, BLOCK_J)
+        okj = j < C
+        sj = tl.load(score_ptr + b * s_c + j, mask=okj, other=float("-inf"))
+        sj = tl.where(tl.where(j < K, 1, 2 + (j - K) // (K * K)) > row_depth, float("-inf"), sj)
+        beats = (sj[None, :] > s[:, None]) | ((sj[None, :] == s[:, None]) & (j[None, :] < i[:, None]))
+        rank += tl.sum((beats & okj[None, :]).to(tl.int32), axis=1)
+    sel = ok & (rank < keep)
+    pos = tl.cumsum(sel.to(tl.int32), axis=0) - 1  # each kept candidate's row in creation order
+    par = tl.load(par_ptr + b * s_c + i, mask=ok, other=-1)
+    at = tl.maximum(par, 0).to(tl.int32)  # parents precede their children: inside the block
+    new_parent = tl.where(par < 0, -1, tl.gather(pos, at, 0))
+    parent_score = tl.where(par < 0, 0.0, tl.gather(raw, at, 0))
+    prob = tl.exp(raw - parent_score)
+    tok = tl.load(tok_ptr + b * s_c + i, mask=ok, other=0)
+    base = tok + tl.load(d2t_ptr + tok, mask=ok, other=0)
+    row = tree_ptr + b * 4 * N
+    e = tl.arange(0, BLOCK_N)
+    fill = (e >= keep) & (e < N)
+    zero = tl.zeros([BLOCK_N], dtype=tl.float64)
+    tl.store(row + e, zero, mask=fill)
+    tl.store(row + N + e, zero - 1.0, mask=fill)
+    tl.store(row + 2 * N + e, zero, mask=fill)
+    tl.store(row + 3 * N + e, zero - 1.0, mask=fill)
+    tl.store(kept_ptr + b * N + e, tl.zeros([BLOCK_N], dtype=tl.int64), mask=fill)
+    tl.store(row + pos, base.to(tl.float64), mask=sel)
+    tl.store(row + N + pos, new_parent.to(tl.float64), mask=sel)
+    tl.store(row + 2 * N + pos, prob.to(tl.float64), mask=sel)
+    tl.store(row + 3 * N + pos, tl.zeros([BLOCK_C], dtype=tl.float64) - 1.0, mask=sel)
+    tl.store(kept_ptr + b * N + pos, i.to(tl.int64), mask=sel)
+
+
+def select_tree(
+    tok: torch.Tensor,
+    score: torch.Tensor,
+    parent: torch.Tensor,
+    d2t: torch.Tensor,
+    keep: torch.Tensor,
+    row_depth: torch.Tensor,
+    k: int,
+    n: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """See reference.select_tree. tok, score, parent [B, C] share one row stride; keep, row_depth [B]
+    (any stride: columns of a packed block)."""
+    b, c = score.shape
+    tree = torch.empty((b, 4, n), dtype=torch.float64, device=score.device)
+    kept = torch.empty((b, n), dtype=torch.int64, device=score.device)
+    block = triton.next_power_of_2(c)
+    _select_tree_kernel[(b,)](
+        tok,
+        score,
+        parent,
+        d2t,
+        keep,
+        row_depth,
+        tree,
+        kept,
+        score.stride(0),
+        keep.stride(0),
+        row_depth.stride(0),
+        C=c,
+        K=k,
+        N=n,
+        BLOCK_C=block,
+        BLOCK_J=64,
+        BLOCK_N=triton.next_power_of_2(n),
+        num_warps=8 if block >= 512 else 4,
+    )
+    return tree, kept

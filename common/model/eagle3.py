@@ -131,7 +131,9 @@ class Eagle3Head(Float32RopeTables):
         if hidden.shape[-1] != self.cfg.hidden_size:
             hidden = self.fc(hidden)
         layer = self.midlayer
-        x = torch.cat((layer.input_layernorm(embeds), layer.hidden_norm(hidden)), dim=-1)
+        x = kernels.rms_norm_cat(
+            embeds, layer.input_layernorm.weight, hidden, layer.hidden_norm.weight, layer.input_layernorm.eps
+        )  # [B, T, 2H]
         batch = batch.planned(x, self.cfg.num_heads // self.cfg.num_kv_heads)
         attn = layer.self_attn(x, batch, self.rope_cos, self.rope_sin, cache.kv[layer_cache])
         normed, h = layer.post_attention_layernorm.add(attn, hidden)

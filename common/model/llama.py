@@ -202,12 +202,12 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """x: [B, T, d]; rope_cos, rope_sin: [max_position, D] float32 tables;
         kv: [slots, capacity, 2, kv_heads, head_dim], one layer of KVCache.kv. Returns [B, T, hidden]."""
-        b, t, _ = x.shape
-        h, kvh = self.num_heads, self.num_kv_heads
         qkv = F.linear(x, self.fused_weight())  # [B, T, (H + 2 KVH) * D]
-        kernels.rope_kv_write(qkv, rope_cos, rope_sin, batch.positions, batch.slots, batch.write_pos, kv, h, kvh)
-        q = qkv.view(b, t, h + 2 * kvh, self.head_dim)[:, :, :h]  # rotated in place
-        return self.o_proj(kernels.attention(q, kv, batch.slots, batch.prefix_len, batch.window, batch.plan))
+        out = kernels.rope_attention(
+            qkv, rope_cos, rope_sin, batch.positions, batch.slots, batch.write_pos, kv, batch.prefix_len,
+            batch.window, self.num_heads, self.num_kv_heads, batch.plan,
+        )  # fmt: skip
+        return self.o_proj(out)  # [B, T, hidden]
 
 
 class MLP(nn.Module):
