@@ -33,13 +33,13 @@ log = logging.getLogger("bench.decode_probe")
 DEFAULT_HEAD = Path(__file__).resolve().parents[1] / "models" / "eagle3-smollm2"
 
 
-def kernels(fn) -> list[str]:
-    """CUDA kernel names launched by one call of fn."""
+def kernels(fn) -> list[tuple[str, float]]:
+    """(name, microseconds on the device) of each CUDA kernel launched by one call of fn."""
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return [e.name for e in prof.events() if e.device_type.name == "CUDA"]
+    return [(e.name, e.time_range.elapsed_us()) for e in prof.events() if e.device_type.name == "CUDA"]
 
 
 def timed(fn, iters: int = 200) -> float:
@@ -61,7 +61,12 @@ def probe_step(name: str, graphs, key, step, inputs: dict, verbose: bool) -> dic
         replay = timed(lambda: graphs.run(key, step, inputs)) if graphs.is_captured(key) else None
     row = {"step": name, "kernels": len(names), "replay_ms": replay, "captured": graphs.is_captured(key)}
     if verbose:
-        row["by_name"] = collections.Counter(n[:90] for n in names).most_common()
+        count, us = collections.Counter(), collections.Counter()
+        for n, t in names:
+            count[n[:90]] += 1
+            us[n[:90]] += t
+        row["by_name"] = [(n, count[n], round(t, 1)) for n, t in us.most_common()]  # most device time first
+        row["kernel_us"] = round(sum(us.values()), 1)
     return row
 
 
@@ -195,7 +200,8 @@ def main() -> None:
     log.info("\n%s", text)
     if args.verbose:
         for r in rows:
-            log.info("%s kernels:\n%s", r["step"], "\n".join(f"  {n:5d} {k}" for k, n in r["by_name"]))
+            lines = "\n".join(f"  {n:5d} {t:8.1f} us  {k}" for k, n, t in r["by_name"])
+            log.info("%s kernels (%.1f us on the device, eager):\n%s", r["step"], r["kernel_us"], lines)
 
 
 def _decode_same_length(verifier: Verifier, ids: list[str]) -> None:
