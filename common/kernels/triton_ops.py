@@ -217,25 +217,56 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _rope_rows(base, t, head, ok, cos_ptr, sin_ptr, pos_ptr, sr_t, s_table, s_t, s_h, hd):
-    """The rotate-half RoPE of head head[i] of token t[i] (rows ok) of the vectors at base + t s_t +
-    head s_h, at position pos[t], in float32: the two halves [rows, D / 2] and their addresses."""
-    half: tl.constexpr = hd.shape[0]
-    pos = tl.load(pos_ptr + t * sr_t, mask=ok, other=0)
-    at = base + t[:, None] * s_t + head[:, None] * s_h + hd[None, :]
-    x1 = tl.load(at, mask=ok[:, None], other=0.0).to(tl.float32)
-    x2 = tl.load(at + half, mask=ok[:, None], other=0.0).to(tl.float32)
+def _rotate(x1, x2, pos, cos_ptr, sin_ptr, s_table, hd, ok):
+    """The rotate-half RoPE of vectors whose halves are x1, x2 [rows, D / 2] at positions pos [rows], in
+    float32 (as _rope_kv_kernel)."""
     c = tl.load(cos_ptr + pos[:, None] * s_table + hd[None, :], mask=ok[:, None], other=0.0)
     s = tl.load(sin_ptr + pos[:, None] * s_table + hd[None, :], mask=ok[:, None], other=0.0)
-    return x1 * c - x2 * s, x2 * c + x1 * s, at
+    x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
+    return x1 * c - x2 * s, x2 * c + x1 * s
 
 
-# ---- Attention over the cache with a prefix and a window mask ------------------------------------------
+@triton.jit
+def _attend(q1, q2, kv_at, s_kv, half, n_ok, seen, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr):
+    """One block of keys of the online softmax: q1, q2 [M, D / 2] the queries' halves; kv_at [N, D / 2]
+    addresses of the block's K first halves (K second halves at + half, V at + s_kv); n_ok [N] the keys
+    that exist; seen [M, N]; acc [M, D / 2, 2] the output's halves."""
+    k1 = tl.load(kv_at, mask=n_ok[:, None], other=0.0)
+    k2 = tl.load(kv_at + half, mask=n_ok[:, None], other=0.0)
+    v1 = tl.load(kv_at + s_kv, mask=n_ok[:, None], other=0.0)
+    v2 = tl.load(kv_at + s_kv + half, mask=n_ok[:, None], other=0.0)
+    if IEEE:
+        s = tl.dot(q1, tl.trans(k1), input_precision="ieee") + tl.dot(q2, tl.trans(k2), input_precision="ieee")
+    else:
+        s = tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))
+    s = tl.where(seen, s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    pr = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(pr, axis=1)
+    if IEEE:
+        acc = acc * alpha[:, None, None] + tl.join(
+            tl.dot(pr.to(v1.dtype), v1, input_precision="ieee"), tl.dot(pr.to(v2.dtype), v2, input_precision="ieee")
+        )
+    else:
+        acc = acc * alpha[:, None, None] + tl.join(tl.dot(pr.to(v1.dtype), v1), tl.dot(pr.to(v2.dtype), v2))
+    return m_new, l_i, acc
+
+
+# ---- Attention over the cache with a prefix and a window mask ---------------------------------------------
 # PyTorch (SDPA) needs the keys gathered out of the slot, a dense additive mask over the whole attended
 # length built per forward, and layout permutes: 6-8 launches per layer, and inside a CUDA graph the
 # gathered length is fixed at capture, so every step paid for the whole slot. This kernel reads K/V in
 # place and loops over prefix_len + W positions read at run time: a captured graph's attention costs
 # what the sequence's real length costs.
+# Split over keys (flash-decoding): a program per (sequence, KV head) loops over its keys one 64-key
+# block after another, about 1.4 us a block on an H100 (decode at 256 keys: 9-11 us, 30 times a step,
+# a third of the step) while 3 programs leave the GPU idle. With SPLITS > 1 the prefix is cut into
+# SPLITS ranges, one program each, and a second kernel merges their partial softmaxes.
+# RoPE (the new tokens' rope_kv_write) fused: the queries are rotated in registers by every program; the
+# new keys and values are written to the cache by split 0, which alone reads the window positions
+# (prefix_len onwards: every engine writes its new tokens there), after a barrier that makes its own
+# writes visible to all its threads. The other splits read only the prefix, which this call never writes.
 _ATTENTION_VARYING = ["T", "W", "n_rows", "ss_b", "sp_b", "sq_b", "sq_t", "sw_b", "sw_t", "so_b", "so_t"]
 
 
@@ -247,6 +278,8 @@ def _attention_kernel(
     prefix_ptr,
     win_ptr,
     out_ptr,
+    part_ptr,
+    lse_ptr,
     cos_ptr,
     sin_ptr,
     pos_ptr,
@@ -281,83 +314,120 @@ def _attention_kernel(
     IEEE: tl.constexpr,
     KVH: tl.constexpr,
     ROPE: tl.constexpr,
+    SPLITS: tl.constexpr,
 ):
     bh = tl.program_id(0)  # b * KVH + kv head
     b = bh // KVH
     kvh = bh % KVH
+    split = tl.program_id(2)
     r = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # query row r = t * G + g
     row_ok = r < n_rows
     t = r // G
     head = kvh * G + r % G
-    d = tl.arange(0, HEAD_DIM)
+    half: tl.constexpr = HEAD_DIM // 2
+    hd = tl.arange(0, half)
     slot = tl.load(slot_ptr + b * ss_b)
     prefix = tl.load(prefix_ptr + b * sp_b)
-    n_keys = prefix + W
     kv_base = kv_ptr + slot * s_slot + kvh * s_head
-    if ROPE:
-        # rope_kv_write for this sequence's KV head, fused (q points into qkv: heads [0, H) are q, then
-        # KVH k heads, then KVH v heads): the only program of (b, kv head) when all its rows fit one block
-        # (rope_attention checks), so nobody else reads what it writes; the barrier makes its own writes
-        # (q rotated in place, k and v in the cache) visible to all its threads before attention reads them.
-        hd = tl.arange(0, HEAD_DIM // 2)
-        half: tl.constexpr = HEAD_DIM // 2
+    q_at = q_ptr + b * sq_b + t[:, None] * sq_t + head[:, None] * sq_h + hd[None, :]
+    q1 = tl.load(q_at, mask=row_ok[:, None], other=0.0)
+    q2 = tl.load(q_at + half, mask=row_ok[:, None], other=0.0)
+    if ROPE:  # q rotated and rounded as rope_kv_write would store it (q points into qkv: k, v heads after q)
         pos_b = pos_ptr + b * sr_b
-        y1, y2, at = _rope_rows(
-            q_ptr + b * sq_b, t, head, row_ok, cos_ptr, sin_ptr, pos_b, sr_t, s_table, sq_t, sq_h, hd
-        )
-        tl.store(at, y1.to(q_ptr.dtype.element_ty), mask=row_ok[:, None])  # q, rotated in place
-        tl.store(at + half, y2.to(q_ptr.dtype.element_ty), mask=row_ok[:, None])
-        tok = tl.arange(0, BLOCK_M)
-        tok_ok = tok < T
-        k_head = KVH * G + kvh + tl.zeros([BLOCK_M], tl.int32)
-        y1, y2, _ = _rope_rows(
-            q_ptr + b * sq_b, tok, k_head, tok_ok, cos_ptr, sin_ptr, pos_b, sr_t, s_table, sq_t, sq_h, hd
-        )
-        dst = kv_base + tl.load(wpos_ptr + b * sx_b + tok * sx_t, mask=tok_ok, other=0)[:, None] * s_pos + hd[None, :]
-        tl.store(dst, y1.to(kv_ptr.dtype.element_ty), mask=tok_ok[:, None])  # k, rotated
-        tl.store(dst + half, y2.to(kv_ptr.dtype.element_ty), mask=tok_ok[:, None])
-        v_at = q_ptr + b * sq_b + tok[:, None] * sq_t + (k_head[:, None] + KVH) * sq_h + hd[None, :]
-        for part in tl.static_range(2):  # v as it is
-            v_half = tl.load(v_at + part * half, mask=tok_ok[:, None], other=0.0)
-            tl.store(dst + s_kv + part * half, v_half.to(kv_ptr.dtype.element_ty), mask=tok_ok[:, None])
-        tl.debug_barrier()
-    q = tl.load(
-        q_ptr + b * sq_b + t[:, None] * sq_t + head[:, None] * sq_h + d[None, :], mask=row_ok[:, None], other=0.0
-    )
+        y1, y2 = _rotate(q1, q2, tl.load(pos_b + t * sr_t, mask=row_ok, other=0), cos_ptr, sin_ptr, s_table, hd, row_ok)
+        q1, q2 = y1.to(q_ptr.dtype.element_ty), y2.to(q_ptr.dtype.element_ty)
+        if split == 0:
+            tok = tl.arange(0, BLOCK_M)
+            tok_ok = tok < T
+            k_at = q_ptr + b * sq_b + tok[:, None] * sq_t + (KVH * G + kvh) * sq_h + hd[None, :]
+            k1 = tl.load(k_at, mask=tok_ok[:, None], other=0.0)
+            k2 = tl.load(k_at + half, mask=tok_ok[:, None], other=0.0)
+            y1, y2 = _rotate(
+                k1, k2, tl.load(pos_b + tok * sr_t, mask=tok_ok, other=0), cos_ptr, sin_ptr, s_table, hd, tok_ok
+            )
+            wpos = tl.load(wpos_ptr + b * sx_b + tok * sx_t, mask=tok_ok, other=0)
+            dst = kv_base + wpos[:, None] * s_pos + hd[None, :]
+            tl.store(dst, y1.to(kv_ptr.dtype.element_ty), mask=tok_ok[:, None])  # k, rotated
+            tl.store(dst + half, y2.to(kv_ptr.dtype.element_ty), mask=tok_ok[:, None])
+            for part in tl.static_range(2):  # v as it is
+                v = tl.load(k_at + KVH * sq_h + part * half, mask=tok_ok[:, None], other=0.0)
+                tl.store(dst + s_kv + part * half, v.to(kv_ptr.dtype.element_ty), mask=tok_ok[:, None])
+            tl.debug_barrier()
     m_i = tl.full((BLOCK_M,), -1.0e30, tl.float32)  # finite: a fully masked block leaves it unchanged
     l_i = tl.zeros((BLOCK_M,), tl.float32)
-    acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
-    for start in range(0, n_keys, BLOCK_N):
+    acc = tl.zeros((BLOCK_M, half, 2), tl.float32)  # [M, D / 2, 2]: the output's halves, joined
+    # this program's share of the prefix: whole key blocks, split after split
+    per = tl.cdiv(tl.cdiv(prefix, BLOCK_N), SPLITS) * BLOCK_N
+    lo = split * per
+    hi = tl.minimum(lo + per, prefix)
+    for start in range(lo, hi, BLOCK_N):
         p = start + tl.arange(0, BLOCK_N)
-        p_ok = p < n_keys
-        k = tl.load(kv_base + p[:, None] * s_pos + d[None, :], mask=p_ok[:, None], other=0.0)
-        v = tl.load(kv_base + s_kv + p[:, None] * s_pos + d[None, :], mask=p_ok[:, None], other=0.0)
-        if IEEE:  # noqa: SIM108 - a compile-time branch of the kernel
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        w = p - prefix
-        in_win = (w >= 0) & p_ok
+        p_ok = p < hi
+        kv_at = kv_base + p[:, None] * s_pos + hd[None, :]
+        seen = row_ok[:, None] & p_ok[None, :]
+        m_i, l_i, acc = _attend(q1, q2, kv_at, s_kv, half, p_ok, seen, m_i, l_i, acc, qk_scale, IEEE)
+    # the window (new tokens and, in the draft, its scratch entries): split 0's
+    for w0 in range(0, tl.where(split == 0, W, 0), BLOCK_N):
+        w = w0 + tl.arange(0, BLOCK_N)
+        w_ok = w < W
         win = tl.load(
-            win_ptr + b * sw_b + t[:, None] * sw_t + w[None, :], mask=row_ok[:, None] & in_win[None, :], other=0
+            win_ptr + b * sw_b + t[:, None] * sw_t + w[None, :], mask=row_ok[:, None] & w_ok[None, :], other=0
         )
-        seen = (p[None, :] < prefix) | (win != 0)
-        s = tl.where(seen, s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        pr = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(pr, axis=1)
-        if IEEE:  # noqa: SIM108 - a compile-time branch of the kernel
-            acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v)
-        m_i = m_new
-    acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(
-        out_ptr + b * so_b + t[:, None] * so_t + head[:, None] * so_h + d[None, :],
-        acc.to(out_ptr.dtype.element_ty),
-        mask=row_ok[:, None],
-    )
+        kv_at = kv_base + (prefix + w)[:, None] * s_pos + hd[None, :]
+        m_i, l_i, acc = _attend(q1, q2, kv_at, s_kv, half, w_ok, win != 0, m_i, l_i, acc, qk_scale, IEEE)
+    o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None, None]
+    o = tl.reshape(tl.permute(o, (0, 2, 1)), (BLOCK_M, HEAD_DIM))  # [M, D]: first halves, then second
+    d = tl.arange(0, HEAD_DIM)
+    if SPLITS == 1:
+        dst = out_ptr + b * so_b + t[:, None] * so_t + head[:, None] * so_h + d[None, :]
+        tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    else:  # the partial softmax: normalised output and log2-sum-exp (-inf: nothing seen) of each row
+        prog = (bh * tl.num_programs(1) + tl.program_id(1)) * SPLITS + split
+        tl.store(part_ptr + (prog * BLOCK_M + tl.arange(0, BLOCK_M))[:, None] * HEAD_DIM + d[None, :], o)
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
+        tl.store(lse_ptr + prog * BLOCK_M + tl.arange(0, BLOCK_M), lse)
+
+
+@triton.jit(do_not_specialize=["T", "n_rows", "so_b", "so_t"])
+def _attention_merge_kernel(
+    part_ptr,
+    lse_ptr,
+    out_ptr,
+    T,
+    n_rows,
+    so_b,
+    so_t,
+    so_h,
+    G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    KVH: tl.constexpr,
+    SPLITS: tl.constexpr,
+):
+    """Merge the SPLITS partial softmaxes of a program of _attention_kernel: weights 2^(lse - max)."""
+    bh = tl.program_id(0)
+    b = bh // KVH
+    kvh = bh % KVH
+    prog = bh * tl.num_programs(1) + tl.program_id(1)
+    m = tl.arange(0, BLOCK_M)
+    d = tl.arange(0, HEAD_DIM)
+    top = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    for sp in tl.static_range(SPLITS):
+        top = tl.maximum(top, tl.load(lse_ptr + (prog * SPLITS + sp) * BLOCK_M + m))
+    top = tl.where(top == float("-inf"), 0.0, top)
+    total = tl.zeros((BLOCK_M,), tl.float32)
+    o = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+    for sp in tl.static_range(SPLITS):  # one coalesced [M, D] tile a split
+        w = tl.exp2(tl.load(lse_ptr + (prog * SPLITS + sp) * BLOCK_M + m) - top)  # 0: the split saw nothing
+        part = tl.load(part_ptr + ((prog * SPLITS + sp) * BLOCK_M + m)[:, None] * HEAD_DIM + d[None, :])
+        o += part * w[:, None]
+        total += w
+    o = o / tl.maximum(total, 1e-30)[:, None]
+    r = tl.program_id(1) * BLOCK_M + m
+    t = r // G
+    head = kvh * G + r % G
+    dst = out_ptr + b * so_b + t[:, None] * so_t + head[:, None] * so_h + d[None, :]
+    tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=(r < n_rows)[:, None])
 
 
 def attention(
@@ -381,9 +451,10 @@ def rope_attention(
     num_heads: int,
     num_kv_heads: int,
 ) -> torch.Tensor:
-    """rope_kv_write, then attention of the rotated q, in one launch: qkv [B, T, (H + 2 KVH) D] contiguous,
-    kv of qkv's dtype; T * H / KVH <= 64 (one program a sequence and KV head: see _attention_kernel).
-    Returns [B, T, H * D]; qkv's q and k parts are rotated in place."""
+    """rope_kv_write, then attention of the rotated q, in one launch (two with a split): qkv
+    [B, T, (H + 2 KVH) D] contiguous, kv of qkv's dtype; T * H / KVH <= 64 (one program a sequence, KV
+    head and split); write_pos >= prefix_len (the window's side). Returns [B, T, H * D]; qkv is read,
+    not rotated in place."""
     b, t, width = qkv.shape
     heads = qkv.view(b, t, num_heads + 2 * num_kv_heads, width // (num_heads + 2 * num_kv_heads))
     return _attention(heads, num_heads, kv, slots, prefix_len, window, (cos, sin, positions, write_pos))
@@ -399,26 +470,33 @@ def _attention(
     rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None,
 ) -> torch.Tensor:
     """The launch: q's first h heads attend (with rope: q holds k and v heads after them, rotated and
-    written by the kernel first)."""
+    written by the kernel first). Splits over keys while the programs would not fill the GPU: up to 8
+    at batch 1 (3 KV heads), 2 at batch 16, 1 from about 40 sequences on."""
     b, t, _, d = q.shape
     kvh = kv.shape[3]
     g = h // kvh
     n_rows = t * g
     block_m = 16 if n_rows <= 16 else 32 if n_rows <= 32 else 64
-    if rope is not None and n_rows > block_m:
+    m_blocks = triton.cdiv(n_rows, block_m)
+    if rope is not None and m_blocks > 1:
         raise ValueError(f"rope_attention takes at most 64 query rows per KV head, got {n_rows}")
+    programs = b * kvh * m_blocks
+    splits = 1 if programs >= 64 else 2 if programs >= 32 else 4 if programs >= 16 else 8
     out = torch.empty((b, t, h, d), dtype=q.dtype, device=q.device)
+    part = torch.empty((programs * splits * block_m, d), dtype=torch.float32, device=q.device) if splits > 1 else out
+    lse = torch.empty(programs * splits * block_m, dtype=torch.float32, device=q.device) if splits > 1 else out
     win = window.view(torch.uint8) if window.dtype == torch.bool else window
     scale = 1.0 / math.sqrt(d) * 1.4426950408889634  # log2(e): the kernel uses exp2
     cos, sin, positions, write_pos = rope if rope is not None else (q, q, slots[:, None], slots[:, None])
-    grid = (b * kvh, triton.cdiv(n_rows, block_m))
-    _attention_kernel[grid](
+    _attention_kernel[(b * kvh, m_blocks, splits)](
         q,
         kv,
         slots,
         prefix_len,
         win,
         out,
+        part,
+        lse,
         cos,
         sin,
         positions,
@@ -453,8 +531,26 @@ def _attention(
         IEEE=q.dtype == torch.float32,
         KVH=kvh,
         ROPE=rope is not None,
+        SPLITS=splits,
         num_warps=4,
     )
+    if splits > 1:
+        _attention_merge_kernel[(b * kvh, m_blocks)](
+            part,
+            lse,
+            out,
+            t,
+            n_rows,
+            out.stride(0),
+            out.stride(1),
+            out.stride(2),
+            G=g,
+            HEAD_DIM=d,
+            BLOCK_M=block_m,
+            KVH=kvh,
+            SPLITS=splits,
+            num_warps=4,
+        )
     return out.view(b, t, h * d)
 
 
