@@ -68,6 +68,11 @@ def export_buffer(t: torch.Tensor) -> ExportedBuffer:
     )
 
 
+def _unexported(t: torch.Tensor) -> ExportedBuffer:
+    """A buffer's description without an IPC handle (a CPU buffer: nothing else can map it)."""
+    return ExportedBuffer(buffer_id=uuid.uuid4().hex, handle=b"", offset_bytes=0, nbytes=t.numel() * t.element_size())
+
+
 class _DevicePointer:
     """Presents a raw device pointer to torch.as_tensor through __cuda_array_interface__."""
 
@@ -106,7 +111,8 @@ class HiddenExport:
     def __init__(self, regions: int, rows: int, width: int, dtype: torch.dtype, device: torch.device) -> None:
         self.buffer = torch.zeros(regions, rows, width, dtype=dtype, device=device)
         self.table: SlotTable[_Region] = SlotTable(regions)
-        self.exported = export_buffer(self.buffer)
+        # a CPU buffer has no IPC handle: the same bookkeeping, for CPU tests and bench/host_round.py
+        self.exported = export_buffer(self.buffer) if self.buffer.is_cuda else _unexported(self.buffer)
         self.row_bytes = width * self.buffer.element_size()
         self.rows = rows
 
@@ -128,7 +134,8 @@ class HiddenExport:
 
     def wait(self) -> None:
         """Block until every write so far is in device memory: once per call, before it answers."""
-        torch.cuda.current_stream(self.buffer.device).synchronize()
+        if self.buffer.is_cuda:  # CPU copies are complete when they return
+            torch.cuda.current_stream(self.buffer.device).synchronize()
 
     def release(self, seq_id: str) -> None:
         self.table.release(seq_id)
