@@ -1,0 +1,84 @@
+"""The verifier's host path in batches, pinned against the per-item rules it replaced: the trees of a Verify
+read and checked in one numpy pass (the same trees, the same error for the first bad one)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from common.errors import InvalidRequest
+from common.tree import DraftQ, Tree
+from services.tree_wire import BATCH_FROM, draft_tree, tree_msg, tree_of, trees_of
+from specdec.v1 import internal_pb2 as pb
+
+VOCAB = 10
+
+
+def _q_tree(ids_shift: int = 0) -> pb.DraftTree:
+    """A sampled tree: q at the root and at node 0 (tests/test_sampling_rule.py's example)."""
+    q = DraftQ(
+        rows=np.array([0, 1]),
+        ids=np.array([[7, 9, 3], [4, 7, 8]]) + ids_shift,
+        probs=np.array([[0.5, 0.3, 0.2], [0.6, 0.4, 0]]),
+    )
+    msg = pb.DraftTree()
+    tree_msg(Tree(np.array([9, 7, 4]), np.array([-1, -1, 0]), np.array([0.3, 0.5, 0.6]), q), msg)
+    return msg
+
+
+GOOD = [
+    draft_tree([1, 2, 3], [-1, 0, 0], [0.5, 0.25, 0.125]),
+    draft_tree([4], [-1]),  # no probabilities: all 1
+    draft_tree([], []),
+    draft_tree([5, 6, 7, 8], [-1, -1, 0, 2], [1, 1, 1, 1]),
+    _q_tree(),
+]
+BAD = [
+    draft_tree([5, 6], [-1, 7]),  # parent out of range
+    draft_tree([5, 6, 7], [-1, 2, 1]),  # parent does not precede
+    draft_tree([5, 6], [-1, 1]),  # self loop
+    draft_tree([5, 10], [-1, 0]),  # token outside the vocabulary
+    draft_tree([-3, 1], [-1, 0]),  # negative token
+    draft_tree([5] * 9, [-1] * 9),  # over max_nodes
+    draft_tree([5, 6], [-1]),  # fewer parents than tokens
+    draft_tree([5, 6], [-1, 0], [0.5]),  # wrong number of probabilities
+    pb.DraftTree(token_ids=b"\0" * 6, parents=b"\0" * 6),  # not whole int32 values
+    _q_tree(ids_shift=1),  # children not drawn from q
+]
+
+
+def _message(msg: pb.DraftTree) -> str:
+    with pytest.raises(InvalidRequest) as e:
+        tree_of(msg, max_nodes=8, vocab_size=VOCAB)
+    return str(e.value)
+
+
+def _same_tree(a: Tree, b: Tree) -> None:
+    for x, y in ((a.tokens, b.tokens), (a.parents, b.parents), (a.probs, b.probs)):
+        assert x.dtype == y.dtype and x.tolist() == y.tolist()
+    assert (a.q is None) == (b.q is None)
+    if a.q is not None:
+        assert a.q.rows.tolist() == b.q.rows.tolist() and a.q.ids.tolist() == b.q.ids.tolist()
+
+
+def test_trees_of_reads_the_trees_tree_of_reads() -> None:
+    """Every good tree, in batches below and above BATCH_FROM, comes back as tree_of returns it (dtypes too)."""
+    for batch in (GOOD[:2], GOOD * 3):
+        got = trees_of(batch, max_nodes=8, vocab_size=VOCAB)
+        assert len(got) == len(batch)
+        for msg, tree in zip(batch, got):
+            _same_tree(tree, tree_of(msg, max_nodes=8, vocab_size=VOCAB))
+
+
+def test_trees_of_raises_tree_of_message_for_the_first_bad_tree() -> None:
+    """Each bad tree, at the start, middle or end of a batch of good ones and before another bad one,
+    raises exactly tree_of's message for it."""
+    assert len(GOOD) + 2 >= BATCH_FROM  # the batched pass runs
+    for i, bad in enumerate(BAD):
+        want = _message(bad)
+        later = BAD[(i + 1) % len(BAD)]
+        for at in (0, 2, len(GOOD)):
+            batch = [*GOOD[:at], bad, *GOOD[at:], later]
+            with pytest.raises(InvalidRequest) as e:
+                trees_of(batch, max_nodes=8, vocab_size=VOCAB)
+            assert str(e.value) == want, (i, at)
