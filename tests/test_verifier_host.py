@@ -1,12 +1,15 @@
 """The verifier's host path in batches, pinned against the per-item rules it replaced: the trees of a Verify
-read and checked in one numpy pass (the same trees, the same error for the first bad one)."""
+read and checked in one numpy pass (the same trees, the same error for the first bad one), the hidden rows
+of many sequences written into the exported buffer in one copy (where one write each puts them)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from common.errors import InvalidRequest
+from common.ipc import HiddenExport
 from common.tree import DraftQ, Tree
 from services.tree_wire import BATCH_FROM, draft_tree, tree_msg, tree_of, trees_of
 from specdec.v1 import internal_pb2 as pb
@@ -82,3 +85,31 @@ def test_trees_of_raises_tree_of_message_for_the_first_bad_tree() -> None:
             with pytest.raises(InvalidRequest) as e:
                 trees_of(batch, max_nodes=8, vocab_size=VOCAB)
             assert str(e.value) == want, (i, at)
+
+
+def test_write_many_lands_where_one_write_each_does() -> None:
+    """The docstring's example: 4 rows a region, a in region 2 from row 1 (2 rows), b in region 0 (1 row)
+    -> hidden rows [a0, a1, b0] at flat rows [9, 10, 0]; the same buffer, offsets and write counts as
+    write() once per sequence."""
+    hidden = torch.arange(9, dtype=torch.float32).reshape(3, 3)  # [a0, a1, b0], width 3
+    exports = [HiddenExport(4, 4, 3, torch.float32, torch.device("cpu")) for _ in range(2)]
+    for e in exports:  # b takes region 0, then x region 1, a region 2
+        for s in ("b", "x", "a"):
+            e.write(s, torch.zeros(1, 3))
+    batched, single = exports
+    placed = batched.write_many(["a", "b"], hidden, [2, 1], [1, 0])
+    row_bytes = 3 * 4
+    assert placed == [(9 * row_bytes, 2), (0, 2)]
+    assert placed == [single.write("a", hidden[:2], 1), single.write("b", hidden[2:], 0)]
+    assert torch.equal(batched.buffer, single.buffer)
+    assert torch.equal(batched.flat[[9, 10, 0]], hidden)
+
+
+def test_write_many_checks_every_range_before_writing() -> None:
+    export = HiddenExport(4, 4, 2, torch.float32, torch.device("cpu"))
+    export.write("a", torch.zeros(1, 2))
+    with pytest.raises(InvalidRequest, match=r"hidden rows \[3, 5\) exceed the exported region of 4"):
+        export.write_many(["a", "new"], torch.ones(3, 2), [1, 2], [0, 3])
+    assert not export.buffer.any() and len(export.table) == 1  # nothing written, no region taken
+    with pytest.raises(ValueError, match="twice"):
+        export.write_many(["a", "a"], torch.ones(2, 2), [1, 1])
