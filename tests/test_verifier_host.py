@@ -1,6 +1,7 @@
 """The verifier's host path in batches, pinned against the per-item rules it replaced: the trees of a Verify
 read and checked in one numpy pass (the same trees, the same error for the first bad one), the hidden rows
-of many sequences written into the exported buffer in one copy (where one write each puts them)."""
+of many sequences written into the exported buffer in one copy (where one write each puts them), the verify
+block packed at once."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import numpy as np
 import pytest
 import torch
 
+from common.engine.base import VerifyInput
+from common.engine.verifier import Verifier
 from common.errors import InvalidRequest
 from common.ipc import HiddenExport
 from common.tree import DraftQ, Tree
@@ -113,3 +116,17 @@ def test_write_many_checks_every_range_before_writing() -> None:
     assert not export.buffer.any() and len(export.table) == 1  # nothing written, no region taken
     with pytest.raises(ValueError, match="twice"):
         export.write_many(["a", "a"], torch.ones(2, 2), [1, 1])
+
+
+def test_pack_trees_worked_example() -> None:
+    """_pack_trees' docstring: trees [a, b] (parents [-1, 0]) and [c] ([-1]) in a block of tb = 4 rows."""
+    a, b, c = 11, 12, 13
+    items = [
+        VerifyInput("s", Tree(np.array([a, b]), np.array([-1, 0]), np.ones(2, np.float32))),
+        VerifyInput("t", Tree(np.array([c]), np.array([-1]), np.ones(1, np.float32))),
+    ]
+    block = np.zeros((2, 2 * 4 + 3), dtype=np.int64)
+    block[:, 4:8] = np.arange(4)  # padding rows name themselves
+    Verifier._pack_trees(block, items, np.array([2, 1]))
+    assert block[:, :4].tolist() == [[0, a, b, 0], [0, c, 0, 0]]
+    assert block[:, 4:8].tolist() == [[0, 0, 1, 3], [0, 0, 2, 3]]
