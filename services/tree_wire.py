@@ -64,10 +64,6 @@ def unpack(msg: pb.DraftTree) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     )
 
 
-def size(msg: pb.DraftTree) -> int:
-    return len(msg.token_ids) // 4
-
-
 def draft_q(msg: pb.DraftTree) -> DraftQ | None:
     """A sampled tree's q (checked against the tree by validate_tree), or None for a top-k tree."""
     if msg.q_width == 0:
