@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import functools
 import io
 import json
 import logging
@@ -232,31 +233,22 @@ async def measure(
     return Measured(walls, engine_s, ops)
 
 
-# torch calls that launch nothing on a GPU (metadata only, or no-ops here)
-NO_WORK = {
-    "aten::view",
-    "aten::_unsafe_view",
-    "aten::reshape",
-    "aten::_reshape_alias",
-    "aten::t",
-    "aten::transpose",
-    "aten::permute",
-    "aten::expand",
-    "aten::slice",
-    "aten::select",
-    "aten::unsqueeze",
-    "aten::squeeze",
-    "aten::as_strided",
-    "aten::alias",
-    "aten::detach",
-    "aten::empty",
-    "aten::empty_strided",
-    "aten::lift_fresh",
-    "aten::narrow",
-    "aten::to",
-    "aten::_to_copy",
-    "aten::result_type",
-}
+@functools.cache
+def does_work(name: str) -> bool:
+    """Whether a torch operation (a profiler event name) does work: a kernel or a copy on a GPU. Not one whose
+    result is a view of its input (its schema says the result aliases it and nothing is written: select,
+    slice, view, detach, to when nothing changes, ...), nor a bare allocation (empty, new_empty)."""
+    op = name.removeprefix("aten::")
+    if op.startswith(("empty", "new_empty")):
+        return False
+    packet = getattr(torch.ops.aten, op, None)
+    if packet is None:
+        return True
+    for overload in packet.overloads():
+        returns = getattr(packet, overload)._schema.returns
+        if returns and all(r.alias_info is not None and not r.alias_info.is_write for r in returns):
+            return False
+    return True
 
 
 async def count_ops(round_: Callable[[], Awaitable]) -> int:
@@ -266,11 +258,11 @@ async def count_ops(round_: Callable[[], Awaitable]) -> int:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         await round_()
     n = 0
-    for e in prof.events():
-        if not e.name.startswith("aten::") or e.name in NO_WORK:
+    for e in prof.events():  # counted once: at the outermost operation that does work
+        if not e.name.startswith("aten::") or not does_work(e.name):
             continue
         parent = e.cpu_parent
-        while parent is not None and parent.name in NO_WORK:
+        while parent is not None and parent.name.startswith("aten::") and not does_work(parent.name):
             parent = parent.cpu_parent
         n += parent is None or not parent.name.startswith("aten::")
     return n
