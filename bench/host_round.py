@@ -2,7 +2,7 @@
 engine's forward on a Verify (trees in the request, or chained from the draft) and on a plain Decode.
 
     PYTHONPATH=. python -m bench.host_round [--items 1,16,64] [--rounds 200] [--out bench-results]
-                                            [--hidden ipc|inline] [--profile KIND:ITEMS]
+                                            [--hidden ipc|inline] [--hidden-size 576] [--profile KIND:ITEMS]
 
 The servicer (services/verifier/server.py) and the engine (common/engine/verifier.Verifier) are the real
 ones, built on the CPU with a small random Llama of SmolLM2-135M's width (3 x 576 features a row), with
@@ -25,10 +25,12 @@ decode          a DecodeRequest of `--steps` plain steps whose items want their 
 the colocated fast path; inline: as bytes in the response. Calls run inline on the event loop, as they do
 on a GPU (services/engine_runner.py). Each round starts from the same sequence lengths.
 
-"torch ops" counts the torch operations that do work in one round (count_ops): each is a kernel launch or
-a copy on a GPU, where it costs more host time than here. Writes DIR/host_round.json and DIR/host_round.md
-and logs the table. --profile verify-chained:64 also
-writes DIR/host_round_<kind>_<items>.txt, cProfile's top functions over that case's rounds.
+Here the features' copies (the kept rows, a decode's steps, the writes into the buffer) are CPU memory
+traffic, which on a GPU is device work: --hidden-size 64 makes them small and leaves the host's own work.
+"torch ops" counts the torch operations that do work in one round (count_ops): each is a kernel launch or a
+copy on a GPU, microseconds of host time apiece there. Writes DIR/host_round.json and DIR/host_round.md and
+logs the table; --profile verify-chained:64 also writes DIR/host_round_verify-chained_64.txt, cProfile's top
+functions over that case's rounds.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import functools
 import io
 import json
 import logging
+import math
 import os
 import platform
 import pstats
@@ -66,16 +69,25 @@ log = logging.getLogger("bench.host_round")
 ACCEPTED = 3  # drafted nodes every stubbed verify accepts (a round commits 4 tokens, as EAGLE-3 roughly does)
 LEVELS = (10, 16, 14, 10, 6, 4)  # nodes per depth of a bench tree: 60 nodes, 6 levels, top-10 wide
 PROMPT = 32  # tokens each sequence is prefilled with
-CONFIG = LlamaConfig(  # SmolLM2-135M's width; few layers (EAGLE-3 taps layer 2) and a small vocabulary
-    vocab_size=4096,
-    hidden_size=576,
-    intermediate_size=256,
-    num_layers=5,
-    num_heads=9,
-    num_kv_heads=3,
-    head_dim=64,
-    max_position=1024,
-)
+VOCAB = 4096  # a small vocabulary keeps the set-up quick (tree tokens are drawn from it)
+
+
+def model_config(hidden_size: int) -> LlamaConfig:
+    """A random Llama of this width (SmolLM2-135M's by default: 576, heads of 64), with the few layers that
+    EAGLE-3's taps need (layer 2)."""
+    if hidden_size % 64:
+        raise ValueError(f"hidden size must be a multiple of 64, got {hidden_size}")
+    heads = hidden_size // 64
+    return LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=hidden_size,
+        intermediate_size=256,
+        num_layers=5,
+        num_heads=heads,
+        num_kv_heads=math.gcd(heads, 3),
+        head_dim=64,
+        max_position=1024,
+    )
 
 
 class HostOnlyVerifier(Verifier):
@@ -155,17 +167,18 @@ class FakeDraft:
         return Batched([r.tree for r in resp.results], resp.compute_us / 1e6)
 
 
-def build(max_items: int, hidden: str) -> tuple[VerifierServicer, FakeDraft]:
+def build(max_items: int, hidden: str, hidden_size: int = 576) -> tuple[VerifierServicer, FakeDraft]:
     """The servicer over a HostOnlyVerifier with room for max_items sequences (and the spare)."""
     torch.manual_seed(0)
     cfg = VerifierConfig(max_sequences=max_items + 1, max_context=512, max_tree_nodes=64)
-    engine = HostOnlyVerifier(Checkpoint("bench", CONFIG, {}, Path(".")), cfg, graphs=True)  # pads as a GPU
-    servicer = VerifierServicer(engine, 3 * CONFIG.hidden_size, max_items, lease_ttl=3600.0)
+    mcfg = model_config(hidden_size)
+    engine = HostOnlyVerifier(Checkpoint("bench", mcfg, {}, Path(".")), cfg, graphs=True)  # pads as a GPU
+    servicer = VerifierServicer(engine, 3 * hidden_size, max_items, lease_ttl=3600.0)
     servicer.inline = True  # on the event loop, as on a GPU (no engine-thread hop)
     if hidden == "ipc":
         i = engine.info
-        servicer.export = HiddenExport(i.max_sequences, i.max_context, 3 * CONFIG.hidden_size, torch.float32, "cpu")
-    draft = FakeDraft(bench_tree(np.random.default_rng(0), CONFIG.vocab_size))
+        servicer.export = HiddenExport(i.max_sequences, i.max_context, 3 * hidden_size, torch.float32, "cpu")
+    draft = FakeDraft(bench_tree(np.random.default_rng(0), VOCAB))
     servicer.chain = DraftChain(lambda address: draft)
     return servicer, draft
 
@@ -270,14 +283,13 @@ async def count_ops(round_: Callable[[], Awaitable]) -> int:
 
 async def run(args: argparse.Namespace, out: Path) -> list[dict]:
     items = [int(n) for n in args.items.split(",")]
-    servicer, draft = build(max(items), args.hidden)
+    servicer, draft = build(max(items), args.hidden, args.hidden_size)
     ids = [f"gw.0-{i}" for i in range(max(items))]
     rng = np.random.default_rng(1)
     prefill = pb.PrefillRequest(
         owner="",
         items=[
-            pb.PrefillItem(seq_id=s, token_ids=rng.integers(3, CONFIG.vocab_size, PROMPT).tolist(), want_hidden=False)
-            for s in ids
+            pb.PrefillItem(seq_id=s, token_ids=rng.integers(3, VOCAB, PROMPT).tolist(), want_hidden=False) for s in ids
         ],
     )
     await servicer.Prefill(prefill, Context())
@@ -319,6 +331,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--steps", type=int, default=8, help="plain steps per Decode (the gateway's --plain-steps)")
     ap.add_argument("--hidden", choices=("ipc", "inline"), default="ipc")
+    ap.add_argument(
+        "--hidden-size", type=int, default=576, help="the model's width (3x a feature row); 64 leaves out the copies"
+    )
     ap.add_argument("--profile", default="", help="KIND:ITEMS to profile, e.g. verify-chained:64")
     ap.add_argument("--out", default="bench-results")
     args = ap.parse_args()
@@ -329,7 +344,7 @@ def main() -> None:
     rows = asyncio.run(run(args, out))
     command = (
         f"PYTHONPATH=. python -m bench.host_round --items {args.items} --rounds {args.rounds} "
-        f"--steps {args.steps} --hidden {args.hidden}"
+        f"--steps {args.steps} --hidden {args.hidden} --hidden-size {args.hidden_size}"
     )
     meta = {
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
