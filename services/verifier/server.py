@@ -205,12 +205,12 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         if not seq_ids:
             return
         if self.export is None:
-            for h, msg in zip(hidden.cpu().split(counts), msgs):
+            for h, msg in zip(hidden.cpu().split_with_sizes(counts), msgs):
                 encode_inline(h, msg)
             return
         buffer_id = self.export.exported.buffer_id
         placed = self.export.write_many(seq_ids, hidden, counts, rows)
-        for h, msg, (offset, writes) in zip(hidden.split(counts), msgs, placed):
+        for h, msg, (offset, writes) in zip(hidden.split_with_sizes(counts), msgs, placed):
             encode_ipc(h, msg, buffer_id, offset, writes)
 
     def _export_hidden(self, request: pb.ExportRequest) -> pb.IpcBuffer:
