@@ -312,8 +312,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             tree, out = next(verified)
             results.append(add(seq_id=s, accepted_tokens=out.tokens, tree_nodes=tree.size))
         if outs:
+            counts = [o.hidden.shape[0] for o in outs]  # [K] rows of each verified item
             hidden = torch.cat([o.hidden for o in outs]) if len(outs) > 1 else outs[0].hidden  # [sum(counts), 3H]
-            counts = [o.hidden.shape[0] for o in outs]
             self._hiddens([ids[i] for i in todo], hidden, counts, [r.hidden for r in results])
         self._published()
         return resp
@@ -333,7 +333,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         results = [add(seq_id=s, next_token=tokens[0], tokens=tokens) for s, tokens in zip(ids, out.tokens)]
         if want:
             steps = len(out.tokens[0])
-            # [len(want) * steps, 3H]: every item's rows as they lie when all want them, else gathered
+            # [len(want), steps, 3H]: every item's rows as they lie when all want them, else gathered
             hidden = out.hidden if len(want) == len(ids) else out.hidden[want]
             rows = [items[i].hidden_row for i in want]
             msgs = [results[i].hidden for i in want]
