@@ -21,6 +21,7 @@ import logging
 import uuid
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from common.errors import InvalidRequest
@@ -68,6 +69,11 @@ def export_buffer(t: torch.Tensor) -> ExportedBuffer:
     )
 
 
+def _unexported(t: torch.Tensor) -> ExportedBuffer:
+    """A buffer's description without an IPC handle (a CPU buffer: nothing else can map it)."""
+    return ExportedBuffer(buffer_id=uuid.uuid4().hex, handle=b"", offset_bytes=0, nbytes=t.numel() * t.element_size())
+
+
 class _DevicePointer:
     """Presents a raw device pointer to torch.as_tensor through __cuda_array_interface__."""
 
@@ -106,7 +112,9 @@ class HiddenExport:
     def __init__(self, regions: int, rows: int, width: int, dtype: torch.dtype, device: torch.device) -> None:
         self.buffer = torch.zeros(regions, rows, width, dtype=dtype, device=device)
         self.table: SlotTable[_Region] = SlotTable(regions)
-        self.exported = export_buffer(self.buffer)
+        # a CPU buffer has no IPC handle: the same bookkeeping, for CPU tests and bench/host_round.py
+        self.exported = export_buffer(self.buffer) if self.buffer.is_cuda else _unexported(self.buffer)
+        self.flat = self.buffer.view(regions * rows, width)  # [regions * rows, width] the same memory
         self.row_bytes = width * self.buffer.element_size()
         self.rows = rows
 
@@ -114,21 +122,56 @@ class HiddenExport:
         """Copy hidden [k, width] into the sequence's region from row `row` on (rows before it hold
         features the draft has yet to read: a plain round's, see DecodeItem.hidden_row); the caller
         wait()s once after its writes. Returns (offset in bytes of the written rows, write count)."""
+        return self.write_many([seq_id], hidden, [hidden.shape[0]], [row])[0]
+
+    def write_many(
+        self, seq_ids: list[str], hidden: torch.Tensor, counts: list[int], rows: list[int] | None = None
+    ) -> list[tuple[int, int]]:
+        """write() of several distinct sequences in one copy: hidden [sum(counts), width] holds their rows
+        one sequence after the other, counts[i] of them for seq_ids[i], written from row rows[i] (all 0
+        when None) of its region. Every range is checked before anything is written. Returns (offset,
+        write count) of each sequence, as write() does.
+        Example: 4 rows a region; a in region 2, b in region 0; counts [2, 1], rows [1, 0]
+                 hidden rows [a0, a1, b0] -> rows [2 * 4 + 1, 2 * 4 + 2, 0 * 4 + 0] = [9, 10, 0] of the
+                 buffer flattened over its regions"""
+        rows = rows if rows is not None else [0] * len(seq_ids)
+        if not len(seq_ids) == len(counts) == len(rows) or sum(counts) != hidden.shape[0]:
+            raise ValueError(
+                f"{len(seq_ids)} sequences, {len(counts)} counts, {len(rows)} rows, {hidden.shape[0]} hidden rows"
+            )
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError("write_many names a sequence twice (its rows would race)")
+        for row, k in zip(rows, counts):
+            if row < 0 or row + k > self.rows:
+                raise InvalidRequest(f"hidden rows [{row}, {row + k}) exceed the exported region of {self.rows}")
+        states = [self._region(s) for s in seq_ids]
+        first = [region * self.rows + row for (region, _), row in zip(states, rows)]  # [K] flat row of each
+        if len(seq_ids) == 1:  # one range: a plain copy (the index below would cost an upload and a kernel)
+            self.flat[first[0] : first[0] + counts[0]].copy_(hidden)  # complete once wait() returns
+        else:
+            # each hidden row's buffer row: its sequence's first row, plus its place among that sequence's rows
+            dst = np.repeat(np.array(first) - (np.cumsum(counts) - counts), counts) + np.arange(hidden.shape[0])
+            # from pageable memory: staged before the call returns, so dst may go at once
+            index = torch.from_numpy(dst).to(self.buffer.device, non_blocking=True)  # [sum(counts)]
+            self.flat.index_copy_(0, index, hidden.to(device=self.buffer.device, dtype=self.buffer.dtype))
+        placed = []
+        for f, (_, state) in zip(first, states):
+            state.writes += 1
+            placed.append((f * self.row_bytes, state.writes))
+        return placed
+
+    def _region(self, seq_id: str) -> tuple[int, _Region]:
+        """The sequence's region, taken on its first write."""
         try:
-            region, state = self.table.get(seq_id)
+            return self.table.get(seq_id)
         except KeyError:
             self.table.acquire(seq_id, _Region())
-            region, state = self.table.get(seq_id)
-        k = hidden.shape[0]
-        if row < 0 or row + k > self.rows:
-            raise InvalidRequest(f"hidden rows [{row}, {row + k}) exceed the exported region of {self.rows}")
-        self.buffer[region, row : row + k].copy_(hidden)  # complete once wait() returns
-        state.writes += 1
-        return (region * self.rows + row) * self.row_bytes, state.writes
+            return self.table.get(seq_id)
 
     def wait(self) -> None:
         """Block until every write so far is in device memory: once per call, before it answers."""
-        torch.cuda.current_stream(self.buffer.device).synchronize()
+        if self.buffer.is_cuda:  # CPU copies are complete when they return
+            torch.cuda.current_stream(self.buffer.device).synchronize()
 
     def release(self, seq_id: str) -> None:
         self.table.release(seq_id)

@@ -99,6 +99,31 @@ def validate_tree(
     return Tree(tokens=tokens, parents=parents, probs=probs, q=validate_q(tokens, parents, q) if q else None)
 
 
+def malformed_trees(tokens: np.ndarray, parents: np.ndarray, sizes: np.ndarray, vocab_size: int) -> np.ndarray:
+    """Which trees of a batch fail validate_tree's checks of their contents, in one numpy pass: a token
+    outside [0, vocab_size), or a parent that is neither -1 nor an earlier node of the same tree (the
+    checks of sizes and lengths are the caller's). Returns [B] bool.
+
+    tokens  [N] the trees' tokens, one tree after the other (N = sizes.sum())
+    parents [N] each node's parent index within its own tree
+    sizes   [B] nodes per tree
+    Example: sizes [2, 3], parents [-1, 0 | -1, 2, 0], tokens [5, 6 | 7, 8, 9], vocab 10
+             -> local indices [0, 1 | 0, 1, 2] -> [False, True] (node 1 of the second tree names node 2)
+    """
+    tree, local = node_positions(sizes)  # [N] each: [0, 0, 1, 1, 1], [0, 1, 0, 1, 2]
+    bad = (tokens < 0) | (tokens >= vocab_size) | (parents < -1) | (parents >= local)  # [N]
+    return np.bincount(tree[bad], minlength=len(sizes)) > 0
+
+
+def node_positions(sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Where each node of a batch of trees, stored one tree after the other, belongs: (its tree [N], its
+    index within that tree [N]), N = sizes.sum().  sizes [2, 3] -> [0, 0, 1, 1, 1], [0, 1, 0, 1, 2]"""
+    sizes = np.asarray(sizes, dtype=np.int64)
+    tree = np.repeat(np.arange(sizes.shape[0]), sizes)  # [N]
+    starts = np.cumsum(sizes) - sizes  # [B] first node of each tree: [0, 2]
+    return tree, np.arange(tree.shape[0]) - starts[tree]
+
+
 def validate_q(tokens: np.ndarray, parents: np.ndarray, q: DraftQ) -> DraftQ:
     """Check a sampled tree's q: one row per row with children, ascending, probabilities that are a
     distribution, and children that are distinct tokens of q's support (drawn without replacement).

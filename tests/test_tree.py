@@ -4,7 +4,16 @@ import numpy as np
 import pytest
 
 from common.errors import InvalidRequest
-from common.tree import ancestor_mask, children_lists, depths, path_to_root, select_top_nodes, validate_tree
+from common.tree import (
+    ancestor_mask,
+    children_lists,
+    depths,
+    malformed_trees,
+    node_positions,
+    path_to_root,
+    select_top_nodes,
+    validate_tree,
+)
 
 PARENTS = np.array([-1, -1, 0, 1])  # r -> a, b; a -> c; b -> d
 
@@ -51,6 +60,43 @@ def test_validate_rejects_size_and_vocab():
         validate_tree(np.array([1, 100]), np.array([-1, 0]), np.array([]), max_nodes=4, vocab_size=100)
     with pytest.raises(InvalidRequest, match="parent indices"):
         validate_tree(np.array([1, 2]), np.array([-1]), np.array([]), max_nodes=4, vocab_size=100)
+
+
+def test_node_positions_worked_example():
+    tree, local = node_positions(np.array([2, 3]))
+    assert tree.tolist() == [0, 0, 1, 1, 1]
+    assert local.tolist() == [0, 1, 0, 1, 2]
+    tree, local = node_positions(np.array([0, 2, 0]))  # empty trees own no nodes
+    assert tree.tolist() == [1, 1] and local.tolist() == [0, 1]
+
+
+def test_malformed_trees_flags_what_validate_tree_refuses():
+    # the docstring's example: node 1 of the second tree names node 2, which does not precede it
+    sizes = np.array([2, 3])
+    assert malformed_trees(np.array([5, 6, 7, 8, 9]), np.array([-1, 0, -1, 2, 0]), sizes, 10).tolist() == [False, True]
+    # one tree per fault, among good ones: token too large, negative token, parent -2, parent past the tree,
+    # self loop, and a parent index that is valid in the batch but not in its own tree (node 0 naming 0)
+    trees = [
+        ([1, 2], [-1, 0], False),
+        ([1, 10], [-1, 0], True),
+        ([-1, 2], [-1, 0], True),
+        ([1, 2], [-1, -2], True),
+        ([1, 2], [-1, 5], True),
+        ([1, 2], [-1, 1], True),
+        ([3], [0], True),
+        ([], [], False),
+        ([4, 5, 6], [-1, -1, 1], False),
+    ]
+    tokens = np.concatenate([np.array(t, dtype=np.int64) for t, _, _ in trees])
+    parents = np.concatenate([np.array(p, dtype=np.int64) for _, p, _ in trees])
+    sizes = np.array([len(t) for t, _, _ in trees])
+    assert malformed_trees(tokens, parents, sizes, 10).tolist() == [bad for _, _, bad in trees]
+    for t, p, bad in trees:  # validate_tree agrees on each
+        if bad:
+            with pytest.raises(InvalidRequest):
+                validate_tree(np.array(t), np.array(p), np.array([]), max_nodes=8, vocab_size=10)
+        else:
+            validate_tree(np.array(t), np.array(p), np.array([]), max_nodes=8, vocab_size=10)
 
 
 def test_select_top_nodes_keeps_parents_and_reindexes():

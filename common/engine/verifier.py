@@ -33,6 +33,7 @@ from common.errors import CapacityExhausted, InvalidRequest, UnknownSequence
 from common.model.llama import Batch, KVCache, LlamaModel
 from common.sampling import target_distribution
 from common.slots import SlotTable, check_unique
+from common.tree import node_positions
 from common.weights import Checkpoint
 
 log = logging.getLogger(__name__)
@@ -94,14 +95,17 @@ SHALLOW_DEPTH = 8  # trees at most this deep (every dynamic tree of up to 8 step
 
 def tree_depth(parent_rows: np.ndarray) -> int:
     """The deepest row of a batch of trees in the verifier's row layout ([B, T], a root or padding row
-    names itself), by vectorised parent jumps: one pass per level.  [[0, 0, 0, 1, 2, 5]] -> 2"""
-    rows = np.arange(parent_rows.shape[1])
-    cur = np.where(parent_rows == rows, -1, parent_rows)  # -1: no parent
+    names itself): rows climb to their parents together, one step a level, over the batch flattened
+    (row r of tree b is b * T + r), dropping those that reach a row naming itself.
+    [[0, 0, 0, 1, 2, 5]] -> rows 1..4 climb to [0, 0, 1, 2]; rows 3, 4 (now at 1, 2) to [0, 0] -> 2"""
+    b, t = parent_rows.shape
+    up = (parent_rows + (t * np.arange(b))[:, None]).ravel()  # [B * T] each row's parent, flattened
+    at = np.flatnonzero(up != np.arange(b * t))  # rows that have a parent (not roots or padding)
     depth = 0
-    while (cur >= 0).any():
+    while at.shape[0]:
         depth += 1
-        nxt = np.take_along_axis(parent_rows, np.maximum(cur, 0), axis=1)
-        cur = np.where((cur >= 0) & (nxt != cur), nxt, -1)
+        at = up[at]  # one level up
+        at = at[up[at] != at]  # those not at a root yet
     return depth
 
 
@@ -423,19 +427,25 @@ class Verifier:
     def verify(self, items: list[VerifyInput]) -> list[VerifyOutput]:
         check_unique([it.seq_id for it in items])
         states = [self._ready(it.seq_id) for it in items]
-        t = 1 + max(it.tree.size for it in items)
-        for it, (_, st) in zip(items, states):
-            if st.length + t > self.capacity:
-                raise CapacityExhausted(f"sequence {it.seq_id!r} has no room for a {t}-row tree at length {st.length}")
         b = len(items)
+        sizes = np.fromiter((it.tree.size for it in items), dtype=np.int64, count=b)  # [B]
+        lengths = np.fromiter((st.length for _, st in states), dtype=np.int64, count=b)  # [B]
+        t = 1 + int(sizes.max())
+        full = np.flatnonzero(lengths + t > self.capacity)
+        if full.size:
+            i = int(full[0])
+            raise CapacityExhausted(
+                f"sequence {items[i].seq_id!r} has no room for a {t}-row tree at length {lengths[i]}"
+            )
         bb, tb = self.graphs.bucket(b, self.batch_buckets), self.graphs.bucket(t, self.tree_buckets)
         block = self._verify_block(bb, tb)
         a = block.numpy()  # [bb, 2 tb + 3]
-        for i, (it, (slot, st)) in enumerate(zip(items, states)):
-            size = it.tree.size
-            a[i, 0], a[i, 1 : size + 1] = st.pending, it.tree.tokens
-            a[i, tb + 1 : tb + 1 + size] = np.asarray(it.tree.parents) + 1
-            a[i, 2 * tb], a[i, 2 * tb + 1], a[i, 2 * tb + 2] = st.length, slot, st.sampling.greedy
+        self._pack_trees(a, items, sizes)
+        a[:b, 0] = [st.pending for _, st in states]
+        a[:b, 2 * tb] = lengths
+        a[:b, 2 * tb + 1] = [slot for slot, _ in states]
+        greedy = np.fromiter((st.sampling.greedy for _, st in states), dtype=bool, count=b)  # [B]
+        a[:b, 2 * tb + 2] = greedy
         with self.graphs.on_stream():
             shallow = tree_depth(a[:b, tb : 2 * tb]) <= SHALLOW_DEPTH
             key, step = ("verify", bb, tb, shallow), self._verify_step
@@ -443,18 +453,30 @@ class Verifier:
                 step = functools.partial(self._verify_step, max_depth=SHALLOW_DEPTH)
             out = self.graphs.run(key, step, {"packed": block})
             result = out.result[:b].cpu().numpy()  # [B, T + 1] the one host synchronisation of the call
-            counts = [int(result[i, 0]) + 1 if st.sampling.greedy else 0 for i, (_, st) in enumerate(states)]
+            counts = np.where(greedy, result[:, 0] + 1, 0).tolist()  # [B] tokens of each greedy sequence
             kept = out.kept[:b, : max(counts)].clone() if max(counts) else None  # outlives the next replay
+            accepted = result[:, 1 : max(counts) + 1].tolist()  # [B][max(counts)] accepted tokens, the bonus
             outputs = []
             for i, (it, (slot, st)) in enumerate(zip(items, states)):
                 if st.sampling.greedy:
-                    tokens, hidden = result[i, 1 : counts[i] + 1].tolist(), kept[i, : counts[i]]
+                    tokens, hidden = accepted[i][: counts[i]], kept[i, : counts[i]]
                 else:
                     tokens, hidden = self._verify_sampled(it, slot, st, out.hidden[i], out.aux[i])
                 st.length += len(tokens)
                 st.pending = tokens[-1]
                 outputs.append(VerifyOutput(tokens=tokens, hidden=hidden))
             return outputs
+
+    @staticmethod
+    def _pack_trees(a: np.ndarray, items: list[VerifyInput], sizes: np.ndarray) -> None:
+        """The trees' tokens and parent rows into a verify block a [bb, 2 tb + 3], all at once: node j of item
+        i is row j + 1 (columns j + 1 and tb + j + 1), its parent row parents[j] + 1 (-1, the root: row 0).
+        Example: trees [a, b] (parents [-1, 0]) and [c] ([-1]) -> items [0, 0, 1], rows [1, 2, 1]:
+                 a[0, 1:3] = [a, b], a[0, tb + 1 : tb + 3] = [0, 1], a[1, 1] = c, a[1, tb + 1] = 0"""
+        tb = (a.shape[1] - 3) // 2
+        item, node = node_positions(sizes)  # [N] each
+        a[item, node + 1] = np.concatenate([it.tree.tokens for it in items])
+        a[item, tb + node + 1] = np.concatenate([it.tree.parents for it in items]) + 1
 
     def _verify_sampled(
         self, it: VerifyInput, slot: int, st: VerifierSeq, hidden: torch.Tensor, aux: torch.Tensor
@@ -527,8 +549,7 @@ class Verifier:
         bb = self.graphs.bucket(b, self.batch_buckets)
         block = self._decode_block(bb)
         a = block.numpy()  # [bb, 3]
-        for i, (slot, st) in enumerate(states):
-            a[i] = (st.pending, st.length, slot)
+        a[:b] = [(st.pending, st.length, slot) for slot, st in states]
         key = ("decode", bb)
         with self.graphs.on_stream():
             fed = self.graphs.feed(key, {"packed": block})
@@ -545,13 +566,13 @@ class Verifier:
                     fed["packed"][:, 0] = step.greedy
                     fed["packed"][:, 1] += 1
             out = tokens[:b].cpu().numpy()
-            result = []
             for i, (_, st) in enumerate(states):
                 if not st.sampling.greedy:  # steps == 1 here
                     out[i, 0] = self._choose(self.model.logits(step.hidden[i]), st)
+            result = out.tolist()  # [B][steps]
+            for (_, st), row in zip(states, result):
                 st.length += steps
-                st.pending = int(out[i, -1])
-                result.append(out[i].tolist())
+                st.pending = row[-1]
             return Decoded(tokens=result, hidden=features[:b] if features is not None else None)
 
     def release(self, seq_ids: list[str]) -> int:

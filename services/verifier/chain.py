@@ -66,40 +66,41 @@ class DraftChain:
         """A Verify under the protocol: the chained items' trees into the request (waiting for calls still
         running), `run(request, failed)` verifies every item but the failed ones (answered with
         draft_error), then each item with next_nodes goes to the draft for its next tree."""
-        await self.settle([it.seq_id for it in request.items if not it.chained])
-        taken = await self.take([it.seq_id for it in request.items if it.chained])
-        for it in request.items:
-            if it.seq_id in taken.trees:
+        items = request.items
+        ids = [it.seq_id for it in items]
+        chained = [it.chained for it in items]
+        await self.settle([s for s, c in zip(ids, chained) if not c])
+        taken = await self.take([s for s, c in zip(ids, chained) if c])
+        for it, c in zip(items, chained):
+            if c and it.seq_id in taken.trees:
                 it.tree.CopyFrom(taken.trees[it.seq_id])
         resp = await run(request, taken.failed)
         resp.draft_compute_us = int(taken.compute_s * 1e6)
         resp.draft_batch = taken.batch
         resp.draft_wait_us = int(taken.wait_s * 1e6)
-        chained = []
-        for it, r in zip(request.items, resp.results):
-            if it.next_nodes > 0 and not r.draft_error:
-                chained.append(
-                    pb.ProposeItem(
-                        seq_id=it.seq_id,
-                        token_ids=r.accepted_tokens,
-                        hidden=r.hidden,
-                        max_nodes=it.next_nodes,
-                        max_depth=it.next_depth,
-                    )
-                )
+        outcomes = []
+        for s, it, r in zip(ids, items, resp.results):
+            nodes = it.next_nodes
+            if nodes > 0 and not r.draft_error:
+                out = pb.ProposeItem(seq_id=s, token_ids=r.accepted_tokens, max_nodes=nodes, max_depth=it.next_depth)
+                out.hidden.CopyFrom(r.hidden)
+                outcomes.append(out)
                 r.chained = True
                 r.ClearField("hidden")  # the draft has it
-        self.send(request.draft, request.owner, chained)
+        self.send(request.draft, request.owner, outcomes)
         return resp
 
     def check(self, request: pb.VerifyRequest) -> None:
         """The protocol's fields of a Verify (InvalidRequest), before anything runs."""
+        to_draft = False
         for it in request.items:
             if it.chained and it.HasField("tree"):
                 raise InvalidRequest(f"sequence {it.seq_id!r} is chained and carries a tree: one or the other")
-            if it.next_nodes < 0 or it.next_depth < 0:
+            nodes = it.next_nodes
+            if nodes < 0 or it.next_depth < 0:
                 raise InvalidRequest(f"sequence {it.seq_id!r}: next_nodes and next_depth must be >= 0")
-        if any(it.next_nodes > 0 for it in request.items):
+            to_draft |= nodes > 0
+        if to_draft:
             self.link(request.draft)
 
     def link(self, address: str):

@@ -21,8 +21,7 @@ from services.clients import DraftClient
 from services.engine_runner import EngineRunner
 from services.leasing import SequenceLeases
 from services.sampling import sampling_config
-from services.tree_wire import size as tree_size
-from services.tree_wire import tree_of
+from services.tree_wire import trees_of
 from services.verifier.chain import DraftChain
 from specdec.v1 import internal_pb2 as pb
 from specdec.v1 import internal_pb2_grpc as pb_grpc
@@ -137,26 +136,33 @@ class VerifierServicer(pb_grpc.VerifierServicer):
     async def _touched_verify(self, request: pb.VerifyRequest) -> pb.VerifyResponse:
         """The chained items' trees from the draft (waiting for what is not done yet), the verify, then the
         outcome of every item with next_nodes to the draft for its next tree (see chain.py)."""
-        self._check_chain(request)
-        self.leases.touch([it.seq_id for it in request.items])
+        ids = [it.seq_id for it in request.items]
+        self._check_chain(request, ids)
+        self.leases.touch(ids)
         return await self.chain.verify(request, self._run_verify)
 
     async def _run_verify(self, request: pb.VerifyRequest, failed: dict[str, str]) -> pb.VerifyResponse:
         return await self.runner.run(self._verify, request, failed, inline=self.inline)
 
-    def _check_chain(self, request: pb.VerifyRequest) -> None:
-        """Known, distinct sequences and well-formed protocol fields, checked before anything runs."""
-        if not request.items:
+    def _check_chain(self, request: pb.VerifyRequest, ids: list[str]) -> None:
+        """Known, distinct sequences (ids: the items' ids) and well-formed protocol fields, checked before
+        anything runs."""
+        if not ids:
             raise InvalidRequest("verify request has no items")
-        check_unique([it.seq_id for it in request.items])
-        for it in request.items:
-            if self.leases.table.owner_of(it.seq_id) is None:
-                raise UnknownSequence(f"unknown sequence id {it.seq_id!r}")
+        check_unique(ids)
+        self._check_held(ids)
         self.chain.check(request)
 
+    def _check_held(self, ids: list[str]) -> None:
+        owner_of = self.leases.table.owner_of
+        for s in ids:
+            if owner_of(s) is None:
+                raise UnknownSequence(f"unknown sequence id {s!r}")
+
     async def _touched_decode(self, request: pb.DecodeRequest) -> pb.DecodeResponse:
-        self.leases.touch([it.seq_id for it in request.items])
-        await self.chain.settle([it.seq_id for it in request.items])
+        ids = [it.seq_id for it in request.items]
+        self.leases.touch(ids)
+        await self.chain.settle(ids)
         return await self.runner.run(self._decode, request, inline=self.inline)
 
     async def _release_owned(self, request: pb.ReleaseRequest) -> pb.ReleaseResponse:
@@ -169,10 +175,9 @@ class VerifierServicer(pb_grpc.VerifierServicer):
     async def _held_features(self, request: pb.FeaturesRequest) -> pb.FeaturesResponse:
         if not request.items:
             raise InvalidRequest("features request has no items")
-        for it in request.items:
-            if self.leases.table.owner_of(it.seq_id) is None:
-                raise UnknownSequence(f"unknown sequence id {it.seq_id!r}")
-        await self.chain.settle([it.seq_id for it in request.items])
+        ids = [it.seq_id for it in request.items]
+        self._check_held(ids)
+        await self.chain.settle(ids)
         return await self.runner.run(self._features, request)
 
     # ---- conversion + engine calls (run on the engine thread) ----
@@ -184,11 +189,29 @@ class VerifierServicer(pb_grpc.VerifierServicer):
     def _hidden(self, seq_id: str, hidden: torch.Tensor, msg: pb.TensorRef, row: int = 0) -> None:
         """Hidden states out: a reference into the exported buffer when the draft mapped it (written from
         row `row` of the sequence's region on), else bytes."""
-        if self.export is None:
-            encode_inline(hidden, msg)
+        self._hiddens([seq_id], hidden, [hidden.shape[0]], [msg], [row])
+
+    def _hiddens(
+        self,
+        seq_ids: list[str],
+        hidden: torch.Tensor,
+        counts: list[int],
+        msgs: list[pb.TensorRef],
+        rows: list[int] | None = None,
+    ) -> None:
+        """_hidden of several distinct sequences with one copy: hidden [sum(counts), 3H] holds their rows one
+        sequence after the other (counts[i] of them into msgs[i]); all go into the exported buffer at once,
+        or to the host at once for bytes (one synchronisation)."""
+        if not seq_ids:
             return
-        offset, writes = self.export.write(seq_id, hidden, row)
-        encode_ipc(hidden, msg, self.export.exported.buffer_id, offset, writes)
+        if self.export is None:
+            for h, msg in zip(hidden.cpu().split_with_sizes(counts), msgs):
+                encode_inline(h, msg)
+            return
+        buffer_id = self.export.exported.buffer_id
+        placed = self.export.write_many(seq_ids, hidden, counts, rows)
+        for h, msg, (offset, writes) in zip(hidden.split_with_sizes(counts), msgs, placed):
+            encode_ipc(h, msg, buffer_id, offset, writes)
 
     def _export_hidden(self, request: pb.ExportRequest) -> pb.IpcBuffer:
         if not request.enable:
@@ -270,22 +293,28 @@ class VerifierServicer(pb_grpc.VerifierServicer):
     def _verify(self, request: pb.VerifyRequest, failed: dict[str, str]) -> pb.VerifyResponse:
         """Every item but the `failed` ones (chained trees that never came: answered with draft_error)."""
         info = self.engine.info
-        todo = [it for it in request.items if it.seq_id not in failed]
-        items = [
-            VerifyInput(seq_id=it.seq_id, tree=tree_of(it.tree, info.max_tree_nodes, info.vocab_size)) for it in todo
-        ]
-        if any(it.tree.size == 0 for it in items):
+        items = request.items
+        ids = [it.seq_id for it in items]
+        todo = [i for i, s in enumerate(ids) if s not in failed]  # the items verified
+        trees = trees_of([items[i].tree for i in todo], info.max_tree_nodes, info.vocab_size)
+        if any(t.size == 0 for t in trees):
             raise InvalidRequest("a tree has no nodes")
         t0 = time.perf_counter()
-        outs = dict(zip([it.seq_id for it in items], self.engine.verify(items) if items else []))
+        outs = self.engine.verify([VerifyInput(seq_id=ids[i], tree=t) for i, t in zip(todo, trees)]) if todo else []
         resp = pb.VerifyResponse(compute_us=int((time.perf_counter() - t0) * 1e6))
-        for it in request.items:  # built in place: hidden bytes are written once, not copied
-            if it.seq_id in failed:
-                resp.results.add(seq_id=it.seq_id, draft_error=failed[it.seq_id])
+        add = resp.results.add
+        results = []  # the verified items' results, in item order
+        verified = iter(zip(trees, outs))
+        for s in ids:  # built in place: hidden bytes are written once, not copied
+            if s in failed:
+                add(seq_id=s, draft_error=failed[s])
                 continue
-            out = outs[it.seq_id]
-            r = resp.results.add(seq_id=it.seq_id, accepted_tokens=out.tokens, tree_nodes=tree_size(it.tree))
-            self._hidden(it.seq_id, out.hidden, r.hidden)
+            tree, out = next(verified)
+            results.append(add(seq_id=s, accepted_tokens=out.tokens, tree_nodes=tree.size))
+        if outs:
+            counts = [o.hidden.shape[0] for o in outs]  # [K] rows of each verified item
+            hidden = torch.cat([o.hidden for o in outs]) if len(outs) > 1 else outs[0].hidden  # [sum(counts), 3H]
+            self._hiddens([ids[i] for i in todo], hidden, counts, [r.hidden for r in results])
         self._published()
         return resp
 
@@ -294,14 +323,20 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             raise InvalidRequest("decode request has no items")
         if not 0 <= request.steps <= MAX_DECODE_STEPS:
             raise InvalidRequest(f"decode steps must be in [0, {MAX_DECODE_STEPS}], got {request.steps}")
-        ids = [it.seq_id for it in request.items]
+        items = request.items
+        ids = [it.seq_id for it in items]
+        want = [i for i, it in enumerate(items) if it.want_hidden]  # the items that want their features
         t0 = time.perf_counter()
-        want = any(it.want_hidden for it in request.items)
-        out = self.engine.decode_steps(ids, max(request.steps, 1), with_hidden=want)
+        out = self.engine.decode_steps(ids, max(request.steps, 1), with_hidden=bool(want))
         resp = pb.DecodeResponse(compute_us=int((time.perf_counter() - t0) * 1e6))
-        for i, (it, tokens) in enumerate(zip(request.items, out.tokens)):
-            r = resp.results.add(seq_id=it.seq_id, next_token=tokens[0], tokens=tokens)
-            if it.want_hidden:
-                self._hidden(it.seq_id, out.hidden[i], r.hidden, it.hidden_row)
+        add = resp.results.add
+        results = [add(seq_id=s, next_token=tokens[0], tokens=tokens) for s, tokens in zip(ids, out.tokens)]
+        if want:
+            steps = len(out.tokens[0])
+            # [len(want), steps, 3H]: every item's rows as they lie when all want them, else gathered
+            hidden = out.hidden if len(want) == len(ids) else out.hidden[want]
+            rows = [items[i].hidden_row for i in want]
+            msgs = [results[i].hidden for i in want]
+            self._hiddens([ids[i] for i in want], hidden.flatten(0, 1), [steps] * len(want), msgs, rows)
         self._published()
         return resp

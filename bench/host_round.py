@@ -1,0 +1,377 @@
+"""The verifier service's host time per round, without the model: what the process spends around the
+engine's forward on a Verify (trees in the request, or chained from the draft) and on a plain Decode.
+
+    PYTHONPATH=. python -m bench.host_round [--items 1,16,64] [--rounds 200] [--out bench-results]
+                                            [--hidden ipc|inline] [--hidden-size 576] [--profile KIND:ITEMS]
+
+The servicer (services/verifier/server.py) and the engine (common/engine/verifier.Verifier) are the real
+ones, built on the CPU with a small random Llama of SmolLM2-135M's width (3 x 576 features a row), with
+batches and trees padded to their CUDA-graph buckets as on a GPU. Only the step functions that a GPU
+replays as graphs (_verify_step, _decode_step) are replaced: they return outputs of the right shapes at
+once (every tree accepts ACCEPTED nodes), so what is timed is the host's share of a round:
+
+  parse the request bytes (gRPC's deserializer), the servicer's call (leases, the chain protocol, tree
+  checks, packing, the engine's bookkeeping, the response, hidden rows into the export), serialize the
+  response.
+
+verify          a VerifyRequest of 60-node trees (10/6/60, the draft's default shape, top-k) in the request
+verify-chained  the round protocol: every item `chained`, its tree taken from the draft's answer (the
+                ProposeResponse parsed here, as services.clients.DraftClient does), and after the verify
+                each item's outcome packed into a ProposeRequest for the next tree (serialized here)
+decode          a DecodeRequest of `--steps` plain steps whose items want their features (a draft following
+                plain rounds: DecodeItem.want_hidden)
+
+--hidden ipc (default): hidden rows go into the exported buffer (common.ipc.HiddenExport, here on the CPU),
+the colocated fast path; inline: as bytes in the response. Calls run inline on the event loop, as they do
+on a GPU (services/engine_runner.py). Each round starts from the same sequence lengths.
+
+Here the features' copies (the kept rows, a decode's steps, the writes into the buffer) are CPU memory
+traffic, which on a GPU is device work: --hidden-size 64 makes them small and leaves the host's own work.
+"torch ops" counts the torch operations that do work in one round (count_ops): each is a kernel launch or a
+copy on a GPU, microseconds of host time apiece there. Writes DIR/host_round.json and DIR/host_round.md and
+logs the table; --profile verify-chained:64 also writes DIR/host_round_verify-chained_64.txt, cProfile's top
+functions over that case's rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import functools
+import io
+import json
+import logging
+import math
+import os
+import platform
+import pstats
+import statistics
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from common.config import LlamaConfig
+from common.engine.verifier import DecodeStep, Verifier, VerifierConfig, VerifyStep
+from common.ipc import HiddenExport
+from common.weights import Checkpoint
+from services.clients import Batched
+from services.tree_wire import draft_tree
+from services.verifier.chain import DraftChain
+from services.verifier.server import VerifierServicer
+from specdec.v1 import internal_pb2 as pb
+
+log = logging.getLogger("bench.host_round")
+ACCEPTED = 3  # drafted nodes every stubbed verify accepts (a round commits 4 tokens, as EAGLE-3 roughly does)
+LEVELS = (10, 16, 14, 10, 6, 4)  # nodes per depth of a bench tree: 60 nodes, 6 levels, top-10 wide
+PROMPT = 32  # tokens each sequence is prefilled with
+VOCAB = 4096  # a small vocabulary keeps the set-up quick (tree tokens are drawn from it)
+
+
+def model_config(hidden_size: int) -> LlamaConfig:
+    """A random Llama of this width (SmolLM2-135M's by default: 576, heads of 64), with the few layers that
+    EAGLE-3's taps need (layer 2)."""
+    if hidden_size % 64:
+        raise ValueError(f"hidden size must be a multiple of 64, got {hidden_size}")
+    heads = hidden_size // 64
+    return LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=hidden_size,
+        intermediate_size=256,
+        num_layers=5,
+        num_heads=heads,
+        num_kv_heads=math.gcd(heads, 3),
+        head_dim=64,
+        max_position=1024,
+    )
+
+
+class HostOnlyVerifier(Verifier):
+    """The real engine with its graph-replayed steps answered at once: outputs of the step's shapes,
+    made once per shape (a replayed graph's are static buffers too)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._verify_out: dict[tuple[int, int], VerifyStep] = {}
+        self._decode_out: dict[int, DecodeStep] = {}
+
+    def _verify_step(self, packed: torch.Tensor, max_depth: int | None = None) -> VerifyStep:
+        b, t = packed.shape[0], (packed.shape[1] - 3) // 2
+        out = self._verify_out.get((b, t))
+        if out is None:
+            h = self.model.embed_tokens.weight.shape[1]
+            result = torch.zeros(b, t + 1, dtype=torch.long)  # [B, T + 1] count, then tokens
+            result[:, 0] = min(ACCEPTED, t - 1)
+            result[:, 1:] = torch.arange(5, 5 + t)
+            out = self._verify_out[(b, t)] = VerifyStep(
+                result=result, kept=torch.randn(b, t, 3 * h), hidden=torch.randn(b, t, h), aux=torch.randn(b, t, 3 * h)
+            )
+        return out
+
+    def _decode_step(self, packed: torch.Tensor) -> DecodeStep:
+        b = packed.shape[0]
+        out = self._decode_out.get(b)
+        if out is None:
+            h = self.model.embed_tokens.weight.shape[1]
+            out = self._decode_out[b] = DecodeStep(
+                hidden=torch.randn(b, h), greedy=torch.full((b,), 7, dtype=torch.long), aux=torch.randn(b, 3 * h)
+            )
+        return out
+
+
+class Aborted(Exception):
+    """A call the servicer refused (the bench's requests are all valid: a bug)."""
+
+
+class Context:
+    """The servicer's view of a call (grpc.aio.ServicerContext): only a failure reads it."""
+
+    async def abort(self, code: object, details: str) -> None:
+        raise Aborted(f"{code}: {details}")
+
+
+def bench_tree(rng: np.random.Generator, vocab: int) -> pb.DraftTree:
+    """A 60-node tree of the draft's default shape: LEVELS nodes per depth, each node's parent one of the
+    level above, tokens distinct under each parent (as a top-k pick makes them)."""
+    parents: list[int] = []
+    level = [-1]
+    for width in LEVELS:
+        start = len(parents)
+        parents += sorted(rng.choice(level, size=width).tolist())
+        level = list(range(start, start + width))
+    n = len(parents)
+    tokens = rng.choice(vocab, size=n, replace=False)
+    probs = rng.random(n).astype(np.float32)
+    return draft_tree(tokens.tolist(), parents, probs.tolist())
+
+
+class FakeDraft:
+    """The draft at the other end of the round protocol: answers every propose at once with the bench tree,
+    through the bytes a real DraftClient serializes and parses in this process."""
+
+    def __init__(self, tree: pb.DraftTree) -> None:
+        self.tree = tree
+        self.answers: dict[int, bytes] = {}
+
+    async def propose(self, items: list[pb.ProposeItem], owner: str = "") -> Batched:
+        pb.ProposeRequest(items=items, owner=owner).SerializeToString()  # the call's request, sent from here
+        raw = self.answers.get(len(items))
+        if raw is None:
+            resp = pb.ProposeResponse(results=[pb.ProposeResult(seq_id=it.seq_id, tree=self.tree) for it in items])
+            raw = self.answers[len(items)] = resp.SerializeToString()
+        resp = pb.ProposeResponse.FromString(raw)
+        return Batched([r.tree for r in resp.results], resp.compute_us / 1e6)
+
+
+def build(max_items: int, hidden: str, hidden_size: int = 576) -> tuple[VerifierServicer, FakeDraft]:
+    """The servicer over a HostOnlyVerifier with room for max_items sequences (and the spare)."""
+    torch.manual_seed(0)
+    cfg = VerifierConfig(max_sequences=max_items + 1, max_context=512, max_tree_nodes=64)
+    mcfg = model_config(hidden_size)
+    engine = HostOnlyVerifier(Checkpoint("bench", mcfg, {}, Path(".")), cfg, graphs=True)  # pads as a GPU
+    servicer = VerifierServicer(engine, 3 * hidden_size, max_items, lease_ttl=3600.0)
+    servicer.inline = True  # on the event loop, as on a GPU (no engine-thread hop)
+    if hidden == "ipc":
+        i = engine.info
+        servicer.export = HiddenExport(i.max_sequences, i.max_context, 3 * hidden_size, torch.float32, "cpu")
+    draft = FakeDraft(bench_tree(np.random.default_rng(0), VOCAB))
+    servicer.chain = DraftChain(lambda address: draft)
+    return servicer, draft
+
+
+def requests(ids: list[str], tree: pb.DraftTree, steps: int) -> dict[str, bytes]:
+    """Each kind's request bytes, as they arrive."""
+    nodes, depth = len(tree.token_ids) // 4, len(LEVELS)
+    verify = pb.VerifyRequest(items=[pb.VerifyItem(seq_id=s, tree=tree) for s in ids])
+    chained = pb.VerifyRequest(
+        draft="draft:0", items=[pb.VerifyItem(seq_id=s, chained=True, next_nodes=nodes, next_depth=depth) for s in ids]
+    )
+    decode = pb.DecodeRequest(steps=steps, items=[pb.DecodeItem(seq_id=s, want_hidden=True, hidden_row=4) for s in ids])
+    return {k: m.SerializeToString() for k, m in (("verify", verify), ("verify-chained", chained), ("decode", decode))}
+
+
+def _first_chained(raw: bytes, tree: pb.DraftTree) -> pb.VerifyRequest:
+    """The round before the chained ones: the same items with their trees in the request, so that each
+    has a proposal pending when the measured rounds start."""
+    req = pb.VerifyRequest.FromString(raw)
+    for it in req.items:
+        it.chained = False
+        it.tree.CopyFrom(tree)
+    return req
+
+
+@dataclass(frozen=True)
+class Measured:
+    walls: list[float]  # [rounds] seconds of each round
+    engine: list[float]  # [rounds] seconds of the engine call, as the service reports them (compute_us)
+    ops: int  # torch operations that do work in one more round (count_ops)
+
+
+async def measure(
+    servicer: VerifierServicer, kind: str, ids: list[str], raw: bytes, tree: pb.DraftTree, rounds: int, warmup: int
+) -> Measured:
+    """`rounds` rounds of one kind after `warmup`, every round from the same sequence lengths."""
+    engine: Verifier = servicer.engine  # type: ignore[assignment]
+    start = {s: (engine.seqs.get(s)[1].length, engine.seqs.get(s)[1].pending) for s in ids}
+    if kind == "decode":
+        parse: Callable[[bytes], object] = pb.DecodeRequest.FromString
+        call: Callable[[object, object], Awaitable] = servicer.Decode
+    else:
+        parse, call = pb.VerifyRequest.FromString, servicer.Verify
+    if kind == "verify-chained":
+        await servicer.Verify(_first_chained(raw, tree), Context())
+
+    async def one_round():
+        for s, (length, pending) in start.items():
+            st = engine.seqs.get(s)[1]
+            st.length, st.pending = length, pending
+        t0 = time.perf_counter()
+        resp = await call(parse(raw), Context())
+        resp.SerializeToString()
+        return time.perf_counter() - t0, resp.compute_us / 1e6
+
+    walls, engine_s = [], []
+    for r in range(warmup + rounds):
+        wall, compute = await one_round()
+        if r >= warmup:
+            walls.append(wall)
+            engine_s.append(compute)
+    ops = await count_ops(one_round)
+    if kind == "verify-chained":
+        await servicer.chain.settle(ids)  # the proposals the last round asked for
+    return Measured(walls, engine_s, ops)
+
+
+@functools.cache
+def does_work(name: str) -> bool:
+    """Whether a torch operation (a profiler event name) does work: a kernel or a copy on a GPU. Not one whose
+    result is a view of its input (its schema says the result aliases it and nothing is written: select,
+    slice, view, detach, to when nothing changes, ...), nor a bare allocation (empty, new_empty)."""
+    op = name.removeprefix("aten::")
+    if op.startswith(("empty", "new_empty")):
+        return False
+    packet = getattr(torch.ops.aten, op, None)
+    if packet is None:
+        return True
+    for overload in packet.overloads():
+        returns = getattr(packet, overload)._schema.returns
+        if returns and all(r.alias_info is not None and not r.alias_info.is_write for r in returns):
+            return False
+    return True
+
+
+async def count_ops(round_: Callable[[], Awaitable]) -> int:
+    """Top-level torch operations that do work in one round: on a GPU each is a kernel launch or a copy
+    (microseconds of host time apiece there, less on a CPU), so the count says what the CPU time
+    understates."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        await round_()
+    n = 0
+    for e in prof.events():  # counted once: at the outermost operation that does work
+        if not e.name.startswith("aten::") or not does_work(e.name):
+            continue
+        parent = e.cpu_parent
+        while parent is not None and parent.name.startswith("aten::") and not does_work(parent.name):
+            parent = parent.cpu_parent
+        n += parent is None or not parent.name.startswith("aten::")
+    return n
+
+
+async def run(args: argparse.Namespace, out: Path) -> list[dict]:
+    items = [int(n) for n in args.items.split(",")]
+    servicer, draft = build(max(items), args.hidden, args.hidden_size)
+    ids = [f"gw.0-{i}" for i in range(max(items))]
+    rng = np.random.default_rng(1)
+    prefill = pb.PrefillRequest(
+        owner="",
+        items=[
+            pb.PrefillItem(seq_id=s, token_ids=rng.integers(3, VOCAB, PROMPT).tolist(), want_hidden=False) for s in ids
+        ],
+    )
+    await servicer.Prefill(prefill, Context())
+    profile = tuple(args.profile.split(":")) if args.profile else None
+    rows = []
+    for n in items:
+        raws = requests(ids[:n], draft.tree, args.steps)
+        for kind in ("verify", "verify-chained", "decode"):
+            prof = cProfile.Profile() if profile == (kind, str(n)) else None
+            if prof is not None:
+                prof.enable()
+            m = await measure(servicer, kind, ids[:n], raws[kind], draft.tree, args.rounds, args.warmup)
+            if prof is not None:
+                prof.disable()
+                text = io.StringIO()
+                pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(60)
+                (out / f"host_round_{kind}_{n}.txt").write_text(text.getvalue())
+            ms = 1e3 * statistics.median(m.walls)
+            rows.append(
+                {
+                    "kind": kind,
+                    "items": n,
+                    "round_ms": ms,
+                    "round_ms_mean": 1e3 * statistics.fmean(m.walls),
+                    "engine_call_ms": 1e3 * statistics.median(m.engine),
+                    "us_per_item": 1e3 * ms / n,
+                    "torch_ops": m.ops,
+                    "rounds": len(m.walls),
+                }
+            )
+            log.info("%s x %d: %.3f ms a round", kind, n, ms)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--items", default="1,16,64", help="sequences per round, comma-separated")
+    ap.add_argument("--rounds", type=int, default=200, help="timed rounds per case (the median is reported)")
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=8, help="plain steps per Decode (the gateway's --plain-steps)")
+    ap.add_argument("--hidden", choices=("ipc", "inline"), default="ipc")
+    ap.add_argument(
+        "--hidden-size", type=int, default=576, help="the model's width (3x a feature row); 64 leaves out the copies"
+    )
+    ap.add_argument("--profile", default="", help="KIND:ITEMS to profile, e.g. verify-chained:64")
+    ap.add_argument("--out", default="bench-results")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    torch.set_num_threads(1)  # host bookkeeping is single-threaded; keep the copies from spreading
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = asyncio.run(run(args, out))
+    command = (
+        f"PYTHONPATH=. python -m bench.host_round --items {args.items} --rounds {args.rounds} "
+        f"--steps {args.steps} --hidden {args.hidden} --hidden-size {args.hidden_size}"
+    )
+    meta = {
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "command": command,
+        "accepted": ACCEPTED,
+        "tree_nodes": sum(LEVELS),
+    }
+    (out / "host_round.json").write_text(json.dumps({"meta": meta, "results": rows}, indent=1))
+    lines = [
+        f"# Verifier host time per round (CPU, model forward stubbed; {meta['machine']})",
+        "",
+        f"Command: `{command}`",
+        "",
+        "| round | items | host ms (median) | mean | engine call ms | us per item | torch ops |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['kind']} | {r['items']} | {r['round_ms']:.3f} | {r['round_ms_mean']:.3f} "
+            f"| {r['engine_call_ms']:.3f} | {r['us_per_item']:.1f} | {r['torch_ops']} |"
+        )
+    text = "\n".join(lines)
+    (out / "host_round.md").write_text(text + "\n")
+    log.info("\n%s", text)
+
+
+if __name__ == "__main__":
+    main()
