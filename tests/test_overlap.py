@@ -17,8 +17,9 @@ import numpy as np
 from common.config import SamplingConfig
 from common.policy import PLAIN, CyclePolicy, FixedPolicy, Shape
 from services.clients import Batched, Prefilled, VerifierClient
+from services.gateway.detokenize import RoundDecoder
 from services.gateway.scheduler import Scheduler, SchedulerConfig
-from services.gateway.sequence import Generation, GenRequest
+from services.gateway.sequence import Delta, Generation, GenRequest
 from services.tree_wire import draft_tree, unpack
 from services.verifier.chain import DraftChain
 from specdec.v1 import internal_pb2 as pb
@@ -28,9 +29,18 @@ FIXED = FixedPolicy(Shape(1, 3))  # the fakes' chains: every round drafts, 3 nod
 DRAFT = "fake-draft:1"  # the draft address the scheduler names (the fake verifier's chain connects to it)
 
 
-class Decoder:
-    def push(self, ids: list[int]) -> str:
-        return " ".join(map(str, ids))
+class Ids:
+    """A tokenizer whose text is the token ids: "101 102 "."""
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(f"{i} " for i in ids)
+
+
+def streamed(deltas: list[Delta]) -> list[int]:
+    """The tokens of a request's deltas, whose text must be theirs (Ids), every round detokenized at once."""
+    tokens = [t for d in deltas for t in d.token_ids]
+    assert "".join(d.text for d in deltas) == Ids().decode(tokens)
+    return tokens
 
 
 class FakeDraft:
@@ -143,8 +153,8 @@ async def _run(
             sampling=SamplingConfig(),
             ignore_eos=True,
         )
-        gen = Generation(request=req, decoder=Decoder(), eos_token_id=EOS)
-        return [t for d in [d async for d in sched.generate(gen)] for t in d.token_ids]
+        gen = Generation(request=req, decoder=RoundDecoder(Ids()), eos_token_id=EOS)
+        return streamed([d async for d in sched.generate(gen)])
 
     lens = prompt_len or (2,) * len(prompts)
     outs = await asyncio.gather(*(one(f, m, i * stagger, n) for i, ((f, m), n) in enumerate(zip(prompts, lens))))
@@ -261,8 +271,8 @@ def test_two_groups_run_their_rounds_concurrently() -> None:
 
         async def one(first: int) -> list[int]:
             req = GenRequest(prompt_ids=[first - 1, first], max_tokens=10, sampling=SamplingConfig(), ignore_eos=True)
-            gen = Generation(request=req, decoder=Decoder(), eos_token_id=EOS)
-            return [t for d in [d async for d in sched.generate(gen)] for t in d.token_ids]
+            gen = Generation(request=req, decoder=RoundDecoder(Ids()), eos_token_id=EOS)
+            return streamed([d async for d in sched.generate(gen)])
 
         outs = await asyncio.gather(*(one(f) for f in (100, 200, 300, 400)))
         await sched.stop()
@@ -374,8 +384,8 @@ def _follow(policy, cfg: SchedulerConfig, requests: list[tuple[int, int, Shape |
                 ignore_eos=True,
                 tree=pin,
             )
-            gen = Generation(request=req, decoder=Decoder(), eos_token_id=EOS)
-            return [t for d in [d async for d in sched.generate(gen)] for t in d.token_ids]
+            gen = Generation(request=req, decoder=RoundDecoder(Ids()), eos_token_id=EOS)
+            return streamed([d async for d in sched.generate(gen)])
 
         outs = await asyncio.gather(*(one(*r) for r in requests))
         await sched.stop()
