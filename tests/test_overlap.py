@@ -18,6 +18,7 @@ from common.config import SamplingConfig
 from common.policy import PLAIN, CyclePolicy, FixedPolicy, Shape
 from services.clients import Batched, Prefilled, VerifierClient
 from services.gateway.detokenize import RoundDecoder
+from services.gateway.metrics import Metrics
 from services.gateway.scheduler import Scheduler, SchedulerConfig
 from services.gateway.sequence import Delta, Generation, GenRequest
 from services.tree_wire import draft_tree, unpack
@@ -134,6 +135,7 @@ async def _run(
     prompt_len: tuple[int, ...] = (),
     prefill_chunk: int = 512,
     fail_prefill: int = 0,
+    metrics: Metrics | None = None,
 ):
     """prompts: (last prompt token, max_tokens), the prompt counting up to it (prompt_len[i] tokens, default
     2). Returns (tokens per request, call log)."""
@@ -142,7 +144,7 @@ async def _run(
     cfg = SchedulerConfig(max_active=4, draft_address=draft_address, prefill_chunk=prefill_chunk)
     verifier = FakeVerifier(log, accept, draft)
     verifier.fail_prefill = fail_prefill
-    sched = Scheduler(verifier, draft, cfg, FIXED)
+    sched = Scheduler(verifier, draft, cfg, FIXED, metrics)
     sched.start()
 
     async def one(first: int, max_tokens: int, delay: float, n: int) -> list[int]:
@@ -175,6 +177,21 @@ def test_chained_rounds_commit_the_right_tokens_and_propose_once_per_round() -> 
     assert len(verifies) == 3 and len(proposes) == 4
     assert all(e[1] == ["gw-0", "gw-1"] for e in proposes)
     assert [e[1] for e in log if e[0] == "chained"] == [["gw-0", "gw-1"]] * 2  # rounds 2 and 3
+
+
+def test_counters_after_chained_rounds() -> None:
+    """The counters after the chained run above (each round's counted at once): 2 sequences x 3 rounds
+    = 6 drafts of 3-node trees (18 nodes), 2 accepted each (12; positions 0 and 1 reached 6 times), 20
+    tokens generated and 4 prompt tokens."""
+    m = Metrics()
+    asyncio.run(_run([(100, 10), (200, 10)], accept=2, metrics=m))
+    get = m.registry.get_sample_value
+    assert get("specdec_spec_decode_num_drafts_total") == 6
+    assert get("specdec_spec_decode_num_draft_tokens_total") == 18
+    assert get("specdec_spec_decode_num_accepted_tokens_total") == 12
+    per_pos = "specdec_spec_decode_num_accepted_tokens_per_pos_total"
+    assert [get(per_pos, {"position": str(p)}) for p in range(3)] == [6, 6, None]
+    assert get("specdec_generation_tokens_total") == 20 and get("specdec_prompt_tokens_total") == 4
 
 
 def test_without_a_draft_address_the_gateway_proposes_every_round() -> None:

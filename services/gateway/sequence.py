@@ -47,6 +47,12 @@ class SpecStats:
     drafted: int = 0
     accepted: int = 0
 
+    def count_round(self, drafted: int, accepted: int) -> None:
+        """A verification round: `drafted` tree nodes, `accepted` of them accepted."""
+        self.rounds += 1
+        self.drafted += drafted
+        self.accepted += accepted
+
     def mean_acceptance_length(self) -> float:
         """Tokens per verification round: the accepted drafted tokens and the bonus token. Tokens the
         policy decoded plainly are not rounds' tokens and do not count (0.0 before any round).
