@@ -75,9 +75,11 @@ class Generation:
     stats: SpecStats = field(default_factory=SpecStats)
 
     def commit(self, new_tokens: list[int]) -> Delta:
-        """The round's tokens at once: cut by the token rules, detokenized in one call, and checked for a
-        stop string once. A round that completes a stop string goes token by token (_commit_each), to
-        find the token that completed it; the texts are the same (see _commit_each)."""
+        """The round's tokens at once: cut by the token rules, detokenized in one call, checked for a stop
+        string once. The delta is what committing them one at a time (_commit_each) would give in all: a
+        stop string can only start in the held text or the round's (see _push_text), and the text held
+        after the round is the same. A round that completes a stop string goes token by token, to find
+        the token that completed it."""
         if self.finish is not None:  # nothing is committed (held text comes out, as token by token)
             return self._commit_each(new_tokens)
         taken, finish = self._cut(new_tokens)
@@ -99,8 +101,8 @@ class Generation:
         return Delta(token_ids=taken, text=text, finish=finish)
 
     def _cut(self, new_tokens: list[int]) -> tuple[list[int], Finish | None]:
-        """The tokens committed of new_tokens and the finish they reach, by the token rules (the first
-        max_tokens - len(token_ids), up to an end-of-sequence or stop token).
+        """Which of new_tokens are committed, and the finish they reach, by the token rules alone: the first
+        max_tokens - len(token_ids) of them, up to an end-of-sequence or stop token.
         Example: 3 tokens to go, eos 2, new [5, 6, 2, 7] -> ([5, 6, 2], EOS); [5, 6, 7, 8] -> ([5, 6, 7], LENGTH)."""
         room = max(self.request.max_tokens - len(self.token_ids), 1)
         eos = None if self.request.ignore_eos else self.eos_token_id
