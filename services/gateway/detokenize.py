@@ -30,6 +30,8 @@ class RoundDecoder(IncrementalDecoder):
     (pushed [c3 a9], then [e2 82] -> ""), and "€" comes with the next round's [ac]."""
 
     def push_round(self, ids: list[int]) -> str:
+        if not ids:  # a round of an end-of-sequence or stop token alone
+            return ""
         mark = self.mark()
         text = self.push(ids)
         if text or len(ids) <= 1:
