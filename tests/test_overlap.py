@@ -17,8 +17,10 @@ import numpy as np
 from common.config import SamplingConfig
 from common.policy import PLAIN, CyclePolicy, FixedPolicy, Shape
 from services.clients import Batched, Prefilled, VerifierClient
+from services.gateway.detokenize import RoundDecoder
+from services.gateway.metrics import Metrics
 from services.gateway.scheduler import Scheduler, SchedulerConfig
-from services.gateway.sequence import Generation, GenRequest
+from services.gateway.sequence import Delta, Generation, GenRequest
 from services.tree_wire import draft_tree, unpack
 from services.verifier.chain import DraftChain
 from specdec.v1 import internal_pb2 as pb
@@ -28,9 +30,18 @@ FIXED = FixedPolicy(Shape(1, 3))  # the fakes' chains: every round drafts, 3 nod
 DRAFT = "fake-draft:1"  # the draft address the scheduler names (the fake verifier's chain connects to it)
 
 
-class Decoder:
-    def push(self, ids: list[int]) -> str:
-        return " ".join(map(str, ids))
+class Ids:
+    """A tokenizer whose text is the token ids: "101 102 "."""
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(f"{i} " for i in ids)
+
+
+def streamed(deltas: list[Delta]) -> list[int]:
+    """The tokens of a request's deltas, whose text must be theirs (Ids), every round detokenized at once."""
+    tokens = [t for d in deltas for t in d.token_ids]
+    assert "".join(d.text for d in deltas) == Ids().decode(tokens)
+    return tokens
 
 
 class FakeDraft:
@@ -124,6 +135,7 @@ async def _run(
     prompt_len: tuple[int, ...] = (),
     prefill_chunk: int = 512,
     fail_prefill: int = 0,
+    metrics: Metrics | None = None,
 ):
     """prompts: (last prompt token, max_tokens), the prompt counting up to it (prompt_len[i] tokens, default
     2). Returns (tokens per request, call log)."""
@@ -132,7 +144,7 @@ async def _run(
     cfg = SchedulerConfig(max_active=4, draft_address=draft_address, prefill_chunk=prefill_chunk)
     verifier = FakeVerifier(log, accept, draft)
     verifier.fail_prefill = fail_prefill
-    sched = Scheduler(verifier, draft, cfg, FIXED)
+    sched = Scheduler(verifier, draft, cfg, FIXED, metrics)
     sched.start()
 
     async def one(first: int, max_tokens: int, delay: float, n: int) -> list[int]:
@@ -143,8 +155,8 @@ async def _run(
             sampling=SamplingConfig(),
             ignore_eos=True,
         )
-        gen = Generation(request=req, decoder=Decoder(), eos_token_id=EOS)
-        return [t for d in [d async for d in sched.generate(gen)] for t in d.token_ids]
+        gen = Generation(request=req, decoder=RoundDecoder(Ids()), eos_token_id=EOS)
+        return streamed([d async for d in sched.generate(gen)])
 
     lens = prompt_len or (2,) * len(prompts)
     outs = await asyncio.gather(*(one(f, m, i * stagger, n) for i, ((f, m), n) in enumerate(zip(prompts, lens))))
@@ -165,6 +177,21 @@ def test_chained_rounds_commit_the_right_tokens_and_propose_once_per_round() -> 
     assert len(verifies) == 3 and len(proposes) == 4
     assert all(e[1] == ["gw-0", "gw-1"] for e in proposes)
     assert [e[1] for e in log if e[0] == "chained"] == [["gw-0", "gw-1"]] * 2  # rounds 2 and 3
+
+
+def test_counters_after_chained_rounds() -> None:
+    """The counters after the chained run above (each round's counted at once): 2 sequences x 3 rounds
+    = 6 drafts of 3-node trees (18 nodes), 2 accepted each (12; positions 0 and 1 reached 6 times), 20
+    tokens generated and 4 prompt tokens."""
+    m = Metrics()
+    asyncio.run(_run([(100, 10), (200, 10)], accept=2, metrics=m))
+    get = m.registry.get_sample_value
+    assert get("specdec_spec_decode_num_drafts_total") == 6
+    assert get("specdec_spec_decode_num_draft_tokens_total") == 18
+    assert get("specdec_spec_decode_num_accepted_tokens_total") == 12
+    per_pos = "specdec_spec_decode_num_accepted_tokens_per_pos_total"
+    assert [get(per_pos, {"position": str(p)}) for p in range(3)] == [6, 6, None]
+    assert get("specdec_generation_tokens_total") == 20 and get("specdec_prompt_tokens_total") == 4
 
 
 def test_without_a_draft_address_the_gateway_proposes_every_round() -> None:
@@ -261,8 +288,8 @@ def test_two_groups_run_their_rounds_concurrently() -> None:
 
         async def one(first: int) -> list[int]:
             req = GenRequest(prompt_ids=[first - 1, first], max_tokens=10, sampling=SamplingConfig(), ignore_eos=True)
-            gen = Generation(request=req, decoder=Decoder(), eos_token_id=EOS)
-            return [t for d in [d async for d in sched.generate(gen)] for t in d.token_ids]
+            gen = Generation(request=req, decoder=RoundDecoder(Ids()), eos_token_id=EOS)
+            return streamed([d async for d in sched.generate(gen)])
 
         outs = await asyncio.gather(*(one(f) for f in (100, 200, 300, 400)))
         await sched.stop()
@@ -374,8 +401,8 @@ def _follow(policy, cfg: SchedulerConfig, requests: list[tuple[int, int, Shape |
                 ignore_eos=True,
                 tree=pin,
             )
-            gen = Generation(request=req, decoder=Decoder(), eos_token_id=EOS)
-            return [t for d in [d async for d in sched.generate(gen)] for t in d.token_ids]
+            gen = Generation(request=req, decoder=RoundDecoder(Ids()), eos_token_id=EOS)
+            return streamed([d async for d in sched.generate(gen)])
 
         outs = await asyncio.gather(*(one(*r) for r in requests))
         await sched.stop()

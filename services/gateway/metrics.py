@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 LATENCY_BUCKETS = (
@@ -105,10 +107,24 @@ class Metrics:
         if depth == 0:
             self.plain_rounds.inc()
 
-    def accepted(self, n: int) -> None:
-        self.accepted_tokens.inc(n)
+    def verified(self, accepted: Sequence[int], drafted: int) -> None:
+        """A round's verifications, counted at once (one update a counter, not one a sequence or a token):
+        one per sequence, `drafted` tree nodes in all, and the drafted tokens each sequence accepted.
+        Position p counts the sequences that accepted more than p tokens (up to max_depth positions).
+        Example: accepted [3, 1, 0] -> drafts +3, accepted tokens +4, positions 0, 1, 2 +2, +1, +1."""
+        if not accepted:
+            return
+        self.drafts.inc(len(accepted))
+        self.draft_tokens.inc(drafted)
+        self.accepted_tokens.inc(sum(accepted))
+        top = min(max(accepted), self.max_depth)
+        ends = [0] * (top + 1)  # [top + 1] sequences by the positions they reached: [3, 1, 0] -> [1, 1, 0, 1]
+        for n in accepted:
+            ends[min(n, top)] += 1
         per_pos = self._per_pos
-        for pos in range(min(n, self.max_depth)):
-            if pos == len(per_pos):
-                per_pos.append(self.accepted_per_pos.labels(position=str(pos)))
-            per_pos[pos].inc()
+        while len(per_pos) < top:  # children in position order, as they are first reached
+            per_pos.append(self.accepted_per_pos.labels(position=str(len(per_pos))))
+        reached = 0
+        for pos in range(top - 1, -1, -1):  # [1, 1, 0, 1] -> position 2: 1, 1: 1 + 0, 0: 1 + 0 + 1
+            reached += ends[pos + 1]
+            per_pos[pos].inc(reached)

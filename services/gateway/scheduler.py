@@ -217,7 +217,8 @@ class Scheduler:
         trees, draft_s = await self._proposals([a for a in spec if not a.chained and a.seq_id not in early], shape)
         trees.update(early)
         spec = [a for a in spec if a.chained or a.seq_id in trees]
-        plain = [a for a in members if a not in spec]
+        in_spec = set(spec)  # by identity (Active is eq=False): a list's `in` costs 64 comparisons at 64
+        plain = [a for a in members if a not in in_spec]
         if spec:
             t1 = time.perf_counter()
             nxt = self._next_shape(group, spec)
@@ -228,13 +229,19 @@ class Scheduler:
             if lost:  # their chained trees never came: plain this round, caught up later
                 self._draft_failed([a for a, _ in lost], lost[0][1])
                 plain += [a for a, _ in lost]
+            deltas, accepted, nodes = [], [], 0
             for a, r in zip(spec, verified.results):
                 if r.draft_error:
                     continue
+                n = len(r.tokens) - 1  # drafted tokens accepted (the last is the bonus token)
                 self._follow(a, r)
-                self._count_round(a, r.nodes, len(r.tokens) - 1)
-                self.policy.observe(a.seq_id, self._tree(a, shape), len(r.tokens) - 1)
-                self._emit(a, a.gen.commit(r.tokens))  # commit, stream
+                a.gen.stats.count_round(r.nodes, n)
+                accepted.append(n)
+                nodes += r.nodes
+                self.policy.observe(a.seq_id, self._tree(a, shape), n)
+                deltas.append((a, a.gen.commit(r.tokens)))  # commit
+            self.metrics.verified(accepted, nodes)
+            self._stream(deltas)  # stream
             if verified.draft_batch:  # the chained trees' call: the draft's engine time at its batch and depth
                 depth = self._round_shape([a for a in spec if a.seq_id not in trees], shape).depth
                 self.policy.observe_step("propose", verified.draft_batch, depth, verified.draft_s)
@@ -281,14 +288,17 @@ class Scheduler:
         decoded = await self.verifier.decode([a.seq_id for a in plain], steps, follow)
         self.policy.observe_round(len(plain), PLAIN, time.perf_counter() - t0, steps)
         self.policy.observe_step("decode", len(plain), 1, decoded.compute_us / 1e6 / steps)
+        deltas = []
         for a, r in zip(plain, decoded.results):
             a.chained = False  # a pending chained tree was dropped by the Decode
+            tokens = r.tokens[:]  # the repeated field as a list, read once
             if a.seq_id in follow:
-                append_plain_round(a.next_propose, r.tokens, r.hidden)
+                append_plain_round(a.next_propose, tokens, r.hidden)
                 a.plain_streak += 1
                 if a.plain_streak >= self.cfg.park_after and a.pin is None:
                     a.next_propose, a.parked = None, True  # see Speculation policy: parked
-            self._emit(a, a.gen.commit(list(r.tokens)))
+            deltas.append((a, a.gen.commit(tokens)))
+        self._stream(deltas)
 
     def _tree(self, a: Active, shape: Shape) -> Shape:
         """The tree a sequence drafts in a round of `shape`: its pinned one, else the round's."""
@@ -422,14 +432,6 @@ class Scheduler:
             )
         log.info("the draft catches up on %d sequence(s)", len(lost))
 
-    def _count_round(self, a: Active, drafted: int, accepted: int) -> None:
-        a.gen.stats.rounds += 1
-        a.gen.stats.drafted += drafted
-        a.gen.stats.accepted += accepted
-        self.metrics.drafts.inc()
-        self.metrics.draft_tokens.inc(drafted)
-        self.metrics.accepted(accepted)
-
     def _count_choice(self, shape: Shape) -> None:
         self.choices[shape] = self.choices.get(shape, 0) + 1
         self.metrics.round_shape(shape.depth, shape.nodes)
@@ -524,23 +526,25 @@ class Scheduler:
                 context_prefix=prefix,
                 sampling=sampling_msg(req.sampling),
             )
-        self._emit(a, a.gen.commit([first_token]))
+        self._stream([(a, a.gen.commit([first_token]))])
 
-    def _emit(self, a: Active, delta: Delta) -> None:
+    def _stream(self, deltas: list[tuple[Active, Delta]]) -> None:
+        """Send each sequence its delta (all sent at this moment: one clock reading, one counter update)."""
         now = time.perf_counter()
         m = self.metrics
-        m.generation_tokens.inc(len(delta.token_ids))
-        if a.first_token_at is None and delta.token_ids:
-            a.first_token_at = now
-            m.ttft.observe(now - a.started)
-        if delta.token_ids or delta.text or delta.finish is not None:
-            a.out.put_nowait(delta)
-        if delta.finish is not None:
-            a.out.put_nowait(None)
-            m.e2e.observe(now - a.started)
-            n = len(a.gen.token_ids)
-            if n > 1 and a.first_token_at is not None:
-                m.itl.observe((now - a.first_token_at) / (n - 1))
+        m.generation_tokens.inc(sum(len(d.token_ids) for _, d in deltas))
+        for a, delta in deltas:
+            if a.first_token_at is None and delta.token_ids:
+                a.first_token_at = now
+                m.ttft.observe(now - a.started)
+            if delta.token_ids or delta.text or delta.finish is not None:
+                a.out.put_nowait(delta)
+            if delta.finish is not None:
+                a.out.put_nowait(None)
+                m.e2e.observe(now - a.started)
+                n = len(a.gen.token_ids)
+                if n > 1 and a.first_token_at is not None:
+                    m.itl.observe((now - a.first_token_at) / (n - 1))
 
     async def _retire(self) -> None:
         """Finished sequences leave the rounds; their slots are released in the background (the next round

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from common.config import SamplingConfig
 from common.policy import Shape
-from common.tokenizer import IncrementalDecoder
+from services.gateway.detokenize import RoundDecoder
 
 
 class Finish(enum.Enum):
@@ -47,6 +47,12 @@ class SpecStats:
     drafted: int = 0
     accepted: int = 0
 
+    def count_round(self, drafted: int, accepted: int) -> None:
+        """A verification round: `drafted` tree nodes, `accepted` of them accepted."""
+        self.rounds += 1
+        self.drafted += drafted
+        self.accepted += accepted
+
     def mean_acceptance_length(self) -> float:
         """Tokens per verification round: the accepted drafted tokens and the bonus token. Tokens the
         policy decoded plainly are not rounds' tokens and do not count (0.0 before any round).
@@ -56,11 +62,11 @@ class SpecStats:
 
 @dataclass
 class Generation:
-    """A request's progress. `commit` applies stop rules token by token, so a round that accepts more
-    tokens than needed is cut exactly where plain decoding would have stopped."""
+    """A request's progress. `commit` cuts a round where plain decoding would have stopped: at an
+    end-of-sequence or stop token, at max_tokens, or at the token that completes a stop string."""
 
     request: GenRequest
-    decoder: IncrementalDecoder
+    decoder: RoundDecoder
     eos_token_id: int
     token_ids: list[int] = field(default_factory=list)  # [completion_tokens]
     text: str = ""  # text emitted so far, stop strings excluded
@@ -69,6 +75,50 @@ class Generation:
     stats: SpecStats = field(default_factory=SpecStats)
 
     def commit(self, new_tokens: list[int]) -> Delta:
+        """The round's tokens at once: cut by the token rules, detokenized in one call, checked for a stop
+        string once. The delta is what committing them one at a time (_commit_each) would give in all: a
+        stop string can only start in the held text or the round's (see _push_text), and the text held
+        after the round is the same. A round that completes a stop string goes token by token, to find
+        the token that completed it."""
+        if self.finish is not None:  # nothing is committed (held text comes out, as token by token)
+            return self._commit_each(new_tokens)
+        taken, finish = self._cut(new_tokens)
+        spoken = taken if finish is None or finish == Finish.LENGTH else taken[:-1]  # eos, stop ids: no text
+        stops = self.request.stop
+        mark = self.decoder.mark() if stops else None
+        window = self._held + self.decoder.push_round(spoken)
+        if mark is not None and any(s in window for s in stops):
+            self.decoder.rewind(mark)
+            return self._commit_each(new_tokens)
+        self.token_ids += taken
+        self.finish = finish
+        if not stops or finish in (Finish.EOS, Finish.LENGTH):  # nothing more can complete a stop string
+            text, self._held = window, ""
+        else:  # a stop token drops the held text, as token by token
+            hold = _longest_stop_prefix_suffix(window, stops)
+            text, self._held = window[: len(window) - hold], window[len(window) - hold :]
+        self.text += text
+        return Delta(token_ids=taken, text=text, finish=finish)
+
+    def _cut(self, new_tokens: list[int]) -> tuple[list[int], Finish | None]:
+        """Which of new_tokens are committed, and the finish they reach, by the token rules alone: the first
+        max_tokens - len(token_ids) of them, up to an end-of-sequence or stop token.
+        Example: 3 tokens to go, eos 2, new [5, 6, 2, 7] -> ([5, 6, 2], EOS); [5, 6, 7, 8] -> ([5, 6, 7], LENGTH)."""
+        room = max(self.request.max_tokens - len(self.token_ids), 1)
+        eos = None if self.request.ignore_eos else self.eos_token_id
+        stop_ids = self.request.stop_token_ids
+        for i, t in enumerate(new_tokens[:room]):
+            if t == eos:
+                return new_tokens[: i + 1], Finish.EOS
+            if t in stop_ids:
+                return new_tokens[: i + 1], Finish.STOP
+        if len(new_tokens) >= room:
+            return new_tokens[:room], Finish.LENGTH
+        return list(new_tokens), None
+
+    def _commit_each(self, new_tokens: list[int]) -> Delta:
+        """commit, token by token: the rule that commit's one pass over a round reproduces. Each token's
+        text is checked for a stop string as it comes, and text that may start one is held back."""
         taken: list[int] = []
         text = ""
         for t in new_tokens:

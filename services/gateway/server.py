@@ -11,8 +11,9 @@ import grpc
 
 from common.errors import SpecdecError
 from common.rpc import describe, status_for
-from common.tokenizer import IncrementalDecoder, Tokenizer
+from common.tokenizer import Tokenizer
 from services.gateway import convert
+from services.gateway.detokenize import RoundDecoder
 from services.gateway.scheduler import Scheduler
 from services.gateway.sequence import Delta, Generation
 from specdec.v1 import generation_pb2 as gpb
@@ -48,7 +49,7 @@ class GenerationServicer(gpb_grpc.GenerationServicer):
 
     async def _run(self, request: gpb.GenerateRequest) -> tuple[Generation, AsyncIterator[Delta]]:
         req = await self._off_loop(convert.gen_request, request, self.tok, self.vinfo.max_context, self.dinfo)
-        gen = Generation(request=req, decoder=IncrementalDecoder(self.tok), eos_token_id=self.tok.eos_token_id)
+        gen = Generation(request=req, decoder=RoundDecoder(self.tok), eos_token_id=self.tok.eos_token_id)
         return gen, self.scheduler.generate(gen)
 
     def _final(self, gen: Generation) -> dict:
