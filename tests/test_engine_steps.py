@@ -19,14 +19,9 @@ from common.engine.cuda_graphs import CudaGraphManager, GraphConfig, batch_bucke
 from common.engine.draft import Eagle3Drafter
 from common.engine.factory import make_drafter, make_verifier, pick_dtype
 from common.engine.oracle import GreedyOracleDrafter
-from common.engine.verifier import (
-    Verifier,
-    VerifierConfig,
-    accept_greedy_device,
-    prefill_groups,
-    tree_ancestors,
-)
+from common.engine.verifier import Verifier, VerifierConfig, prefill_groups
 from common.errors import InvalidRequest, UnknownSequence
+from common.kernels.reference import accept_greedy_device, tree_ancestors
 from common.kernels.reference import select_top_nodes as select_top_nodes_device
 from common.model.eagle3 import Eagle3Config, Eagle3Head
 from common.tree import Tree, ancestor_mask, depths, select_top_nodes

@@ -81,7 +81,7 @@ def fused_ops_count_once(monkeypatch):
     import common.kernels as kernels
 
     fused = ("add_rms_norm", "rope_kv_write", "swiglu", "attention", "topk_logprobs", "rope_attention")
-    for name in fused + ("rms_norm_cat", "draft_level", "select_tree"):
+    for name in fused + ("rms_norm_cat", "draft_level", "select_tree", "tree_mask", "accept_tree", "move_rows"):
         fn = getattr(kernels, name)
 
         def marked(*args, _fn=fn, _name=name, **kw):
@@ -170,3 +170,26 @@ def test_draft_proposal_kernel_count():
     with torch.inference_mode():
         ops = _top_level_ops(lambda: drafter._propose_step(packed, hidden, depth=6))
     assert len(ops) <= 92, sorted(ops)
+
+
+def test_verify_step_kernel_count(monkeypatch):
+    """A verify step around the model: the tree mask, positions, the greedy head, acceptance, the K/V
+    move and the kept features (about 35 launches on an H100 before the tree kernels, 9 now); the
+    model's forward counts as one here (its layers are bounded above)."""
+    from common.engine.verifier import Verifier, VerifierConfig
+    from common.weights import load_checkpoint
+
+    v = Verifier(load_checkpoint(), VerifierConfig(max_sequences=2, max_context=64, max_tree_nodes=8))
+    forward = v.model.forward
+
+    def one_range(*args, **kw):
+        with torch.profiler.record_function("specdec::model"):
+            return forward(*args, **kw)
+
+    monkeypatch.setattr(v.model, "forward", one_range)
+    packed = v._verify_block(2, 9)
+    packed[0, 1:5], packed[0, 10:14] = torch.tensor([5, 6, 7, 8]), torch.tensor([0, 1, 1, 2])  # a 4-node tree
+    packed[0, 18:20] = torch.tensor([3, 0])  # length 3, slot 0
+    with torch.inference_mode():
+        ops = _top_level_ops(lambda: v._verify_step(packed))
+    assert len(ops) <= 11, sorted(ops)

@@ -320,16 +320,35 @@ def test_select_tree_reference_example():
     assert kept[0, :2].tolist() == [0, 1]
 
 
+@pytest.mark.parametrize("splits", [1, 2, 3, 8])
+def test_attention_forced_splits(splits):
+    """A 40-row tree (120 query rows a KV head: two row blocks) over prefixes of 0 to 200 keys, the
+    keys unsplit, in the window and one prefix range, two, and seven (most of them empty at the short
+    prefixes): all equal the reference."""
+    g = torch.Generator().manual_seed(11)
+    b, t = 2, 40
+    prefix = torch.tensor([200, 0], device=DEV)
+    kv = torch.randn(b, 256, 2, KVH, D, generator=g).to(DEV)
+    q = torch.randn(b, t, H, D, generator=g).to(DEV)
+    slots = torch.tensor([1, 0], device=DEV)
+    window = _tree_window(b, t).to(DEV)
+    got = ops().attention(q, kv, slots, prefix, window, splits=splits)
+    bias = reference.attention_bias(prefix, window, 240, H // KVH, torch.float32)
+    torch.testing.assert_close(got, reference.attention(q, kv, slots, 240, bias), **tol(torch.float32))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("case", ["decode", "level"])
+@pytest.mark.parametrize("case", ["decode", "level", "tree"])
 def test_rope_attention(dtype, case):
     """The fused kernel (RoPE, the K/V write and attention in one launch) against rope_kv_write then
     attention of the reference: the output and the cache. decode: one token a sequence;
-    level: 10 tokens (a draft level) at one position each, written to scratch entries, seeing ancestors."""
+    level: 10 tokens (a draft level) at one position each, written to scratch entries, seeing ancestors;
+    tree: 30 tokens at their depths' positions (90 query rows a KV head: two row blocks, each writing
+    the 30 new keys), split over keys at batch 3."""
     from common.model.llama import rope_tables
 
     g = torch.Generator().manual_seed(9)
-    b, cap = 3, 96
+    b, cap = 3, 112
     cos, sin = (x.to(DEV) for x in rope_tables(D, 128, 10000.0))
     prefix = torch.tensor([5, 0, 70], device=DEV)
     slots = torch.tensor([2, 0, 1], device=DEV)
@@ -337,6 +356,11 @@ def test_rope_attention(dtype, case):
         t = 1
         positions, write_pos = prefix[:, None], prefix[:, None]
         window = torch.ones(b, 1, 1, dtype=torch.bool, device=DEV)
+    elif case == "tree":
+        t = 30
+        window = _tree_window(b, t).to(DEV)
+        positions = prefix[:, None] + window.sum(-1) - 1  # each node at its depth
+        write_pos = prefix[:, None] + torch.arange(t, device=DEV)
     else:
         t = 10
         positions = (prefix[:, None] + 2).expand(b, t)  # one depth: one position, stride 0
@@ -354,3 +378,57 @@ def test_rope_attention(dtype, case):
     want = reference.attention(q.float(), kv.float(), slots, kv_len, bias)
     torch.testing.assert_close(got_kv, kv, **tol(dtype))
     torch.testing.assert_close(got.float(), want, **tol(dtype))
+
+
+def _packed_trees(b: int, t: int, seed: int) -> torch.Tensor:
+    """A verify block [B, 2T + 3] as the verifier packs it: random trees of 0 to T - 1 nodes (parents
+    before children, tokens from 2 values so that paths get long), then padding rows naming themselves;
+    lengths, slots (0 .. B - 1) and greedy flags (every third sequence samples)."""
+    g = torch.Generator().manual_seed(seed)
+    packed = torch.zeros(b, 2 * t + 3, dtype=torch.int64)
+    for i in range(b):
+        nodes = int(torch.randint(0, t, (1,), generator=g))
+        parents = torch.arange(t)
+        for r in range(1, nodes + 1):
+            parents[r] = int(torch.randint(0, r, (1,), generator=g))
+        packed[i, 1:t] = torch.randint(0, 2, (t - 1,), generator=g)
+        packed[i, t : 2 * t] = parents
+        packed[i, 2 * t : 2 * t + 3] = torch.tensor([5 + i, i, int(i % 3 != 2)])
+    return packed
+
+
+@pytest.mark.parametrize("t", [5, 33, 64, 65])
+def test_tree_mask_and_acceptance(t):
+    """The mask, depths, accepted counts, tokens and moved rows of random trees (read from a packed
+    block's strided columns, as the verify step does) equal the reference's, sampling rows included."""
+    b = 6
+    packed = _packed_trees(b, t, seed=t).to(DEV)
+    ids, parent_rows, greedy = packed[:, :t], packed[:, t : 2 * t], packed[:, 2 * t + 2]
+    anc, depth = ops().tree_mask(parent_rows)
+    want_anc, want_depth = reference.tree_mask(parent_rows)
+    assert torch.equal(anc, want_anc) and torch.equal(depth, want_depth)
+    target = torch.randint(0, 2, (b, t), generator=torch.Generator().manual_seed(1)).to(DEV)
+    result, src = ops().accept_tree(ids, parent_rows, anc, depth, target, greedy)
+    want_result, want_src = reference.accept_tree(ids, parent_rows, want_anc, want_depth, target, greedy)
+    assert torch.equal(src, want_src)
+    for i in range(b):  # entries 0 .. count + 1: the count, the accepted tokens and the bonus
+        c = int(want_result[i, 0])
+        assert result[i, : c + 2].tolist() == want_result[i, : c + 2].tolist()
+    assert t == 5 or int(want_result[:, 0].max()) >= 3  # paths go deep: the test sees real compaction
+
+
+def test_move_rows_reads_before_writing():
+    """Path rows that land where another path row is read from (src [0, 2, 4] moves row 4 to 2 after
+    row 2 has moved to 1), in every layer, for two sequences at their own lengths; rows off the path and
+    a sampling sequence's (src = k) stay."""
+    g = torch.Generator().manual_seed(12)
+    kv = torch.randn(2, 3, 16, 2, KVH, D, generator=g).to(DEV)
+    slots, n = torch.tensor([2, 0], device=DEV), torch.tensor([3, 7], device=DEV)
+    src = torch.tensor([[0, 2, 4, 3, 4, 5], [0, 1, 2, 3, 4, 5]], device=DEV)
+    want = kv.clone()
+    reference.move_rows(want, slots, n, src)
+    got = kv.clone()
+    ops().move_rows(got, slots, n, src)
+    assert torch.equal(got, want)
+    assert torch.equal(got[:, 2, 4], kv[:, 2, 5]) and torch.equal(got[:, 2, 5], kv[:, 2, 7])  # rows 2, 4 -> 1, 2
+    assert torch.equal(got[:, 0], kv[:, 0]) and torch.equal(got[:, 1], kv[:, 1])

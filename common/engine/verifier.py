@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from common import validate
+from common import kernels, validate
 from common.acceptance import Acceptance, accept_sampled, accept_sampled_q, compaction_plan
 from common.config import LlamaConfig, SamplingConfig
 from common.engine.base import Decoded, EngineInfo, PrefillInput, PrefillOutput, StepTime, VerifyInput, VerifyOutput
@@ -107,77 +107,6 @@ def tree_depth(parent_rows: np.ndarray) -> int:
         at = up[at]  # one level up
         at = at[up[at] != at]  # those not at a root yet
     return depth
-
-
-def tree_ancestors(parent_rows: torch.Tensor, max_depth: int | None = None) -> torch.Tensor:
-    """parent_rows [B, T] (row 0 = root, row i+1 = node i; the root and padding rows name themselves)
-    -> [B, T, T] bool, anc[b, i, j] = row j is row i or one of its ancestors (common.tree.ancestor_mask).
-
-    Pointer doubling, ceil(log2(T - 1)) rounds with static shapes: after round r every row holds its
-    ancestors up to distance 2^r, and jump[i] is its 2^r-th ancestor (the root points at itself).
-    Worked example (tokens [a, b, c, d], parents [-1, -1, 0, 1], then one padding row p):
-        row          r  a  b  c  d  p
-        parent_rows  0  0  0  1  2  5
-        start        anc = self + parent:  r {r}  a {a,r}  b {b,r}  c {c,a}  d {d,b}  p {p}
-        round 1      anc[c] |= anc[jump[c] = a] -> {c,a,r};  jump[c] <- jump[a] = r   (d likewise)
-        depth = |anc| - 1:  r 0  a 1  b 1  c 2  d 2  p 0
-    """
-    b, t = parent_rows.shape
-    anc = torch.eye(t, dtype=torch.bool, device=parent_rows.device).expand(b, t, t).clone()  # [B, T, T]
-    anc.scatter_(2, parent_rows[:, :, None], True)
-    jump = parent_rows  # [B, T]
-    # ceil(log2(D)) rounds cover depth D: T - 1 when no bound is known
-    depth = max_depth if max_depth is not None else t - 1
-    for _ in range(max(depth - 1, 0).bit_length()):
-        anc = anc | anc.gather(1, jump[:, :, None].expand(b, t, t))
-        jump = jump.gather(1, jump)
-    return anc
-
-
-@dataclass(frozen=True)
-class GreedyPath:
-    """Greedy acceptance of a batch of trees, on the device."""
-
-    count: torch.Tensor  # [B] accepted drafted nodes
-    src_rows: torch.Tensor  # [B, T] row that lands at tree position k: the root, the path, then k itself
-    bonus: torch.Tensor  # [B] the base model's choice after the last accepted node
-
-
-def accept_greedy_device(
-    ids: torch.Tensor,
-    parent_rows: torch.Tensor,
-    anc: torch.Tensor,
-    target: torch.Tensor,
-    depth: torch.Tensor | None = None,
-) -> GreedyPath:
-    """Batched common.acceptance.accept_greedy. ids, parent_rows, target [B, T] (row 0 the root; target
-    the base argmax at each row); anc [B, T, T] from tree_ancestors; depth [B, T] = anc.sum(-1) - 1 when
-    the caller has it.
-
-    A node row is right when its token is its parent row's target; it is accepted when it and all its
-    ancestors are right; the deepest accepted row wins (ties: the first row, as the host rule's first
-    matching child). Padding rows (their own parent, after the root) are never right.
-    Worked example (tokens [a, b, c, d], parents [-1, -1, 0, 1], target [b, x, d, y, z]):
-        row           r  a  b  c  d
-        right         1  0  1  0  1        (a != target[r] = b;  d == target[b] = d)
-        accepted      1  0  1  0  1        depth 0 1 1 2 2  -> best row 4 (d), count 2
-        src_rows      [0, 2, 4, 3, 4]      root, b, d, then positions 3 and 4 keep their own rows
-        bonus         target[4] = z        tokens b, d, z
-    """
-    b, t = ids.shape
-    rows = torch.arange(t, device=ids.device)
-    node = parent_rows != rows[None, :]  # [B, T] a real node row
-    right = (ids == target.gather(1, parent_rows)) & node
-    right = right | (rows == 0)[None, :]
-    accepted = ~(anc & ~right[:, None, :]).any(-1)  # [B, T]
-    depth = anc.sum(-1) - 1 if depth is None else depth  # [B, T]
-    score = torch.where(accepted, depth * t + (t - 1 - rows)[None, :], -1)
-    best = score.argmax(-1)  # [B]
-    count = depth.gather(1, best[:, None])[:, 0]  # [B]
-    on_path = anc.gather(1, best[:, None, None].expand(b, 1, t))[:, 0]  # [B, T] root and path rows
-    ordered = torch.where(on_path, rows[None, :], t + rows[None, :]).sort(-1).values  # path rows first
-    src_rows = torch.where(rows[None, :] <= count[:, None], ordered, rows[None, :])
-    return GreedyPath(count=count, src_rows=src_rows, bonus=target.gather(1, best[:, None])[:, 0])
 
 
 @dataclass(frozen=True)
@@ -395,9 +324,8 @@ class Verifier:
         trees' depth (fewer rounds for their ancestors), None for any."""
         b, t = packed.shape[0], (packed.shape[1] - 3) // 2
         ids, parent_rows = packed[:, :t], packed[:, t : 2 * t]  # [B, T] each
-        n, slots, greedy = packed[:, 2 * t], packed[:, 2 * t + 1], packed[:, 2 * t + 2] != 0  # [B] each
-        anc = tree_ancestors(parent_rows, max_depth)  # [B, T, T]
-        depth = anc.sum(-1) - 1  # [B, T]
+        n, slots, greedy = packed[:, 2 * t], packed[:, 2 * t + 1], packed[:, 2 * t + 2]  # [B] each (greedy: 0/1)
+        anc, depth = kernels.tree_mask(parent_rows, max_depth)  # [B, T, T], [B, T]
         rows = torch.arange(t, device=packed.device)
         batch = Batch(
             input_ids=ids,
@@ -408,20 +336,12 @@ class Verifier:
             window=anc,
         )
         out = self.model(batch, self.cache)
-        path = accept_greedy_device(ids, parent_rows, anc, self.model.greedy(out.hidden), depth)
-        # greedy sequences: K/V of the accepted path move next to the root, all layers in one gather and
-        # one scatter (all sources are read before any write; see common.acceptance.compaction_plan);
-        # sampling sequences keep their rows (the host compacts them after acceptance)
-        src = torch.where(greedy[:, None], path.src_rows, rows[None, :])  # [B, T]
-        slot_idx = slots[:, None].expand(b, t)
-        self.cache.kv[:, slot_idx, n[:, None] + rows[None, :]] = self.cache.kv[:, slot_idx, n[:, None] + src]
-        tokens = ids.gather(1, path.src_rows)  # [B, T] root, path...
-        tokens = torch.cat((tokens[:, 1:], tokens[:, :1]), dim=1)  # path, ... (shift out root)
-        tokens = tokens.scatter(1, path.count[:, None], path.bonus[:, None])
+        result, src = kernels.accept_tree(ids, parent_rows, anc, depth, self.model.greedy(out.hidden), greedy)
+        # greedy sequences: K/V of the accepted path move next to the root in every layer; sampling
+        # sequences keep their rows (src[b, k] = k: the host compacts them after acceptance)
+        kernels.move_rows(self.cache.kv, slots, n, src)
         kept = out.aux.gather(1, src[:, :, None].expand(b, t, out.aux.shape[-1]))  # [B, T, 3H]
-        return VerifyStep(
-            result=torch.cat((path.count[:, None], tokens), dim=1), kept=kept, hidden=out.hidden, aux=out.aux
-        )
+        return VerifyStep(result=result, kept=kept, hidden=out.hidden, aux=out.aux)
 
     @torch.inference_mode()
     def verify(self, items: list[VerifyInput]) -> list[VerifyOutput]:

@@ -138,14 +138,14 @@ def rope_attention(
     num_kv_heads: int,
     plan: AttentionPlan | TTTPlan | None = None,
 ) -> torch.Tensor:
-    """rope_kv_write, then attention of the rotated queries: [B, T, H * D]. One Triton kernel where a
-    sequence's query rows of one KV head fit one program (T * H / KVH <= 64: decoding, the draft's
-    levels and proposals); else the two operations (prefill, trees, the reference)."""
+    """rope_kv_write, then attention of the rotated queries: [B, T, H * D]. One Triton kernel (two with
+    a split over keys) for up to 64 new tokens a sequence (decoding, trees, the draft's levels and
+    proposals); else the two operations (prefill, the reference)."""
     b, t, _ = qkv.shape
     fused = (
         use_triton(qkv)
         and plan is None
-        and t * (num_heads // num_kv_heads) <= 64
+        and t <= 64
         and qkv.is_contiguous()
         and qkv.dtype == kv.dtype
         and kv.stride(-1) == 1
@@ -219,3 +219,33 @@ def select_tree(
     if use_triton(score) and score.shape[1] <= 1024:
         return _ops().select_tree(tok, score, parent, d2t, keep, row_depth, k, n)
     return reference.select_tree(tok, score, parent, d2t, keep, row_depth, k, n)
+
+
+def tree_mask(parent_rows: torch.Tensor, max_depth: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch of trees' ancestor masks [B, T, T] and row depths [B, T]; see reference.tree_mask."""
+    if use_triton(parent_rows) and parent_rows.shape[1] <= 128 and parent_rows.stride(1) == 1:
+        return _ops().tree_mask(parent_rows)
+    return reference.tree_mask(parent_rows, max_depth)
+
+
+def accept_tree(
+    ids: torch.Tensor,
+    parent_rows: torch.Tensor,
+    anc: torch.Tensor,
+    depth: torch.Tensor,
+    target: torch.Tensor,
+    greedy: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy acceptance: (result [B, T + 1], src [B, T]); see reference.accept_tree."""
+    flat = ids.stride(1) == 1 and parent_rows.stride(1) == 1
+    if use_triton(ids) and ids.shape[1] <= 128 and flat and anc.is_contiguous() and target.is_contiguous():
+        return _ops().accept_tree(ids, parent_rows, anc, depth.contiguous(), target, greedy)
+    return reference.accept_tree(ids, parent_rows, anc, depth, target, greedy)
+
+
+def move_rows(kv: torch.Tensor, slots: torch.Tensor, n: torch.Tensor, src: torch.Tensor) -> None:
+    """Move the accepted path's cache rows next to the root in every layer; see reference.move_rows."""
+    if use_triton(kv) and kv.is_contiguous() and src.shape[1] <= 128:
+        _ops().move_rows(kv, slots, n, src.contiguous())
+    else:
+        reference.move_rows(kv, slots, n, src)

@@ -4,6 +4,8 @@ kernels do, so both paths round alike."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -233,3 +235,119 @@ def select_tree(
     filler = (torch.arange(n, device=score.device)[None, :] >= keep[:, None])[:, None, :]  # [B, 1, N]
     fill = torch.tensor([0.0, -1.0, 0.0, -1.0], dtype=torch.float64, device=score.device)[None, :, None]
     return torch.where(filler, fill, tree), kept.masked_fill(filler[:, 0], 0)
+
+
+# ---- Tree verification: the tree's mask, greedy acceptance and the accepted path's K/V ----------------
+def tree_ancestors(parent_rows: torch.Tensor, max_depth: int | None = None) -> torch.Tensor:
+    """parent_rows [B, T] (row 0 = root, row i+1 = node i; the root and padding rows name themselves)
+    -> [B, T, T] bool, anc[b, i, j] = row j is row i or one of its ancestors (common.tree.ancestor_mask).
+
+    Pointer doubling, ceil(log2(T - 1)) rounds with static shapes: after round r every row holds its
+    ancestors up to distance 2^r, and jump[i] is its 2^r-th ancestor (the root points at itself).
+    Worked example (tokens [a, b, c, d], parents [-1, -1, 0, 1], then one padding row p):
+        row          r  a  b  c  d  p
+        parent_rows  0  0  0  1  2  5
+        start        anc = self + parent:  r {r}  a {a,r}  b {b,r}  c {c,a}  d {d,b}  p {p}
+        round 1      anc[c] |= anc[jump[c] = a] -> {c,a,r};  jump[c] <- jump[a] = r   (d likewise)
+        depth = |anc| - 1:  r 0  a 1  b 1  c 2  d 2  p 0
+    """
+    b, t = parent_rows.shape
+    anc = torch.eye(t, dtype=torch.bool, device=parent_rows.device).expand(b, t, t).clone()  # [B, T, T]
+    anc.scatter_(2, parent_rows[:, :, None], True)
+    jump = parent_rows  # [B, T]
+    # ceil(log2(D)) rounds cover depth D: T - 1 when no bound is known
+    depth = max_depth if max_depth is not None else t - 1
+    for _ in range(max(depth - 1, 0).bit_length()):
+        anc = anc | anc.gather(1, jump[:, :, None].expand(b, t, t))
+        jump = jump.gather(1, jump)
+    return anc
+
+
+@dataclass(frozen=True)
+class GreedyPath:
+    """Greedy acceptance of a batch of trees, on the device."""
+
+    count: torch.Tensor  # [B] accepted drafted nodes
+    src_rows: torch.Tensor  # [B, T] row that lands at tree position k: the root, the path, then k itself
+    bonus: torch.Tensor  # [B] the base model's choice after the last accepted node
+
+
+def accept_greedy_device(
+    ids: torch.Tensor,
+    parent_rows: torch.Tensor,
+    anc: torch.Tensor,
+    target: torch.Tensor,
+    depth: torch.Tensor | None = None,
+) -> GreedyPath:
+    """Batched common.acceptance.accept_greedy. ids, parent_rows, target [B, T] (row 0 the root; target
+    the base argmax at each row); anc [B, T, T] from tree_ancestors; depth [B, T] = anc.sum(-1) - 1 when
+    the caller has it.
+
+    A node row is right when its token is its parent row's target; it is accepted when it and all its
+    ancestors are right; the deepest accepted row wins (ties: the first row, as the host rule's first
+    matching child). Padding rows (their own parent, after the root) are never right.
+    Worked example (tokens [a, b, c, d], parents [-1, -1, 0, 1], target [b, x, d, y, z]):
+        row           r  a  b  c  d
+        right         1  0  1  0  1        (a != target[r] = b;  d == target[b] = d)
+        accepted      1  0  1  0  1        depth 0 1 1 2 2  -> best row 4 (d), count 2
+        src_rows      [0, 2, 4, 3, 4]      root, b, d, then positions 3 and 4 keep their own rows
+        bonus         target[4] = z        tokens b, d, z
+    """
+    b, t = ids.shape
+    rows = torch.arange(t, device=ids.device)
+    node = parent_rows != rows[None, :]  # [B, T] a real node row
+    right = (ids == target.gather(1, parent_rows)) & node
+    right = right | (rows == 0)[None, :]
+    accepted = ~(anc & ~right[:, None, :]).any(-1)  # [B, T]
+    depth = anc.sum(-1) - 1 if depth is None else depth  # [B, T]
+    score = torch.where(accepted, depth * t + (t - 1 - rows)[None, :], -1)
+    best = score.argmax(-1)  # [B]
+    count = depth.gather(1, best[:, None])[:, 0]  # [B]
+    on_path = anc.gather(1, best[:, None, None].expand(b, 1, t))[:, 0]  # [B, T] root and path rows
+    ordered = torch.where(on_path, rows[None, :], t + rows[None, :]).sort(-1).values  # path rows first
+    src_rows = torch.where(rows[None, :] <= count[:, None], ordered, rows[None, :])
+    return GreedyPath(count=count, src_rows=src_rows, bonus=target.gather(1, best[:, None])[:, 0])
+
+
+def tree_mask(parent_rows: torch.Tensor, max_depth: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """parent_rows [B, T] -> (anc [B, T, T] bool from tree_ancestors, depth [B, T] int64 = anc.sum(-1) - 1).
+    max_depth: a bound on the trees' depth (fewer doubling rounds), None for any."""
+    anc = tree_ancestors(parent_rows, max_depth)
+    return anc, anc.sum(-1) - 1
+
+
+def accept_tree(
+    ids: torch.Tensor,
+    parent_rows: torch.Tensor,
+    anc: torch.Tensor,
+    depth: torch.Tensor,
+    target: torch.Tensor,
+    greedy: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy acceptance of a batch of trees and what the verifier keeps of it. ids, parent_rows, target,
+    depth [B, T] and anc [B, T, T] as accept_greedy_device takes them; greedy [B] (nonzero: the sequence
+    is greedy). Returns
+      result [B, T + 1] int64: the accepted count c, then the accepted tokens and the bonus token (entries
+             1 .. c + 1; the rest is filler);
+      src    [B, T] int64: the row whose K/V and features land at tree position k (the root, the path,
+             then k itself), and k itself for every position of a sampling sequence (it accepts on the
+             host).
+    Docstring example of accept_greedy_device, greedy: result [2, b, d, z, ...], src [0, 2, 4, 3, 4]."""
+    b, t = ids.shape
+    path = accept_greedy_device(ids, parent_rows, anc, target, depth)
+    rows = torch.arange(t, device=ids.device)
+    src = torch.where(greedy[:, None] != 0, path.src_rows, rows[None, :])  # [B, T]
+    tokens = ids.gather(1, path.src_rows)  # [B, T] root, path...
+    tokens = torch.cat((tokens[:, 1:], tokens[:, :1]), dim=1)  # path, ... (shift out root)
+    tokens = tokens.scatter(1, path.count[:, None], path.bonus[:, None])
+    return torch.cat((path.count[:, None], tokens), dim=1), src
+
+
+def move_rows(kv: torch.Tensor, slots: torch.Tensor, n: torch.Tensor, src: torch.Tensor) -> None:
+    """In every layer of kv [L, S, C, ...], the cache row at n[b] + src[b, k] of slot slots[b] moves to
+    n[b] + k (the accepted path next to the root): all rows are read before any is written, so a path row
+    may land where another path row came from (common.acceptance.compaction_plan). src [B, T]."""
+    b, t = src.shape
+    rows = torch.arange(t, device=src.device)
+    slot_idx = slots[:, None].expand(b, t)
+    kv[:, slot_idx, n[:, None] + rows[None, :]] = kv[:, slot_idx, n[:, None] + src]

@@ -261,12 +261,16 @@ def _attend(q1, q2, kv_at, s_kv, half, n_ok, seen, m_i, l_i, acc, qk_scale, IEEE
 # what the sequence's real length costs.
 # Split over keys (flash-decoding): a program per (sequence, KV head) loops over its keys one 64-key
 # block after another, about 1.4 us a block on an H100 (decode at 256 keys: 9-11 us, 30 times a step,
-# a third of the step) while 3 programs leave the GPU idle. With SPLITS > 1 the prefix is cut into
-# SPLITS ranges, one program each, and a second kernel merges their partial softmaxes.
+# a third of the step) while 3 programs leave the GPU idle. With SPLITS > 1, split 0 reads the window
+# and splits 1.. SPLITS - 1 cut the prefix into ranges, one program each (the window is a block of its
+# own: given to a prefix range, that range's program would take one block longer than the others), and
+# a second kernel merges their partial softmaxes.
 # RoPE (the new tokens' rope_kv_write) fused: the queries are rotated in registers by every program; the
 # new keys and values are written to the cache by split 0, which alone reads the window positions
 # (prefix_len onwards: every engine writes its new tokens there), after a barrier that makes its own
-# writes visible to all its threads. The other splits read only the prefix, which this call never writes.
+# writes visible to all its threads. With several row blocks (a tree: 61 tokens x 3 query heads a KV
+# head) the split 0 of each writes all T tokens: the same values to the same places, so whichever write
+# lands last, each program reads what it wrote. The other splits read only the prefix, never written.
 _ATTENTION_VARYING = ["T", "W", "n_rows", "ss_b", "sp_b", "sq_b", "sq_t", "sw_b", "sw_t", "so_b", "so_t"]
 
 
@@ -315,6 +319,7 @@ def _attention_kernel(
     KVH: tl.constexpr,
     ROPE: tl.constexpr,
     SPLITS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
 ):
     bh = tl.program_id(0)  # b * KVH + kv head
     b = bh // KVH
@@ -337,18 +342,19 @@ def _attention_kernel(
         y1, y2 = _rotate(q1, q2, tl.load(pos_b + t * sr_t, mask=row_ok, other=0), cos_ptr, sin_ptr, s_table, hd, row_ok)
         q1, q2 = y1.to(q_ptr.dtype.element_ty), y2.to(q_ptr.dtype.element_ty)
         if split == 0:
-            tok = tl.arange(0, BLOCK_M)
+            tok = tl.arange(0, BLOCK_T)  # all T tokens, whichever row block this is
             tok_ok = tok < T
             k_at = q_ptr + b * sq_b + tok[:, None] * sq_t + (KVH * G + kvh) * sq_h + hd[None, :]
             k1 = tl.load(k_at, mask=tok_ok[:, None], other=0.0)
             k2 = tl.load(k_at + half, mask=tok_ok[:, None], other=0.0)
-            y1, y2 = _rotate(
+            # new names: a compiled `if` may not rebind y1, y2 to the [BLOCK_T, D / 2] shape
+            ky1, ky2 = _rotate(
                 k1, k2, tl.load(pos_b + tok * sr_t, mask=tok_ok, other=0), cos_ptr, sin_ptr, s_table, hd, tok_ok
             )
             wpos = tl.load(wpos_ptr + b * sx_b + tok * sx_t, mask=tok_ok, other=0)
             dst = kv_base + wpos[:, None] * s_pos + hd[None, :]
-            tl.store(dst, y1.to(kv_ptr.dtype.element_ty), mask=tok_ok[:, None])  # k, rotated
-            tl.store(dst + half, y2.to(kv_ptr.dtype.element_ty), mask=tok_ok[:, None])
+            tl.store(dst, ky1.to(kv_ptr.dtype.element_ty), mask=tok_ok[:, None])  # k, rotated
+            tl.store(dst + half, ky2.to(kv_ptr.dtype.element_ty), mask=tok_ok[:, None])
             for part in tl.static_range(2):  # v as it is
                 v = tl.load(k_at + KVH * sq_h + part * half, mask=tok_ok[:, None], other=0.0)
                 tl.store(dst + s_kv + part * half, v.to(kv_ptr.dtype.element_ty), mask=tok_ok[:, None])
@@ -356,10 +362,11 @@ def _attention_kernel(
     m_i = tl.full((BLOCK_M,), -1.0e30, tl.float32)  # finite: a fully masked block leaves it unchanged
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, half, 2), tl.float32)  # [M, D / 2, 2]: the output's halves, joined
-    # this program's share of the prefix: whole key blocks, split after split
-    per = tl.cdiv(tl.cdiv(prefix, BLOCK_N), SPLITS) * BLOCK_N
-    lo = split * per
-    hi = tl.minimum(lo + per, prefix)
+    # this program's share of the prefix: all of it unsplit; else none for split 0 (the window's), and
+    # whole key blocks for splits 1.., range after range
+    per = tl.cdiv(tl.cdiv(prefix, BLOCK_N), tl.maximum(SPLITS - 1, 1)) * BLOCK_N
+    lo = tl.where(SPLITS == 1, 0, tl.where(split == 0, prefix, (split - 1) * per))
+    hi = tl.where(SPLITS == 1, prefix, tl.minimum(lo + per, prefix))
     for start in range(lo, hi, BLOCK_N):
         p = start + tl.arange(0, BLOCK_N)
         p_ok = p < hi
@@ -401,26 +408,30 @@ def _attention_merge_kernel(
     G: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    MERGE_M: tl.constexpr,
     KVH: tl.constexpr,
     SPLITS: tl.constexpr,
 ):
-    """Merge the SPLITS partial softmaxes of a program of _attention_kernel: weights 2^(lse - max)."""
+    """Merge the SPLITS partial softmaxes of MERGE_M rows of a program of _attention_kernel: weights
+    2^(lse - max). A program per MERGE_M rows (a 64-row tree block in 4: the merge reads SPLITS tiles of
+    the block's rows, 128 KB at 8 splits, too much for one program to read quickly); a split that saw
+    no key (lse -inf: a short prefix leaves the last ranges empty) is not read."""
     bh = tl.program_id(0)
     b = bh // KVH
     kvh = bh % KVH
     prog = bh * tl.num_programs(1) + tl.program_id(1)
-    m = tl.arange(0, BLOCK_M)
+    m = tl.program_id(2) * MERGE_M + tl.arange(0, MERGE_M)  # rows of the program's BLOCK_M
     d = tl.arange(0, HEAD_DIM)
-    top = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    top = tl.full((MERGE_M,), float("-inf"), tl.float32)
     for sp in tl.static_range(SPLITS):
         top = tl.maximum(top, tl.load(lse_ptr + (prog * SPLITS + sp) * BLOCK_M + m))
     top = tl.where(top == float("-inf"), 0.0, top)
-    total = tl.zeros((BLOCK_M,), tl.float32)
-    o = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+    total = tl.zeros((MERGE_M,), tl.float32)
+    o = tl.zeros((MERGE_M, HEAD_DIM), tl.float32)
     for sp in tl.static_range(SPLITS):  # one coalesced [M, D] tile a split
         w = tl.exp2(tl.load(lse_ptr + (prog * SPLITS + sp) * BLOCK_M + m) - top)  # 0: the split saw nothing
-        part = tl.load(part_ptr + ((prog * SPLITS + sp) * BLOCK_M + m)[:, None] * HEAD_DIM + d[None, :])
-        o += part * w[:, None]
+        at = part_ptr + ((prog * SPLITS + sp) * BLOCK_M + m)[:, None] * HEAD_DIM + d[None, :]
+        o += tl.load(at, mask=(w > 0.0)[:, None], other=0.0) * w[:, None]
         total += w
     o = o / tl.maximum(total, 1e-30)[:, None]
     r = tl.program_id(1) * BLOCK_M + m
@@ -431,11 +442,16 @@ def _attention_merge_kernel(
 
 
 def attention(
-    q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, prefix_len: torch.Tensor, window: torch.Tensor
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    slots: torch.Tensor,
+    prefix_len: torch.Tensor,
+    window: torch.Tensor,
+    splits: int | None = None,
 ) -> torch.Tensor:
     """See reference.attention. q [B, T, H, D] (any strides, unit on D); kv [S, C, 2, KVH, D] with the
     same dtype as q; window [B, T, W] bool (unit stride on W). Returns [B, T, H * D]."""
-    return _attention(q, q.shape[2], kv, slots, prefix_len, window, None)
+    return _attention(q, q.shape[2], kv, slots, prefix_len, window, None, splits)
 
 
 def rope_attention(
@@ -450,14 +466,15 @@ def rope_attention(
     window: torch.Tensor,
     num_heads: int,
     num_kv_heads: int,
+    splits: int | None = None,
 ) -> torch.Tensor:
     """rope_kv_write, then attention of the rotated q, in one launch (two with a split): qkv
-    [B, T, (H + 2 KVH) D] contiguous, kv of qkv's dtype; T * H / KVH <= 64 (one program a sequence, KV
-    head and split); write_pos >= prefix_len (the window's side). Returns [B, T, H * D]; qkv is read,
-    not rotated in place."""
+    [B, T, (H + 2 KVH) D] contiguous, kv of qkv's dtype; T <= 64 (each program writing the T new keys
+    holds them in one tile); write_pos >= prefix_len (the window's side). Returns [B, T, H * D]; qkv is
+    read, not rotated in place."""
     b, t, width = qkv.shape
     heads = qkv.view(b, t, num_heads + 2 * num_kv_heads, width // (num_heads + 2 * num_kv_heads))
-    return _attention(heads, num_heads, kv, slots, prefix_len, window, (cos, sin, positions, write_pos))
+    return _attention(heads, num_heads, kv, slots, prefix_len, window, (cos, sin, positions, write_pos), splits)
 
 
 def _attention(
@@ -468,20 +485,24 @@ def _attention(
     prefix_len: torch.Tensor,
     window: torch.Tensor,
     rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    splits: int | None = None,
 ) -> torch.Tensor:
     """The launch: q's first h heads attend (with rope: q holds k and v heads after them, rotated and
-    written by the kernel first). Splits over keys while the programs would not fill the GPU: up to 8
-    at batch 1 (3 KV heads), 2 at batch 16, 1 from about 40 sequences on."""
+    written by the kernel first). Splits over keys while the programs would not fill the GPU: the window
+    and 7 prefix ranges at batch 1 (3 KV heads), the window and 1 at batch 16, none from about 40
+    sequences on. `splits` overrides the choice (measurements)."""
     b, t, _, d = q.shape
     kvh = kv.shape[3]
     g = h // kvh
     n_rows = t * g
     block_m = 16 if n_rows <= 16 else 32 if n_rows <= 32 else 64
     m_blocks = triton.cdiv(n_rows, block_m)
-    if rope is not None and m_blocks > 1:
-        raise ValueError(f"rope_attention takes at most 64 query rows per KV head, got {n_rows}")
+    if rope is not None and t > 64:
+        raise ValueError(f"rope_attention takes at most 64 tokens a sequence, got {t}")
     programs = b * kvh * m_blocks
-    splits = 1 if programs >= 64 else 2 if programs >= 32 else 4 if programs >= 16 else 8
+    if splits is None:
+        splits = 1 if programs >= 64 else 2 if programs >= 32 else 4 if programs >= 16 else 8
+    merge_m = min(block_m, 16)
     out = torch.empty((b, t, h, d), dtype=q.dtype, device=q.device)
     part = torch.empty((programs * splits * block_m, d), dtype=torch.float32, device=q.device) if splits > 1 else out
     lse = torch.empty(programs * splits * block_m, dtype=torch.float32, device=q.device) if splits > 1 else out
@@ -532,10 +553,11 @@ def _attention(
         KVH=kvh,
         ROPE=rope is not None,
         SPLITS=splits,
+        BLOCK_T=max(16, triton.next_power_of_2(t)) if rope is not None else 16,
         num_warps=4,
     )
     if splits > 1:
-        _attention_merge_kernel[(b * kvh, m_blocks)](
+        _attention_merge_kernel[(b * kvh, m_blocks, block_m // merge_m)](
             part,
             lse,
             out,
@@ -547,6 +569,7 @@ def _attention(
             G=g,
             HEAD_DIM=d,
             BLOCK_M=block_m,
+            MERGE_M=merge_m,
             KVH=kvh,
             SPLITS=splits,
             num_warps=4,
@@ -880,3 +903,137 @@ def select_tree(
         num_warps=4,
     )
     return tree, kept
+
+
+# ---- Tree verification: mask, acceptance, the accepted path's K/V --------------------------------------
+# In PyTorch the tree mask is an eye, a scatter and three doubling rounds of gathers (10 launches), the
+# greedy acceptance and the result's tokens about 20 small launches (where, any, argmax, gathers, a sort,
+# cat, scatter) and the K/V compaction an index gather and an index_put over all layers: about 60 us of a
+# 1.26 ms verify on an H100 in 35 kernels. Here they are three launches: one program a tree for the mask
+# and the acceptance (a tree of up to 128 rows is one tile), one program a (layer, sequence, row chunk)
+# for the move, which touches only the accepted path's rows.
+
+
+@triton.jit
+def _tree_mask_kernel(parent_ptr, anc_ptr, depth_ptr, T, s_pb, BT: tl.constexpr):
+    """anc[b, i, j] = j is i or one of its ancestors: each row and its parent written as a tile, then every
+    row climbs to the root at once, one level an iteration, as long as any row still moves (the tree's
+    depth in iterations, not T), writing each ancestor it reaches. The loop carries only [BT] vectors
+    (Triton 3.6 fails to compile a while loop carrying the [128, 128] tile)."""
+    b = tl.program_id(0)
+    i = tl.arange(0, BT)
+    ok = i < T
+    at = anc_ptr + b * T * T
+    par = tl.load(parent_ptr + b * s_pb + i, mask=ok, other=0)
+    tile = (i[None, :] == i[:, None]) | (i[None, :] == par[:, None])
+    tl.store(at + i[:, None] * T + i[None, :], tile.to(tl.uint8), mask=ok[:, None] & ok[None, :])
+    tl.debug_barrier()  # the tile's zeros land before any thread's ancestor bits
+    depth = (par != i).to(tl.int64)
+    cur = par
+    up = tl.load(parent_ptr + b * s_pb + cur, mask=ok, other=0)
+    while tl.max((up != cur).to(tl.int32), axis=0) > 0:
+        moved = ok & (up != cur)
+        tl.store(at + i * T + up, tl.full((BT,), 1, tl.uint8), mask=moved)
+        depth += moved.to(tl.int64)
+        cur = up
+        up = tl.load(parent_ptr + b * s_pb + cur, mask=ok, other=0)
+    tl.store(depth_ptr + b * T + i, depth, mask=ok)
+
+
+def tree_mask(parent_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """See reference.tree_mask. parent_rows [B, T] int64 (unit stride on T)."""
+    b, t = parent_rows.shape
+    anc = torch.empty((b, t, t), dtype=torch.bool, device=parent_rows.device)
+    depth = torch.empty((b, t), dtype=torch.int64, device=parent_rows.device)
+    bt = max(16, triton.next_power_of_2(t))
+    _tree_mask_kernel[(b,)](parent_rows, anc.view(torch.uint8), depth, t, parent_rows.stride(0), BT=bt, num_warps=4)
+    return anc, depth
+
+
+@triton.jit
+def _accept_tree_kernel(
+    ids_ptr, parent_ptr, anc_ptr, depth_ptr, target_ptr, greedy_ptr, res_ptr, src_ptr,
+    T, s_ib, s_pb, s_gb, BT: tl.constexpr,
+):  # fmt: skip
+    """reference.accept_tree for one tree: rows i (and tree positions k) along one axis, columns j."""
+    b = tl.program_id(0)
+    i = tl.arange(0, BT)
+    ok = i < T
+    both = ok[:, None] & ok[None, :]
+    ids = tl.load(ids_ptr + b * s_ib + i, mask=ok, other=0)
+    par = tl.load(parent_ptr + b * s_pb + i, mask=ok, other=0)
+    depth = tl.load(depth_ptr + b * T + i, mask=ok, other=0)
+    right = ((ids == tl.load(target_ptr + b * T + par, mask=ok, other=-1)) & (par != i)) | (i == 0)
+    anc = tl.load(anc_ptr + b * T * T + i[:, None] * T + i[None, :], mask=both, other=0) != 0  # [i, j]
+    wrong_anc = tl.max((anc & (right == 0)[None, :]).to(tl.int32), axis=1)  # [i] an ancestor is wrong
+    score = tl.where(ok & (wrong_anc == 0), depth * T + (T - 1 - i), -1)  # deepest, then first row
+    top = tl.max(score, axis=0)
+    count = top // T
+    best = T - 1 - top % T
+    bonus = tl.load(target_ptr + b * T + best)
+    on_path = tl.load(anc_ptr + b * T * T + best * T + i, mask=ok, other=0) != 0  # [j]
+    # src_rows[k]: the path row at depth k (k <= count), else k; and src_rows[k + 1], for the tokens
+    lands = on_path[None, :] & (depth[None, :] == i[:, None])  # [k, j]
+    src_rows = tl.where(i <= count, tl.sum(tl.where(lands, i[None, :], 0), axis=1), i)
+    lands_next = on_path[None, :] & (depth[None, :] == (i + 1)[:, None])
+    nxt = tl.where(i + 1 <= count, tl.sum(tl.where(lands_next, i[None, :], 0), axis=1), i + 1)
+    nxt = tl.where(i + 1 < T, nxt, 0)  # the last position takes the root, as the reference's roll does
+    tok = tl.where(i == count, bonus, tl.load(ids_ptr + b * s_ib + nxt, mask=ok, other=0))
+    greedy = tl.load(greedy_ptr + b * s_gb) != 0
+    tl.store(src_ptr + b * T + i, tl.where(greedy, src_rows, i), mask=ok)
+    tl.store(res_ptr + b * (T + 1) + 1 + i, tok, mask=ok)
+    tl.store(res_ptr + b * (T + 1), count)
+
+
+def accept_tree(
+    ids: torch.Tensor,
+    parent_rows: torch.Tensor,
+    anc: torch.Tensor,
+    depth: torch.Tensor,
+    target: torch.Tensor,
+    greedy: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """See reference.accept_tree. ids, parent_rows [B, T] int64 and greedy [B] int64 (any strides on B,
+    unit on T); anc, depth, target contiguous. The path rows are placed by depth: a tree's rows list
+    parents before children (common.tree), so this is the reference's order by row."""
+    b, t = ids.shape
+    result = torch.empty((b, t + 1), dtype=torch.int64, device=ids.device)
+    src = torch.empty((b, t), dtype=torch.int64, device=ids.device)
+    bt = max(16, triton.next_power_of_2(t))
+    _accept_tree_kernel[(b,)](
+        ids, parent_rows, anc.view(torch.uint8), depth, target, greedy, result, src,
+        t, ids.stride(0), parent_rows.stride(0), greedy.stride(0), BT=bt, num_warps=4,
+    )  # fmt: skip
+    return result, src
+
+
+@triton.jit
+def _move_rows_kernel(
+    kv_ptr, slot_ptr, n_ptr, src_ptr, T, s_layer, s_slot, s_pos, s_sb, s_nb, ROW, BT: tl.constexpr, BC: tl.constexpr
+):
+    """The moved rows of one layer and sequence, columns [c * BC, (c + 1) * BC) of each: all read, a
+    barrier, all written (a path row may land where another path row is read from)."""
+    layer = tl.program_id(0)
+    b = tl.program_id(1)
+    k = tl.arange(0, BT)
+    col = tl.program_id(2) * BC + tl.arange(0, BC)
+    src = tl.load(src_ptr + b * T + k, mask=k < T, other=0)
+    move = (k < T) & (src != k)  # unmoved rows (past the path, sampling sequences) are not touched
+    base = kv_ptr + layer * s_layer + tl.load(slot_ptr + b * s_sb) * s_slot
+    n = tl.load(n_ptr + b * s_nb)
+    both = move[:, None] & (col < ROW)[None, :]
+    rows = tl.load(base + (n + src)[:, None] * s_pos + col[None, :], mask=both)
+    tl.debug_barrier()
+    tl.store(base + (n + k)[:, None] * s_pos + col[None, :], rows, mask=both)
+
+
+def move_rows(kv: torch.Tensor, slots: torch.Tensor, n: torch.Tensor, src: torch.Tensor) -> None:
+    """See reference.move_rows. kv [L, S, C, ...] with each cache row contiguous; slots, n [B] (any
+    stride); src [B, T] contiguous."""
+    b, t = src.shape
+    row = kv[0, 0, 0].numel()
+    bc = 128
+    _move_rows_kernel[(kv.shape[0], b, triton.cdiv(row, bc))](
+        kv, slots, n, src, t, kv.stride(0), kv.stride(1), kv.stride(2), slots.stride(0), n.stride(0), row,
+        BT=max(16, triton.next_power_of_2(t)), BC=bc, num_warps=4,
+    )  # fmt: skip
