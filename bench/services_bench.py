@@ -115,7 +115,7 @@ def scrape_rounds(metrics_port: int) -> dict[str, tuple[float, float]]:
 def run(args) -> list[RunResult]:
     prompts = [QUESTIONS[i % len(QUESTIONS)] for i in range(args.prompts)]
     results = []
-    for ipc, chain in [(i, c) for i in args.ipc_modes for c in args.chain_modes]:
+    for ipc, chain, here in [(i, c, h) for i in args.ipc_modes for c in args.chain_modes for h in args.colocate_modes]:
         mport = free_port()
         common = [
             "--device",
@@ -144,9 +144,12 @@ def run(args) -> list[RunResult]:
             + ([] if ipc else ["--no-ipc"])
             + ([] if chain else ["--verifier-draft", "none"])
         )
-        with Stack(common_args=common, draft_args=draft, gateway_args=gw) as stack:
+        verifier = ["--draft-thread"] if here and args.draft_thread else []
+        stack_args = dict(common_args=common, draft_args=draft, gateway_args=gw, verifier_args=verifier)
+        with Stack(**stack_args, colocate=here) as stack:
             gw_log = (stack.log_dir / "gateway.log").read_text()
             mode = "ipc" if "CUDA IPC" in gw_log.split("hidden states between")[-1][:40] else "inline"
+            mode = f"colocated{'-thread' if args.draft_thread else ''}-{mode}" if here else mode
             asyncio.run(closed_loop(stack.gateway, prompts[:2], 16, 1))  # warm-up
             for c, m in [(c, m) for c in args.concurrency for m in args.spec_modes]:
                 n = max(len(prompts), args.requests_per_worker * c)  # every worker busy for the whole run
@@ -201,6 +204,15 @@ def parse_args(argv=None):
     p.add_argument("--ipc", default="on,off", help="comma list: on (IPC when colocated), off (inline bytes)")
     p.add_argument("--round-groups", type=int, default=1, help="the gateway's --round-groups")
     p.add_argument(
+        "--draft-thread", action="store_true", help="colocated runs: the verifier's --draft-thread (see there)"
+    )
+    p.add_argument(
+        "--colocate",
+        default="off",
+        help="comma list: off (draft and verifier in two processes), on (the draft in the verifier's process: "
+        "python -m services.verifier --draft-here)",
+    )
+    p.add_argument(
         "--chain",
         default="on",
         help="comma list: on (the verifier sends each round's outcome to the draft: one gateway hop a round), "
@@ -218,6 +230,7 @@ def parse_args(argv=None):
     a.concurrency = [int(c) for c in a.concurrency.split(",")]
     a.ipc_modes = [m == "on" for m in a.ipc.split(",")]
     a.chain_modes = [m == "on" for m in a.chain.split(",")]
+    a.colocate_modes = [m == "on" for m in a.colocate.split(",")]
     a.spec_modes = a.modes.split(",")
     return a
 

@@ -187,6 +187,11 @@ class MappedBuffers:
     def add(self, exp: ExportedBuffer) -> None:
         self.buffers[exp.buffer_id] = map_buffer(exp, self.device)
 
+    def add_local(self, buffer_id: str, buffer: torch.Tensor) -> None:
+        """A buffer of this very process (draft and verifier colocated: CUDA refuses to open a process's
+        own IPC handle), read in place as the mapped ones are."""
+        self.buffers[buffer_id] = buffer.reshape(-1).view(torch.uint8)
+
     def view(self, buffer_id: str, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         buf = self.buffers.get(buffer_id)
         if buf is None:

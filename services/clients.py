@@ -287,6 +287,19 @@ class DraftClient(_ServiceClient):
         await _call(self.stub.ImportBuffer, buf, self.timeout)
 
 
+class LocalDraftClient:
+    """The draft engine of this very process (`python -m services.verifier --draft-here`): the verifier's
+    chained proposals go straight to its servicer, with no RPC, no serialisation and no IPC handle; the
+    answers are DraftClient.propose's."""
+
+    def __init__(self, servicer) -> None:
+        self.servicer = servicer  # services.draft.server.DraftServicer
+
+    async def propose(self, items: list[pb.ProposeItem], stream: bool = True, owner: str = "") -> Batched:
+        resp = await self.servicer.propose_here(pb.ProposeRequest(items=items, owner=owner))
+        return Batched([r.tree for r in resp.results], resp.compute_us / 1e6)
+
+
 async def connect_ipc(
     verifier: VerifierClient, draft: DraftClient, vinfo: pb.InfoResponse, dinfo: pb.DraftInfoResponse
 ) -> bool:

@@ -112,15 +112,22 @@ def parse_and_log(p: argparse.ArgumentParser) -> argparse.Namespace:
     return a
 
 
-async def serve(address: str, add_servicer, servicer, service_name: str, port_file: str | None, grace_s: float) -> None:
-    """Start one engine service (with health and reflection) and its lease reaper, publish its port,
-    serve until SIGINT/SIGTERM, then drain: no new sequences, wait until the held ones are released."""
+async def serve(address: str, services: list[tuple], port_file: str | None, grace_s: float) -> None:
+    """Start engine services, (add_servicer, servicer, service name) each, on one server (with health and
+    reflection) and their lease reapers, publish the port, serve until SIGINT/SIGTERM, then drain: no new
+    sequences, wait until the held ones are released (by every service)."""
     from common.rpc import start_server
 
-    server = await start_server(address, [(add_servicer, servicer)], [service_name])
-    servicer.leases.start()
+    server = await start_server(address, [(add, servicer) for add, servicer, _ in services], [n for *_, n in services])
+    for _, servicer, _ in services:
+        servicer.leases.start()
     write_port_file(port_file, server.port)
+
+    async def drain() -> None:
+        await asyncio.gather(*(servicer.leases.drain() for _, servicer, _ in services))
+
     try:
-        await serve_forever(server, servicer.leases.drain, grace_s)
+        await serve_forever(server, drain, grace_s)
     finally:
-        servicer.leases.stop()
+        for _, servicer, _ in services:
+            servicer.leases.stop()

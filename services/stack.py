@@ -2,6 +2,7 @@
 
 python -m services.stack            serve until Ctrl-C or SIGTERM (gateway on $GATEWAY_ADDR or 127.0.0.1:50051)
 python -m services.stack --demo     also stream one demo generation with its speculation stats
+python -m services.stack --colocate the draft inside the verifier's process (two processes, see README)
 Tests use `Stack` with port 0 everywhere.
 
 SIGTERM, SIGINT and SIGHUP are forwarded to the three children, which drain (in-flight generations
@@ -45,6 +46,7 @@ class Stack:
     gateway_args: list[str] = field(default_factory=list)
     common_args: list[str] = field(default_factory=list)  # passed to draft and verifier (e.g. --max-context)
     drain_grace: float = 5.0  # seconds each service may drain on SIGTERM
+    colocate: bool = False  # the draft inside the verifier's process (--draft-here): two processes
     log_dir: Path | None = None
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     ports: dict[str, int] = field(default_factory=dict)
@@ -55,10 +57,13 @@ class Stack:
         self._tmp = Path(tempfile.mkdtemp(prefix="specdec-"))
         self.log_dir = self.log_dir or self._tmp
         self._env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-        for name in ("verifier", "draft"):
+        engines = ("verifier",) if self.colocate else ("verifier", "draft")
+        for name in engines:
             self._spawn(name, "127.0.0.1:0")
-        for name in ("verifier", "draft"):
+        for name in engines:
             self._wait(name, timeout)
+        if self.colocate:
+            self.ports["draft"] = self.ports["verifier"]
         self._spawn("gateway", self.gateway_addr)
         self._wait("gateway", timeout)
         return self
@@ -73,6 +78,8 @@ class Stack:
     def _args(self, name: str) -> list[str]:
         if name == "gateway":
             return ["--verifier", self.address("verifier"), "--draft", self.address("draft"), *self.gateway_args]
+        if name == "verifier" and self.colocate:
+            return [*self.common_args, *self.verifier_args, "--draft-here", *self.draft_args]
         return [*self.common_args, *(self.verifier_args if name == "verifier" else self.draft_args)]
 
     def _spawn(self, name: str, addr: str) -> None:
@@ -172,6 +179,11 @@ def main() -> None:
     p.add_argument("--dtype", default=os.environ.get("SPECDEC_DTYPE", "auto"))
     p.add_argument("--drafter", default="eagle3")
     p.add_argument(
+        "--colocate",
+        action="store_true",
+        help="run the draft inside the verifier's process (python -m services.verifier --draft-here)",
+    )
+    p.add_argument(
         "--drain-grace",
         type=float,
         default=float(os.environ.get("DRAIN_GRACE", "20")),
@@ -193,11 +205,12 @@ def main() -> None:
         draft_args=["--drafter", a.drafter],
         gateway_args=a.gateway_arg,
         drain_grace=a.drain_grace,
+        colocate=a.colocate,
     )
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _raise_stop)
     try:
-        log.info("starting verifier, draft and gateway ...")
+        log.info("starting verifier, draft%s and gateway ...", " (in the verifier's process)" if a.colocate else "")
         stack.start()
         log.info(
             "gateway serving on %s (verifier :%d, draft :%d; logs in %s)",

@@ -140,3 +140,29 @@ def test_policy_switching_shapes_every_round_equals_plain_greedy():
     assert info.speculation_policy == "cycle"
     chosen = {(c.tree.depth, c.tree.nodes): c.rounds for c in info.policy_choices}
     assert {(0, 0), (1, 1), (2, 4), (3, 8), (6, 60)} <= set(chosen), chosen
+
+
+def test_draft_in_the_verifiers_process_equals_plain_greedy(stack):
+    """--draft-here (Stack(colocate=True)): two processes, the draft service served on the verifier's port
+    and the chained proposals called in process. Speculative output (a pinned 6x60 tree, every round
+    chained after the first) equals plain greedy decoding of the default three-process stack."""
+    import grpc
+
+    from services.stack import Stack
+    from specdec.v1 import internal_pb2 as pb
+    from specdec.v1 import internal_pb2_grpc as pb_grpc
+    from tests.conftest import COMMON
+
+    prompts = CHAT_PROMPTS[:3]
+    with Stack(common_args=COMMON, gateway_args=["--policy", "fixed"], colocate=True) as s:
+        assert set(s.procs) == {"verifier", "gateway"} and s.ports["draft"] == s.ports["verifier"]
+        with grpc.insecure_channel(s.address("draft")) as ch:
+            info = pb_grpc.DraftStub(ch).Info(pb.InfoRequest(), timeout=10)
+        spec, plain = speculative_vs_plain(s.gateway, prompts, 32, tree=(6, 60))
+        gateway_log = (s.log_dir / "gateway.log").read_text()
+    assert "draft failed" not in gateway_log  # every chained tree came from the verifier's own draft
+    whole = complete_many(stack.gateway, [chat(p, max_tokens=32, ignore_eos=True, speculative=False) for p in prompts])
+    assert info.drafter and info.verify_tree_size == 60
+    for p, a, b, w in zip(prompts, spec, plain, whole):
+        assert list(a.token_ids) == list(b.token_ids) == list(w.token_ids), p
+        assert a.speculation.rounds > 1 and a.speculation.accepted_tokens > 0

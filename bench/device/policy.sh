@@ -20,6 +20,15 @@
 #   bench/device/policy.sh kernels the Triton kernels against their reference on CUDA (tests/test_kernels.py), the
 #                                  decode probe with every step's kernels by device time, then the GPU tests
 #                                  (SKIP_TESTS=1: none)
+#   bench/device/policy.sh colocate the GPU services test, then the draft in the verifier's process (--draft-here)
+#                                  against two processes, 6x60 pinned, the policy and plain at concurrency 1,
+#                                  16, 64, in the order on, off, on
+#   bench/device/policy.sh overlap the draft in the verifier's process, inline with one round group against on its
+#                                  own thread with two (--draft-thread), 6x60 and the policy at c=16, 64, twice
+#   bench/device/policy.sh groups  services 6x60 pinned and the policy at concurrency 16 and 64 with one round
+#                                  group and with two, alternated twice (one stack per run)
+#   bench/device/policy.sh magpie  issue 11's Magpie prompts (training.pipeline prompts --magpie), resumed from
+#                                  .devcarry/magpie.tgz when carried, the shards back as magpie.tgz
 #   bench/device/policy.sh rest    one 10-minute call: the chained/unchained A/B (6x60 pinned and plain,
 #                                  concurrency 1, 16, 64), the long prompt (whole, 512-token chunks) and
 #                                  ghz by reflection (GHZ: the binary, concurrency 1 and 64)
@@ -85,5 +94,32 @@ case "$mode" in
   sampling)
     timeout 500 python3 -m bench.sampling_accept --device cuda --prompts 48 --max-new-tokens 128 --out "$out" \
       > "$out/sampling.log" 2>&1; tail -8 "$out/sampling.log" ;;
-  *) echo "usage: $0 load|order|rpc|tests|chain|stall|kernels|bench|rest|profile|sampling" >&2; exit 2 ;;
+  colocate)
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_services.py > "$out/gpu_tests.log" 2>&1
+    tail -2 "$out/gpu_tests.log"
+    for c in on off on; do
+      timeout 130 "${load[@]}" --concurrency 1,16,64 --prompts 32 --requests-per-worker 2 \
+        --modes tree:6x60,spec,plain --colocate $c --out "$out/colocate-$c" > "$out/colocate-$c.log" 2>&1
+      echo "colocate $c:"; grep -E "tok/s total" "$out/colocate-$c.log" | sed 's/.*services_bench INFO //' | cut -c1-200
+    done ;;
+  overlap)
+    for run in "on 1" "thread 2" "on 1" "thread 2"; do
+      set -- $run
+      extra=(); [ "$1" = thread ] && extra=(--draft-thread)
+      timeout 130 "${load[@]}" --concurrency 16,64 --prompts 32 --requests-per-worker 2 --modes tree:6x60,spec \
+        --colocate on --round-groups "$2" "${extra[@]}" --out "$out/overlap-$1" > "$out/overlap-$1.log" 2>&1
+      echo "colocated, draft $1, groups $2:"; grep -E "tok/s total" "$out/overlap-$1.log" | sed 's/.*services_bench INFO //' | cut -c1-110
+    done ;;
+  groups)
+    for g in 1 2 1 2; do
+      timeout 140 "${load[@]}" --concurrency 16,64 --prompts 32 --requests-per-worker 2 --modes tree:6x60,spec \
+        --round-groups $g --out "$out/groups$g" > "$out/groups$g.log" 2>&1
+      echo "round groups $g:"; grep -E "tok/s total" "$out/groups$g.log"
+    done ;;
+  magpie)
+    w=/tmp/specdec-train; mkdir -p "$w"; [ -f .devcarry/magpie.tgz ] && tar xzf .devcarry/magpie.tgz -C "$w"
+    timeout 560 python3 -m training.pipeline prompts --workdir "$w" --device cuda --magpie "${MAGPIE:-120000}" \
+      --magpie-batch "${MAGPIE_BATCH:-1024}" --magpie-shard 2048 --minutes "${MINUTES:-8.5}" > "$out/magpie.log" 2>&1
+    tar czf "$out/magpie.tgz" -C "$w" magpie; ls "$w/magpie" | wc -l; tail -4 "$out/magpie.log" ;;
+  *) echo "usage: $0 load|order|rpc|tests|chain|stall|kernels|bench|rest|profile|sampling|groups|magpie" >&2; exit 2 ;;
 esac

@@ -93,7 +93,9 @@ def build_drafter(args: argparse.Namespace) -> Built:
     return Built(drafter, drafting, 3 * head.cfg.target_hidden_size, ckpt.config.vocab_size)
 
 
-async def main(args: argparse.Namespace) -> None:
+def draft_service(args: argparse.Namespace, local_buffers=None, own_thread: bool = False) -> tuple:
+    """The draft service to serve: (add_servicer, servicer, service name). local_buffers, own_thread: see
+    DraftServicer (when both engines share this process)."""
     import torch
 
     from services.draft.server import DraftServicer
@@ -108,23 +110,20 @@ async def main(args: argparse.Namespace) -> None:
         torch.device(args.device),
         lease_ttl=args.lease_ttl,
         max_sequences=args.max_sequences,
+        local_buffers=local_buffers,
+        own_thread=own_thread,
     )
-    await serve(
-        args.addr,
-        internal_pb2_grpc.add_DraftServicer_to_server,
-        servicer,
-        "specdec.v1.Draft",
-        args.port_file,
-        args.drain_grace,
-    )
+    return internal_pb2_grpc.add_DraftServicer_to_server, servicer, "specdec.v1.Draft"
 
 
-def cli() -> None:
+async def main(args: argparse.Namespace) -> None:
+    await serve(args.addr, [draft_service(args)], args.port_file, args.drain_grace)
+
+
+def draft_arguments(p: argparse.ArgumentParser) -> None:
+    """The drafter's flags (this service's, and the verifier's with --draft-here)."""
     from common.config import SAMPLING_RULES, DraftingConfig
 
-    p = argparse.ArgumentParser(prog="python -m services.draft", description=__doc__)
-    common_arguments(p, "DRAFT_ADDR", "127.0.0.1:50052")
-    engine_arguments(p)
     p.add_argument("--drafter", default="eagle3", choices=DRAFTERS)
     p.add_argument("--head", default=None, help=f"EAGLE-3 head folder (default: {DEFAULT_HEAD})")
     p.add_argument("--top-k", type=int, default=10, help="drafting_top_k")
@@ -138,6 +137,13 @@ def cli() -> None:
         "draft's q, recursive rejection sampling; the verifier follows the tree)",
     )
     p.add_argument("--q-width", type=int, default=DraftingConfig.q_width, help="tokens of q per node (q rule)")
+
+
+def cli() -> None:
+    p = argparse.ArgumentParser(prog="python -m services.draft", description=__doc__)
+    common_arguments(p, "DRAFT_ADDR", "127.0.0.1:50052")
+    engine_arguments(p)
+    draft_arguments(p)
     a = parse_and_log(p)
     asyncio.run(main(a))
 

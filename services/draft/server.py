@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import socket
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -36,6 +37,8 @@ class DraftServicer(pb_grpc.DraftServicer):
         device: torch.device,
         lease_ttl: float,
         max_sequences: int = 0,
+        local_buffers: Callable[[str], torch.Tensor | None] | None = None,
+        own_thread: bool = False,
     ) -> None:
         self.drafter, self.drafting, self.hidden_width, self.device = drafter, drafting, hidden_width, device
         self.vocab_size = vocab_size  # the base model's: every token id we are sent must index its embeddings
@@ -44,8 +47,12 @@ class DraftServicer(pb_grpc.DraftServicer):
         # per-round calls inline on the event loop on a GPU (milliseconds: the thread hop costs more than it
         # saves, see services/engine_runner.py); on CPU a call takes long enough to hold up lease renewals
         # and health checks, so it stays on the engine thread
-        self.inline = device.type == "cuda"
+        # own_thread (colocated with the verifier): proposals on the engine thread even on a GPU, so that
+        # they run while the verifier's call holds the event loop (their kernels side by side: one process)
+        self.inline = device.type == "cuda" and not own_thread
         self.mapped = MappedBuffers(device)
+        # colocated with the verifier: its exported buffer by id, read in place (no IPC handle to open)
+        self.local_buffers = local_buffers
         self.runner = EngineRunner("draft")
         self.leases = SequenceLeases(lease_ttl, self.drafter.release, self.runner)
         # the engine's step times, measured once before serving, for the gateway's speculation policy
@@ -60,6 +67,11 @@ class DraftServicer(pb_grpc.DraftServicer):
         """One response per request, in order; the stream outlives failed calls."""
         async for request in request_iterator:
             yield await self.runner.answer(self._owned_propose, request, pb.ProposeResponse)
+
+    async def propose_here(self, request: pb.ProposeRequest) -> pb.ProposeResponse:
+        """Propose for a caller in this process (the colocated verifier's chain): the servicer's checks
+        and ownership, its errors raised as they are (the chain answers them as draft_error)."""
+        return await self._owned_propose(request)
 
     async def Release(self, request, context):
         return await self.runner.unary(context, self._release_owned, request)
@@ -95,6 +107,11 @@ class DraftServicer(pb_grpc.DraftServicer):
     def _import(self, request: pb.IpcBuffer) -> pb.ImportResponse:
         if self.device.type != "cuda":
             raise InvalidRequest("CUDA IPC needs the draft on a CUDA device")
+        local = self.local_buffers(request.buffer_id) if self.local_buffers is not None else None
+        if local is not None:
+            self.mapped.add_local(request.buffer_id, local)
+            log.info("reading the verifier's hidden-state buffer %s in place (same process)", request.buffer_id)
+            return pb.ImportResponse(mapped=True)
         self.mapped.add(
             ExportedBuffer(
                 buffer_id=request.buffer_id,

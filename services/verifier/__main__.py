@@ -1,4 +1,9 @@
-"""python -m services.verifier: the base model, its KV cache, prefill, tree verification, plain decoding."""
+"""python -m services.verifier: the base model, its KV cache, prefill, tree verification, plain decoding.
+
+With --draft-here the draft engine runs in this process too and its service (specdec.v1.Draft) is served
+on the same port: the gateway is given this address as --draft. The chained proposals then skip the
+verifier -> draft RPC and the IPC export's mapping, and both engines share one CUDA context (processes on
+one GPU take turns at it, bench/gpu_share.py; streams of one process need not)."""
 
 from __future__ import annotations
 
@@ -36,21 +41,26 @@ async def main(args: argparse.Namespace) -> None:
         device=args.device,
     )
     engine = make_verifier(ckpt, cfg, graphs=args.graphs)  # CUDA graphs on a GPU, eager on CPU
+    services, draft_here = [], None
+    if args.draft_here:  # the draft with as many sequences as the verifier, reading its buffer in place
+        from services.draft.__main__ import draft_service
+
+        def exported(buffer_id: str):
+            export = servicer.export
+            return export.buffer if export is not None and export.exported.buffer_id == buffer_id else None
+
+        services.append(draft_service(args, local_buffers=exported, own_thread=args.draft_thread))
+        draft_here = services[0][1]
     servicer = VerifierServicer(
         engine,
         hidden_width=3 * ckpt.config.hidden_size,
         max_sequences=args.max_sequences,
         lease_ttl=args.lease_ttl,
         draft_timeout=args.draft_timeout,
+        draft_here=draft_here,
     )
-    await serve(
-        args.addr,
-        internal_pb2_grpc.add_VerifierServicer_to_server,
-        servicer,
-        "specdec.v1.Verifier",
-        args.port_file,
-        args.drain_grace,
-    )
+    services.insert(0, (internal_pb2_grpc.add_VerifierServicer_to_server, servicer, "specdec.v1.Verifier"))
+    await serve(args.addr, services, args.port_file, args.drain_grace)
 
 
 def cli() -> None:
@@ -64,6 +74,21 @@ def cli() -> None:
         default=10.0,
         help="seconds a chained propose may take before its sequences fall back to plain decoding",
     )
+    p.add_argument(
+        "--draft-here",
+        action="store_true",
+        help="run the draft engine in this process too and serve specdec.v1.Draft on this port (the "
+        "drafter's flags below apply)",
+    )
+    p.add_argument(
+        "--draft-thread",
+        action="store_true",
+        help="with --draft-here: the draft's engine calls on a thread of their own, so that a proposal runs "
+        "while a verification does (with the gateway's --round-groups 2)",
+    )
+    from services.draft.__main__ import draft_arguments
+
+    draft_arguments(p.add_argument_group("draft (with --draft-here)"))
     a = parse_and_log(p)
     asyncio.run(main(a))
 

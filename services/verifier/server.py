@@ -17,7 +17,7 @@ from common.errors import CapacityExhausted, InvalidRequest, UnknownSequence
 from common.ipc import HiddenExport, gpu_uuid
 from common.slots import check_unique
 from common.tensors import encode_inline, encode_ipc
-from services.clients import DraftClient
+from services.clients import DraftClient, LocalDraftClient
 from services.engine_runner import EngineRunner
 from services.leasing import SequenceLeases
 from services.sampling import sampling_config
@@ -41,6 +41,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         max_sequences: int,
         lease_ttl: float,
         draft_timeout: float = 10.0,
+        draft_here=None,  # the DraftServicer of this process (--draft-here): chained proposals call it
     ) -> None:
         if not 1 <= max_sequences < engine.info.max_sequences:
             raise ValueError(
@@ -58,7 +59,10 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self.runner = EngineRunner("verifier")
         self.leases = SequenceLeases(lease_ttl, self._release_ids, self.runner)
         # the next trees of chained sequences (a propose not answered within draft_timeout fails its items)
-        self.chain = DraftChain(lambda address: DraftClient(address, timeout=draft_timeout))
+        if draft_here is not None:
+            self.chain = DraftChain(lambda address: LocalDraftClient(draft_here))
+        else:
+            self.chain = DraftChain(lambda address: DraftClient(address, timeout=draft_timeout))
         self._spare_id = f"~features-{uuid.uuid4().hex}"  # no client can name it
         # sequences whose prompt is partly prefilled (more chunks due) -> the hidden states of their chunks
         # so far (those that want them), returned whole with the last chunk

@@ -1,6 +1,7 @@
 """The three services on a GPU: CUDA IPC between draft and verifier, chained rounds (the verifier sends each
 outcome to the draft), graphs captured by each service. In float32, speculative output equals plain greedy
-decoding token for token, with one and two round groups and prompts prefilled in chunks.
+decoding token for token, with one and two round groups, prompts prefilled in chunks, and the draft in the
+verifier's process (--draft-here).
 
     PYTHONPATH=. python -m pytest -q tests/gpu -m gpu
 """
@@ -19,10 +20,17 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 COMMON = ["--max-context", "512", "--max-sequences", "8", "--dtype", "float32", "--device", "cuda"]
 
 
-@pytest.mark.parametrize("gateway_args", [["--policy", "fixed"], ["--round-groups", "2", "--prefill-chunk", "8"]])
-def test_ipc_chained_speculative_equals_plain_float32(gateway_args) -> None:
+@pytest.mark.parametrize(
+    "gateway_args, colocate",
+    [
+        (["--policy", "fixed"], False),
+        (["--round-groups", "2", "--prefill-chunk", "8"], False),
+        (["--policy", "fixed"], True),  # the draft in the verifier's process: its buffer read in place
+    ],
+)
+def test_ipc_chained_speculative_equals_plain_float32(gateway_args, colocate) -> None:
     prompts = CHAT_PROMPTS[:6]
-    with Stack(common_args=COMMON, gateway_args=gateway_args) as s:
+    with Stack(common_args=COMMON, gateway_args=gateway_args, colocate=colocate) as s:
         spec = [chat(p, max_tokens=48, ignore_eos=True) for p in prompts]
         for r in spec:
             r.tree.depth, r.tree.nodes = 6, 60
