@@ -22,9 +22,9 @@
 #                                  (SKIP_TESTS=1: none)
 #   bench/device/policy.sh colocate the GPU services test, then the draft in the verifier's process (--draft-here)
 #                                  against two processes, 6x60 pinned, the policy and plain at concurrency 1,
-#                                  16, 64, in the order on, off, on
+#                                  16, 64, in the order off, on, off
 #   bench/device/policy.sh overlap the draft in the verifier's process, inline with one round group against on its
-#                                  own thread with two (--draft-thread), 6x60 and the policy at c=16, 64, twice
+#                                  own thread with two (--draft-thread), 6x60 and the policy at c=16, 64
 #   bench/device/policy.sh groups  services 6x60 pinned and the policy at concurrency 16 and 64 with one round
 #                                  group and with two, alternated twice (one stack per run)
 #   bench/device/policy.sh magpie  issue 11's Magpie prompts (training.pipeline prompts --magpie), resumed from
@@ -97,16 +97,17 @@ case "$mode" in
   colocate)
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_services.py > "$out/gpu_tests.log" 2>&1
     tail -2 "$out/gpu_tests.log"
-    for c in on off on; do
+    for c in off on off; do  # off first: its two processes fill the kernel cache that a colocated start
+      # would otherwise fill one engine after the other (over 130 s on a fresh machine)
       timeout 130 "${load[@]}" --concurrency 1,16,64 --prompts 32 --requests-per-worker 2 \
         --modes tree:6x60,spec,plain --colocate $c --out "$out/colocate-$c" > "$out/colocate-$c.log" 2>&1
       echo "colocate $c:"; grep -E "tok/s total" "$out/colocate-$c.log" | sed 's/.*services_bench INFO //' | cut -c1-200
     done ;;
   overlap)
-    for run in "on 1" "thread 2" "on 1" "thread 2"; do
+    for run in "on 1 240" "thread 2 130" "on 1 130"; do  # the first colocated start fills the kernel cache
       set -- $run
       extra=(); [ "$1" = thread ] && extra=(--draft-thread)
-      timeout 130 "${load[@]}" --concurrency 16,64 --prompts 32 --requests-per-worker 2 --modes tree:6x60,spec \
+      timeout "$3" "${load[@]}" --concurrency 16,64 --prompts 32 --requests-per-worker 2 --modes tree:6x60,spec \
         --colocate on --round-groups "$2" "${extra[@]}" --out "$out/overlap-$1" > "$out/overlap-$1.log" 2>&1
       echo "colocated, draft $1, groups $2:"; grep -E "tok/s total" "$out/overlap-$1.log" | sed 's/.*services_bench INFO //' | cut -c1-110
     done ;;
