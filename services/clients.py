@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -22,6 +23,9 @@ from common.rpc import CHANNEL_OPTIONS
 from services.sampling import sampling_msg
 from specdec.v1 import internal_pb2 as pb
 from specdec.v1 import internal_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:  # the gateway imports this module and no torch
+    from services.draft.server import DraftServicer
 
 
 @dataclass(frozen=True)
@@ -292,8 +296,8 @@ class LocalDraftClient:
     chained proposals go straight to its servicer, with no RPC, no serialisation and no IPC handle; the
     answers are DraftClient.propose's."""
 
-    def __init__(self, servicer) -> None:
-        self.servicer = servicer  # services.draft.server.DraftServicer
+    def __init__(self, servicer: DraftServicer) -> None:
+        self.servicer = servicer
 
     async def propose(self, items: list[pb.ProposeItem], stream: bool = True, owner: str = "") -> Batched:
         resp = await self.servicer.propose_here(pb.ProposeRequest(items=items, owner=owner))

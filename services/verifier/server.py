@@ -8,6 +8,7 @@ import logging
 import socket
 import time
 import uuid
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,6 +27,9 @@ from services.verifier.chain import DraftChain
 from specdec.v1 import internal_pb2 as pb
 from specdec.v1 import internal_pb2_grpc as pb_grpc
 
+if TYPE_CHECKING:
+    from services.draft.server import DraftServicer
+
 log = logging.getLogger(__name__)
 MAX_DECODE_STEPS = 64  # per Decode call: bounds one call's time and the tokens wasted past a stop
 
@@ -41,7 +45,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         max_sequences: int,
         lease_ttl: float,
         draft_timeout: float = 10.0,
-        draft_here=None,  # the DraftServicer of this process (--draft-here): chained proposals call it
+        draft_here: DraftServicer | None = None,  # this process's draft (--draft-here): chained proposals call it
     ) -> None:
         if not 1 <= max_sequences < engine.info.max_sequences:
             raise ValueError(
