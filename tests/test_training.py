@@ -258,7 +258,11 @@ def test_fused_train_step_equals_dense_mask_step():
     assert rf.step_acc == rd.step_acc and rf.step_rows == rd.step_rows
     for (name, pd), pf in zip(heads["dense"].named_parameters(), heads["fused"].parameters()):
         assert torch.allclose(pf.grad, pd.grad, atol=1e-6, rtol=1e-4), name
-        assert torch.allclose(pf, pd, atol=1e-6, rtol=1e-5), name
+        # AdamW's first step moves a weight by about lr * grad / (|grad| + eps): where a gradient is near eps
+        # (1e-8) a difference of 1e-10 in it moves the weight by up to ~lr * 1e-2 differently (seen on one CPU:
+        # -7.65e-9 against -7.77e-9 gave 3.7e-6). The weights must agree to 1% of the lr; the gradients above
+        # are the exact comparison.
+        assert torch.allclose(pf, pd, atol=1e-5, rtol=1e-5), name
 
 
 # ---- training ----
