@@ -2,6 +2,10 @@
 verifier and the shipped EAGLE-3 head driven by common.engine.loop.speculative_loop, sampled requests
 (temperature 0.7 and 1.0, top-p 0.9 by default; one seed per prompt), stopping at EOS or the token limit.
     python -m bench.sampling_accept --out DIR [--prompts 6] [--max-new-tokens 64] [--device cpu]
+                                    [--prompts-file W/sharegpt_heldout.jsonl]
+By default the prompts are the benchmark's chat questions (bench.engine_bench.QUESTIONS); --prompts-file takes
+the first --prompts rows of a JSONL file with "prompt_ids" (the training pipeline's held-out sets, or
+tests/data/heldout_sharegpt.jsonl).
 "Acceptance length" is tokens committed per verification round (accepted drafted tokens plus the bonus).
 Prints a markdown table and writes DIR/sampling_accept.json. Both rules are lossless
 (tests/test_sampling_rule.py): the one that accepts more is the default.
@@ -75,10 +79,28 @@ def acceptance(
     }
 
 
+def read_prompts(path: Path, n: int) -> list[list[int]]:
+    """The first n rows' prompt_ids of a JSONL file; ValueError when it has fewer or a row lacks them."""
+    rows = []
+    with path.open() as f:
+        for line in f:
+            if len(rows) == n:
+                break
+            if line.strip():
+                ids = json.loads(line).get("prompt_ids")
+                if not ids or not all(isinstance(t, int) for t in ids):
+                    raise ValueError(f"{path}: row {len(rows) + 1} has no list of integer prompt_ids")
+                rows.append(ids)
+    if len(rows) < n:
+        raise ValueError(f"{path} has {len(rows)} prompts, fewer than --prompts {n}")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--prompts", type=int, default=6)
+    ap.add_argument("--prompts-file", type=Path, default=None, help='JSONL rows with "prompt_ids" (chat-templated)')
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.7, 1.0])
     ap.add_argument("--top-p", type=float, default=0.9)
@@ -92,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_grad_enabled(False)
     dtype = pick_dtype(args.device, args.dtype)
     ckpt = load_checkpoint()
-    prompts = encode_prompts(ckpt, args.prompts)
+    prompts = read_prompts(args.prompts_file, args.prompts) if args.prompts_file else encode_prompts(ckpt, args.prompts)
     verifier = make_verifier(
         ckpt,
         VerifierConfig(max_sequences=args.prompts, max_context=1024, dtype=dtype, device=args.device),
@@ -112,7 +134,8 @@ def main(argv: list[str] | None = None) -> None:
         "device": args.device,
         "dtype": dtype,
         "machine": platform.machine(),
-        "prompts": args.prompts,
+        "prompts": len(prompts),
+        "prompts_file": str(args.prompts_file) if args.prompts_file else None,
         "max_new_tokens": args.max_new_tokens,
         "tree": {"top_k": 10, "steps": 6, "verify_tree_size": 60, "q_width": DraftingConfig().q_width},
         "command": "python -m bench.sampling_accept " + " ".join(sys.argv[1:] if argv is None else argv),
@@ -121,7 +144,8 @@ def main(argv: list[str] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "sampling_accept.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     lines = [
-        f"# Sampling rules: mean acceptance length ({args.device}, {dtype}, {args.prompts} prompts x "
+        f"# Sampling rules: mean acceptance length ({args.device}, {dtype}, {len(prompts)} prompts"
+        f"{' of ' + args.prompts_file.name if args.prompts_file else ''} x "
         f"{args.max_new_tokens} tokens, top-p {args.top_p})",
         "",
         "| temperature | rule | rounds | tokens | mean acceptance length |",
