@@ -32,6 +32,7 @@ from common.engine.loop import Round, speculative_loop
 from common.engine.verifier import Verifier, VerifierConfig
 from common.model.eagle3 import Eagle3Head
 from common.weights import load_checkpoint
+from training.prompts import read_prompts as prompt_rows
 
 log = logging.getLogger("bench.sampling_accept")
 DEFAULT_HEAD = Path(__file__).resolve().parents[1] / "models" / "eagle3-smollm2"
@@ -80,20 +81,16 @@ def acceptance(
 
 
 def read_prompts(path: Path, n: int) -> list[list[int]]:
-    """The first n rows' prompt_ids of a JSONL file; ValueError when it has fewer or a row lacks them."""
-    rows = []
-    with path.open() as f:
-        for line in f:
-            if len(rows) == n:
-                break
-            if line.strip():
-                ids = json.loads(line).get("prompt_ids")
-                if not ids or not all(isinstance(t, int) for t in ids):
-                    raise ValueError(f"{path}: row {len(rows) + 1} has no list of integer prompt_ids")
-                rows.append(ids)
+    """The first n rows' prompt_ids of a prompts file (training.prompts.read_prompts); ValueError when it has
+    fewer rows or a row lacks them."""
+    rows = prompt_rows(path)[:n]
     if len(rows) < n:
         raise ValueError(f"{path} has {len(rows)} prompts, fewer than --prompts {n}")
-    return rows
+    for i, r in enumerate(rows, 1):
+        ids = r.get("prompt_ids")
+        if not ids or not all(isinstance(t, int) for t in ids):
+            raise ValueError(f"{path}: row {i} has no list of integer prompt_ids")
+    return [r["prompt_ids"] for r in rows]
 
 
 def main(argv: list[str] | None = None) -> None:

