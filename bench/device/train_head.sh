@@ -2,7 +2,7 @@
 # On the GPU machine: issue 11's head, trained on the base model's own responses to the PyPI prompts plus
 # Magpie prompts, in three calls on one warm machine (the work folder /tmp/specdec-train lives as long as
 # the machine does; the machine goes back after 30 s idle, so make the calls back to back).
-#   bench/device/train_head.sh data   the prompt sources' wheels, MAGPIE (40000) Magpie prompts, the prompt
+#   bench/device/train_head.sh data   the prompt sources' wheels, MAGPIE (40000) Magpie prompts sampled with SEED (0), the prompt
 #                                     files, then responses for as many training prompts as DATA_MINUTES (9)
 #                                     leave time for
 #   bench/device/train_head.sh train  TRAIN_MINUTES (8.3) of training from the shipped head (batch 64, lr 4e-4)
@@ -35,7 +35,7 @@ case "$mode" in
     start=$(date +%s)
     mkdir -p /tmp/srcw; cp .devcarry/s1/*.whl .devcarry/s2/*.whl /tmp/srcw/ 2>/dev/null
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/srcsite /tmp/srcw/*.whl
-    timeout 300 "${tp[@]}" prompts --workdir "$w" --device cuda --magpie "${MAGPIE:-40000}" --magpie-batch 1024 \
+    timeout 300 "${tp[@]}" prompts --workdir "$w" --device cuda --magpie "${MAGPIE:-40000}" --seed "${SEED:-0}" --magpie-batch 1024 \
       --magpie-shard 2048 --minutes 4.5 > "$out/prompts.log" 2>&1
     tail -3 "$out/prompts.log"; cp "$w"/prompts_manifest.json "$out/" 2>/dev/null
     left=$(python3 -c "print(round(${DATA_MINUTES:-9} - ($(date +%s) - $start) / 60, 2))")
