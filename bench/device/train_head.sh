@@ -10,6 +10,8 @@
 #                                     prompts per set), then the new head's sampled acceptance (48 held-out
 #                                     chats at temperature 0.7 and 1.0, the bench's 48 questions at 0.7); the
 #                                     logs into $OUT (the head came back with the train call, as head.tgz)
+#   bench/device/train_head.sh eval32 the shipped head on the held-out sets in float32 (eval sets from W, or
+#                                     carried in .devcarry/e)
 # What to carry (a call carries 64 MiB with the ~24 MB tree): after `bash ../shared/device/prepare-carry.sh`,
 # split the model into 40 MiB parts .devcarry/p1..p3 (`cat a/part_aa b/part_ab | split -b 40M - gpart_`, then drop a/ and b/part_ab), keep
 # b/ (wheels, model.sha256, unpack.sh); bench/device/join_model.sh joins the parts on the machine. Put the
@@ -60,5 +62,11 @@ case "$mode" in
     tail -6 "$out/sampling-heldout.log"
     timeout 120 python3 -m bench.sampling_accept --device cuda --head "$w/head" --prompts 48 --max-new-tokens 128 \
       --temperatures 0.7 --out "$out/sampling" > "$out/sampling.log" 2>&1; tail -4 "$out/sampling.log" ;;
-  *) echo "usage: $0 data|train|eval" >&2; exit 2 ;;
+  eval32)  # the shipped head in float32; on a fresh machine the eval sets come from .devcarry/e (a CPU
+           # `python -m training.pipeline prompts --workdir W --magpie 0` builds the same files)
+    [ -f "$w/sharegpt_heldout.jsonl" ] || cp .devcarry/e/*.jsonl "$w/"
+    timeout 240 "${tp[@]}" eval --workdir "$w" --device cuda --dtype float32 --head models/eagle3-smollm2 \
+      --limit "${EVAL_LIMIT:-40}" --eval-batch "${EVAL_LIMIT:-40}" --out "$out/eval-fp32.json" > "$out/eval-fp32.log" 2>&1
+    grep -E "tree|chain" "$out/eval-fp32.log" | tail -6 ;;
+  *) echo "usage: $0 data|train|eval|eval32" >&2; exit 2 ;;
 esac
