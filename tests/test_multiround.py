@@ -58,7 +58,8 @@ def test_four_rounds_a_call_and_max_tokens_mid_call() -> None:
     get = m.registry.get_sample_value
     assert get("specdec_spec_decode_num_drafts_total") == 10  # every round counted, not every call
     assert get("specdec_spec_decode_num_accepted_tokens_total") == 20
-    assert get("specdec_round_seconds_count", {"phase": "total"}) == 2  # one observation a call, per round
+    assert get("specdec_round_seconds_count", {"phase": "total"}) == 7  # per round, not per call
+    assert get("specdec_verify_calls_total") == 2
 
 
 def test_the_budget_cuts_a_rounds_tokens() -> None:

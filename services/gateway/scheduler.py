@@ -25,6 +25,15 @@ dropped (wasted work, never a wrong token); the verifier's Release waits for the
 the draft's copy is released after that (both in the background: _retire). With no draft address for
 the verifier (SchedulerConfig.draft_address ""), every tree comes from the gateway's own propose.
 
+Several rounds a call (SchedulerConfig.rounds_per_call = k): a Verify of chained sequences asks for up to k
+rounds, which the verifier runs by itself with the draft (services/verifier/chain.py), stopping each
+sequence where this gateway would (end-of-sequence and stop token ids, its max_tokens budget; stop strings
+are cut here at commit); the call answers every committed token and each round's accepted count, so the
+gateway's hop and host work come once per k rounds. The group's tokens are committed and streamed once per
+call; the request statistics, the metrics, the policy and the round breakdown still count each round
+(_commit_rounds, _time_round). k is 1 while requests wait for admission or are being prefilled, so that
+they wait for one round, not k (_rounds_per_call), and plain rounds are as before.
+
 Speculation policy (common/policy.py): each group round has a shape, chosen when the round before was sent
 (its trees are drafted from there) or at the round's start: a tree (depth, nodes) or plain decoding. A request may pin
 its own tree. Speculative sequences in a plain round bring their features back from the verifier, so
@@ -232,6 +241,7 @@ class Scheduler:
             items = [self._round_item(a, trees.get(a.seq_id), nxt, k) for a in spec]
             verified = await self.verifier.verify(items, self.cfg.draft_address, self.cfg.instance_id, rounds=k)
             t2 = time.perf_counter()
+            self.metrics.verify_calls.inc()
             lost = [(a, r.draft_error) for a, r in zip(spec, verified.results) if r.draft_error]
             if lost:  # their chained trees never came: caught up later, plain this round if it got no tokens
                 self._draft_failed([a for a, _ in lost], lost[0][1])
@@ -263,8 +273,9 @@ class Scheduler:
     def _rounds_per_call(self, nxt: Shape | None) -> int:
         """Rounds the verifier may run in this Verify: cfg.rounds_per_call while the trees are chained and
         nobody waits to join (a request waiting for admission or in its prefill would wait for all of them);
-        else one."""
-        if nxt is None or self.waiting or any(a.prefilling for a in self.active):
+        else one. One as well when the next shape is plain: the policy's sequences stop after one round
+        and would wait for the pinned ones' others."""
+        if nxt is None or nxt.plain or self.waiting or any(a.prefilling for a in self.active):
             return 1
         return self.cfg.rounds_per_call
 
@@ -478,14 +489,20 @@ class Scheduler:
         wait for chained trees not ready when it needed them (rounds after a call's first always wait: the
         draft works between them), RPC (call wall minus all that, the verifier's hops to the draft
         included), and the gateway's own orchestration (commit, detokenize, stream)."""
-        phase, n = self.metrics.round_phase, v.rounds
-        phase["draft"].observe((draft_s + v.draft_s) / n)
-        phase["verify"].observe(v.compute_s / n)
-        phase["draft_wait"].observe(v.wait_s / n)
-        phase["rpc"].observe((max((t1 - t0) - draft_s, 0) + max((t2 - t1) - v.compute_s - v.wait_s, 0)) / n)
+        rpc = max((t1 - t0) - draft_s, 0) + max((t2 - t1) - v.compute_s - v.wait_s, 0)
         t3 = time.perf_counter()
-        phase["orchestration"].observe((t3 - t2) / n)
-        phase["total"].observe((t3 - t0) / n)
+        n = v.rounds
+        seconds = {
+            "draft": draft_s + v.draft_s,
+            "verify": v.compute_s,
+            "draft_wait": v.wait_s,
+            "rpc": rpc,
+            "orchestration": t3 - t2,
+            "total": t3 - t0,
+        }
+        for name, histogram in self.metrics.round_phase.items():  # each round once: sum / count is per round
+            for _ in range(n):
+                histogram.observe(seconds[name] / n)
 
     async def _admit(self) -> None:
         self.metrics.running.set(len(self.active))
