@@ -84,6 +84,7 @@ class RunResult:
     host_ms_per_round: float | None = None
     rpc_ms_per_round: float | None = None  # through the services only
     draft_wait_ms_per_round: float | None = None  # the verifier waiting for chained trees (services only)
+    round_ms: float | None = None  # a round's wall time, all phases (services only)
     outputs: list[list[int]] = field(default_factory=list, repr=False)
 
 

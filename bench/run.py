@@ -9,7 +9,9 @@ same run, on the same prompts.
 1. bench.engine_bench (in one process): Hugging Face `generate` (same model and dtype), the project's
    plain decoding, speculative decoding without gRPC.
 2. bench.services_bench: through the three services over gRPC (CUDA IPC and/or inline bytes): the
-   draft's default tree pinned, plain decoding, and the gateway's speculation policy.
+   draft's default tree pinned, plain decoding, and the gateway's speculation policy, at the gateway's
+   default rounds per Verify and (the -k1 rows, speculative only) at one round per Verify, so that one
+   run shows what chaining rounds in the verifier saves. The round breakdown is per round.
 Writes bench-results/{engine_bench,services}.json, summary.json, summary.md and summary.png (when
 matplotlib is available), and prints the markdown.
 """
@@ -59,8 +61,8 @@ def summarize(rows: list[dict], concurrency: list[int], meta: dict) -> tuple[str
         f"Command: `{meta['command']}`",
         "",
         "| method | conc. | tok/s/req | tok/s total | TTFT ms | ITL ms | accept len | draft ms | verify ms "
-        "| wait ms | rpc ms | host ms |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| wait ms | rpc ms | host ms | round ms |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     fmt = lambda v, d=1: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
     for r in rows:
@@ -69,21 +71,22 @@ def summarize(rows: list[dict], concurrency: list[int], meta: dict) -> tuple[str
             f"| {fmt(r['ttft_ms'])} | {fmt(r['itl_ms'], 2)} | {fmt(r.get('acceptance_length'), 2)} "
             f"| {fmt(r.get('draft_ms_per_round'), 2)} | {fmt(r.get('verify_ms_per_round'), 2)} "
             f"| {fmt(r.get('draft_wait_ms_per_round'), 2)} | {fmt(r.get('rpc_ms_per_round'), 2)} "
-            f"| {fmt(r.get('host_ms_per_round'), 2)} |"
+            f"| {fmt(r.get('host_ms_per_round'), 2)} | {fmt(r.get('round_ms'), 2)} |"
         )
     ratios = {}
     lines += [
         "",
         "| concurrency | plain ms/token (per request) | spec / plain | spec / HF | services-ipc / in-process "
-        "| services-inline / in-process | gateway plain / engine plain | services spec / gateway plain "
-        "| services tok/s total | policy / gateway plain |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| services-ipc k1 / in-process | services-inline / in-process | gateway plain / engine plain "
+        "| services spec / gateway plain | services tok/s total | policy / gateway plain |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     hf = _get(rows, "hf-generate", 1)
     for c in concurrency:
         plain, spec = _get(rows, "plain", c), _get(rows, "speculative", c)
         pinned = "-" + TREE.replace(":", "-")
         ipc, inline = _get(rows, "services-ipc" + pinned, c), _get(rows, "services-inline" + pinned, c)
+        ipc_k1 = _get(rows, "services-ipc" + pinned + "-k1", c) or _get(rows, "services-inline" + pinned + "-k1", c)
         gw_plain = _get(rows, "services-ipc-plain", c) or _get(rows, "services-inline-plain", c)
         policy = _get(rows, "services-ipc", c) or _get(rows, "services-inline", c)
         entry = {
@@ -91,6 +94,7 @@ def summarize(rows: list[dict], concurrency: list[int], meta: dict) -> tuple[str
             "spec_over_plain": ratio(spec, plain),
             "spec_over_hf": ratio(spec, hf),
             "services_ipc_over_inprocess": ratio(ipc, spec),
+            "services_ipc_k1_over_inprocess": ratio(ipc_k1, spec),
             "services_inline_over_inprocess": ratio(inline, spec),
             "services_ipc_over_plain": ratio(ipc, plain),
             "services_ipc_over_hf": ratio(ipc, hf),
@@ -103,6 +107,7 @@ def summarize(rows: list[dict], concurrency: list[int], meta: dict) -> tuple[str
         lines.append(
             f"| {c} | {fmt(entry['plain_ms_per_token'], 2)} | {fmt(entry['spec_over_plain'], 2)}x "
             f"| {fmt(entry['spec_over_hf'], 1)}x | {fmt(entry['services_ipc_over_inprocess'], 2)}x "
+            f"| {fmt(entry['services_ipc_k1_over_inprocess'], 2)}x "
             f"| {fmt(entry['services_inline_over_inprocess'], 2)}x "
             f"| {fmt(entry['gateway_plain_over_engine_plain'], 2)}x "
             f"| {fmt(entry['services_spec_over_gateway_plain'], 2)}x "
@@ -112,7 +117,8 @@ def summarize(rows: list[dict], concurrency: list[int], meta: dict) -> tuple[str
         "",
         "Ratios compare tokens/s per request at the same concurrency (HF: batch 1 only). Services runs pin the",
         f"draft's default tree ({TREE[5:]}, as in-process speculation) except the policy column (the gateway's",
-        "adaptive speculation policy).",
+        "adaptive speculation policy). k1: one round per Verify (the gateway's --rounds-per-call 1); the others",
+        "run the gateway's default rounds per Verify.",
     ]
     return "\n".join(lines) + "\n", ratios
 
@@ -160,6 +166,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--head", default=str(DEFAULT_HEAD))
     p.add_argument("--skip-services", action="store_true")
     p.add_argument("--ipc", default="on", help="services runs: on (CUDA IPC when colocated), off (inline), on,off")
+    p.add_argument(
+        "--rounds-per-call",
+        default="1,0",
+        help="services runs: the gateway's --rounds-per-call values, one stack each (0 = its default)",
+    )
     a = p.parse_args(argv)
     logging.basicConfig(level="INFO", format="%(asctime)s %(name)s %(levelname)s %(message)s")
     out = Path(a.out)
@@ -190,7 +201,10 @@ def main(argv: list[str] | None = None) -> int:
     if not a.skip_services:
         # the draft's default tree pinned (what in-process speculation runs), plain, and the gateway's policy
         modes = f"{TREE},plain,spec"
-        services_bench.main([*common, "--dtype", dtype, "--modes", modes, "--ipc", a.ipc, "--out", str(out)])
+        services_bench.main(
+            [*common, "--dtype", dtype, "--modes", modes, "--ipc", a.ipc, "--rounds-per-call", a.rounds_per_call]
+            + ["--out", str(out)]
+        )
         rows += _rows(out / "services.json")
     meta = {
         "device_name": engine_bench.device_name(a.device),

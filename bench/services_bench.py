@@ -1,11 +1,15 @@
 """Speculative decoding through the three services over gRPC, with CUDA IPC and with inline bytes.
 
-    python -m bench.services_bench --device cuda --prompts 16 --max-new-tokens 128 --concurrency 1,4,16
+    python -m bench.services_bench --device cuda --prompts 16 --max-new-tokens 128 --concurrency 1,4,16 \
+        --rounds-per-call 1,0
 
 Starts verifier, draft and gateway as separate processes on loopback (Stack), streams the same chat
 prompts as bench.engine_bench through the gateway at each concurrency (a closed loop: `concurrency`
 requests in flight, each new one sent when one finishes), and reads the round breakdown from the
-gateway's Prometheus metrics. Figures use the definitions of bench.engine_bench.
+gateway's Prometheus metrics, per round (a Verify of several rounds counts as its rounds). --rounds-per-call
+runs one stack per value (the gateway's --rounds-per-call; 0 = its default), so one run shows a round
+per Verify beside several; runs at a value other than 0 are named with a -k<value> suffix and leave plain
+decoding out (plain rounds make no Verify). Figures use the definitions of bench.engine_bench.
 """
 
 from __future__ import annotations
@@ -115,7 +119,8 @@ def scrape_rounds(metrics_port: int) -> dict[str, tuple[float, float]]:
 def run(args) -> list[RunResult]:
     prompts = [QUESTIONS[i % len(QUESTIONS)] for i in range(args.prompts)]
     results = []
-    for ipc, chain, here in [(i, c, h) for i in args.ipc_modes for c in args.chain_modes for h in args.colocate_modes]:
+    stacks = [(i, c, h) for i in args.ipc_modes for c in args.chain_modes for h in args.colocate_modes]
+    for (ipc, chain, here), k in [(st, k) for st in stacks for k in args.rounds_per_call]:
         mport = free_port()
         common = [
             "--device",
@@ -140,6 +145,8 @@ def run(args) -> list[RunResult]:
                 str(args.round_groups),
                 "--policy",
                 args.policy,
+                "--rounds-per-call",
+                str(k),
             ]
             + ([] if ipc else ["--no-ipc"])
             + ([] if chain else ["--verifier-draft", "none"])
@@ -151,7 +158,8 @@ def run(args) -> list[RunResult]:
             mode = "ipc" if "CUDA IPC" in gw_log.split("hidden states between")[-1][:40] else "inline"
             mode = f"colocated{'-thread' if args.draft_thread else ''}-{mode}" if here else mode
             asyncio.run(closed_loop(stack.gateway, prompts[:2], 16, 1))  # warm-up
-            for c, m in [(c, m) for c in args.concurrency for m in args.spec_modes]:
+            modes = [m for m in args.spec_modes if k == 0 or m != "plain"]
+            for c, m in [(c, m) for c in args.concurrency for m in modes]:
                 n = max(len(prompts), args.requests_per_worker * c)  # every worker busy for the whole run
                 load = [prompts[i % len(prompts)] for i in range(n)]
                 before, chosen = scrape_rounds(mport), policy_choices(stack.gateway)
@@ -161,6 +169,7 @@ def run(args) -> list[RunResult]:
                 after = scrape_rounds(mport)
                 suffix = {"spec": "", "plain": "-plain"}.get(m, "-" + m.replace(":", "-"))
                 suffix += "" if chain or m == "plain" else "-unchained"
+                suffix += f"-k{k}" if k else ""
                 r = summarize(f"services-{mode}{suffix}", c, traces, wall, rounds=rounds)
                 accepted = sum(f.speculation.accepted_tokens for f in finals)  # tokens per round, bonus included
                 r.acceptance_length = (accepted + rounds) / rounds if speculative and rounds else None
@@ -170,6 +179,7 @@ def run(args) -> list[RunResult]:
                 r.rpc_ms_per_round = phase.get("rpc")
                 r.draft_wait_ms_per_round = phase.get("draft_wait")
                 r.host_ms_per_round = phase.get("orchestration")
+                r.round_ms = phase.get("total")
                 now = policy_choices(stack.gateway)
                 chosen = {k: v - chosen.get(k, 0) for k, v in now.items() if v - chosen.get(k, 0)}
                 log.info(
@@ -224,6 +234,12 @@ def parse_args(argv=None):
         help="comma list: spec (speculative requests, the gateway's policy), plain, tree:DxN (a pinned tree)",
     )
     p.add_argument("--policy", default="adaptive", help="the gateway's --policy")
+    p.add_argument(
+        "--rounds-per-call",
+        default="0",
+        help="comma list of the gateway's --rounds-per-call, one stack each (0 = its default: 4 on a GPU, 1 on a "
+        "CPU), e.g. 1,0 for one round per Verify beside the default",
+    )
     p.add_argument("--requests-per-worker", type=int, default=2, help="requests = max(prompts, this x concurrency)")
     p.add_argument("--out", default="bench_out")
     a = p.parse_args(argv)
@@ -232,6 +248,7 @@ def parse_args(argv=None):
     a.chain_modes = [m == "on" for m in a.chain.split(",")]
     a.colocate_modes = [m == "on" for m in a.colocate.split(",")]
     a.spec_modes = a.modes.split(",")
+    a.rounds_per_call = [int(k) for k in a.rounds_per_call.split(",")]
     return a
 
 

@@ -9,6 +9,10 @@ Example: prompt [5, 6, 7], first token 8 -> token_ids [6, 7, 8], context_prefix 
 
 from __future__ import annotations
 
+# Rounds one Verify may run (VerifyRequest.rounds): bounds one call's time, and the rounds a sequence that
+# hit a stop string the verifier does not know of can waste (services/verifier/rounds.py).
+MAX_ROUNDS_PER_CALL = 16
+
 
 def start_shift(prompt_ids: list[int], first_token: int) -> tuple[list[int], list[int]]:
     """(token_ids [prompt_len], context_prefix [1]) of a sequence's first propose."""

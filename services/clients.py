@@ -12,7 +12,7 @@ drops the stream and the next call opens a new one."""
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import grpc
@@ -20,6 +20,7 @@ import grpc
 from common.config import SamplingConfig
 from common.errors import PeerUnavailable
 from common.rpc import CHANNEL_OPTIONS
+from services.packed import unpack_ints
 from services.sampling import sampling_msg
 from specdec.v1 import internal_pb2 as pb
 from specdec.v1 import internal_pb2_grpc as pb_grpc
@@ -44,21 +45,28 @@ def prefill_item(
 
 @dataclass(frozen=True)
 class Verified:
-    tokens: list[int]  # [num_accepted + 1]; empty when draft_error
-    hidden: pb.TensorRef  # [num_accepted + 1, 3H]; unset when chained
-    nodes: int = 0  # nodes of the tree verified
+    """One sequence's outcome of a Verify of one round or several (see VerifyResult)."""
+
+    tokens: list[int]  # [committed] every round's accepted tokens and bonus token; empty on a round-1 draft_error
+    hidden: pb.TensorRef  # [num_accepted + 1, 3H] of a single round; unset when chained or after several
+    nodes: int = 0  # nodes of the trees verified, all rounds
     chained: bool = False  # the draft has the outcome and its next tree waits at the verifier
-    draft_error: str = ""  # a chained tree that never came: not verified, the draft lost the sequence
+    draft_error: str = ""  # a chained tree that never came: that round not verified, the draft lost the sequence
+    accepted: list[int] = field(default_factory=list)  # [rounds run] drafted tokens accepted in each round
+    round_nodes: list[int] = field(default_factory=list)  # [rounds run] nodes of each round's tree
 
 
 @dataclass(frozen=True)
 class RoundItem:
     """One sequence of a Verify (see VerifyItem): its tree, or None when the verifier holds it (chained);
-    `next` the tree (depth, nodes) to ask the draft for right after, or None."""
+    `next` the tree (depth, nodes) to ask the draft for right after, or None. For a call of several rounds:
+    `max_new` tokens it may still commit and its end-of-sequence and stop token ids."""
 
     seq_id: str
     tree: pb.DraftTree | None
     next: tuple[int, int] | None = None
+    max_new: int = 0
+    stop_ids: bytes = b""  # int32 [num_stop_ids] packed (services/packed.py)
 
 
 @dataclass(frozen=True)
@@ -67,10 +75,11 @@ class VerifiedRound:
     time, largest batch, and how long the verifier waited for them."""
 
     results: list[Verified]
-    compute_s: float
-    draft_s: float = 0.0
+    compute_s: float  # all rounds
+    draft_s: float = 0.0  # all rounds
     draft_batch: int = 0
-    wait_s: float = 0.0
+    wait_s: float = 0.0  # all rounds
+    rounds: int = 1  # rounds the call ran
 
 
 @dataclass(frozen=True)
@@ -229,17 +238,19 @@ class VerifierClient(_ServiceClient):
         return [Prefilled(next_token=r.next_token, hidden=r.hidden) for r in resp.results]
 
     async def verify(
-        self, items: list[RoundItem], draft: str = "", owner: str = "", stream: bool = True
+        self, items: list[RoundItem], draft: str = "", owner: str = "", stream: bool = True, rounds: int = 1
     ) -> VerifiedRound:
-        """draft: the draft's address as the verifier reaches it (for items with `next`)."""
-        req = pb.VerifyRequest(draft=draft, owner=owner)
+        """draft: the draft's address as the verifier reaches it (for items with `next`); rounds: at most
+        this many rounds in the call (VerifyRequest.rounds)."""
+        req = pb.VerifyRequest(draft=draft, owner=owner, rounds=rounds if rounds > 1 else 0)
         add = req.items.add
         for it in items:  # one copy of each tree (a VerifyItem list would copy twice)
             depth, nodes = it.next or (0, 0)
+            rules = {"max_new": it.max_new, "stop_ids": it.stop_ids} if rounds > 1 else {}
             if it.tree is None:
-                add(seq_id=it.seq_id, chained=True, next_depth=depth, next_nodes=nodes)
+                add(seq_id=it.seq_id, chained=True, next_depth=depth, next_nodes=nodes, **rules)
             else:
-                add(seq_id=it.seq_id, tree=it.tree, next_depth=depth, next_nodes=nodes)
+                add(seq_id=it.seq_id, tree=it.tree, next_depth=depth, next_nodes=nodes, **rules)
         resp = await (self.streamed(req) if stream else _call(self.stub.Verify, req, self.timeout))
         results = [
             Verified(
@@ -248,11 +259,18 @@ class VerifierClient(_ServiceClient):
                 nodes=r.tree_nodes,
                 chained=r.chained,
                 draft_error=r.draft_error,
+                accepted=unpack_ints(r.round_accepted, "round_accepted"),
+                round_nodes=unpack_ints(r.round_nodes, "round_nodes"),
             )
             for r in resp.results
         ]
         return VerifiedRound(
-            results, resp.compute_us / 1e6, resp.draft_compute_us / 1e6, resp.draft_batch, resp.draft_wait_us / 1e6
+            results,
+            resp.compute_us / 1e6,
+            resp.draft_compute_us / 1e6,
+            resp.draft_batch,
+            resp.draft_wait_us / 1e6,
+            max(resp.rounds_run, 1),
         )
 
     async def decode(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -40,3 +41,10 @@ def complete_many(addr: str, requests: list[gpb.GenerateRequest]) -> list[gpb.Co
 
 def chat(text: str, **kw) -> gpb.GenerateRequest:
     return gpb.GenerateRequest(messages=[gpb.ChatMessage(role="user", content=text)], **kw)
+
+
+def free_port() -> int:
+    """A port free on 127.0.0.1 now (for a service's --metrics-port and the like)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,16 +16,10 @@ import pytest
 
 from tests.conftest import CHAT_PROMPTS
 from tests.faults import Streams, complete, figures, health, wait_for
-from tests.helpers import chat
+from tests.helpers import chat, free_port
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _children(pid: int) -> list[int]:
@@ -45,7 +38,7 @@ def _alive(pid: int) -> bool:
 
 
 def _start_stack(tmp_path: Path, grace: float) -> tuple[subprocess.Popen, str]:
-    addr = f"127.0.0.1:{_free_port()}"
+    addr = f"127.0.0.1:{free_port()}"
     env = {**os.environ, "GATEWAY_ADDR": addr, "PYTHONPATH": str(ROOT)}
     log = open(tmp_path / "stack.log", "w")  # noqa: SIM115 - closed with the process
     p = subprocess.Popen(

@@ -6,7 +6,7 @@ import logging
 import pytest
 
 from tests.conftest import CHAT_PROMPTS
-from tests.helpers import chat, complete_many
+from tests.helpers import chat, complete_many, free_port
 
 pytestmark = pytest.mark.slow
 N_TOKENS = 64
@@ -167,3 +167,45 @@ def test_draft_in_the_verifiers_process_equals_plain_greedy(stack):
     for p, a, b, w in zip(prompts, spec, plain, whole):
         assert list(a.token_ids) == list(b.token_ids) == list(w.token_ids), p
         assert a.speculation.rounds > 1 and a.speculation.accepted_tokens > 0
+
+
+def test_four_rounds_per_verify_equal_plain_greedy(stack):
+    """--rounds-per-call 4: the verifier runs up to four rounds per Verify, taking each next tree from the
+    draft itself. Greedy output equals plain decoding token for token, for requests whose max_tokens (29)
+    ends inside a call and for one that ends at a stop string (tokens past it discarded); the gateway made
+    fewer Verify calls than batched rounds ran. A seeded sampled request on a pinned tree commits the same
+    tokens as on the default stack (one round per Verify on a CPU): each round draws from the sequence's
+    own generators exactly as a Verify of its own would."""
+    import urllib.request
+
+    from services.stack import Stack
+    from specdec.v1 import generation_pb2 as gpb
+    from tests.conftest import COMMON
+
+    prompts = CHAT_PROMPTS[:2]
+    port = free_port()
+    args = ["--rounds-per-call", "4", "--policy", "fixed", "--metrics-port", str(port)]
+    with Stack(common_args=COMMON, gateway_args=args) as s:
+        spec, plain = speculative_vs_plain(s.gateway, prompts, 29)
+        word = plain[0].text.split()[6]
+        stop = complete_many(s.gateway, [chat(prompts[0], max_tokens=29, ignore_eos=True, stop=[word])])[0]
+        sampled = chat(prompts[1], max_tokens=12, ignore_eos=True, temperature=0.8, top_p=0.9, seed=11)
+        sampled.tree.depth, sampled.tree.nodes = 4, 16
+        four = complete_many(s.gateway, [sampled])[0]
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    for p, a, b in zip(prompts, spec, plain):
+        assert list(a.token_ids) == list(b.token_ids) and len(a.token_ids) == 29, p
+        assert a.text == b.text and a.finish_reason == gpb.FINISH_REASON_LENGTH
+    assert word not in stop.text and plain[0].text.startswith(stop.text)
+    assert stop.finish_reason == gpb.FINISH_REASON_STOP
+    assert list(plain[0].token_ids[: len(stop.token_ids)]) == list(stop.token_ids)
+    one = complete_many(stack.gateway, [sampled])[0]
+    assert list(four.token_ids) == list(one.token_ids) and four.speculation.rounds > 1
+    verify_calls = _sample(metrics, "specdec_verify_calls_total")
+    rounds = _sample(metrics, 'specdec_round_seconds_count{phase="total"}')  # batched rounds, each counted once
+    assert 0 < verify_calls < rounds, (verify_calls, rounds)
+
+
+def _sample(metrics: str, name: str) -> float:
+    """A sample's value in a Prometheus exposition."""
+    return float(next(line for line in metrics.splitlines() if line.startswith(name)).rsplit(" ", 1)[1])

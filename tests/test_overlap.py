@@ -99,7 +99,10 @@ class FakeVerifier(VerifierClient):
         self.chain.check(request)
         if any(it.chained for it in request.items):
             self.log.append(("chained", [it.seq_id for it in request.items if it.chained]))
-        return await self.chain.verify(request, self._engine_verify)
+        return await self.chain.verify(request, self._engine_verify, self.room)
+
+    def room(self, seq_ids: list[str]) -> list[int]:
+        return [1 << 20] * len(seq_ids)  # the fakes have no KV cache to fill
 
     async def _engine_verify(self, request: pb.VerifyRequest, failed: dict[str, str]) -> pb.VerifyResponse:
         self.log.append(("verify", [it.seq_id for it in request.items]))
@@ -127,6 +130,13 @@ class FakeVerifier(VerifierClient):
         self.log.append(("release-verifier", list(seq_ids)))
 
 
+def count_up(first: int, n: int, max_tokens: int, **kw) -> Generation:
+    """A greedy generation whose prompt is the n tokens counting up to `first`; kw: more GenRequest fields."""
+    prompt = list(range(first - n + 1, first + 1))
+    req = GenRequest(prompt_ids=prompt, max_tokens=max_tokens, sampling=SamplingConfig(), **kw)
+    return Generation(request=req, decoder=RoundDecoder(Ids()), eos_token_id=EOS)
+
+
 async def _run(
     prompts: list[tuple[int, int]],
     accept: int,
@@ -149,14 +159,7 @@ async def _run(
 
     async def one(first: int, max_tokens: int, delay: float, n: int) -> list[int]:
         await asyncio.sleep(delay)
-        req = GenRequest(
-            prompt_ids=list(range(first - n + 1, first + 1)),
-            max_tokens=max_tokens,
-            sampling=SamplingConfig(),
-            ignore_eos=True,
-        )
-        gen = Generation(request=req, decoder=RoundDecoder(Ids()), eos_token_id=EOS)
-        return streamed([d async for d in sched.generate(gen)])
+        return streamed([d async for d in sched.generate(count_up(first, n, max_tokens, ignore_eos=True))])
 
     lens = prompt_len or (2,) * len(prompts)
     outs = await asyncio.gather(*(one(f, m, i * stagger, n) for i, ((f, m), n) in enumerate(zip(prompts, lens))))

@@ -307,6 +307,10 @@ class Verifier:
             raise InvalidRequest(f"sequence {seq_id!r} is still being prefilled (its last chunk has not come)")
         return slot, state
 
+    def room(self, seq_ids: list[str]) -> list[int]:
+        """KV rows each sequence has left: a verify of a t-row tree (the root and its nodes) fits when t <= room."""
+        return [self.capacity - self._ready(s)[1].length for s in seq_ids]
+
     # ---- verification ----
     def _verify_block(self, b: int, t: int) -> torch.Tensor:
         """An all-padding verify block [b, 2t + 3]: token 0, every row its own parent, length 0, the

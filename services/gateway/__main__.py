@@ -13,11 +13,13 @@ from pathlib import Path
 
 from common.model_path import default_model_path
 from common.policy import DEFAULT_MENU, Shape
+from common.rounds import MAX_ROUNDS_PER_CALL
 from services.gateway.health import HealthConfig
 from services.gateway.speculation import POLICIES
 from services.launch import common_arguments, parse_and_log, serve_forever, write_port_file
 
 log = logging.getLogger("services.gateway")
+GPU_ROUNDS_PER_CALL = 4  # the default on a GPU: the gateway's hop (about 1.2 ms on an H100) paid once per 4 rounds
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,9 @@ class GatewayConfig:
     # the draft's address as the verifier reaches it, for chained rounds ("" = `draft`; "none" = no chaining:
     # the gateway proposes every tree itself, one more hop a round)
     verifier_draft: str = ""
+    # rounds one Verify may run (the verifier chains them with the draft by itself); 0 = auto:
+    # GPU_ROUNDS_PER_CALL on a CUDA verifier, 1 on a CPU (a round there is long: streaming in steps of one)
+    rounds_per_call: int = 0
 
     @property
     def chain_address(self) -> str:
@@ -66,6 +71,10 @@ class GatewayConfig:
             raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
         if self.drain_grace < 0 or self.draft_timeout <= 0:
             raise ValueError("drain_grace must be >= 0 and draft_timeout > 0")
+        if not 0 <= self.rounds_per_call <= MAX_ROUNDS_PER_CALL:
+            raise ValueError(
+                f"rounds_per_call must be in [0, {MAX_ROUNDS_PER_CALL}] (0 = auto), got {self.rounds_per_call}"
+            )
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         self.shapes()  # ValueError on a malformed tree or menu
@@ -75,6 +84,12 @@ class GatewayConfig:
         tree = Shape.parse(self.tree) if self.tree else None
         menu = tuple(Shape.parse(t) for t in self.menu.split(",")) if self.menu else DEFAULT_MENU
         return tree, menu
+
+    def rounds_for(self, device: str) -> int:
+        """rounds_per_call, with auto resolved for a verifier on `device` (its InfoResponse.device)."""
+        if self.rounds_per_call:
+            return self.rounds_per_call
+        return GPU_ROUNDS_PER_CALL if device.startswith("cuda") else 1
 
 
 async def main(cfg: GatewayConfig, port_file: str | None) -> None:
@@ -126,7 +141,7 @@ async def main(cfg: GatewayConfig, port_file: str | None) -> None:
     )
     tree, menu = cfg.shapes()
     policy = build_policy(cfg.policy, vinfo, dinfo, menu, tree)
-    log.info("speculation policy: %s", policy.name)
+    log.info("speculation policy: %s; rounds per Verify: %d", policy.name, cfg.rounds_for(vinfo.device))
     sched = Scheduler(
         verifier,
         draft,
@@ -139,6 +154,7 @@ async def main(cfg: GatewayConfig, port_file: str | None) -> None:
             draft_retry_s=cfg.health.draft_retry_s,
             draft_address=cfg.chain_address,
             prefill_chunk=cfg.prefill_chunk,
+            rounds_per_call=cfg.rounds_for(vinfo.device),
         ),
         policy,
         metrics,
@@ -265,6 +281,14 @@ def cli() -> None:
         "round's outcome there and keeps the next tree (one gateway hop a round); 'none' = the gateway "
         "proposes every tree itself",
     )
+    p.add_argument(
+        "--rounds-per-call",
+        type=int,
+        default=0,
+        help="rounds one Verify may run: the verifier takes each next tree from the draft itself and answers "
+        f"once (one gateway hop per call); 1 while requests wait to join; 0 = {GPU_ROUNDS_PER_CALL} on a GPU, "
+        "1 on a CPU",
+    )
     a = parse_and_log(p)
     cfg = GatewayConfig(
         address=a.addr,
@@ -288,6 +312,7 @@ def cli() -> None:
         tree=a.tree,
         menu=a.policy_menu,
         verifier_draft=a.verifier_draft,
+        rounds_per_call=a.rounds_per_call,
     )
     asyncio.run(main(cfg, a.port_file))
 

@@ -66,7 +66,14 @@ class Metrics:
             "specdec_draft_failures", "Rounds whose propose failed (decoded plainly)", registry=r
         )
         self.round_seconds = Histogram(
-            "specdec_round_seconds", "One batched round, wall time", ["phase"], registry=r, buckets=LATENCY_BUCKETS
+            "specdec_round_seconds",
+            "One batched round, wall time (a Verify of several rounds: each round its share)",
+            ["phase"],
+            registry=r,
+            buckets=LATENCY_BUCKETS,
+        )
+        self.verify_calls = Counter(
+            "specdec_verify_calls", "Verify calls to the verifier (one may run several rounds)", registry=r
         )
         self.tree_nodes = Histogram(
             "specdec_policy_tree_nodes",

@@ -25,6 +25,15 @@ dropped (wasted work, never a wrong token); the verifier's Release waits for the
 the draft's copy is released after that (both in the background: _retire). With no draft address for
 the verifier (SchedulerConfig.draft_address ""), every tree comes from the gateway's own propose.
 
+Several rounds a call (SchedulerConfig.rounds_per_call = k): a Verify of chained sequences asks for up to k
+rounds, which the verifier runs by itself with the draft (services/verifier/chain.py), stopping each
+sequence where this gateway would (end-of-sequence and stop token ids, its max_tokens budget; stop strings
+are cut here at commit); the call answers every committed token and each round's accepted count, so the
+gateway's hop and host work come once per k rounds. The group's tokens are committed and streamed once per
+call; the request statistics, the metrics, the policy and the round breakdown still count each round
+(_commit_rounds, _time_round). k is 1 while requests wait for admission or are being prefilled, so that
+they wait for one round, not k (_rounds_per_call), and plain rounds are as before.
+
 Speculation policy (common/policy.py): each group round has a shape, chosen when the round before was sent
 (its trees are drafted from there) or at the round's start: a tree (depth, nodes) or plain decoding. A request may pin
 its own tree. Speculative sequences in a plain round bring their features back from the verifier, so
@@ -46,12 +55,13 @@ from dataclasses import dataclass, field
 
 from common.errors import CapacityExhausted, PeerUnavailable
 from common.policy import PLAIN, Policy, Shape
-from common.rounds import start_shift
-from services.clients import DraftClient, RoundItem, Verified, VerifierClient, prefill_item
+from common.rounds import MAX_ROUNDS_PER_CALL, start_shift
+from services.clients import DraftClient, RoundItem, Verified, VerifiedRound, VerifierClient, prefill_item
 from services.gateway.health import DraftLink
 from services.gateway.metrics import Metrics
 from services.gateway.sequence import Delta, Finish, Generation
 from services.gateway.speculation import append_plain_round
+from services.packed import pack_ints
 from services.sampling import sampling_msg
 from specdec.v1 import internal_pb2 as pb
 
@@ -99,8 +109,13 @@ class SchedulerConfig:
     park_after: int = 4  # plain rounds in a row after which the draft stops following a sequence
     draft_address: str = ""  # the draft as the verifier reaches it: chained rounds ("" = the gateway proposes)
     prefill_chunk: int = 512  # prompt tokens prefilled between two rounds (0 = every prompt whole)
+    # rounds one Verify may run for chained sequences (the verifier goes on with the draft's trees by itself:
+    # one gateway hop per call, not per round); 1 while requests wait to join
+    rounds_per_call: int = 1
 
     def __post_init__(self) -> None:
+        if not 1 <= self.rounds_per_call <= MAX_ROUNDS_PER_CALL:
+            raise ValueError(f"rounds_per_call must be in [1, {MAX_ROUNDS_PER_CALL}], got {self.rounds_per_call}")
         if self.max_active < 1 or self.max_waiting < 0:
             raise ValueError("max_active must be >= 1, max_waiting >= 0")
         if not 1 <= self.groups <= 4:
@@ -222,32 +237,25 @@ class Scheduler:
         if spec:
             t1 = time.perf_counter()
             nxt = self._next_shape(group, spec)
-            items = [RoundItem(a.seq_id, trees.get(a.seq_id), self._next_tree(a, nxt)) for a in spec]
-            verified = await self.verifier.verify(items, self.cfg.draft_address, self.cfg.instance_id)  # verify
+            k = self._rounds_per_call(nxt)
+            items = [self._round_item(a, trees.get(a.seq_id), nxt, k) for a in spec]
+            verified = await self.verifier.verify(items, self.cfg.draft_address, self.cfg.instance_id, rounds=k)
             t2 = time.perf_counter()
+            self.metrics.verify_calls.inc()
             lost = [(a, r.draft_error) for a, r in zip(spec, verified.results) if r.draft_error]
-            if lost:  # their chained trees never came: plain this round, caught up later
+            if lost:  # their chained trees never came: caught up later, plain this round if it got no tokens
                 self._draft_failed([a for a, _ in lost], lost[0][1])
-                plain += [a for a, _ in lost]
-            deltas, accepted, nodes = [], [], 0
-            for a, r in zip(spec, verified.results):
-                if r.draft_error:
-                    continue
-                n = len(r.tokens) - 1  # drafted tokens accepted (the last is the bonus token)
-                self._follow(a, r)
-                a.gen.stats.count_round(r.nodes, n)
-                accepted.append(n)
-                nodes += r.nodes
-                self.policy.observe(a.seq_id, self._tree(a, shape), n)
-                deltas.append((a, a.gen.commit(r.tokens)))  # commit
-            self.metrics.verified(accepted, nodes)
-            self._stream(deltas)  # stream
-            if verified.draft_batch:  # the chained trees' call: the draft's engine time at its batch and depth
-                depth = self._round_shape([a for a in spec if a.seq_id not in trees], shape).depth
-                self.policy.observe_step("propose", verified.draft_batch, depth, verified.draft_s)
+                plain += [a for a, r in zip(spec, verified.results) if r.draft_error and not r.tokens]
+            self._stream(self._commit_rounds(spec, verified, shape, nxt))  # commit, stream
+            if verified.draft_batch:  # the chained trees' calls: the draft's engine time at its batch and depth
+                chained = [a for a in spec if a.seq_id not in trees] if verified.rounds == 1 else spec
+                depth = self._round_shape(chained, shape if verified.rounds == 1 else nxt or shape).depth
+                self.policy.observe_step("propose", verified.draft_batch, depth, verified.draft_s / verified.rounds)
             self._time_round(t0, t1, t2, draft_s, verified)
             drafted = self._round_shape(spec, shape)
-            self.policy.observe_round(len(spec), drafted, t2 - t0, 1)
+            self.policy.observe_round(len(spec), drafted, (t2 - t0) / verified.rounds, 1)
+            for _ in range(verified.rounds - 1):  # the call's later rounds drafted the next shape
+                self._count_choice(self._round_shape(spec, nxt or shape))
         if plain:
             await self._plain_round(plain)
         if any(a.speculative for a in members):
@@ -261,6 +269,45 @@ class Scheduler:
             return None
         shape = self._decided[group] = self._choose(spec)
         return shape
+
+    def _rounds_per_call(self, nxt: Shape | None) -> int:
+        """Rounds the verifier may run in this Verify: cfg.rounds_per_call while the trees are chained and
+        nobody waits to join (a request waiting for admission or in its prefill would wait for all of them);
+        else one. One as well when the next shape is plain: the policy's sequences stop after one round
+        and would wait for the pinned ones' others."""
+        if nxt is None or nxt.plain or self.waiting or any(a.prefilling for a in self.active):
+            return 1
+        return self.cfg.rounds_per_call
+
+    def _round_item(self, a: Active, tree: pb.DraftTree | None, nxt: Shape | None, k: int) -> RoundItem:
+        """A's item of a Verify of k rounds: with k > 1, the stop rules its commit applies (sequence.py)."""
+        nxt_tree = self._next_tree(a, nxt)
+        if k == 1:
+            return RoundItem(a.seq_id, tree, nxt_tree)
+        req = a.gen.request
+        stops = req.stop_token_ids if req.ignore_eos else req.stop_token_ids | {a.gen.eos_token_id}
+        return RoundItem(a.seq_id, tree, nxt_tree, req.max_tokens - len(a.gen.token_ids), pack_ints(stops))
+
+    def _commit_rounds(
+        self, spec: list[Active], verified: VerifiedRound, shape: Shape, nxt: Shape | None
+    ) -> list[tuple[Active, Delta]]:
+        """Each sequence's tokens of the call, committed at once (cut at a stop string, as one round's), and
+        its rounds counted one by one: the request's statistics, the metrics and the policy learn per round
+        (round 1 drafted `shape`, later ones `nxt`). Returns the deltas to stream."""
+        deltas, accepted, nodes = [], [], 0
+        for a, r in zip(spec, verified.results):
+            if not r.tokens:  # a round-1 draft_error: nothing verified
+                continue
+            if not r.draft_error:
+                self._follow(a, r)
+            for j, (n, m) in enumerate(zip(r.accepted, r.round_nodes)):
+                a.gen.stats.count_round(m, n)
+                self.policy.observe(a.seq_id, self._tree(a, shape if j == 0 or nxt is None else nxt), n)
+            accepted += r.accepted
+            nodes += r.nodes
+            deltas.append((a, a.gen.commit(r.tokens)))
+        self.metrics.verified(accepted, nodes)
+        return deltas
 
     def _next_tree(self, a: Active, nxt: Shape | None) -> tuple[int, int] | None:
         """(depth, nodes) of the tree the verifier asks the draft for after this round, or None."""
@@ -436,18 +483,26 @@ class Scheduler:
         self.choices[shape] = self.choices.get(shape, 0) + 1
         self.metrics.round_shape(shape.depth, shape.nodes)
 
-    def _time_round(self, t0: float, t1: float, t2: float, draft_s: float, v) -> None:
-        """Round breakdown: engine time in each service (the draft's: this round's trees, chained or not),
-        the verifier's wait for chained trees not ready when the round arrived, RPC (call wall minus all
-        that), and the gateway's own orchestration (commit, detokenize, stream)."""
-        phase = self.metrics.round_phase
-        phase["draft"].observe(draft_s + v.draft_s)
-        phase["verify"].observe(v.compute_s)
-        phase["draft_wait"].observe(v.wait_s)
-        phase["rpc"].observe(max((t1 - t0) - draft_s, 0) + max((t2 - t1) - v.compute_s - v.wait_s, 0))
+    def _time_round(self, t0: float, t1: float, t2: float, draft_s: float, v: VerifiedRound) -> None:
+        """Round breakdown, per round (a call of several rounds: its figures over the rounds it ran): engine
+        time in each service (the draft's: the trees of the call's rounds, chained or not), the verifier's
+        wait for chained trees not ready when it needed them (rounds after a call's first always wait: the
+        draft works between them), RPC (call wall minus all that, the verifier's hops to the draft
+        included), and the gateway's own orchestration (commit, detokenize, stream)."""
+        rpc = max((t1 - t0) - draft_s, 0) + max((t2 - t1) - v.compute_s - v.wait_s, 0)
         t3 = time.perf_counter()
-        phase["orchestration"].observe(t3 - t2)
-        phase["total"].observe(t3 - t0)
+        n = v.rounds
+        seconds = {
+            "draft": draft_s + v.draft_s,
+            "verify": v.compute_s,
+            "draft_wait": v.wait_s,
+            "rpc": rpc,
+            "orchestration": t3 - t2,
+            "total": t3 - t0,
+        }
+        for name, histogram in self.metrics.round_phase.items():  # each round once: sum / count is per round
+            for _ in range(n):
+                histogram.observe(seconds[name] / n)
 
     async def _admit(self) -> None:
         self.metrics.running.set(len(self.active))

@@ -12,6 +12,15 @@ Example, one sequence s, accepting 2 of 4 drafted tokens a round:
   Verify([s: chained, next 4x8])  -> take([s]) = T2 (waits if the call is still running); verifies T2 ...
   Decode([s]) instead              -> settle([s]): waits for the call, drops T2; then decodes
 
+Several rounds a call (VerifyRequest.rounds = k): the verifier goes on by itself, so the gateway's hop is
+paid once per k rounds. After each round it takes the next trees of the items that run on (waiting for the
+draft: within a call nothing else overlaps it) and verifies them, until every item stopped (an end-of-
+sequence or stop token, its token budget, no KV room, its tree never came; services/verifier/rounds.py
+keeps that bookkeeping) or k rounds ran, and answers once: every committed token, and per round the
+accepted count and tree size. The same example, k = 2:
+  Verify([s: chained, next 4x8], rounds 2) -> take T2, verify, send; take T3, verify, send;
+                                              answers [t4 t5 t6 t7 t8], round_accepted [2, 1]; T4 waits here
+
 Bookkeeping only (asyncio and messages, no torch): `connect(address)` returns a client whose
 `propose(items, owner=...)` answers services.clients.Batched (trees in item order, engine seconds)."""
 
@@ -24,6 +33,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from common.errors import InvalidRequest
+from common.rounds import MAX_ROUNDS_PER_CALL
+from services.packed import pack_ints, unpack_ints
+from services.verifier.rounds import CallRounds, ItemRules, Stop
 from specdec.v1 import internal_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -48,6 +60,12 @@ class Taken:
     wait_s: float = 0.0  # how long the Verify waited for them
 
 
+def _rules(it: pb.VerifyItem) -> ItemRules:
+    """An item's stop rules for a call of several rounds (checked by DraftChain.check)."""
+    stop_ids = frozenset(unpack_ints(it.stop_ids, "stop_ids")) if it.stop_ids else frozenset()
+    return ItemRules(chained=it.next_nodes > 0, rows=1 + it.next_nodes, max_new=it.max_new, stop_ids=stop_ids)
+
+
 def _retrieve(task: asyncio.Task) -> None:
     """Mark a dropped call's failure as seen (asyncio logs unretrieved exceptions at exit)."""
     if not task.cancelled():
@@ -61,39 +79,99 @@ class DraftChain:
         self._pending: dict[str, Pending] = {}  # seq id -> the call proposing its next tree
 
     async def verify(
-        self, request: pb.VerifyRequest, run: Callable[[pb.VerifyRequest, dict[str, str]], Awaitable[pb.VerifyResponse]]
+        self,
+        request: pb.VerifyRequest,
+        run: Callable[[pb.VerifyRequest, dict[str, str]], Awaitable[pb.VerifyResponse]],
+        room: Callable[[list[str]], list[int]],
     ) -> pb.VerifyResponse:
-        """A Verify under the protocol: the chained items' trees into the request (waiting for calls still
-        running), `run(request, failed)` verifies every item but the failed ones (answered with
-        draft_error), then each item with next_nodes goes to the draft for its next tree."""
+        """A Verify under the protocol, of one round or several (VerifyRequest.rounds). Each round: the
+        chained items' trees (waiting for calls still running), `run(request, failed)` verifies every item
+        but the failed ones (answered with draft_error), then each item with next_nodes that runs on, or
+        ran the call's last round, goes to the draft for its next tree. `room(seq_ids)`: the KV rows each
+        sequence has left, read before every round after the first (services/verifier/rounds.py)."""
         items = request.items
         ids = [it.seq_id for it in items]
-        chained = [it.chained for it in items]
-        await self.settle([s for s, c in zip(ids, chained) if not c])
-        taken = await self.take([s for s, c in zip(ids, chained) if c])
-        for it, c in zip(items, chained):
-            if c and it.seq_id in taken.trees:
-                it.tree.CopyFrom(taken.trees[it.seq_id])
-        resp = await run(request, taken.failed)
-        resp.draft_compute_us = int(taken.compute_s * 1e6)
-        resp.draft_batch = taken.batch
-        resp.draft_wait_us = int(taken.wait_s * 1e6)
+        await self.settle([s for it, s in zip(items, ids) if not it.chained])
+        call = CallRounds([_rules(it) for it in items], max(request.rounds, 1))
+        todo = call.running()
+        trees = await self.take([ids[i] for i in todo if items[i].chained])
+        for i in todo:
+            if ids[i] in trees.trees:
+                items[i].tree.CopyFrom(trees.trees[ids[i]])
+        resp = await run(request, trees.failed)
+        first, sent = resp.results, set()  # round 1's results become the call's (edited in place below)
+        self._close_round(request, call, ids, todo, trees, first, sent)
+        resp.draft_compute_us = int(trees.compute_s * 1e6)
+        resp.draft_batch, resp.draft_wait_us = trees.batch, int(trees.wait_s * 1e6)
+        while todo := call.running():
+            trees = await self.take([ids[i] for i in todo])
+            sent.difference_update(todo)
+            for i in todo:
+                if ids[i] in trees.failed:
+                    call.failed(i, trees.failed[ids[i]])
+            call.fit(dict(zip(todo, room([ids[i] for i in todo]))))
+            todo = call.running()
+            resp.draft_compute_us += int(trees.compute_s * 1e6)
+            resp.draft_batch = max(resp.draft_batch, trees.batch)
+            resp.draft_wait_us += int(trees.wait_s * 1e6)
+            if not todo:
+                break
+            more = pb.VerifyRequest(items=[pb.VerifyItem(seq_id=ids[i], tree=trees.trees[ids[i]]) for i in todo])
+            out = await run(more, {})
+            resp.compute_us += out.compute_us
+            self._close_round(request, call, ids, todo, trees, out.results, sent)
+        resp.rounds_run = call.ran
+        for i, (r, it) in enumerate(zip(first, call.items)):
+            del r.accepted_tokens[:]
+            r.accepted_tokens.extend(it.tokens)
+            r.round_accepted, r.round_nodes = pack_ints(it.accepted), pack_ints(it.nodes)
+            r.tree_nodes, r.chained = sum(it.nodes), i in sent
+            r.draft_error = it.draft_error
+            if r.chained or r.draft_error or len(it.accepted) > 1:
+                r.ClearField("hidden")  # the draft has it, nobody needs it, or it is round 1's
+        return resp
+
+    def _close_round(
+        self,
+        request: pb.VerifyRequest,
+        call: CallRounds,
+        ids: list[str],
+        todo: list[int],
+        trees: Taken,
+        results,
+        sent: set[int],
+    ) -> None:
+        """A round's results (those of the items `todo` that had a tree, in order) into the call's
+        bookkeeping; then each item with next_nodes that runs on, or ran the call's last round, goes to
+        the draft (`sent`: those whose next tree waits here)."""
+        verified = [i for i in todo if ids[i] not in trees.failed]
+        by_item = dict(zip(verified, (r for r in results if not r.draft_error)))
+        for i in todo:
+            if ids[i] in trees.failed:
+                call.failed(i, trees.failed[ids[i]])
+            else:
+                call.record(i, by_item[i].accepted_tokens, by_item[i].tree_nodes)
+        call.end_round()
         outcomes = []
-        for s, it, r in zip(ids, items, resp.results):
-            nodes = it.next_nodes
-            if nodes > 0 and not r.draft_error:
-                out = pb.ProposeItem(seq_id=s, token_ids=r.accepted_tokens, max_nodes=nodes, max_depth=it.next_depth)
+        for i in verified:
+            it, r = request.items[i], by_item[i]
+            if it.next_nodes > 0 and call.items[i].stop in (None, Stop.ROUNDS):
+                out = pb.ProposeItem(
+                    seq_id=ids[i], token_ids=r.accepted_tokens, max_nodes=it.next_nodes, max_depth=it.next_depth
+                )
                 out.hidden.CopyFrom(r.hidden)
                 outcomes.append(out)
-                r.chained = True
-                r.ClearField("hidden")  # the draft has it
+                sent.add(i)
         self.send(request.draft, request.owner, outcomes)
-        return resp
 
     def check(self, request: pb.VerifyRequest) -> None:
         """The protocol's fields of a Verify (InvalidRequest), before anything runs."""
+        if not 0 <= request.rounds <= MAX_ROUNDS_PER_CALL:
+            raise InvalidRequest(f"rounds must be in [0, {MAX_ROUNDS_PER_CALL}], got {request.rounds}")
         to_draft = False
         for it in request.items:
+            if it.max_new < 0 or len(it.stop_ids) % 4:
+                raise InvalidRequest(f"sequence {it.seq_id!r}: max_new must be >= 0 and stop_ids whole int32s")
             if it.chained and it.HasField("tree"):
                 raise InvalidRequest(f"sequence {it.seq_id!r} is chained and carries a tree: one or the other")
             nodes = it.next_nodes

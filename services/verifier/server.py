@@ -1,6 +1,7 @@
 """The verifier service: owns the base model and its KV cache. Thin servicer, one error boundary,
 message conversion in this file only. It also sends each chained sequence's verified outcome to the draft
-(the round protocol, services/verifier/chain.py)."""
+and, when a Verify asks for several rounds, runs them one after the other with the draft's next trees
+(the round protocol, services/verifier/chain.py; its bookkeeping, services/verifier/rounds.py)."""
 
 from __future__ import annotations
 
@@ -143,11 +144,12 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
     async def _touched_verify(self, request: pb.VerifyRequest) -> pb.VerifyResponse:
         """The chained items' trees from the draft (waiting for what is not done yet), the verify, then the
-        outcome of every item with next_nodes to the draft for its next tree (see chain.py)."""
+        outcome of every item with next_nodes to the draft for its next tree; round after round when the
+        request asks for several (see chain.py)."""
         ids = [it.seq_id for it in request.items]
         self._check_chain(request, ids)
         self.leases.touch(ids)
-        return await self.chain.verify(request, self._run_verify)
+        return await self.chain.verify(request, self._run_verify, self.engine.room)
 
     async def _run_verify(self, request: pb.VerifyRequest, failed: dict[str, str]) -> pb.VerifyResponse:
         return await self.runner.run(self._verify, request, failed, inline=self.inline)

@@ -1,0 +1,133 @@
+"""Several rounds per Verify (SchedulerConfig.rounds_per_call, VerifyRequest.rounds): the real scheduler, the
+gateway's verifier client and the verifier's DraftChain with its bookkeeping (services/verifier/rounds.py),
+over the fake engines of tests/test_overlap.py, whose tokens are known in advance: every tree proposes the
+next 3 tokens of the sequence's count-up and the fake verifier accepts 2 of them, so each round commits 3.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from services.gateway.metrics import Metrics
+from services.gateway.scheduler import Scheduler, SchedulerConfig
+from services.gateway.sequence import Finish
+from specdec.v1 import internal_pb2 as pb
+from tests.test_overlap import DRAFT, FIXED, FakeDraft, FakeVerifier, FollowingDraft, FollowingVerifier, count_up
+
+
+async def _run(requests, rounds: int, draft=None, verifier=None, metrics=None, stagger=0.0, cfg=None):
+    """requests: (last prompt token, max_tokens, stop token ids, prompt length); returns (tokens, finish)
+    per request and the call log."""
+    log: list = []
+    draft = draft or FakeDraft(log)
+    draft.log = log
+    verifier = verifier or FakeVerifier(log, 2, draft)
+    verifier.log = log
+    cfg = cfg or SchedulerConfig(max_active=4, draft_address=DRAFT, rounds_per_call=rounds)
+    sched = Scheduler(verifier, draft, cfg, FIXED, metrics)
+    sched.start()
+
+    async def one(i: int, first: int, max_tokens: int, stops: frozenset[int], n: int):
+        await asyncio.sleep(i * stagger)
+        gen = count_up(first, n, max_tokens, stop_token_ids=stops)
+        tokens = [t async for d in sched.generate(gen) for t in d.token_ids]
+        return tokens, gen.finish, gen.stats.rounds
+
+    outs = await asyncio.gather(*(one(i, *r) for i, r in enumerate(requests)))
+    await sched.stop()
+    return outs, log
+
+
+def _calls(log: list) -> list[list[str]]:
+    return [e[1] for e in log if e[0] == "verify"]
+
+
+def test_four_rounds_a_call_and_max_tokens_mid_call() -> None:
+    """gw-0 (10 tokens: the prefill's, then 3 rounds) stops at its budget in round 3 of the first call while
+    gw-1 runs all 4; gw-1's second call stops it at its budget in round 3. Engine rounds: [0 1] x3, [1],
+    then [1] x3; two Verify calls instead of seven; the draft gets each outcome but those of the rounds
+    that finished a sequence."""
+    m = Metrics()
+    outs, log = asyncio.run(_run([(100, 10, frozenset(), 2), (200, 22, frozenset(), 2)], 4, metrics=m))
+    assert outs[0] == (list(range(101, 111)), Finish.LENGTH, 3)
+    assert outs[1] == (list(range(201, 223)), Finish.LENGTH, 7)
+    both, one = ["gw-0", "gw-1"], ["gw-1"]
+    assert _calls(log) == [both, both, both, one, one, one, one]
+    assert [e[1] for e in log if e[0] == "chained"] == [one]  # the second call: gw-1's tree waited there
+    assert [e[1] for e in log if e[0] == "propose"] == [both, both, both, one, one, one, one]
+    get = m.registry.get_sample_value
+    assert get("specdec_spec_decode_num_drafts_total") == 10  # every round counted, not every call
+    assert get("specdec_spec_decode_num_accepted_tokens_total") == 20
+    assert get("specdec_round_seconds_count", {"phase": "total"}) == 7  # per round, not per call
+    assert get("specdec_verify_calls_total") == 2
+
+
+def test_the_budget_cuts_a_rounds_tokens() -> None:
+    """max_tokens 9: the third round accepts 3 tokens of which 2 fit; nothing past them is streamed."""
+    outs, log = asyncio.run(_run([(100, 9, frozenset(), 2)], 4))
+    assert outs[0] == (list(range(101, 110)), Finish.LENGTH, 3)
+    assert len(_calls(log)) == 3
+
+
+def test_a_stop_token_in_round_two_of_four_while_the_other_runs_on() -> None:
+    """gw-0 commits its stop token 106 in round 2 (tokens after it dropped) and sits out rounds 3 and 4 of
+    the call, which gw-1 runs alone."""
+    outs, log = asyncio.run(_run([(100, 30, frozenset({106}), 2), (200, 13, frozenset(), 2)], 4))
+    assert outs[0] == (list(range(101, 107)), Finish.STOP, 2)
+    assert outs[1] == (list(range(201, 214)), Finish.LENGTH, 4)
+    assert _calls(log) == [["gw-0", "gw-1"], ["gw-0", "gw-1"], ["gw-1"], ["gw-1"]]
+
+
+def test_draft_failure_mid_call_commits_the_rounds_before_and_catches_up() -> None:
+    """The draft's third call (after round 2) fails: the call answers rounds 1 and 2's tokens with
+    draft_error, the gateway commits them, decodes plainly and catches the draft up; every token exact."""
+    log: list = []
+    draft = FollowingDraft(log, fail_call=3)
+    verifier = FollowingVerifier(log, 2, draft)
+    cfg = SchedulerConfig(max_active=4, plain_steps=2, draft_retry_s=0.003, draft_address=DRAFT, rounds_per_call=4)
+    outs, log = asyncio.run(
+        _run([(100, 30, frozenset(), 2), (200, 30, frozenset(), 2)], 4, draft=draft, verifier=verifier, cfg=cfg)
+    )
+    assert [o[0] for o in outs] == [list(range(101, 131)), list(range(201, 231))]
+    failed = log.index(("draft-failed", ["gw-0", "gw-1"]))
+    assert _calls(log[:failed]) == [["gw-0", "gw-1"]] * 2  # rounds 1 and 2 of the first call
+    after = log[failed:]
+    assert after[1][0] == "decode"  # no third round: plain decoding next
+    assert after.index(("features", ["gw-0", "gw-1"])) > 0  # then the catch-up
+    assert any(e[0] == "chained" for e in after)  # and chained rounds again
+
+
+def test_one_round_while_a_prompt_is_prefilled() -> None:
+    """A 10-token prompt arriving mid-run goes in chunks of 4, 4, 2; between two chunks the running
+    sequence gets one round, not four (the joiner waits for one round at a time), and both are exact."""
+    cfg = SchedulerConfig(max_active=4, draft_address=DRAFT, rounds_per_call=4, prefill_chunk=4)
+    reqs = [(100, 40, frozenset(), 2), (300, 10, frozenset(), 10)]
+    outs, log = asyncio.run(_run(reqs, 4, cfg=cfg, stagger=0.05))
+    assert [o[0] for o in outs] == [list(range(101, 141)), list(range(301, 311))]
+    chunks = [i for i, e in enumerate(log) if e[0] == "prefill" and e[1] == "gw-1"]
+    assert len(chunks) == 3
+    for a, b in zip(chunks, chunks[1:]):
+        assert [e[1] for e in log[a:b] if e[0] == "verify"] == [["gw-0"]]
+    assert _calls(log[: chunks[0]]).count(["gw-0"]) >= 2  # alone before it arrived: calls of several rounds
+
+
+class CountingVerifier(FakeVerifier):
+    """Counts Verify calls and the rounds each asked for."""
+
+    def __init__(self, log: list, accept: int, draft: FakeDraft) -> None:
+        super().__init__(log, accept, draft)
+        self.asked: list[int] = []
+
+    async def _verify_call(self, request: pb.VerifyRequest) -> pb.VerifyResponse:
+        self.asked.append(request.rounds)
+        return await super()._verify_call(request)
+
+
+def test_one_round_per_call_is_todays_protocol() -> None:
+    """rounds_per_call 1: every Verify asks for one round (rounds 0 on the wire) and carries no stop rules."""
+    log: list = []
+    draft = FakeDraft(log)
+    verifier = CountingVerifier(log, 2, draft)
+    outs, log = asyncio.run(_run([(100, 10, frozenset(), 2)], 1, draft=draft, verifier=verifier))
+    assert outs[0] == (list(range(101, 111)), Finish.LENGTH, 3)
+    assert verifier.asked == [0, 0, 0]
