@@ -3,7 +3,8 @@ read and checked in one numpy pass (the same trees, the same error for the first
 of many sequences written into the exported buffer in one copy (where one write each puts them), the verify
 block packed at once; and the servicer over a real channel on a tiny random model, once with the hidden
 buffer (on the CPU) and once with inline bytes: its references read back the bytes the inline path sends,
-and a bad tree fails its call without touching any sequence."""
+a bad tree fails its call without touching any sequence, and one Verify of several rounds commits what as
+many one-round Verifies do."""
 
 from __future__ import annotations
 
@@ -25,7 +26,10 @@ from common.rpc import CHANNEL_OPTIONS, start_server
 from common.tensors import decode_inline
 from common.tree import DraftQ, Tree
 from common.weights import Checkpoint
+from services.clients import Batched
+from services.packed import unpack_ints
 from services.tree_wire import BATCH_FROM, draft_tree, tree_msg, tree_of, trees_of
+from services.verifier.chain import DraftChain
 from services.verifier.server import VerifierServicer
 from specdec.v1 import internal_pb2 as pb
 from specdec.v1 import internal_pb2_grpc as pb_grpc
@@ -312,5 +316,57 @@ def test_decode_writes_the_wanted_rows_after_their_hidden_row() -> None:
                 if s in follow:
                     assert a.hidden.ipc.offset_bytes == pair.region_row(s, follow[s])
                     assert torch.equal(pair.rows(a.hidden), decode_inline(b.hidden))
+
+    asyncio.run(go())
+
+
+class CountDraft:
+    """The draft at the other end of the chained rounds: for each sequence an 8-node tree from the last token
+    t it was sent, the same for both servers: a chain t t t t (the tiny random model repeats itself) and
+    four more children of the root."""
+
+    async def propose(self, items: list[pb.ProposeItem], owner: str = "") -> Batched:
+        v = CFG.vocab_size
+        trees = []
+        for it in items:
+            t = it.token_ids[-1]
+            tokens = [t] * 4 + [(t + j) % v for j in range(1, 5)]
+            trees.append(draft_tree(tokens, [-1, 0, 1, 2, -1, -1, -1, -1]))
+        return Batched(trees, 0.0)
+
+
+def test_one_verify_of_three_rounds_commits_what_three_verifies_do() -> None:
+    """The ipc server gets one Verify of 3 rounds, the inline server a Verify and two chained ones of one
+    round each, over identical engines and the same draft: every sequence (one of them sampling, seeded)
+    commits the same tokens with the same per-round acceptance, and ends in the same state (length, pending
+    token): each round is the same engine call, on the same random state, as a Verify of its own."""
+
+    async def go() -> None:
+        async with Pair() as pair:
+            for s in pair.servicers.values():
+                s.chain = DraftChain(lambda address: CountDraft())
+            await _prefilled(pair)
+            trees = _trees(np.random.default_rng(3))
+
+            def request(rounds: int, chained: bool) -> pb.VerifyRequest:
+                req = pb.VerifyRequest(draft="draft:0", rounds=rounds)
+                for s, t in zip(IDS, trees):
+                    item = req.items.add(seq_id=s, next_nodes=8, next_depth=2, chained=chained)
+                    if not chained:
+                        item.tree.CopyFrom(t)
+                return req
+
+            multi = (await pair.stubs["ipc"].Verify(request(3, False))).results
+            singles = [await pair.stubs["inline"].Verify(request(0, c)) for c in (False, True, True)]
+            for i, (s, m) in enumerate(zip(IDS, multi)):
+                one = [call.results[i] for call in singles]
+                assert m.seq_id == s and m.chained and all(r.chained for r in one)
+                assert list(m.accepted_tokens) == [t for r in one for t in r.accepted_tokens]
+                assert unpack_ints(m.round_accepted, "") == [len(r.accepted_tokens) - 1 for r in one]
+                assert unpack_ints(m.round_nodes, "") == [r.tree_nodes for r in one]
+                assert m.tree_nodes == sum(r.tree_nodes for r in one) and not m.HasField("hidden")
+            assert pair.states("ipc", IDS) == pair.states("inline", IDS)
+            accepted = [unpack_ints(m.round_accepted, "") for m in multi]
+            assert any(sum(a) for a in accepted), accepted  # some drafted tokens were accepted
 
     asyncio.run(go())
