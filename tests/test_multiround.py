@@ -7,7 +7,11 @@ next 3 tokens of the sequence's count-up and the fake verifier accepts 2 of them
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
+import pytest
+
+from services.gateway.__main__ import GatewayConfig
 from services.gateway.metrics import Metrics
 from services.gateway.scheduler import Scheduler, SchedulerConfig
 from services.gateway.sequence import Finish
@@ -131,3 +135,18 @@ def test_one_round_per_call_is_todays_protocol() -> None:
     outs, log = asyncio.run(_run([(100, 10, frozenset(), 2)], 1, draft=draft, verifier=verifier))
     assert outs[0] == (list(range(101, 111)), Finish.LENGTH, 3)
     assert verifier.asked == [0, 0, 0]
+
+
+@pytest.mark.parametrize(
+    "kw, device, k",
+    [
+        ({}, "cuda:0", 4),  # auto on a GPU
+        ({}, "cpu", 1),  # auto on a CPU
+        ({"groups": 2}, "cuda:0", 1),  # auto with two round groups: they share the Verify stream
+        ({"rounds_per_call": 3, "groups": 2}, "cuda:0", 3),  # asked for: kept
+        ({"rounds_per_call": 2}, "cpu", 2),
+    ],
+)
+def test_gateway_rounds_per_call_auto(kw, device, k):
+    cfg = GatewayConfig(address="127.0.0.1:0", verifier="v", draft="d", model=Path("m"), **kw)
+    assert cfg.rounds_for(device) == k

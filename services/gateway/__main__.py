@@ -86,10 +86,12 @@ class GatewayConfig:
         return tree, menu
 
     def rounds_for(self, device: str) -> int:
-        """rounds_per_call, with auto resolved for a verifier on `device` (its InfoResponse.device)."""
+        """rounds_per_call, with auto resolved for a verifier on `device` (its InfoResponse.device). Auto is 1
+        with several round groups: the groups share one Verify stream, so one group's call of k rounds
+        would hold the others' rounds back for all k."""
         if self.rounds_per_call:
             return self.rounds_per_call
-        return GPU_ROUNDS_PER_CALL if device.startswith("cuda") else 1
+        return GPU_ROUNDS_PER_CALL if device.startswith("cuda") and self.groups == 1 else 1
 
 
 async def main(cfg: GatewayConfig, port_file: str | None) -> None:
@@ -286,8 +288,8 @@ def cli() -> None:
         type=int,
         default=0,
         help="rounds one Verify may run: the verifier takes each next tree from the draft itself and answers "
-        f"once (one gateway hop per call); 1 while requests wait to join; 0 = {GPU_ROUNDS_PER_CALL} on a GPU, "
-        "1 on a CPU",
+        f"once (one gateway hop per call); 1 while requests wait to join; 0 = {GPU_ROUNDS_PER_CALL} on a GPU "
+        "with one round group, else 1",
     )
     a = parse_and_log(p)
     cfg = GatewayConfig(
