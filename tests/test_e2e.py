@@ -145,8 +145,9 @@ def test_policy_switching_shapes_every_round_equals_plain_greedy():
 
 def test_draft_in_the_verifiers_process_equals_plain_greedy(stack):
     """--draft-here (Stack(colocate=True)): two processes, the draft service served on the verifier's port
-    and the chained proposals called in process. Speculative output (a pinned 6x60 tree, every round
-    chained after the first) equals plain greedy decoding of the default three-process stack."""
+    and the chained proposals called in process, four rounds per Verify (the verifier's rounds take each
+    next tree from its own draft). Speculative output (a pinned 6x60 tree, every round chained after the
+    first) equals plain greedy decoding of the default three-process stack."""
     import grpc
 
     from services.stack import Stack
@@ -155,13 +156,15 @@ def test_draft_in_the_verifiers_process_equals_plain_greedy(stack):
     from tests.conftest import COMMON
 
     prompts = CHAT_PROMPTS[:3]
-    with Stack(common_args=COMMON, gateway_args=["--policy", "fixed"], colocate=True) as s:
+    args = ["--policy", "fixed", "--rounds-per-call", "4"]
+    with Stack(common_args=COMMON, gateway_args=args, colocate=True) as s:
         assert set(s.procs) == {"verifier", "gateway"} and s.ports["draft"] == s.ports["verifier"]
         with grpc.insecure_channel(s.address("draft")) as ch:
             info = pb_grpc.DraftStub(ch).Info(pb.InfoRequest(), timeout=10)
         spec, plain = speculative_vs_plain(s.gateway, prompts, 32, tree=(6, 60))
         gateway_log = (s.log_dir / "gateway.log").read_text()
     assert "draft failed" not in gateway_log  # every chained tree came from the verifier's own draft
+    assert "rounds per Verify: 4" in gateway_log
     whole = complete_many(stack.gateway, [chat(p, max_tokens=32, ignore_eos=True, speculative=False) for p in prompts])
     assert info.drafter and info.verify_tree_size == 60
     for p, a, b, w in zip(prompts, spec, plain, whole):
