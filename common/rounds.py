@@ -1,4 +1,7 @@
-"""The EAGLE one-token shift, written once (plain Python: the gateway uses it without torch).
+"""Round rules written once for the gateway and the services (plain Python: the gateway uses them without
+torch): the EAGLE one-token shift, and which of a round's tokens are committed.
+
+The EAGLE one-token shift:
 
 The draft pairs each base hidden state with the token that follows it. After a prefill of the prompt
 [p0, p1, ..., pn] that chose the first token t, the hidden states are those of p0..pn and the tokens they
@@ -12,6 +15,18 @@ from __future__ import annotations
 # Rounds one Verify may run (VerifyRequest.rounds): bounds one call's time, and the rounds a sequence that
 # hit a stop string the verifier does not know of can waste (services/verifier/rounds.py).
 MAX_ROUNDS_PER_CALL = 16
+
+
+def cut_at_stop(tokens: list[int], room: int, stop_ids: frozenset[int]) -> tuple[int, bool]:
+    """How many of a round's tokens are committed: the first `room` of them, up to and including the first
+    stop id (end-of-sequence included when it counts). Returns (committed, whether a stop id ended them).
+    The gateway's commit (services/gateway/sequence.py) and the verifier's rounds of one call
+    (services/verifier/rounds.py) both cut here, so a call of several rounds stops where the gateway would.
+    Example: room 3, stop ids {2}: [5, 2, 7] -> (2, True); [5, 6, 7, 8] -> (3, False); [5] -> (1, False)."""
+    for i, t in enumerate(tokens[:room]):
+        if t in stop_ids:
+            return i + 1, True
+    return min(len(tokens), room), False
 
 
 def start_shift(prompt_ids: list[int], first_token: int) -> tuple[list[int], list[int]]:

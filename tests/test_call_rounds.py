@@ -3,6 +3,7 @@ what each commits, why each stops. Plain Python: no model, no services."""
 
 import pytest
 
+from common.rounds import cut_at_stop
 from services.verifier.rounds import CallRounds, ItemRules, Stop
 
 CHAINED = ItemRules(chained=True, rows=9)  # a 4x8 next tree: the root and 8 nodes
@@ -131,3 +132,17 @@ def test_rules_refuse_bad_values(kw):
 def test_rounds_out_of_range(rounds):
     with pytest.raises(ValueError):
         CallRounds([CHAINED], rounds)
+
+
+@pytest.mark.parametrize(
+    "tokens, room, out",
+    [
+        ([5, 2, 7], 3, (2, True)),  # the stop id is committed, what follows is not
+        ([5, 6, 7, 8], 3, (3, False)),  # the room cuts
+        ([5, 6, 2], 2, (2, False)),  # a stop id past the room does not count
+        ([5], 3, (1, False)),
+        ([2], 1, (1, True)),
+    ],
+)
+def test_cut_at_stop(tokens, room, out):
+    assert cut_at_stop(tokens, room, frozenset({2})) == out

@@ -284,9 +284,7 @@ class Scheduler:
         nxt_tree = self._next_tree(a, nxt)
         if k == 1:
             return RoundItem(a.seq_id, tree, nxt_tree)
-        req = a.gen.request
-        stops = req.stop_token_ids if req.ignore_eos else req.stop_token_ids | {a.gen.eos_token_id}
-        return RoundItem(a.seq_id, tree, nxt_tree, req.max_tokens - len(a.gen.token_ids), pack_ints(stops))
+        return RoundItem(a.seq_id, tree, nxt_tree, a.gen.tokens_left(), pack_ints(a.gen.token_stops))
 
     def _commit_rounds(
         self, spec: list[Active], verified: VerifiedRound, shape: Shape, nxt: Shape | None

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from common.config import SamplingConfig
 from common.policy import Shape
+from common.rounds import cut_at_stop
 from services.gateway.detokenize import RoundDecoder
 
 
@@ -73,6 +74,16 @@ class Generation:
     _held: str = ""  # text held back because it may be the start of a stop string
     finish: Finish | None = None
     stats: SpecStats = field(default_factory=SpecStats)
+    # the token ids that end it: the request's stop ids and, unless ignore_eos, end-of-sequence
+    token_stops: frozenset[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        eos = frozenset() if self.request.ignore_eos else frozenset((self.eos_token_id,))
+        self.token_stops = self.request.stop_token_ids | eos
+
+    def tokens_left(self) -> int:
+        """Tokens it may still commit before max_tokens."""
+        return self.request.max_tokens - len(self.token_ids)
 
     def commit(self, new_tokens: list[int]) -> Delta:
         """The round's tokens at once: cut by the token rules, detokenized in one call, checked for a stop
@@ -104,17 +115,16 @@ class Generation:
         """Which of new_tokens are committed, and the finish they reach, by the token rules alone: the first
         max_tokens - len(token_ids) of them, up to an end-of-sequence or stop token.
         Example: 3 tokens to go, eos 2, new [5, 6, 2, 7] -> ([5, 6, 2], EOS); [5, 6, 7, 8] -> ([5, 6, 7], LENGTH)."""
-        room = max(self.request.max_tokens - len(self.token_ids), 1)
-        eos = None if self.request.ignore_eos else self.eos_token_id
-        stop_ids = self.request.stop_token_ids
-        for i, t in enumerate(new_tokens[:room]):
-            if t == eos:
-                return new_tokens[: i + 1], Finish.EOS
-            if t in stop_ids:
-                return new_tokens[: i + 1], Finish.STOP
-        if len(new_tokens) >= room:
-            return new_tokens[:room], Finish.LENGTH
-        return list(new_tokens), None
+        room = max(self.tokens_left(), 1)
+        n, stopped = cut_at_stop(new_tokens, room, self.token_stops)
+        taken = list(new_tokens[:n])
+        if stopped:
+            return taken, self._stop_finish(taken[-1])
+        return taken, Finish.LENGTH if n >= room else None
+
+    def _stop_finish(self, token: int) -> Finish:
+        """The finish of a token in token_stops: EOS for end-of-sequence (when it counts), else STOP."""
+        return Finish.EOS if token == self.eos_token_id and not self.request.ignore_eos else Finish.STOP
 
     def _commit_each(self, new_tokens: list[int]) -> Delta:
         """commit, token by token: the rule that commit's one pass over a round reproduces. Each token's
@@ -126,10 +136,8 @@ class Generation:
                 break
             taken.append(t)
             self.token_ids.append(t)
-            if t == self.eos_token_id and not self.request.ignore_eos:
-                self.finish = Finish.EOS
-            elif t in self.request.stop_token_ids:
-                self.finish = Finish.STOP
+            if t in self.token_stops:
+                self.finish = self._stop_finish(t)
             else:
                 text += self._push_text(t)
             if self.finish is None and len(self.token_ids) >= self.request.max_tokens:

@@ -5,7 +5,7 @@ chain.py drives it, one engine call a round.
 An item stops after the round that commits one of its stop token ids (end-of-sequence included), that
 reaches its max_new budget, or that was the call's last; before a round, when its KV cache has no room
 for the round's tree; and when its next tree never came (the draft failed). Its committed tokens are cut
-where the gateway's commit would cut them (services/gateway/sequence.py, Generation._cut): after the first
+where the gateway's commit would cut them (common.rounds.cut_at_stop, which both use): after the first
 stop id, at the budget. Per-round acceptance counts are the engine's, before any cut (the speculation
 policy learns acceptance, not budgets).
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from common.rounds import MAX_ROUNDS_PER_CALL
+from common.rounds import MAX_ROUNDS_PER_CALL, cut_at_stop
 
 
 class Stop(enum.Enum):
@@ -97,13 +97,11 @@ class CallRounds:
         it.accepted.append(len(tokens) - 1)
         it.nodes.append(nodes)
         room = rules.max_new - len(it.tokens) if rules.max_new else len(tokens)
-        for n, t in enumerate(tokens[:room]):
-            if t in rules.stop_ids:
-                it.tokens += tokens[: n + 1]
-                it.stop = Stop.TOKEN
-                return
-        it.tokens += tokens[:room]
-        if rules.max_new and len(it.tokens) >= rules.max_new:
+        n, stopped = cut_at_stop(tokens, room, rules.stop_ids)
+        it.tokens += tokens[:n]
+        if stopped:
+            it.stop = Stop.TOKEN
+        elif rules.max_new and len(it.tokens) >= rules.max_new:
             it.stop = Stop.LENGTH
 
     def end_round(self) -> None:
