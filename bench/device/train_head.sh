@@ -62,8 +62,8 @@ case "$mode" in
     tail -6 "$out/sampling-heldout.log"
     timeout 120 python3 -m bench.sampling_accept --device cuda --head "$w/head" --prompts 48 --max-new-tokens 128 \
       --temperatures 0.7 --out "$out/sampling" > "$out/sampling.log" 2>&1; tail -4 "$out/sampling.log" ;;
-  eval32)  # the shipped head in float32; on a fresh machine the eval sets come from .devcarry/e (a CPU
-           # `python -m training.pipeline prompts --workdir W --magpie 0` builds the same files)
+  eval32)  # the shipped head in float32; on a fresh machine the eval sets come from .devcarry/e (a CPU run of
+           # `training.pipeline prompts --workdir W --magpie 0`, the s1/s2 wheels on PYTHONPATH, builds them)
     [ -f "$w/sharegpt_heldout.jsonl" ] || cp .devcarry/e/*.jsonl "$w/"
     timeout 240 "${tp[@]}" eval --workdir "$w" --device cuda --dtype float32 --head models/eagle3-smollm2 \
       --limit "${EVAL_LIMIT:-40}" --eval-batch "${EVAL_LIMIT:-40}" --out "$out/eval-fp32.json" > "$out/eval-fp32.log" 2>&1
