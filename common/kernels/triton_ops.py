@@ -1013,14 +1013,16 @@ def _move_rows_kernel(
 ):
     """The moved rows of one layer and sequence, columns [c * BC, (c + 1) * BC) of each: all read, a
     barrier, all written (a path row may land where another path row is read from)."""
-    layer = tl.program_id(0)
+    # 64-bit offsets: the whole cache is one tensor, and layer * s_layer passes 2**31 elements in a large one
+    # (30 layers x 65 slots x 4,218 positions x 384 at --max-context 4096), where 32-bit ones wrapped around
+    layer = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1)
     k = tl.arange(0, BT)
     col = tl.program_id(2) * BC + tl.arange(0, BC)
     src = tl.load(src_ptr + b * T + k, mask=k < T, other=0)
     move = (k < T) & (src != k)  # unmoved rows (past the path, sampling sequences) are not touched
-    base = kv_ptr + layer * s_layer + tl.load(slot_ptr + b * s_sb) * s_slot
-    n = tl.load(n_ptr + b * s_nb)
+    base = kv_ptr + layer * s_layer + tl.load(slot_ptr + b * s_sb).to(tl.int64) * s_slot
+    n = tl.load(n_ptr + b * s_nb).to(tl.int64)
     both = move[:, None] & (col < ROW)[None, :]
     rows = tl.load(base + (n + src)[:, None] * s_pos + col[None, :], mask=both)
     tl.debug_barrier()

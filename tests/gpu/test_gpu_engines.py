@@ -155,3 +155,27 @@ def test_triton_and_reference_kernels_agree_bf16(ckpt, prompts, monkeypatch) -> 
         outs.append(seq)
     agree = np.mean([a == b for a, b in zip(*outs)])
     assert agree >= 0.8, (agree, outs)
+
+
+def test_move_rows_in_a_cache_past_two_billion_elements():
+    """The accepted path's K/V move in the last layer of a cache whose layer offsets pass 2**31 elements (the
+    verifier's at --max-context 4096 with 64 sequences: 30 x 65 x 4,218 x 384 = 3.2e9). With 32-bit offsets
+    the kernel wrote outside the cache (an illegal memory access that took the verifier down, 2026-11-25)."""
+    from common.kernels import reference, triton_ops
+
+    layers, slots, row = 3, 2, 2 * 3 * 64
+    capacity = (2**31 // (slots * row)) // 2 + 64  # layer 2 starts past 2**31 elements (6.4 GB in bf16)
+    kv = torch.empty((layers, slots, capacity, 2, 3, 64), dtype=torch.bfloat16, device=DEV)
+    assert kv.stride(0) * (layers - 1) > 2**31
+    n = torch.tensor([capacity - 16], device=DEV)
+    slot = torch.tensor([1], device=DEV)
+    src = torch.tensor([[0, 2, 4, 3, 4, 5]], device=DEV)
+    window = kv[:, 1, capacity - 16 :]  # the rows the move reads and writes, in every layer
+    window.copy_(torch.randn(window.shape, generator=torch.Generator(device=DEV).manual_seed(3), device=DEV))
+    want = window.clone()
+    small = want.clone().unsqueeze(1)  # [L, 1, 16, ...]: the same move on a small cache, by the PyTorch reference
+    reference.move_rows(small, torch.tensor([0], device=DEV), torch.tensor([0], device=DEV), src)
+    triton_ops.move_rows(kv, slot, n, src)
+    torch.cuda.synchronize()
+    assert torch.equal(kv[:, 1, capacity - 16 :], small[:, 0])
+    assert torch.equal(kv[2, 1, capacity - 14], want[2, 4])  # layer 2: row 4 -> 2 moved, past 2**31
