@@ -2,6 +2,7 @@
 (sampling, no instrumentation), with the gateway's round breakdown from its metrics.
 
     python -m bench.profile_services --out DIR [--device cuda] [--concurrency 1] [--seconds 6]
+                                     [--rounds-per-call K] [--colocate]
 
 Needs the `py-spy` binary (PyPI package py-spy) on PATH or next to the interpreter. Writes
 DIR/spy-{gateway,draft,verifier}.txt (py-spy's raw format: one line per stack, samples at the end) and
@@ -49,6 +50,8 @@ def main() -> None:
     ap.add_argument(
         "--policy", default="fixed", help="the gateway's --policy (fixed: every round drafts the default tree)"
     )
+    ap.add_argument("--rounds-per-call", type=int, default=0, help="the gateway's --rounds-per-call (0: its default)")
+    ap.add_argument("--colocate", action="store_true", help="the draft in the verifier's process (--draft-here)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
@@ -58,7 +61,9 @@ def main() -> None:
     prompts = [QUESTIONS[i % len(QUESTIONS)] for i in range(64)]
     with Stack(
         common_args=["--device", args.device, "--max-context", "1024"],
-        gateway_args=["--metrics-port", str(mport), "--policy", args.policy],
+        gateway_args=["--metrics-port", str(mport), "--policy", args.policy]
+        + (["--rounds-per-call", str(args.rounds_per_call)] if args.rounds_per_call else []),
+        colocate=args.colocate,
     ) as stack:
         asyncio.run(closed_loop(stack.gateway, prompts[:2], 16, 1))  # warm-up
         before = scrape_rounds(mport)
@@ -95,7 +100,8 @@ def main() -> None:
         load.join()
         phases = per_round(before, scrape_rounds(mport))
     lines = [
-        f"# Round profile ({args.device}, concurrency {args.concurrency})",
+        f"# Round profile ({args.device}, concurrency {args.concurrency}, rounds per call "
+        f"{args.rounds_per_call or 'default'}{', draft in the verifier' if args.colocate else ''})",
         "",
         "ms per round: " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()),
         "",

@@ -29,6 +29,16 @@
 #                                  group and with two, alternated twice (one stack per run)
 #   bench/device/policy.sh magpie  issue 11's Magpie prompts (training.pipeline prompts --magpie), resumed from
 #                                  .devcarry/magpie.tgz when carried, the shards back as magpie.tgz
+#   bench/device/policy.sh split   issue 8's colocated figure: the engine in process (plain, speculative), then the
+#                                  services 6x60 pinned and the policy at concurrency 1, 16, 64, the draft in
+#                                  two processes and in the verifier's (--draft-here), 1 and 4 rounds per Verify,
+#                                  then the colocated stack at 8; the logs and JSON back as split.tgz
+#   bench/device/policy.sh split2  py-spy round profiles at concurrency 1, 6x60: two processes at 4 rounds per
+#                                  Verify, the draft in the verifier's process at 4 and at 1, then the engine
+#                                  in process (the baseline); the profiles back as spy.tgz
+#   bench/device/policy.sh split3  the engine in process, then the draft in the verifier's process, its proposals
+#                                  inline on the event loop against on its own thread (--draft-thread), 1 and 4
+#                                  rounds per Verify, 6x60 and the policy at concurrency 1, 16, 64
 #   bench/device/policy.sh rest    one 10-minute call: the chained/unchained A/B (6x60 pinned and plain,
 #                                  concurrency 1, 16, 64), the long prompt (whole, 512-token chunks) and
 #                                  ghz by reflection (GHZ: the binary, concurrency 1 and 64)
@@ -83,6 +93,41 @@ case "$mode" in
       timeout 150 python3 -m bench.ghz_load --ghz "$GHZ" --concurrency 1,64 --requests-per-worker 2 \
         --out /tmp/specdec-ghz > "$out/ghz.txt" 2>&1; cp /tmp/specdec-ghz/ghz.md "$out/" 2>/dev/null; tail -8 "$out/ghz.txt"
     fi ;;
+  split)
+    hd=(--head models/eagle3-smollm2)
+    timeout 150 python3 -m bench.engine_bench --device cuda "${hd[@]}" --prompts 32 --concurrency 1,16,64 \
+      --methods plain,spec --out "$out/engine" > "$out/engine.log" 2>&1
+    grep -E "tok/s" "$out/engine.log" | tail -6
+    # off first: its two processes fill the kernel cache that a colocated start would fill one engine at a time
+    timeout 330 "${load[@]}" "${hd[@]}" --concurrency 1,16,64 --prompts 32 --requests-per-worker 2 \
+      --modes tree:6x60,spec --colocate off,on --rounds-per-call 1,4 --out "$out/split" > "$out/split.log" 2>&1
+    timeout 100 "${load[@]}" "${hd[@]}" --concurrency 1,16,64 --prompts 32 --requests-per-worker 2 \
+      --modes tree:6x60,spec --colocate on --rounds-per-call 8 --out "$out/split8" > "$out/split8.log" 2>&1
+    grep -hE "tok/s total" "$out/split.log" "$out/split8.log" | sed 's/.*services_bench INFO //' | cut -c1-200
+    tar czf "$out/split.tgz" -C "$out" engine split split8 engine.log split.log split8.log ;;
+  split2)
+    python3 -m pip install -q --no-deps --target /tmp/pyspy .devcarry/b/wheels/py_spy-*.whl; export PATH="/tmp/pyspy/bin:$PATH"
+    for run in "off 4" "on 4" "on 1"; do  # off first: it fills the kernel cache (see split)
+      set -- $run; extra=(); [ "$1" = on ] && extra=(--colocate)
+      timeout 150 python3 -m bench.profile_services --out "/tmp/prof-$1-$2" --concurrency 1 --seconds 6 \
+        --rounds-per-call "$2" "${extra[@]}" > "$out/profile-$1-$2.log" 2>&1
+      echo "colocate $1, k$2:"; sed -n 3p "/tmp/prof-$1-$2/profile.md"
+    done
+    tar czf "$out/spy.tgz" -C /tmp prof-off-4 prof-on-4 prof-on-1
+    timeout 240 python3 -m bench.engine_bench --device cuda --head models/eagle3-smollm2 --prompts 32 \
+      --concurrency 1,16,64 --methods plain,spec --out /tmp/engine-bench > "$out/engine.log" 2>&1
+    cp /tmp/engine-bench/engine_bench.json "$out/" 2>/dev/null; tail -12 "$out/engine.log" ;;
+  split3)  # the engine first: it fills the kernel cache that a colocated start would fill one engine at a time
+    hd=(--head models/eagle3-smollm2)
+    timeout 240 python3 -m bench.engine_bench --device cuda "${hd[@]}" --prompts 32 --concurrency 1,16,64 \
+      --methods plain,spec --out /tmp/engine-bench > "$out/engine.log" 2>&1
+    cp /tmp/engine-bench/engine_bench.json "$out/" 2>/dev/null; tail -10 "$out/engine.log" | head -8
+    for t in inline thread; do
+      extra=(); [ "$t" = thread ] && extra=(--draft-thread)
+      timeout 170 "${load[@]}" "${hd[@]}" --concurrency 1,16,64 --prompts 32 --requests-per-worker 2 --modes tree:6x60,spec \
+        --colocate on --rounds-per-call 1,4 "${extra[@]}" --out "$out/split3-$t" > "$out/split3-$t.log" 2>&1
+      echo "draft $t:"; grep -hE "tok/s total" "$out/split3-$t.log" | sed 's/.*services_bench INFO //' | cut -c1-90
+    done ;;
   profile)
     [ -n "${SKIP_TESTS:-}" ] || timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_services.py > "$out/gpu_tests.log" 2>&1
     tail -3 "$out/gpu_tests.log" 2>/dev/null
@@ -122,5 +167,5 @@ case "$mode" in
     timeout 560 python3 -m training.pipeline prompts --workdir "$w" --device cuda --magpie "${MAGPIE:-120000}" \
       --magpie-batch "${MAGPIE_BATCH:-1024}" --magpie-shard 2048 --minutes "${MINUTES:-8.5}" > "$out/magpie.log" 2>&1
     tar czf "$out/magpie.tgz" -C "$w" magpie; ls "$w/magpie" | wc -l; tail -4 "$out/magpie.log" ;;
-  *) echo "usage: $0 load|order|rpc|tests|chain|stall|kernels|bench|rest|profile|sampling|groups|magpie" >&2; exit 2 ;;
+  *) echo "usage: $0 load|order|rpc|tests|chain|stall|kernels|bench|split|split2|split3|rest|profile|sampling|groups|magpie" >&2; exit 2 ;;
 esac
