@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from common.policy import PLAIN, CyclePolicy, Shape
 from services.gateway.__main__ import GatewayConfig
 from services.gateway.metrics import Metrics
 from services.gateway.scheduler import Scheduler, SchedulerConfig
@@ -19,21 +20,23 @@ from specdec.v1 import internal_pb2 as pb
 from tests.test_overlap import DRAFT, FIXED, FakeDraft, FakeVerifier, FollowingDraft, FollowingVerifier, count_up
 
 
-async def _run(requests, rounds: int, draft=None, verifier=None, metrics=None, stagger=0.0, cfg=None):
-    """requests: (last prompt token, max_tokens, stop token ids, prompt length); returns (tokens, finish)
-    per request and the call log."""
+async def _run(
+    requests, rounds: int, draft=None, verifier=None, metrics=None, stagger=0.0, cfg=None, policy=FIXED, pins=()
+):
+    """requests: (last prompt token, max_tokens, stop token ids, prompt length); pins: each request's pinned
+    tree (GenRequest.tree; missing: none). Returns (tokens, finish) per request and the call log."""
     log: list = []
     draft = draft or FakeDraft(log)
     draft.log = log
     verifier = verifier or FakeVerifier(log, 2, draft)
     verifier.log = log
     cfg = cfg or SchedulerConfig(max_active=4, draft_address=DRAFT, rounds_per_call=rounds)
-    sched = Scheduler(verifier, draft, cfg, FIXED, metrics)
+    sched = Scheduler(verifier, draft, cfg, policy, metrics)
     sched.start()
 
     async def one(i: int, first: int, max_tokens: int, stops: frozenset[int], n: int):
         await asyncio.sleep(i * stagger)
-        gen = count_up(first, n, max_tokens, stop_token_ids=stops)
+        gen = count_up(first, n, max_tokens, stop_token_ids=stops, tree=pins[i] if i < len(pins) else None)
         tokens = [t async for d in sched.generate(gen) for t in d.token_ids]
         return tokens, gen.finish, gen.stats.rounds
 
@@ -135,6 +138,40 @@ def test_one_round_per_call_is_todays_protocol() -> None:
     outs, log = asyncio.run(_run([(100, 10, frozenset(), 2)], 1, draft=draft, verifier=verifier))
     assert outs[0] == (list(range(101, 111)), Finish.LENGTH, 3)
     assert verifier.asked == [0, 0, 0]
+
+
+def test_pinned_trees_run_several_rounds_a_call() -> None:
+    """Every request pins its tree and the policy says plain (it has nobody to choose for): the pinned
+    trees are drafted, so the calls still run four rounds (they ran one each before 2026-11-25: the rule
+    read the policy's PLAIN as every sequence's next tree). A request of the policy's beside a pinned one
+    makes the calls one round again (its next tree is plain)."""
+    log: list = []
+    draft = FakeDraft(log)
+    verifier = CountingVerifier(log, 2, draft)
+    cfg = SchedulerConfig(max_active=4, draft_address=DRAFT, rounds_per_call=4)
+    pinned = CyclePolicy([PLAIN])
+    outs, _ = asyncio.run(
+        _run([(100, 20, frozenset(), 2)], 4, draft=draft, verifier=verifier, cfg=cfg, policy=pinned, pins=[Shape(1, 3)])
+    )
+    assert outs[0][0] == list(range(101, 121))
+    assert verifier.asked == [4, 4]  # 1 token from the prefill, 3 a round: 4 rounds (13), then 3 (20)
+    log2: list = []
+    draft2 = FollowingDraft(log2)
+    mixed = FollowingVerifier(log2, 2, draft2)
+    asked: list[int] = []
+    verify_call = mixed.streamed
+
+    async def counted(request: pb.VerifyRequest) -> pb.VerifyResponse:
+        asked.append(request.rounds)
+        return await verify_call(request)
+
+    mixed.streamed = counted
+    reqs = [(100, 20, frozenset(), 2), (200, 20, frozenset(), 2)]
+    outs, _ = asyncio.run(_run(reqs, 4, draft=draft2, verifier=mixed, cfg=cfg, policy=pinned, pins=[Shape(1, 3), None]))
+    assert [o[0] for o in outs] == [list(range(101, 121)), list(range(201, 221))]
+    # one round a call (0 on the wire) while the policy's request decodes plainly (1 + 8 + 8 + 3 tokens: three
+    # rounds), then the pinned one alone (1 + 3 x 3 = 10 tokens so far) runs four rounds a call again
+    assert asked == [0, 0, 0, 4]
 
 
 @pytest.mark.parametrize(

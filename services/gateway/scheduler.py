@@ -237,7 +237,7 @@ class Scheduler:
         if spec:
             t1 = time.perf_counter()
             nxt = self._next_shape(group, spec)
-            k = self._rounds_per_call(nxt)
+            k = self._rounds_per_call(members, nxt)
             items = [self._round_item(a, trees.get(a.seq_id), nxt, k) for a in spec]
             verified = await self.verifier.verify(items, self.cfg.draft_address, self.cfg.instance_id, rounds=k)
             t2 = time.perf_counter()
@@ -270,12 +270,15 @@ class Scheduler:
         shape = self._decided[group] = self._choose(spec)
         return shape
 
-    def _rounds_per_call(self, nxt: Shape | None) -> int:
+    def _rounds_per_call(self, members: list[Active], nxt: Shape | None) -> int:
         """Rounds the verifier may run in this Verify: cfg.rounds_per_call while the trees are chained and
         nobody waits to join (a request waiting for admission or in its prefill would wait for all of them);
-        else one. One as well when the next shape is plain: the policy's sequences stop after one round
-        and would wait for the pinned ones' others."""
-        if nxt is None or nxt.plain or self.waiting or any(a.prefilling for a in self.active):
+        else one. One as well when a member's next tree is plain: the policy's sequences stop after one
+        round and would wait for the pinned ones' others. Sequences with pinned trees draft them whatever
+        the policy's shape (PLAIN when every sequence is pinned: nobody for the policy to choose for)."""
+        if nxt is None or self.waiting or any(a.prefilling for a in self.active):
+            return 1
+        if any(self._tree(a, nxt).plain for a in members):
             return 1
         return self.cfg.rounds_per_call
 
