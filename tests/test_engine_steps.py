@@ -442,8 +442,10 @@ def test_batched_prefill_equals_one_prefill_each(verifiers) -> None:
     padded.prefill(PrefillInput("b", b[:4], SamplingConfig(), more=True))
     outs = padded.prefill_batch([PrefillInput("a", a, SamplingConfig()), PrefillInput("b", b[4:], SamplingConfig())])
     assert [o.next_token for o in outs] == [want["a"].next_token, want["b"].next_token]
-    torch.testing.assert_close(outs[0].hidden, want["a"].hidden, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(outs[1].hidden, want["b"].hidden[4:], rtol=1e-4, atol=1e-4)
+    # padded rows change the float32 matmuls' blocking: the file's padded-vs-exact tolerance (atol 1e-3; at
+    # 1e-4 one element of 25,920 failed by 2.7e-5 on one CI CPU, 2026-11-25); the tokens above are exact
+    torch.testing.assert_close(outs[0].hidden, want["a"].hidden, rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(outs[1].hidden, want["b"].hidden[4:], rtol=1e-4, atol=1e-3)
     assert padded.decode_steps(["a", "b"], 4).tokens == padded.decode_steps(["a-ref", "b-ref"], 4).tokens
     padded.release(["b", "a-ref", "b-ref"])  # 4 slots
     padded.prefill(PrefillInput("c", a[:3], SamplingConfig(), more=True))
