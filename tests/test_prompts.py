@@ -1,6 +1,7 @@
 """Prompt collection: the quality filters and deduplication on hand-computed cases, each source's reader on a
 small synthetic file in its real format, the funnel's arithmetic, and Magpie sampling on a tiny random model
-(the template prefix it feeds, the stop at the end of the turn, shard resumption)."""
+(the template prefix it feeds, the stop at the end of the turn, shard resumption, the writing shards' system
+prompts and the prompt manifest's request)."""
 
 from __future__ import annotations
 
@@ -20,8 +21,20 @@ from common.tokenizer import Tokenizer
 from training.dedup import DedupConfig, Deduplicator, Duplicate, MinHasher, shingle_hashes
 from training.filters import FilterConfig, is_greeting, is_repetitive, normalize
 from training.generate import Sampling, generate_batch, sample_top_p
-from training.magpie import MagpieConfig, finished_items, magpie_stage, read_shards, sample_shard, shard_path
-from training.prompts import EVAL_LABEL, STEPS, Funnel, PromptConfig, select_training
+from training.magpie import (
+    DEFAULT_SYSTEM,
+    SYSTEM_PROMPTS,
+    WRITING_PROMPTS,
+    MagpieConfig,
+    finished_items,
+    magpie_stage,
+    read_shards,
+    sample_shard,
+    shard_path,
+    system_counts,
+)
+from training.pipeline import Context, build_parser, magpie_config, prompts_request, stage_prompts
+from training.prompts import EVAL_LABEL, MANIFEST, STEPS, Funnel, PromptConfig, select_training
 from training.sources import (
     TRAIN_SOURCES,
     read_chatterbot,
@@ -315,19 +328,169 @@ def test_magpie_shards_resume(tiny, tmp_path):
     def decode(ids):
         return " ".join(map(str, ids))
 
-    assert not magpie_stage(tiny, prefix, decode, tmp_path / "late", cfg, 2, CPU, deadline=time.time() - 1)
+    prefixes = {DEFAULT_SYSTEM.id: prefix}
+    assert not magpie_stage(tiny, prefixes, decode, tmp_path / "late", cfg, 2, CPU, deadline=time.time() - 1)
     assert not list((tmp_path / "late").iterdir())  # the budget was spent before the first shard
 
     out = tmp_path / "m"
-    assert magpie_stage(tiny, prefix, decode, out, cfg, 2, CPU)
+    assert magpie_stage(tiny, prefixes, decode, out, cfg, 2, CPU)
     assert [len(read_shards(out, MagpieConfig(count=n, shard_size=2))) for n in (1, 5)] == [2, 5]
     first = read_shards(out, cfg)
     shard_path(out, 1).unlink()  # as if the run had stopped after shards 0 and 2
     shard_path(out, 0).write_text(shard_path(out, 0).read_text().replace('"id"', '"kept": 1, "id"'))
-    assert magpie_stage(tiny, prefix, decode, out, cfg, 2, CPU)
+    assert magpie_stage(tiny, prefixes, decode, out, cfg, 2, CPU)
     again = read_shards(out, cfg)
     assert all(r.get("kept") == 1 for r in again[:2])  # finished shards are not redone
     assert [r["text"] for r in again] == [r["text"] for r in first]  # a redone shard draws the same messages
+
+
+# ---- Magpie writing shards ----
+def writing_ids(cfg: MagpieConfig, n: int) -> dict[int, str]:
+    """{shard: system prompt id} of the shards among 0..n-1 that do not use the template's own prompt."""
+    return {k: cfg.system_prompt(k).id for k in range(n) if cfg.system_prompt(k) != DEFAULT_SYSTEM}
+
+
+def test_writing_shards_by_hand():
+    # share 0.25: floor(k * 0.25) = 0 0 0 0 1 1 1 1 2 for k = 0..8 steps up after shards 3 and 7
+    cfg = MagpieConfig(count=8 * 16, shard_size=16, writing_share=0.25)
+    assert writing_ids(cfg, 8) == {3: "writing-stories", 7: "writing-essays"}
+    assert cfg.system_prompts() == [DEFAULT_SYSTEM, WRITING_PROMPTS[0], WRITING_PROMPTS[1]]
+    # the count does not move them: 100 shards keep shards 3 and 7, then 11, 15, ...
+    assert writing_ids(MagpieConfig(count=100 * 16, shard_size=16, writing_share=0.25), 16) == {
+        3: "writing-stories",
+        7: "writing-essays",
+        11: "writing-emails",
+        15: "writing-articles",
+    }
+    # share 0.3, read as 3/10: floor(0.3 k) = 0 0 0 0 1 1 1 2 2 2 3 for k = 0..10 -> shards 3, 6, 9 (the binary
+    # float 0.3 is just below 3/10: floor(10 x it) would be 2 and shard 9 would not be one)
+    assert list(writing_ids(MagpieConfig(count=10, shard_size=1, writing_share=0.3), 10)) == [3, 6, 9]
+    # share 1: every shard, the 7 prompts in turn (shard 7 starts again with stories)
+    every = MagpieConfig(count=8, shard_size=1, writing_share=1.0)
+    assert writing_ids(every, 8) == {k: WRITING_PROMPTS[k % 7].id for k in range(8)}
+    assert writing_ids(every, 8)[7] == "writing-stories"
+    # share 0: the template's own prompt everywhere, files named as before
+    none = MagpieConfig(count=8, shard_size=1)
+    assert none.writing_share == 0.0 and writing_ids(none, 8) == {} and none.system_prompts() == [DEFAULT_SYSTEM]
+    assert shard_path(Path("m"), 3) == shard_path(Path("m"), 3, DEFAULT_SYSTEM) == Path("m/magpie-00003.jsonl")
+    assert shard_path(Path("m"), 7, WRITING_PROMPTS[1]) == Path("m/magpie-00007-writing-essays.jsonl")
+
+
+def test_system_prompt_ids_are_unique_and_short():
+    ids = [sp.id for sp in SYSTEM_PROMPTS]
+    assert len(set(ids)) == len(ids) == 8
+    assert all(sp.text for sp in WRITING_PROMPTS) and DEFAULT_SYSTEM.text is None
+    assert all(i.replace("-", "").isalpha() and i.islower() for i in ids)  # safe in a file name
+
+
+@pytest.mark.parametrize("share", [-0.1, 1.5, float("nan")])
+def test_writing_share_validates(share):
+    with pytest.raises(ValueError, match="writing_share"):
+        MagpieConfig(count=1, writing_share=share)
+
+
+def test_writing_prefix_through_the_template(tokenizer):
+    """The prefix of a writing prompt is the real chat template with that system message: SmolLM2's template
+    writes it in place of its default one, and every chat with that system message starts with it."""
+    default = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+    turn = "<|im_start|>system\n{}<|im_end|>\n<|im_start|>user\n"
+    assert tokenizer.encode_turn_prefix("user", system=None) == tokenizer.encode_prompt(turn.format(default))
+    for sp in WRITING_PROMPTS:
+        prefix = tokenizer.encode_turn_prefix("user", system=sp.text)
+        assert prefix == tokenizer.encode_prompt(turn.format(sp.text))
+        assert sp.text in tokenizer.decode(prefix) and default not in tokenizer.decode(prefix)
+        assert tokenizer.encode_chat([("system", sp.text), ("user", "Write a poem.")])[: len(prefix)] == prefix
+
+
+def test_share_zero_samples_as_before(tiny, tokenizer, tmp_path):
+    """writing_share 0: the default prefix, the same seeds and the same file and row bytes as before writing
+    prompts existed (rebuilt here the way magpie.py wrote them: generate_batch under cfg.sampling(k, b), rows
+    {"id", "text", "tokens", "finished"} and nothing else)."""
+    cfg = MagpieConfig(count=5, batch_size=2, shard_size=3, max_new_tokens=4)
+    prefix = tokenizer.encode_turn_prefix("user")
+    eos = tokenizer.eos_token_id
+    assert magpie_stage(tiny, {DEFAULT_SYSTEM.id: prefix}, tokenizer.decode, tmp_path, cfg, eos, CPU)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["magpie-00000.jsonl", "magpie-00001.jsonl"]
+    for k, n in ((0, 3), (1, 2)):  # 5 messages in shards of 3, batches of 2: [2, 1] and [2]
+        rows = []
+        for b, s in enumerate(range(0, n, 2)):
+            outs = generate_batch(tiny, [prefix] * min(2, n - s), 4, eos, CPU, cfg.sampling(k, b))
+            for j, out in enumerate(outs):
+                ids = out[:-1] if out[-1:] == [eos] else out
+                row = {"id": f"magpie-{k:05d}-{s + j:05d}", "text": tokenizer.decode(ids), "tokens": len(ids)}
+                rows.append(row | {"finished": out[-1:] == [eos]})
+        want = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+        assert shard_path(tmp_path, k).read_text(encoding="utf-8") == want
+    assert {r["system"] for r in read_shards(tmp_path, cfg)} == {"default"}  # filled in when read
+
+
+def test_writing_shards_sample_under_their_prompt(tiny, tokenizer, tmp_path):
+    """Share 0.5 over 4 shards of 2: shards 1 and 3 (floor(k / 2) steps up after them) are prefilled with the
+    stories and essays prefixes, written under their prompt's name with "system" in each row; shards 0 and 2 are
+    those of a share-0 run, which a run with the new share takes as they are, never its default shards 1 and 3."""
+    prompts = [DEFAULT_SYSTEM, WRITING_PROMPTS[0], DEFAULT_SYSTEM, WRITING_PROMPTS[1]]
+    prefixes = {sp.id: tokenizer.encode_turn_prefix("user", system=sp.text) for sp in SYSTEM_PROMPTS}
+    eos = tokenizer.eos_token_id
+    plain = MagpieConfig(count=8, batch_size=2, shard_size=2, max_new_tokens=3)
+    assert magpie_stage(tiny, prefixes, tokenizer.decode, tmp_path, plain, eos, CPU)
+    before = read_shards(tmp_path, plain)
+
+    model = RecordingModel(tiny).eval()
+    cfg = MagpieConfig(count=8, batch_size=2, shard_size=2, max_new_tokens=3, writing_share=0.5)
+    assert [cfg.system_prompt(k) for k in range(4)] == prompts
+    assert magpie_stage(model, prefixes, tokenizer.decode, tmp_path, cfg, eos, CPU)
+    prefills = [f.tolist() for f in model.fed if f.shape[1] > 1]  # decode steps feed one token a row
+    assert prefills == [[prefixes["writing-stories"]] * 2, [prefixes["writing-essays"]] * 2]  # 0 and 2 reused
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "magpie-00000.jsonl",
+        "magpie-00001-writing-stories.jsonl",
+        "magpie-00001.jsonl",
+        "magpie-00002.jsonl",
+        "magpie-00003-writing-essays.jsonl",
+        "magpie-00003.jsonl",
+    ]
+    stored = [json.loads(line) for line in shard_path(tmp_path, 1, WRITING_PROMPTS[0]).read_text().splitlines()]
+    assert [r["system"] for r in stored] == ["writing-stories"] * 2
+    rows = read_shards(tmp_path, cfg)
+    assert [r["system"] for r in rows] == [sp.id for sp in prompts for _ in range(2)]
+    assert [r["id"] for r in rows] == [r["id"] for r in before]  # ids unique and as before: magpie-KKKKK-IIIII
+    assert rows[0:2] + rows[4:6] == before[0:2] + before[4:6]  # shards 0 and 2: the share-0 run's
+    counts = system_counts(rows)
+    assert list(counts) == ["default", "writing-stories", "writing-essays"]
+    assert [c["generated"] for c in counts.values()] == [4, 2, 2]
+    assert sum(c["finished"] for c in counts.values()) == len(finished_items(rows))
+
+
+def test_prompts_manifest_tracks_writing_share(tiny, tokenizer, tmp_path, monkeypatch):
+    """The prompts stage reuses a build only for the same request: a changed --magpie-writing is another request
+    (the stage goes on to sample; --minutes 0 stops it before the first shard), the same one is found built, and
+    a manifest from before the option existed reads as share 0."""
+    monkeypatch.setattr(Context, "tokenizer", property(lambda self: tokenizer))
+    monkeypatch.setattr(Context, "model", property(lambda self: tiny))
+
+    def args(share: str, magpie: str = "4"):
+        argv = ["prompts", "--workdir", str(tmp_path), "--magpie", magpie, "--magpie-shard", "2", "--minutes", "0"]
+        return build_parser().parse_args([*argv, "--magpie-writing", share])
+
+    assert prompts_request(args("0.3"))["magpie"]["writing_share"] == 0.3
+    assert build_parser().parse_args(["prompts", "--workdir", "w"]).magpie_writing == 0.0
+    (tmp_path / MANIFEST).write_text(json.dumps({"request": prompts_request(args("0.3"))}))
+    assert stage_prompts(Context(args("0.3")))  # already built
+    assert not (tmp_path / "magpie").exists()
+    assert not stage_prompts(Context(args("0")))  # another request: rebuilding, out of time before shard 0
+    assert list((tmp_path / "magpie").iterdir()) == []
+
+    old = prompts_request(args("0"))
+    del old["magpie"]["writing_share"]  # as written before --magpie-writing existed
+    (tmp_path / MANIFEST).write_text(json.dumps({"request": old}))
+    assert stage_prompts(Context(args("0")))
+    assert not stage_prompts(Context(args("0.3")))
+
+    assert magpie_config(args("0", magpie="0")) is None
+    with pytest.raises(ValueError, match="--magpie-writing"):
+        magpie_config(args("0.3", magpie="0"))
+    with pytest.raises(ValueError, match="writing_share"):
+        magpie_config(args("1.5"))
 
 
 def test_sample_top_p_keeps_the_nucleus():

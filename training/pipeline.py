@@ -13,11 +13,15 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from common.model.llama import LlamaModel
 from common.weights import Checkpoint, load_checkpoint
+
+if TYPE_CHECKING:
+    from training.magpie import MagpieConfig
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--magpie-max-tokens", type=int, default=128)
     g.add_argument("--magpie-temperature", type=float, default=1.0)
     g.add_argument("--magpie-top-p", type=float, default=0.95)
+    g.add_argument(
+        "--magpie-writing",
+        type=float,
+        default=0.0,
+        metavar="SHARE",
+        help="share of the Magpie shards sampled under a writing assistant's system prompt (0..1, default 0)",
+    )
     g.add_argument("--seed", type=int, default=0, help="Magpie sampling and the training prompts' shuffle")
     g = p.add_argument_group("generate")
     g.add_argument("--max-new-tokens", type=int, default=None, help="generate: 256, eval: 128")
@@ -141,29 +152,55 @@ class Context:
         return self._model
 
 
-def stage_prompts(ctx: Context) -> bool:
-    """Magpie shards first (when asked for; stops with False when the budget runs out), then the prompt files.
-    Finished when the manifest records the same request (sources and Magpie settings)."""
-    from training.magpie import MagpieConfig, finished_items, magpie_stage, read_shards
-    from training.prompts import MANIFEST, PromptConfig, build_prompts
+def magpie_config(a: argparse.Namespace) -> MagpieConfig | None:
+    """The Magpie settings of the command line; None without --magpie."""
+    from training.magpie import MagpieConfig
+
+    if a.magpie <= 0:
+        if a.magpie_writing > 0:
+            raise ValueError("--magpie-writing needs Magpie prompts (--magpie N)")
+        return None
+    return MagpieConfig(
+        count=a.magpie,
+        batch_size=a.magpie_batch,
+        shard_size=a.magpie_shard,
+        max_new_tokens=a.magpie_max_tokens,
+        temperature=a.magpie_temperature,
+        top_p=a.magpie_top_p,
+        seed=a.seed,
+        writing_share=a.magpie_writing,
+    )
+
+
+def prompts_request(a: argparse.Namespace) -> dict:
+    """What a prompt build answers, as its manifest records it: the training sources, every Magpie setting
+    (writing share included) and the seed. A build is reused only for an equal request."""
     from training.sources import TRAIN_SOURCES
 
-    a, w = ctx.args, ctx.args.workdir
     sources = list(TRAIN_SOURCES) if a.sources == "all" else [s.strip() for s in a.sources.split(",") if s.strip()]
-    mcfg = None
-    if a.magpie > 0:
-        mcfg = MagpieConfig(
-            count=a.magpie,
-            batch_size=a.magpie_batch,
-            shard_size=a.magpie_shard,
-            max_new_tokens=a.magpie_max_tokens,
-            temperature=a.magpie_temperature,
-            top_p=a.magpie_top_p,
-            seed=a.seed,
-        )
-    request = {"sources": sources, "magpie": None if mcfg is None else asdict(mcfg), "seed": a.seed}
+    mcfg = magpie_config(a)
+    return {"sources": sources, "magpie": None if mcfg is None else asdict(mcfg), "seed": a.seed}
+
+
+def built_request(manifest: Path) -> dict | None:
+    """The request a prompt build's manifest records. Manifests written before --magpie-writing existed were
+    built at share 0: their Magpie settings read as {..., "writing_share": 0.0}, so such a build still matches."""
+    request = json.loads(manifest.read_text()).get("request")
+    if request is not None and request.get("magpie") is not None:
+        request["magpie"] = {"writing_share": 0.0} | request["magpie"]
+    return request
+
+
+def stage_prompts(ctx: Context) -> bool:
+    """Magpie shards first (when asked for; stops with False when the budget runs out), then the prompt files.
+    Finished when the manifest records the same request (prompts_request)."""
+    from training.magpie import finished_items, magpie_stage, read_shards, system_counts
+    from training.prompts import MANIFEST, PromptConfig, build_prompts
+
+    a, w = ctx.args, ctx.args.workdir
+    request = prompts_request(a)
     if (w / MANIFEST).exists():
-        if json.loads((w / MANIFEST).read_text()).get("request") == request:
+        if built_request(w / MANIFEST) == request:
             log.info("prompts: already built (%s)", w / MANIFEST)
             return True
         log.info("prompts: %s was built for another request; rebuilding", w / MANIFEST)
@@ -173,17 +210,18 @@ def stage_prompts(ctx: Context) -> bool:
         max_prompt_tokens=a.max_prompt_tokens, heldout=a.heldout, max_train=a.max_train_prompts, seed=a.seed
     )
     extra, meta = {}, {"request": request}
+    mcfg = magpie_config(a)
     if mcfg is not None:
         tok = ctx.tokenizer
-        prefix = tok.encode_turn_prefix("user")
+        prefixes = {sp.id: tok.encode_turn_prefix("user", system=sp.text) for sp in mcfg.system_prompts()}
         if not magpie_stage(
-            ctx.model, prefix, tok.decode, w / MAGPIE_DIR, mcfg, tok.eos_token_id, ctx.device, ctx.deadline
+            ctx.model, prefixes, tok.decode, w / MAGPIE_DIR, mcfg, tok.eos_token_id, ctx.device, ctx.deadline
         ):
             return False
         rows = read_shards(w / MAGPIE_DIR, mcfg)
         extra["magpie"] = finished_items(rows)
-        meta["magpie"] = {"generated": len(rows), "finished": len(extra["magpie"])}
-    build_prompts(w, ctx.tokenizer, cfg, sources, extra, meta)
+        meta["magpie"] = {"generated": len(rows), "finished": len(extra["magpie"]), "by_system": system_counts(rows)}
+    build_prompts(w, ctx.tokenizer, cfg, request["sources"], extra, meta)
     return True
 
 

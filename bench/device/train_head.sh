@@ -4,7 +4,9 @@
 # the machine does; the machine goes back after 30 s idle, so make the calls back to back).
 #   bench/device/train_head.sh data   the prompt sources' wheels, MAGPIE (40000) Magpie prompts sampled with SEED (0), the prompt
 #                                     files, then responses for as many training prompts as DATA_MINUTES (9)
-#                                     leave time for
+#                                     leave time for; MAGPIE_WRITING (0) is the share of the Magpie shards
+#                                     sampled under a writing assistant's system prompt (--magpie-writing,
+#                                     training/magpie.py WRITING_PROMPTS), e.g. 0.3 for more writing requests
 #   bench/device/train_head.sh train  TRAIN_MINUTES (8.3) of training from the shipped head (batch 64, lr 4e-4)
 #   bench/device/train_head.sh eval   the shipped head and the new one on the held-out sets (EVAL_LIMIT 40
 #                                     prompts per set), then the new head's sampled acceptance (48 held-out
@@ -38,7 +40,7 @@ case "$mode" in
     mkdir -p /tmp/srcw; cp .devcarry/s1/*.whl .devcarry/s2/*.whl /tmp/srcw/ 2>/dev/null
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/srcsite /tmp/srcw/*.whl
     timeout 300 "${tp[@]}" prompts --workdir "$w" --device cuda --magpie "${MAGPIE:-40000}" --seed "${SEED:-0}" --magpie-batch 1024 \
-      --magpie-shard 2048 --minutes 4.5 > "$out/prompts.log" 2>&1
+      --magpie-shard 2048 --magpie-writing "${MAGPIE_WRITING:-0}" --minutes 4.5 > "$out/prompts.log" 2>&1
     tail -3 "$out/prompts.log"; cp "$w"/prompts_manifest.json "$out/" 2>/dev/null
     left=$(python3 -c "print(round(${DATA_MINUTES:-9} - ($(date +%s) - $start) / 60, 2))")
     timeout 560 "${tp[@]}" generate --workdir "$w" --device cuda --gen-batch 512 --minutes "$left" \
