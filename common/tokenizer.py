@@ -95,11 +95,10 @@ class Tokenizer:
         text = self._template.render([{"role": r, "content": c} for r, c in messages], add_generation_prompt=True)
         return self._tok.encode(text, add_special_tokens=False).ids  # the template wrote the special tokens
 
-    def encode_turn_prefix(self, role: str = "user", system: str | None = None) -> list[int]:
+    def encode_turn_prefix(self, role: str = "user") -> list[int]:
         """The template up to and including the start of a first `role` turn (after the default system prompt,
-        where the template adds one, or after a `system` message when one is given): what Magpie feeds the model
-        to have it write that turn. The template is rendered around a marker content and cut there, so this is
-        the text encode_chat's prompts (with the same system message) start with.
+        where the template adds one): what Magpie feeds the model to have it write that turn. The template is
+        rendered around a marker content and cut there, so this is the text encode_chat's prompts start with.
         SmolLM2: "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, ...<|im_end|>\n<|im_start|>user\n".
         """
         if role not in ROLES:
@@ -107,8 +106,7 @@ class Tokenizer:
         if self._template is None:
             raise InvalidRequest("this model has no chat template: it has no turns to start")
         marker = "\x00specdec-turn-content\x00"
-        messages = [] if system is None else [{"role": "system", "content": system}]
-        text = self._template.render([*messages, {"role": role, "content": marker}], add_generation_prompt=False)
+        text = self._template.render([{"role": role, "content": marker}], add_generation_prompt=False)
         if text.count(marker) != 1:
             raise InvalidRequest(f"the chat template does not render a {role} turn's content verbatim")
         return self._tok.encode(text[: text.index(marker)], add_special_tokens=False).ids

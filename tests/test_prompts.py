@@ -1,7 +1,7 @@
 """Prompt collection: the quality filters and deduplication on hand-computed cases, each source's reader on a
 small synthetic file in its real format, the funnel's arithmetic, and Magpie sampling on a tiny random model
-(the template prefix it feeds, the stop at the end of the turn, shard resumption, the writing shards' system
-prompts and the prompt manifest's request)."""
+(the template prefix it feeds, the stop at the end of the turn, shard resumption, the writing shards' openers
+and the prompt manifest's request)."""
 
 from __future__ import annotations
 
@@ -22,16 +22,17 @@ from training.dedup import DedupConfig, Deduplicator, Duplicate, MinHasher, shin
 from training.filters import FilterConfig, is_greeting, is_repetitive, normalize
 from training.generate import Sampling, generate_batch, sample_top_p
 from training.magpie import (
-    DEFAULT_SYSTEM,
-    SYSTEM_PROMPTS,
-    WRITING_PROMPTS,
+    DEFAULT_STEER,
+    STEERS,
+    WRITING_STEERS,
     MagpieConfig,
     finished_items,
     magpie_stage,
     read_shards,
     sample_shard,
     shard_path,
-    system_counts,
+    steer_counts,
+    steer_prefixes,
 )
 from training.pipeline import Context, build_parser, magpie_config, prompts_request, stage_prompts
 from training.prompts import EVAL_LABEL, MANIFEST, STEPS, Funnel, PromptConfig, select_training
@@ -328,7 +329,7 @@ def test_magpie_shards_resume(tiny, tmp_path):
     def decode(ids):
         return " ".join(map(str, ids))
 
-    prefixes = {DEFAULT_SYSTEM.id: prefix}
+    prefixes = {DEFAULT_STEER.id: prefix}
     assert not magpie_stage(tiny, prefixes, decode, tmp_path / "late", cfg, 2, CPU, deadline=time.time() - 1)
     assert not list((tmp_path / "late").iterdir())  # the budget was spent before the first shard
 
@@ -346,40 +347,40 @@ def test_magpie_shards_resume(tiny, tmp_path):
 
 # ---- Magpie writing shards ----
 def writing_ids(cfg: MagpieConfig, n: int) -> dict[int, str]:
-    """{shard: system prompt id} of the shards among 0..n-1 that do not use the template's own prompt."""
-    return {k: cfg.system_prompt(k).id for k in range(n) if cfg.system_prompt(k) != DEFAULT_SYSTEM}
+    """{shard: steer id} of the shards among 0..n-1 that are steered."""
+    return {k: cfg.steer(k).id for k in range(n) if cfg.steer(k) != DEFAULT_STEER}
 
 
 def test_writing_shards_by_hand():
     # share 0.25: floor(k * 0.25) = 0 0 0 0 1 1 1 1 2 for k = 0..8 steps up after shards 3 and 7
     cfg = MagpieConfig(count=8 * 16, shard_size=16, writing_share=0.25)
-    assert writing_ids(cfg, 8) == {3: "writing-stories", 7: "writing-essays"}
-    assert cfg.system_prompts() == [DEFAULT_SYSTEM, WRITING_PROMPTS[0], WRITING_PROMPTS[1]]
+    assert writing_ids(cfg, 8) == {3: "writing-story", 7: "writing-poem"}
+    assert cfg.steers() == [DEFAULT_STEER, WRITING_STEERS[0], WRITING_STEERS[1]]
     # the count does not move them: 100 shards keep shards 3 and 7, then 11, 15, ...
     assert writing_ids(MagpieConfig(count=100 * 16, shard_size=16, writing_share=0.25), 16) == {
-        3: "writing-stories",
-        7: "writing-essays",
-        11: "writing-emails",
-        15: "writing-articles",
+        3: "writing-story",
+        7: "writing-poem",
+        11: "writing-essay",
+        15: "writing-email",
     }
     # share 0.3, read as 3/10: floor(0.3 k) = 0 0 0 0 1 1 1 2 2 2 3 for k = 0..10 -> shards 3, 6, 9 (the binary
     # float 0.3 is just below 3/10: floor(10 x it) would be 2 and shard 9 would not be one)
     assert list(writing_ids(MagpieConfig(count=10, shard_size=1, writing_share=0.3), 10)) == [3, 6, 9]
-    # share 1: every shard, the 7 prompts in turn (shard 7 starts again with stories)
-    every = MagpieConfig(count=8, shard_size=1, writing_share=1.0)
-    assert writing_ids(every, 8) == {k: WRITING_PROMPTS[k % 7].id for k in range(8)}
-    assert writing_ids(every, 8)[7] == "writing-stories"
-    # share 0: the template's own prompt everywhere, files named as before
+    # share 1: every shard, the 9 steers in turn (shard 9 starts again with the story)
+    every = MagpieConfig(count=10, shard_size=1, writing_share=1.0)
+    assert writing_ids(every, 10) == {k: WRITING_STEERS[k % 9].id for k in range(10)}
+    assert writing_ids(every, 10)[9] == "writing-story"
+    # share 0: plain Magpie everywhere, files named as before
     none = MagpieConfig(count=8, shard_size=1)
-    assert none.writing_share == 0.0 and writing_ids(none, 8) == {} and none.system_prompts() == [DEFAULT_SYSTEM]
-    assert shard_path(Path("m"), 3) == shard_path(Path("m"), 3, DEFAULT_SYSTEM) == Path("m/magpie-00003.jsonl")
-    assert shard_path(Path("m"), 7, WRITING_PROMPTS[1]) == Path("m/magpie-00007-writing-essays.jsonl")
+    assert none.writing_share == 0.0 and writing_ids(none, 8) == {} and none.steers() == [DEFAULT_STEER]
+    assert shard_path(Path("m"), 3) == shard_path(Path("m"), 3, DEFAULT_STEER) == Path("m/magpie-00003.jsonl")
+    assert shard_path(Path("m"), 7, WRITING_STEERS[1]) == Path("m/magpie-00007-writing-poem.jsonl")
 
 
-def test_system_prompt_ids_are_unique_and_short():
-    ids = [sp.id for sp in SYSTEM_PROMPTS]
-    assert len(set(ids)) == len(ids) == 8
-    assert all(sp.text for sp in WRITING_PROMPTS) and DEFAULT_SYSTEM.text is None
+def test_steer_ids_are_unique_and_short():
+    ids = [st.id for st in STEERS]
+    assert len(set(ids)) == len(ids) == 10
+    assert all(st.opener for st in WRITING_STEERS) and DEFAULT_STEER.opener == ""
     assert all(i.replace("-", "").isalpha() and i.islower() for i in ids)  # safe in a file name
 
 
@@ -389,27 +390,26 @@ def test_writing_share_validates(share):
         MagpieConfig(count=1, writing_share=share)
 
 
-def test_writing_prefix_through_the_template(tokenizer):
-    """The prefix of a writing prompt is the real chat template with that system message: SmolLM2's template
-    writes it in place of its default one, and every chat with that system message starts with it."""
-    default = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
-    turn = "<|im_start|>system\n{}<|im_end|>\n<|im_start|>user\n"
-    assert tokenizer.encode_turn_prefix("user", system=None) == tokenizer.encode_prompt(turn.format(default))
-    for sp in WRITING_PROMPTS:
-        prefix = tokenizer.encode_turn_prefix("user", system=sp.text)
-        assert prefix == tokenizer.encode_prompt(turn.format(sp.text))
-        assert sp.text in tokenizer.decode(prefix) and default not in tokenizer.decode(prefix)
-        assert tokenizer.encode_chat([("system", sp.text), ("user", "Write a poem.")])[: len(prefix)] == prefix
+def test_writing_prefix_is_the_turn_prefix_and_the_opener(tokenizer):
+    """A steer's prefix is the template up to the user turn and its opener's tokens: the start of the chat whose
+    user message begins with the opener (what the training prompt built from the message will be)."""
+    turn = tokenizer.encode_turn_prefix("user")
+    prefixes = steer_prefixes(turn, tokenizer.encode_prompt, list(STEERS))
+    assert prefixes["default"] == turn
+    assert prefixes["writing-email"] == turn + tokenizer.encode_prompt("Draft an email")
+    for st in WRITING_STEERS:
+        chat = tokenizer.encode_chat([("user", st.opener + " about the sea, in a calm tone.")])
+        assert chat[: len(prefixes[st.id])] == prefixes[st.id], st.id
 
 
 def test_share_zero_samples_as_before(tiny, tokenizer, tmp_path):
     """writing_share 0: the default prefix, the same seeds and the same file and row bytes as before writing
-    prompts existed (rebuilt here the way magpie.py wrote them: generate_batch under cfg.sampling(k, b), rows
+    shards existed (rebuilt here the way magpie.py wrote them: generate_batch under cfg.sampling(k, b), rows
     {"id", "text", "tokens", "finished"} and nothing else)."""
     cfg = MagpieConfig(count=5, batch_size=2, shard_size=3, max_new_tokens=4)
     prefix = tokenizer.encode_turn_prefix("user")
     eos = tokenizer.eos_token_id
-    assert magpie_stage(tiny, {DEFAULT_SYSTEM.id: prefix}, tokenizer.decode, tmp_path, cfg, eos, CPU)
+    assert magpie_stage(tiny, {DEFAULT_STEER.id: prefix}, tokenizer.decode, tmp_path, cfg, eos, CPU)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["magpie-00000.jsonl", "magpie-00001.jsonl"]
     for k, n in ((0, 3), (1, 2)):  # 5 messages in shards of 3, batches of 2: [2, 1] and [2]
         rows = []
@@ -421,15 +421,16 @@ def test_share_zero_samples_as_before(tiny, tokenizer, tmp_path):
                 rows.append(row | {"finished": out[-1:] == [eos]})
         want = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
         assert shard_path(tmp_path, k).read_text(encoding="utf-8") == want
-    assert {r["system"] for r in read_shards(tmp_path, cfg)} == {"default"}  # filled in when read
+    assert {r["steer"] for r in read_shards(tmp_path, cfg)} == {"default"}  # filled in when read
 
 
-def test_writing_shards_sample_under_their_prompt(tiny, tokenizer, tmp_path):
+def test_writing_shards_sample_after_their_opener(tiny, tokenizer, tmp_path):
     """Share 0.5 over 4 shards of 2: shards 1 and 3 (floor(k / 2) steps up after them) are prefilled with the
-    stories and essays prefixes, written under their prompt's name with "system" in each row; shards 0 and 2 are
-    those of a share-0 run, which a run with the new share takes as they are, never its default shards 1 and 3."""
-    prompts = [DEFAULT_SYSTEM, WRITING_PROMPTS[0], DEFAULT_SYSTEM, WRITING_PROMPTS[1]]
-    prefixes = {sp.id: tokenizer.encode_turn_prefix("user", system=sp.text) for sp in SYSTEM_PROMPTS}
+    story and poem prefixes, their messages start with the opener, and they are written under their steer's
+    name with "steer" in each row; shards 0 and 2 are those of a share-0 run, which a run with the new share
+    takes as they are, never its default shards 1 and 3."""
+    steers = [DEFAULT_STEER, WRITING_STEERS[0], DEFAULT_STEER, WRITING_STEERS[1]]
+    prefixes = steer_prefixes(tokenizer.encode_turn_prefix("user"), tokenizer.encode_prompt, list(STEERS))
     eos = tokenizer.eos_token_id
     plain = MagpieConfig(count=8, batch_size=2, shard_size=2, max_new_tokens=3)
     assert magpie_stage(tiny, prefixes, tokenizer.decode, tmp_path, plain, eos, CPU)
@@ -437,26 +438,28 @@ def test_writing_shards_sample_under_their_prompt(tiny, tokenizer, tmp_path):
 
     model = RecordingModel(tiny).eval()
     cfg = MagpieConfig(count=8, batch_size=2, shard_size=2, max_new_tokens=3, writing_share=0.5)
-    assert [cfg.system_prompt(k) for k in range(4)] == prompts
+    assert [cfg.steer(k) for k in range(4)] == steers
     assert magpie_stage(model, prefixes, tokenizer.decode, tmp_path, cfg, eos, CPU)
     prefills = [f.tolist() for f in model.fed if f.shape[1] > 1]  # decode steps feed one token a row
-    assert prefills == [[prefixes["writing-stories"]] * 2, [prefixes["writing-essays"]] * 2]  # 0 and 2 reused
+    assert prefills == [[prefixes["writing-story"]] * 2, [prefixes["writing-poem"]] * 2]  # 0 and 2 reused
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "magpie-00000.jsonl",
-        "magpie-00001-writing-stories.jsonl",
+        "magpie-00001-writing-story.jsonl",
         "magpie-00001.jsonl",
         "magpie-00002.jsonl",
-        "magpie-00003-writing-essays.jsonl",
+        "magpie-00003-writing-poem.jsonl",
         "magpie-00003.jsonl",
     ]
-    stored = [json.loads(line) for line in shard_path(tmp_path, 1, WRITING_PROMPTS[0]).read_text().splitlines()]
-    assert [r["system"] for r in stored] == ["writing-stories"] * 2
+    stored = [json.loads(line) for line in shard_path(tmp_path, 1, WRITING_STEERS[0]).read_text().splitlines()]
+    assert [r["steer"] for r in stored] == ["writing-story"] * 2
+    assert all(r["text"].startswith("Write a short story about") and 1 <= r["tokens"] <= 3 for r in stored)
     rows = read_shards(tmp_path, cfg)
-    assert [r["system"] for r in rows] == [sp.id for sp in prompts for _ in range(2)]
+    assert [r["steer"] for r in rows] == [st.id for st in steers for _ in range(2)]
+    assert all(r["text"].startswith("Write a poem about") for r in rows[6:8])
     assert [r["id"] for r in rows] == [r["id"] for r in before]  # ids unique and as before: magpie-KKKKK-IIIII
     assert rows[0:2] + rows[4:6] == before[0:2] + before[4:6]  # shards 0 and 2: the share-0 run's
-    counts = system_counts(rows)
-    assert list(counts) == ["default", "writing-stories", "writing-essays"]
+    counts = steer_counts(rows)
+    assert list(counts) == ["default", "writing-story", "writing-poem"]
     assert [c["generated"] for c in counts.values()] == [4, 2, 2]
     assert sum(c["finished"] for c in counts.values()) == len(finished_items(rows))
 

@@ -9,10 +9,13 @@ its own seed (derived from the config's seed, the shard and the batch), so a sha
 on which run wrote it.
 
 Writing shards (issue 11: WritingBench trails the other held-out sets, and few training prompts ask for writing):
-a `writing_share` of the shards, spread evenly and chosen from the config alone (MagpieConfig.system_prompt), is
-sampled under a writing assistant's system prompt instead of the template's own, the WRITING_PROMPTS in turn,
-so the model writes requests for stories, essays, emails, articles, poems, reports and edits. Such a shard's
-file and rows name its prompt's id; with writing_share 0 (the default) every shard, prefix and seed is as before.
+a `writing_share` of the shards, spread evenly and chosen from the config alone (MagpieConfig.steer), starts every
+user message with the opening words of a writing request ("Write a short story about", "Draft an email", "Please
+rewrite", ...; WRITING_STEERS in turn) and samples the rest, so the model writes requests for stories, poems,
+essays, emails, posts, letters, reports, product copy and edits. A system prompt describing a writing assistant
+steered the 135M model much less (a CPU sample of 12 messages under four such prompts, 2026-11-25: mostly
+off-topic questions and broken text; seven of these openers gave writing requests in 22 of 23). Such a shard's file and
+rows name its steer's id; with writing_share 0 (the default) every shard, prefix and seed is as before.
 """
 
 from __future__ import annotations
@@ -37,53 +40,27 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class SystemPrompt:
-    """A system prompt Magpie samples user messages under."""
+class Steer:
+    """How a shard's user messages start: the template's own turn prefix, then `opener` (the first words of the
+    message, part of its text), after which the model samples the rest."""
 
-    id: str  # names the prompt in shard files and rows (the text is in this module, not in the data)
-    text: str | None  # None: the chat template's own default system prompt
+    id: str  # names the steer in shard files and rows
+    opener: str  # "" for the plain Magpie prefix
 
 
-DEFAULT_SYSTEM = SystemPrompt("default", None)
-
-_WRITER = "You are a helpful AI writing assistant named SmolLM, trained by Hugging Face."
-WRITING_PROMPTS = (
-    SystemPrompt(
-        "writing-stories",
-        f"{_WRITER} Users ask you to write short stories, fables and scenes, and describe the characters, the "
-        "setting and the tone they want.",
-    ),
-    SystemPrompt(
-        "writing-essays",
-        f"{_WRITER} Users ask you to write essays, opinion pieces and persuasive arguments on a topic they give, "
-        "often with a length or a structure in mind.",
-    ),
-    SystemPrompt(
-        "writing-emails",
-        f"{_WRITER} Users ask you to draft emails, letters, cover letters and messages to colleagues, customers "
-        "or friends, and explain the situation and what the message has to say.",
-    ),
-    SystemPrompt(
-        "writing-articles",
-        f"{_WRITER} Users ask you to write blog posts, news articles, product descriptions and social media posts "
-        "for an audience they describe.",
-    ),
-    SystemPrompt(
-        "writing-poems",
-        f"{_WRITER} Users ask you to write poems, song lyrics and haiku on a theme, in a form or a mood they choose.",
-    ),
-    SystemPrompt(
-        "writing-reports",
-        f"{_WRITER} Users ask you to write reports, summaries, proposals and plans from the facts and figures "
-        "they give you.",
-    ),
-    SystemPrompt(
-        "writing-editing",
-        f"{_WRITER} Users paste a text of their own and ask you to rewrite, edit, shorten or proofread it, or to "
-        "change its tone.",
-    ),
+DEFAULT_STEER = Steer("default", "")
+WRITING_STEERS = (
+    Steer("writing-story", "Write a short story about"),
+    Steer("writing-poem", "Write a poem about"),
+    Steer("writing-essay", "Write an essay"),
+    Steer("writing-email", "Draft an email"),
+    Steer("writing-blog", "Write a blog post"),
+    Steer("writing-letter", "Write a letter"),
+    Steer("writing-report", "Write a report"),
+    Steer("writing-product", "Write a product description"),
+    Steer("writing-rewrite", "Please rewrite"),
 )
-SYSTEM_PROMPTS = (DEFAULT_SYSTEM, *WRITING_PROMPTS)  # ids unique (tests/test_prompts.py)
+STEERS = (DEFAULT_STEER, *WRITING_STEERS)  # ids unique (tests/test_prompts.py)
 
 
 @dataclass(frozen=True)
@@ -95,7 +72,7 @@ class MagpieConfig:
     temperature: float = 1.0
     top_p: float = 0.95
     seed: int = 0
-    writing_share: float = 0.0  # share of the shards sampled under a WRITING_PROMPTS system prompt, in [0, 1]
+    writing_share: float = 0.0  # share of the shards whose messages start as a WRITING_STEERS request, in [0, 1]
 
     def __post_init__(self) -> None:
         for name in ("count", "batch_size", "shard_size", "max_new_tokens"):
@@ -112,32 +89,31 @@ class MagpieConfig:
         seed = int(np.random.SeedSequence([self.seed, shard, batch]).generate_state(1)[0])
         return Sampling(self.temperature, self.top_p, seed)
 
-    def system_prompt(self, k: int) -> SystemPrompt:
-        """Shard k's system prompt, from the share and k alone (not the count, so more shards leave the first
-        ones as they are). n(k) = floor(k * share) writing shards come before shard k; shard k is one when
-        n(k + 1) > n(k), and the i-th of them (from 0) takes WRITING_PROMPTS[i % 7] (7 prompts); the others keep
-        the template's own prompt. Example, share 0.25: n(k + 1) = floor((k + 1) / 4) steps up at k = 3, 7, 11, so
-        shards 3, 7, 11 get writing prompts 0, 1, 2 (stories, essays, emails) and shards 0-2, 4-6, 8-10 the
-        default; share 1: shard k gets prompt k % 7. The share is read as the decimal it prints as (0.3 -> 3/10,
-        not the binary float just below it), so 10 shards at 0.3 hold exactly 3 writing shards."""
+    def steer(self, k: int) -> Steer:
+        """Shard k's steer, from the share and k alone (not the count, so more shards leave the first ones as
+        they are). n(k) = floor(k * share) writing shards come before shard k; shard k is one when n(k + 1) >
+        n(k), and the i-th of them (from 0) takes WRITING_STEERS[i % 9] (9 steers); the others are plain Magpie.
+        Example, share 0.25: n(k + 1) = floor((k + 1) / 4) steps up at k = 3, 7, 11, so shards 3, 7, 11 get
+        steers 0, 1, 2 (story, poem, essay) and shards 0-2, 4-6, 8-10 the default; share 1: shard k gets steer
+        k % 9. The share is read as the decimal it prints as (0.3 -> 3/10, not the binary float just below it),
+        so 10 shards at 0.3 hold exactly 3 writing shards."""
         share = Fraction(str(self.writing_share))
         before = math.floor(k * share)
         if math.floor((k + 1) * share) == before:
-            return DEFAULT_SYSTEM
-        return WRITING_PROMPTS[before % len(WRITING_PROMPTS)]
+            return DEFAULT_STEER
+        return WRITING_STEERS[before % len(WRITING_STEERS)]
 
-    def system_prompts(self) -> list[SystemPrompt]:
-        """The distinct system prompts of this config's shards, in order of first use."""
-        return list(dict.fromkeys(self.system_prompt(k) for k in range(self.n_shards())))
+    def steers(self) -> list[Steer]:
+        """The distinct steers of this config's shards, in order of first use."""
+        return list(dict.fromkeys(self.steer(k) for k in range(self.n_shards())))
 
 
-def shard_path(outdir: Path, k: int, system: SystemPrompt = DEFAULT_SYSTEM) -> Path:
-    """Shard k's file; under another prompt than the template's own the prompt's id is part of the name, so a run
-    with another writing_share never takes the shard for its own: magpie-00003.jsonl, magpie-00007-writing-poems.jsonl.
-    """
-    if system == DEFAULT_SYSTEM:
+def shard_path(outdir: Path, k: int, steer: Steer = DEFAULT_STEER) -> Path:
+    """Shard k's file; a steered shard's name holds the steer's id, so a run with another writing_share never
+    takes the shard for its own: magpie-00003.jsonl, magpie-00007-writing-poem.jsonl."""
+    if steer == DEFAULT_STEER:
         return outdir / f"magpie-{k:05d}.jsonl"
-    return outdir / f"magpie-{k:05d}-{system.id}.jsonl"
+    return outdir / f"magpie-{k:05d}-{steer.id}.jsonl"
 
 
 def sample_shard(
@@ -150,12 +126,12 @@ def sample_shard(
     device: torch.device,
 ) -> list[dict]:
     """Shard k's rows {"id", "text", "tokens", "finished"}: message k * shard_size + i for i in the shard.
-    prefix: the template up to the user turn under cfg.system_prompt(k); rows sampled under another prompt than
-    the template's own also carry {"system": its id} (the default's rows are as before writing prompts existed).
-    """
+    prefix: the template up to the user turn, then cfg.steer(k)'s opener (steer_prefixes); a steered message's
+    text starts with the opener ("tokens" counts the sampled ones) and its row carries {"steer": the id} (the
+    default's rows are as before writing shards existed)."""
     n = min(cfg.shard_size, cfg.count - k * cfg.shard_size)
-    system = cfg.system_prompt(k)
-    tag = {} if system == DEFAULT_SYSTEM else {"system": system.id}
+    steer = cfg.steer(k)
+    tag = {} if steer == DEFAULT_STEER else {"steer": steer.id}
     rows = []
     for b, s in enumerate(range(0, n, cfg.batch_size)):
         m = min(cfg.batch_size, n - s)
@@ -164,7 +140,8 @@ def sample_shard(
             finished = bool(out) and out[-1] == eos_id
             ids = out[:-1] if finished else out
             pid = f"magpie-{k:05d}-{s + j:05d}"
-            rows.append({"id": pid, "text": decode(ids), "tokens": len(ids), "finished": finished} | tag)
+            text = steer.opener + decode(ids)
+            rows.append({"id": pid, "text": text, "tokens": len(ids), "finished": finished} | tag)
     return rows
 
 
@@ -179,13 +156,13 @@ def magpie_stage(
     deadline: float | None = None,
 ) -> bool:
     """Sample cfg.count user messages shard by shard, skipping finished shards. True when all are done.
-    prefixes: system prompt id -> the template up to the user turn under that prompt (every cfg.system_prompts())."""
+    prefixes: steer id -> its prefix (steer_prefixes over cfg.steers())."""
     outdir.mkdir(parents=True, exist_ok=True)
     n_shards = cfg.n_shards()
-    paths = [shard_path(outdir, k, cfg.system_prompt(k)) for k in range(n_shards)]
+    paths = [shard_path(outdir, k, cfg.steer(k)) for k in range(n_shards)]
     for k, path in missing_shards(paths, deadline, "magpie"):
         t0 = time.time()
-        rows = sample_shard(model, prefixes[cfg.system_prompt(k).id], decode, cfg, k, eos_id, device)
+        rows = sample_shard(model, prefixes[cfg.steer(k).id], decode, cfg, k, eos_id, device)
         tmp = path.with_suffix(".tmp")
         tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
         tmp.replace(path)
@@ -195,7 +172,7 @@ def magpie_stage(
             "magpie: shard %d/%d (%s), %d messages (%d finished) in %.1fs (%.0f per minute)",
             k + 1,
             n_shards,
-            cfg.system_prompt(k).id,
+            cfg.steer(k).id,
             len(rows),
             done,
             dt,
@@ -205,12 +182,12 @@ def magpie_stage(
 
 
 def read_shards(outdir: Path, cfg: MagpieConfig) -> list[dict]:
-    """All rows of the first cfg.n_shards() shards, in order, each with its shard's system prompt id as "system"
-    (filled in for the template's own prompt, whose rows do not store it)."""
+    """All rows of the first cfg.n_shards() shards, in order, each with its shard's steer id as "steer" (filled in
+    for the default, whose rows do not store it)."""
     rows = []
     for k in range(cfg.n_shards()):
-        system = cfg.system_prompt(k)
-        rows += [{"system": system.id} | row for row in read_jsonl(shard_path(outdir, k, system))]
+        steer = cfg.steer(k)
+        rows += [{"steer": steer.id} | row for row in read_jsonl(shard_path(outdir, k, steer))]
     return rows
 
 
@@ -219,13 +196,21 @@ def finished_items(rows: list[dict]) -> list[Item]:
     return [(r["id"], r["text"]) for r in rows if r["finished"]]
 
 
-def system_counts(rows: list[dict]) -> dict[str, dict[str, int]]:
-    """Messages generated and finished under each system prompt (rows of read_shards), for the manifest:
-    rows [default finished, writing-poems unfinished, writing-poems finished] ->
-    {"default": {"generated": 1, "finished": 1}, "writing-poems": {"generated": 2, "finished": 1}}."""
+def steer_prefixes(
+    turn_prefix: list[int], encode: Callable[[str], list[int]], steers: list[Steer]
+) -> dict[str, list[int]]:
+    """Each steer's prefix: the template up to the user turn (Tokenizer.encode_turn_prefix("user")), then its
+    opener's tokens (encode: plain text to ids, Tokenizer.encode_prompt); the default's is the turn prefix."""
+    return {st.id: turn_prefix + (encode(st.opener) if st.opener else []) for st in steers}
+
+
+def steer_counts(rows: list[dict]) -> dict[str, dict[str, int]]:
+    """Messages generated and finished under each steer (rows of read_shards), for the manifest:
+    rows [default finished, writing-poem unfinished, writing-poem finished] ->
+    {"default": {"generated": 1, "finished": 1}, "writing-poem": {"generated": 2, "finished": 1}}."""
     counts: dict[str, dict[str, int]] = {}
     for r in rows:
-        c = counts.setdefault(r["system"], {"generated": 0, "finished": 0})
+        c = counts.setdefault(r["steer"], {"generated": 0, "finished": 0})
         c["generated"] += 1
         c["finished"] += int(r["finished"])
     return counts

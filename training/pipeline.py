@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=0.0,
         metavar="SHARE",
-        help="share of the Magpie shards sampled under a writing assistant's system prompt (0..1, default 0)",
+        help="share of the Magpie shards whose messages start as a writing request (0..1, default 0)",
     )
     g.add_argument("--seed", type=int, default=0, help="Magpie sampling and the training prompts' shuffle")
     g = p.add_argument_group("generate")
@@ -194,7 +194,7 @@ def built_request(manifest: Path) -> dict | None:
 def stage_prompts(ctx: Context) -> bool:
     """Magpie shards first (when asked for; stops with False when the budget runs out), then the prompt files.
     Finished when the manifest records the same request (prompts_request)."""
-    from training.magpie import finished_items, magpie_stage, read_shards, system_counts
+    from training.magpie import finished_items, magpie_stage, read_shards, steer_counts, steer_prefixes
     from training.prompts import MANIFEST, PromptConfig, build_prompts
 
     a, w = ctx.args, ctx.args.workdir
@@ -213,14 +213,14 @@ def stage_prompts(ctx: Context) -> bool:
     mcfg = magpie_config(a)
     if mcfg is not None:
         tok = ctx.tokenizer
-        prefixes = {sp.id: tok.encode_turn_prefix("user", system=sp.text) for sp in mcfg.system_prompts()}
+        prefixes = steer_prefixes(tok.encode_turn_prefix("user"), tok.encode_prompt, mcfg.steers())
         if not magpie_stage(
             ctx.model, prefixes, tok.decode, w / MAGPIE_DIR, mcfg, tok.eos_token_id, ctx.device, ctx.deadline
         ):
             return False
         rows = read_shards(w / MAGPIE_DIR, mcfg)
         extra["magpie"] = finished_items(rows)
-        meta["magpie"] = {"generated": len(rows), "finished": len(extra["magpie"]), "by_system": system_counts(rows)}
+        meta["magpie"] = {"generated": len(rows), "finished": len(extra["magpie"]), "by_steer": steer_counts(rows)}
     build_prompts(w, ctx.tokenizer, cfg, request["sources"], extra, meta)
     return True
 

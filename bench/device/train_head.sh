@@ -4,9 +4,9 @@
 # the machine does; the machine goes back after 30 s idle, so make the calls back to back).
 #   bench/device/train_head.sh data   the prompt sources' wheels, MAGPIE (40000) Magpie prompts sampled with SEED (0), the prompt
 #                                     files, then responses for as many training prompts as DATA_MINUTES (9)
-#                                     leave time for; MAGPIE_WRITING (0) is the share of the Magpie shards
-#                                     sampled under a writing assistant's system prompt (--magpie-writing,
-#                                     training/magpie.py WRITING_PROMPTS), e.g. 0.3 for more writing requests
+#                                     leave time for; MAGPIE_WRITING (0) is the share of the Magpie shards whose
+#                                     messages start as a writing request (--magpie-writing, training/magpie.py
+#                                     WRITING_STEERS), e.g. 0.3 for more writing requests
 #   bench/device/train_head.sh train  TRAIN_MINUTES (8.3) of training from the shipped head (batch 64, lr 4e-4)
 #   bench/device/train_head.sh eval   the shipped head and the new one on the held-out sets (EVAL_LIMIT 40
 #                                     prompts per set), then the new head's sampled acceptance (48 held-out
