@@ -31,8 +31,9 @@
 #                                  .devcarry/magpie.tgz when carried, the shards back as magpie.tgz
 #   bench/device/policy.sh split   issue 8's colocated figure: the engine in process (plain, speculative), then the
 #                                  services 6x60 pinned and the policy at concurrency 1, 16, 64, the draft in
-#                                  two processes and in the verifier's (--draft-here), 1 and 4 rounds per Verify,
-#                                  then the colocated stack at 8; the logs and JSON back as split.tgz
+#                                  two processes and in the verifier's (--draft-here), 1 and 4 rounds per Verify
+#                                  (as run in session 10 it also ran the colocated stack at 8 and gave the
+#                                  engine 150 s, which a fresh machine spent compiling)
 #   bench/device/policy.sh split2  py-spy round profiles at concurrency 1, 6x60: two processes at 4 rounds per
 #                                  Verify, the draft in the verifier's process at 4 and at 1, then the engine
 #                                  in process (the baseline); the profiles back as spy.tgz
@@ -93,18 +94,14 @@ case "$mode" in
       timeout 150 python3 -m bench.ghz_load --ghz "$GHZ" --concurrency 1,64 --requests-per-worker 2 \
         --out /tmp/specdec-ghz > "$out/ghz.txt" 2>&1; cp /tmp/specdec-ghz/ghz.md "$out/" 2>/dev/null; tail -8 "$out/ghz.txt"
     fi ;;
-  split)
+  split)  # the engine first, with room to compile (150 s was not enough on a fresh machine): it fills the kernel cache
     hd=(--head models/eagle3-smollm2)
-    timeout 150 python3 -m bench.engine_bench --device cuda "${hd[@]}" --prompts 32 --concurrency 1,16,64 \
-      --methods plain,spec --out "$out/engine" > "$out/engine.log" 2>&1
-    grep -E "tok/s" "$out/engine.log" | tail -6
-    # off first: its two processes fill the kernel cache that a colocated start would fill one engine at a time
+    timeout 240 python3 -m bench.engine_bench --device cuda "${hd[@]}" --prompts 32 --concurrency 1,16,64 \
+      --methods plain,spec --out /tmp/engine-bench > "$out/engine.log" 2>&1
+    cp /tmp/engine-bench/engine_bench.json "$out/" 2>/dev/null; tail -10 "$out/engine.log" | head -8
     timeout 330 "${load[@]}" "${hd[@]}" --concurrency 1,16,64 --prompts 32 --requests-per-worker 2 \
       --modes tree:6x60,spec --colocate off,on --rounds-per-call 1,4 --out "$out/split" > "$out/split.log" 2>&1
-    timeout 100 "${load[@]}" "${hd[@]}" --concurrency 1,16,64 --prompts 32 --requests-per-worker 2 \
-      --modes tree:6x60,spec --colocate on --rounds-per-call 8 --out "$out/split8" > "$out/split8.log" 2>&1
-    grep -hE "tok/s total" "$out/split.log" "$out/split8.log" | sed 's/.*services_bench INFO //' | cut -c1-200
-    tar czf "$out/split.tgz" -C "$out" engine split split8 engine.log split.log split8.log ;;
+    grep -hE "tok/s total" "$out/split.log" | sed 's/.*services_bench INFO //' | cut -c1-200 ;;
   split2)
     python3 -m pip install -q --no-deps --target /tmp/pyspy .devcarry/b/wheels/py_spy-*.whl; export PATH="/tmp/pyspy/bin:$PATH"
     for run in "off 4" "on 4" "on 1"; do  # off first: it fills the kernel cache (see split)
