@@ -8,7 +8,7 @@
 #                                     messages start as a writing request (--magpie-writing, training/magpie.py
 #                                     WRITING_STEERS), e.g. 0.3 for more writing requests
 #   bench/device/train_head.sh train  TRAIN_MINUTES (8.3) of training from the shipped head (batch 64, lr 4e-4)
-#   bench/device/train_head.sh eval   the shipped head and the new one on the held-out sets (EVAL_LIMIT 40
+#   bench/device/train_head.sh eval   the shipped head and the new one (EVAL_HEADS, "old new") on the held-out sets (EVAL_LIMIT 40
 #                                     prompts per set), then the new head's sampled acceptance (48 held-out
 #                                     chats at temperature 0.7 and 1.0, the bench's 48 questions at 0.7); the
 #                                     logs into $OUT (the head came back with the train call, as head.tgz)
@@ -53,7 +53,7 @@ case "$mode" in
     tail -4 "$out/train.log"; cp "$w/train/train_log.jsonl" "$out/" 2>/dev/null
     [ -d "$w/head" ] && tar czf "$out/head.tgz" -C "$w" head ;;
   eval)
-    for h in old new; do
+    for h in ${EVAL_HEADS:-old new}; do  # EVAL_HEADS=new: the shipped head's figures are known (deterministic)
       head=models/eagle3-smollm2; [ "$h" = new ] && head="$w/head"
       timeout 150 "${tp[@]}" eval --workdir "$w" --device cuda --head "$head" --limit "${EVAL_LIMIT:-40}" \
         --eval-batch "${EVAL_LIMIT:-40}" --out "$out/eval-$h.json" > "$out/eval-$h.log" 2>&1
