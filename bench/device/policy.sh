@@ -40,6 +40,8 @@
 #   bench/device/policy.sh split3  the engine in process, then the draft in the verifier's process, its proposals
 #                                  inline on the event loop against on its own thread (--draft-thread), 1 and 4
 #                                  rounds per Verify, 6x60 and the policy at concurrency 1, 16, 64
+#   bench/device/policy.sh fixcheck session 10's K/V offset fix on the GPU (its test in tests/gpu), then the long
+#                                  prompt under load at --max-context 4096 (bench.prefill_stall, whole and 512)
 #   bench/device/policy.sh rest    one 10-minute call: the chained/unchained A/B (6x60 pinned and plain,
 #                                  concurrency 1, 16, 64), the long prompt (whole, 512-token chunks) and
 #                                  ghz by reflection (GHZ: the binary, concurrency 1 and 64)
@@ -125,6 +127,11 @@ case "$mode" in
         --colocate on --rounds-per-call 1,4 "${extra[@]}" --out "$out/split3-$t" > "$out/split3-$t.log" 2>&1
       echo "draft $t:"; grep -hE "tok/s total" "$out/split3-$t.log" | sed 's/.*services_bench INFO //' | cut -c1-90
     done ;;
+  fixcheck)
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_engines.py -k move_rows \
+      > "$out/fixcheck.log" 2>&1; tail -3 "$out/fixcheck.log"
+    timeout 400 python3 -m bench.prefill_stall --device cuda --concurrency 16 --prompt-tokens 2000 \
+      --prefill-chunk 0,512 --out "$out" > "$out/stall.log" 2>&1; tail -8 "$out/stall.log" ;;
   profile)
     [ -n "${SKIP_TESTS:-}" ] || timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_services.py > "$out/gpu_tests.log" 2>&1
     tail -3 "$out/gpu_tests.log" 2>/dev/null
@@ -164,5 +171,5 @@ case "$mode" in
     timeout 560 python3 -m training.pipeline prompts --workdir "$w" --device cuda --magpie "${MAGPIE:-120000}" \
       --magpie-batch "${MAGPIE_BATCH:-1024}" --magpie-shard 2048 --minutes "${MINUTES:-8.5}" > "$out/magpie.log" 2>&1
     tar czf "$out/magpie.tgz" -C "$w" magpie; ls "$w/magpie" | wc -l; tail -4 "$out/magpie.log" ;;
-  *) echo "usage: $0 load|order|rpc|tests|chain|stall|kernels|bench|split|split2|split3|rest|profile|sampling|groups|magpie" >&2; exit 2 ;;
+  *) echo "usage: $0 load|order|rpc|tests|chain|stall|kernels|bench|split|split2|split3|fixcheck|rest|profile|sampling|groups|magpie" >&2; exit 2 ;;
 esac
