@@ -276,9 +276,9 @@ class Scheduler:
         else one. One as well when a member's next tree is plain: the policy's sequences stop after one
         round and would wait for the pinned ones' others. Sequences with pinned trees draft them whatever
         the policy's shape (PLAIN when every sequence is pinned: nobody for the policy to choose for)."""
-        if nxt is None or self.waiting or any(a.prefilling for a in self.active):
+        if self.waiting or any(a.prefilling for a in self.active):
             return 1
-        if any(self._tree(a, nxt).plain for a in members):
+        if any(self._next_tree(a, nxt) is None for a in members):  # None: no chaining, or a plain next tree
             return 1
         return self.cfg.rounds_per_call
 
