@@ -118,26 +118,28 @@ def test_one_round_while_a_prompt_is_prefilled() -> None:
     assert _calls(log[: chunks[0]]).count(["gw-0"]) >= 2  # alone before it arrived: calls of several rounds
 
 
-class CountingVerifier(FakeVerifier):
-    """Counts Verify calls and the rounds each asked for."""
+def counting(verifier: FakeVerifier) -> list[int]:
+    """The rounds each Verify call of `verifier` (any of the fakes) asks for, appended as the calls come."""
+    asked: list[int] = []
+    call = verifier.streamed
 
-    def __init__(self, log: list, accept: int, draft: FakeDraft) -> None:
-        super().__init__(log, accept, draft)
-        self.asked: list[int] = []
+    async def counted(request: pb.VerifyRequest) -> pb.VerifyResponse:
+        asked.append(request.rounds)
+        return await call(request)
 
-    async def _verify_call(self, request: pb.VerifyRequest) -> pb.VerifyResponse:
-        self.asked.append(request.rounds)
-        return await super()._verify_call(request)
+    verifier.streamed = counted
+    return asked
 
 
 def test_one_round_per_call_is_todays_protocol() -> None:
     """rounds_per_call 1: every Verify asks for one round (rounds 0 on the wire) and carries no stop rules."""
     log: list = []
     draft = FakeDraft(log)
-    verifier = CountingVerifier(log, 2, draft)
+    verifier = FakeVerifier(log, 2, draft)
+    asked = counting(verifier)
     outs, log = asyncio.run(_run([(100, 10, frozenset(), 2)], 1, draft=draft, verifier=verifier))
     assert outs[0] == (list(range(101, 111)), Finish.LENGTH, 3)
-    assert verifier.asked == [0, 0, 0]
+    assert asked == [0, 0, 0]
 
 
 def test_pinned_trees_run_several_rounds_a_call() -> None:
@@ -147,25 +149,19 @@ def test_pinned_trees_run_several_rounds_a_call() -> None:
     makes the calls one round again (its next tree is plain)."""
     log: list = []
     draft = FakeDraft(log)
-    verifier = CountingVerifier(log, 2, draft)
+    verifier = FakeVerifier(log, 2, draft)
+    asked = counting(verifier)
     cfg = SchedulerConfig(max_active=4, draft_address=DRAFT, rounds_per_call=4)
     pinned = CyclePolicy([PLAIN])
     outs, _ = asyncio.run(
         _run([(100, 20, frozenset(), 2)], 4, draft=draft, verifier=verifier, cfg=cfg, policy=pinned, pins=[Shape(1, 3)])
     )
     assert outs[0][0] == list(range(101, 121))
-    assert verifier.asked == [4, 4]  # 1 token from the prefill, 3 a round: 4 rounds (13), then 3 (20)
+    assert asked == [4, 4]  # 1 token from the prefill, 3 a round: 4 rounds (13), then 3 (20)
     log2: list = []
     draft2 = FollowingDraft(log2)
     mixed = FollowingVerifier(log2, 2, draft2)
-    asked: list[int] = []
-    verify_call = mixed.streamed
-
-    async def counted(request: pb.VerifyRequest) -> pb.VerifyResponse:
-        asked.append(request.rounds)
-        return await verify_call(request)
-
-    mixed.streamed = counted
+    asked = counting(mixed)
     reqs = [(100, 20, frozenset(), 2), (200, 20, frozenset(), 2)]
     outs, _ = asyncio.run(_run(reqs, 4, draft=draft2, verifier=mixed, cfg=cfg, policy=pinned, pins=[Shape(1, 3), None]))
     assert [o[0] for o in outs] == [list(range(101, 121)), list(range(201, 221))]
