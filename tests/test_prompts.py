@@ -475,15 +475,15 @@ def test_prompts_manifest_tracks_writing_share(tiny, tokenizer, tmp_path, monkey
         argv = ["prompts", "--workdir", str(tmp_path), "--magpie", magpie, "--magpie-shard", "2", "--minutes", "0"]
         return build_parser().parse_args([*argv, "--magpie-writing", share])
 
-    assert prompts_request(args("0.3"))["magpie"]["writing_share"] == 0.3
+    assert prompts_request(args("0.3"), magpie_config(args("0.3")))["magpie"]["writing_share"] == 0.3
     assert build_parser().parse_args(["prompts", "--workdir", "w"]).magpie_writing == 0.0
-    (tmp_path / MANIFEST).write_text(json.dumps({"request": prompts_request(args("0.3"))}))
+    (tmp_path / MANIFEST).write_text(json.dumps({"request": prompts_request(args("0.3"), magpie_config(args("0.3")))}))
     assert stage_prompts(Context(args("0.3")))  # already built
     assert not (tmp_path / "magpie").exists()
     assert not stage_prompts(Context(args("0")))  # another request: rebuilding, out of time before shard 0
     assert list((tmp_path / "magpie").iterdir()) == []
 
-    old = prompts_request(args("0"))
+    old = prompts_request(args("0"), magpie_config(args("0")))
     del old["magpie"]["writing_share"]  # as written before --magpie-writing existed
     (tmp_path / MANIFEST).write_text(json.dumps({"request": old}))
     assert stage_prompts(Context(args("0")))

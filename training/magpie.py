@@ -161,8 +161,8 @@ def magpie_stage(
     n_shards = cfg.n_shards()
     paths = [shard_path(outdir, k, cfg.steer(k)) for k in range(n_shards)]
     for k, path in missing_shards(paths, deadline, "magpie"):
-        t0 = time.time()
-        rows = sample_shard(model, prefixes[cfg.steer(k).id], decode, cfg, k, eos_id, device)
+        t0, steer = time.time(), cfg.steer(k)
+        rows = sample_shard(model, prefixes[steer.id], decode, cfg, k, eos_id, device)
         tmp = path.with_suffix(".tmp")
         tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
         tmp.replace(path)
@@ -172,7 +172,7 @@ def magpie_stage(
             "magpie: shard %d/%d (%s), %d messages (%d finished) in %.1fs (%.0f per minute)",
             k + 1,
             n_shards,
-            cfg.steer(k).id,
+            steer.id,
             len(rows),
             done,
             dt,

@@ -172,13 +172,12 @@ def magpie_config(a: argparse.Namespace) -> MagpieConfig | None:
     )
 
 
-def prompts_request(a: argparse.Namespace) -> dict:
+def prompts_request(a: argparse.Namespace, mcfg: MagpieConfig | None) -> dict:
     """What a prompt build answers, as its manifest records it: the training sources, every Magpie setting
-    (writing share included) and the seed. A build is reused only for an equal request."""
+    (mcfg = magpie_config(a), writing share included) and the seed. A build is reused only for an equal request."""
     from training.sources import TRAIN_SOURCES
 
     sources = list(TRAIN_SOURCES) if a.sources == "all" else [s.strip() for s in a.sources.split(",") if s.strip()]
-    mcfg = magpie_config(a)
     return {"sources": sources, "magpie": None if mcfg is None else asdict(mcfg), "seed": a.seed}
 
 
@@ -198,7 +197,8 @@ def stage_prompts(ctx: Context) -> bool:
     from training.prompts import MANIFEST, PromptConfig, build_prompts
 
     a, w = ctx.args, ctx.args.workdir
-    request = prompts_request(a)
+    mcfg = magpie_config(a)
+    request = prompts_request(a, mcfg)
     if (w / MANIFEST).exists():
         if built_request(w / MANIFEST) == request:
             log.info("prompts: already built (%s)", w / MANIFEST)
@@ -210,7 +210,6 @@ def stage_prompts(ctx: Context) -> bool:
         max_prompt_tokens=a.max_prompt_tokens, heldout=a.heldout, max_train=a.max_train_prompts, seed=a.seed
     )
     extra, meta = {}, {"request": request}
-    mcfg = magpie_config(a)
     if mcfg is not None:
         tok = ctx.tokenizer
         prefixes = steer_prefixes(tok.encode_turn_prefix("user"), tok.encode_prompt, mcfg.steers())
