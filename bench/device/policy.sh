@@ -52,6 +52,12 @@ python3 -m grpc_tools.protoc -Iprotos --python_out=. --grpc_python_out=. --pyi_o
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name --format=csv,noheader > "$out/gpu.txt"
 load=(python3 -m bench.services_bench --device cuda --ipc on --max-new-tokens 128 --max-context 1024 --out "$out")
+engine() {  # the in-process baseline (plain, speculative) of the split modes; first on a fresh machine, it fills the
+            # kernel cache that a colocated start would fill one engine at a time (150 s was not enough there)
+  timeout 240 python3 -m bench.engine_bench --device cuda --head models/eagle3-smollm2 --prompts 32 --concurrency 1,16,64 \
+    --methods plain,spec --out /tmp/engine-bench > "$out/engine.log" 2>&1
+  cp /tmp/engine-bench/engine_bench.json "$out/" 2>/dev/null; tail -10 "$out/engine.log" | head -8
+}
 case "$mode" in
   load)
     timeout 330 "${load[@]}" --concurrency 1,4,16,64 --prompts "${PROMPTS:-24}" \
@@ -96,12 +102,9 @@ case "$mode" in
       timeout 150 python3 -m bench.ghz_load --ghz "$GHZ" --concurrency 1,64 --requests-per-worker 2 \
         --out /tmp/specdec-ghz > "$out/ghz.txt" 2>&1; cp /tmp/specdec-ghz/ghz.md "$out/" 2>/dev/null; tail -8 "$out/ghz.txt"
     fi ;;
-  split)  # the engine first, with room to compile (150 s was not enough on a fresh machine): it fills the kernel cache
-    hd=(--head models/eagle3-smollm2)
-    timeout 240 python3 -m bench.engine_bench --device cuda "${hd[@]}" --prompts 32 --concurrency 1,16,64 \
-      --methods plain,spec --out /tmp/engine-bench > "$out/engine.log" 2>&1
-    cp /tmp/engine-bench/engine_bench.json "$out/" 2>/dev/null; tail -10 "$out/engine.log" | head -8
-    timeout 330 "${load[@]}" "${hd[@]}" --concurrency 1,16,64 --prompts 32 --requests-per-worker 2 \
+  split)
+    engine
+    timeout 330 "${load[@]}" --head models/eagle3-smollm2 --concurrency 1,16,64 --prompts 32 --requests-per-worker 2 \
       --modes tree:6x60,spec --colocate off,on --rounds-per-call 1,4 --out "$out/split" > "$out/split.log" 2>&1
     grep -hE "tok/s total" "$out/split.log" | sed 's/.*services_bench INFO //' | cut -c1-200 ;;
   split2)
@@ -113,17 +116,12 @@ case "$mode" in
       echo "colocate $1, k$2:"; sed -n 3p "/tmp/prof-$1-$2/profile.md"
     done
     tar czf "$out/spy.tgz" -C /tmp prof-off-4 prof-on-4 prof-on-1
-    timeout 240 python3 -m bench.engine_bench --device cuda --head models/eagle3-smollm2 --prompts 32 \
-      --concurrency 1,16,64 --methods plain,spec --out /tmp/engine-bench > "$out/engine.log" 2>&1
-    cp /tmp/engine-bench/engine_bench.json "$out/" 2>/dev/null; tail -12 "$out/engine.log" ;;
-  split3)  # the engine first: it fills the kernel cache that a colocated start would fill one engine at a time
-    hd=(--head models/eagle3-smollm2)
-    timeout 240 python3 -m bench.engine_bench --device cuda "${hd[@]}" --prompts 32 --concurrency 1,16,64 \
-      --methods plain,spec --out /tmp/engine-bench > "$out/engine.log" 2>&1
-    cp /tmp/engine-bench/engine_bench.json "$out/" 2>/dev/null; tail -10 "$out/engine.log" | head -8
+    engine ;;
+  split3)
+    engine
     for t in inline thread; do
       extra=(); [ "$t" = thread ] && extra=(--draft-thread)
-      timeout 170 "${load[@]}" "${hd[@]}" --concurrency 1,16,64 --prompts 32 --requests-per-worker 2 --modes tree:6x60,spec \
+      timeout 170 "${load[@]}" --head models/eagle3-smollm2 --concurrency 1,16,64 --prompts 32 --requests-per-worker 2 --modes tree:6x60,spec \
         --colocate on --rounds-per-call 1,4 "${extra[@]}" --out "$out/split3-$t" > "$out/split3-$t.log" 2>&1
       echo "draft $t:"; grep -hE "tok/s total" "$out/split3-$t.log" | sed 's/.*services_bench INFO //' | cut -c1-90
     done ;;
