@@ -3,6 +3,11 @@
 
     python -m bench.profile_services --out DIR [--device cuda] [--concurrency 1] [--seconds 6]
                                      [--rounds-per-call K] [--colocate]
+    python -m bench.profile_services --report DIR     # the tables again from DIR's spy-*.txt
+
+The "where the time goes" table counts, per service, the samples whose stack holds each of a few frames (the
+main thread's event loop, the engine calls inline on it, the verify and the proposal), so a frame's share of
+the seconds recorded is its samples / (seconds x 250).
 
 Needs the `py-spy` binary (PyPI package py-spy) on PATH or next to the interpreter. Writes
 DIR/spy-{gateway,draft,verifier}.txt (py-spy's raw format: one line per stack, samples at the end) and
@@ -27,6 +32,9 @@ from services.stack import Stack
 
 log = logging.getLogger("bench.profile_services")
 IDLE = ("select", "epoll", "_worker", "wait", "poll", "sleep", "_bootstrap")
+RATE = 250  # py-spy samples per second
+FRAMES = ("Runner.run", "EngineRunner.run", "Verifier.verify", "Eagle3Drafter.propose")  # the main thread's
+# event loop (busy, not idle), the engine calls run inline on it, and within them the verify and the proposal
 
 
 def hottest(raw: Path, n: int = 10) -> list[tuple[int, str]]:
@@ -40,9 +48,36 @@ def hottest(raw: Path, n: int = 10) -> list[tuple[int, str]]:
     return [(c, frame) for frame, c in counts.most_common(n)]
 
 
+def inclusive(raw: Path, frames: tuple[str, ...] = FRAMES) -> dict[str, int]:
+    """Samples whose stack holds each frame (by function name, any line), idle samples being absent from the
+    raw file (py-spy records active threads only)."""
+    counts = dict.fromkeys(frames, 0)
+    for line in raw.read_text().splitlines():
+        stack, _, samples = line.rpartition(" ")
+        names = {frame.split(" (")[0] for frame in stack.split(";")}
+        for f in frames:
+            counts[f] += int(samples) * (f in names)
+    return counts
+
+
+def report(out: Path, seconds: float) -> list[str]:
+    """Markdown tables of each spy-*.txt in `out`: where the time goes (inclusive samples of FRAMES, and their
+    share of seconds x RATE), then the hottest leaf frames."""
+    lines = []
+    for raw in sorted(out.glob("spy-*.txt")):
+        name = raw.stem.removeprefix("spy-")
+        lines += [f"## {name}", "", f"Where the time goes ({seconds:g} s at {RATE} Hz):", ""]
+        lines += ["| frame | samples | share |", "|---|---:|---:|"]
+        lines += [f"| `{f}` | {c} | {c / (seconds * RATE):.0%} |" for f, c in inclusive(raw).items() if c]
+        lines += ["", "| samples | frame |", "|---:|---|"]
+        lines += [f"| {c} | `{frame[:140]}` |" for c, frame in hottest(raw)] + [""]
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", help="where the profiles go (required unless --report)")
+    ap.add_argument("--report", metavar="DIR", help="only print the tables of DIR's spy-*.txt (a finished run)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--concurrency", type=int, default=1)
     ap.add_argument("--seconds", type=int, default=6)
@@ -54,6 +89,11 @@ def main() -> None:
     ap.add_argument("--colocate", action="store_true", help="the draft in the verifier's process (--draft-here)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if args.report:
+        log.info("\n%s", "\n".join(report(Path(args.report), args.seconds)))
+        return
+    if not args.out:
+        ap.error("--out is required")
     spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -106,12 +146,7 @@ def main() -> None:
         "ms per round: " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()),
         "",
     ]
-    for name in stack.procs:
-        raw = out / f"spy-{name}.txt"
-        if raw.exists():
-            lines += [f"## {name}", "", "| samples | frame |", "|---:|---|"]
-            lines += [f"| {c} | `{frame[:140]}` |" for c, frame in hottest(raw)] + [""]
-    text = "\n".join(lines)
+    text = "\n".join(lines + report(out, args.seconds))
     (out / "profile.md").write_text(text + "\n")
     log.info("\n%s", text)
 
