@@ -132,6 +132,16 @@ def waves(prompts: list[list[int]], concurrency: int) -> list[list[tuple[int, li
     return [indexed[i : i + concurrency] for i in range(0, len(indexed), concurrency)]
 
 
+def filled(prompts: list[list[int]], concurrency: int) -> list[list[int]]:
+    """The prompts, cycled until one wave holds `concurrency` sequences. With fewer prompts than that, the
+    only wave would run at the prompts' batch, a smaller one than the services' closed loop keeps in flight
+    at that concurrency (session 10's c=64 baseline ran 32 sequences). Example: 3 prompts [a, b, c] at
+    concurrency 7 -> [a, b, c, a, b, c, a]; at concurrency 2 -> [a, b, c] (two waves, of 2 and 1)."""
+    if concurrency <= len(prompts):
+        return prompts
+    return [prompts[i % len(prompts)] for i in range(concurrency)]
+
+
 # ---- methods ----
 def run_plain(verifier, prompts: list[list[int]], max_new: int, concurrency: int) -> RunResult:
     traces = [RequestTrace() for _ in prompts]
@@ -386,15 +396,16 @@ def bench(args, ckpt) -> int:
     run_plain(eng.verifier, prompts[:1], 8, 1)  # warm-up (graphs were captured at construction)
     run_spec(eng.verifier, eng.drafter, prompts[:1], 8, 1, args.tree_size)
     for c in conc:
+        ps = filled(prompts, c)
         if "plain" in args.methods:
-            results.append(run_plain(eng.verifier, prompts, args.max_new_tokens, c))
+            results.append(run_plain(eng.verifier, ps, args.max_new_tokens, c))
             print(
                 f"plain c={c}: {results[-1].tok_s_per_request:.1f} tok/s/req, "
                 f"{results[-1].tok_s_total:.1f} tok/s total",
                 flush=True,
             )
         if "spec" in args.methods:
-            results.append(run_spec(eng.verifier, eng.drafter, prompts, args.max_new_tokens, c, args.tree_size))
+            results.append(run_spec(eng.verifier, eng.drafter, ps, args.max_new_tokens, c, args.tree_size))
             r = results[-1]
             print(
                 f"speculative c={c}: {r.tok_s_per_request:.1f} tok/s/req, {r.tok_s_total:.1f} tok/s total, "

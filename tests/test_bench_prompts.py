@@ -1,4 +1,5 @@
-"""bench.sampling_accept --prompts-file: the first n rows' prompt_ids, and clear errors for a short or bad file."""
+"""bench.sampling_accept --prompts-file: the first n rows' prompt_ids, and clear errors for a short or bad file;
+bench.engine_bench: a concurrency above the prompts' count still runs one wave of that many sequences."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import json
 
 import pytest
 
+from bench.engine_bench import filled, waves
 from bench.sampling_accept import read_prompts
 
 
@@ -31,3 +33,11 @@ def test_too_few_or_malformed_rows_raise(tmp_path):
     write_rows(f, [{"prompt_ids": ["x"]}])
     with pytest.raises(ValueError, match="row 1"):
         read_prompts(f, 1)
+
+
+def test_engine_waves_hold_the_concurrency_when_prompts_are_fewer():
+    a, b, c = [1], [2, 3], [4]
+    assert filled([a, b, c], 7) == [a, b, c, a, b, c, a]
+    assert [len(w) for w in waves(filled([a, b, c], 7), 7)] == [7]
+    assert filled([a, b, c], 2) == [a, b, c]
+    assert [len(w) for w in waves(filled([a, b, c], 2), 2)] == [2, 1]
