@@ -20,6 +20,10 @@ verify-chained  the round protocol: every item `chained`, its tree taken from th
                 each item's outcome packed into a ProposeRequest for the next tree (serialized here)
 decode          a DecodeRequest of `--steps` plain steps whose items want their features (a draft following
                 plain rounds: DecodeItem.want_hidden)
+colocated-kK    verify-chained with the draft in this process (`--draft-here`): the real DraftServicer
+                (services.draft.here.LocalDraftClient) over the real Eagle3Drafter, its graph-replayed proposal
+                answered at once with the bench tree; K rounds a Verify (`--colocated-rounds`), the figure
+                per round (the call's wall / K): both services' host work, as one process does it on a GPU
 
 --hidden ipc (default): hidden rows go into the exported buffer (common.ipc.HiddenExport, here on the CPU),
 the colocated fast path; inline: as bytes in the response. Calls run inline on the event loop, as they do
@@ -55,11 +59,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common.config import LlamaConfig
+from common.config import DraftingConfig, LlamaConfig
+from common.engine.cuda_graphs import GraphConfig
+from common.engine.draft import DraftOut, Eagle3Drafter
 from common.engine.verifier import DecodeStep, Verifier, VerifierConfig, VerifyStep
 from common.ipc import HiddenExport
+from common.model.eagle3 import Eagle3Config, Eagle3Head
+from common.tensors import encode_inline
 from common.weights import Checkpoint
 from services.clients import Batched
+from services.draft.server import DraftServicer
+from services.packed import pack_ints
 from services.tree_wire import draft_tree
 from services.verifier.chain import DraftChain
 from services.verifier.server import VerifierServicer
@@ -134,9 +144,9 @@ class Context:
         raise Aborted(f"{code}: {details}")
 
 
-def bench_tree(rng: np.random.Generator, vocab: int) -> pb.DraftTree:
-    """A 60-node tree of the draft's default shape: LEVELS nodes per depth, each node's parent one of the
-    level above, tokens distinct under each parent (as a top-k pick makes them)."""
+def bench_arrays(rng: np.random.Generator, vocab: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(tokens, parents, probs) [60] of a tree of the draft's default shape: LEVELS nodes per depth, each
+    node's parent one of the level above, tokens distinct under each parent (as a top-k pick makes them)."""
     parents: list[int] = []
     level = [-1]
     for width in LEVELS:
@@ -144,9 +154,36 @@ def bench_tree(rng: np.random.Generator, vocab: int) -> pb.DraftTree:
         parents += sorted(rng.choice(level, size=width).tolist())
         level = list(range(start, start + width))
     n = len(parents)
-    tokens = rng.choice(vocab, size=n, replace=False)
-    probs = rng.random(n).astype(np.float32)
-    return draft_tree(tokens.tolist(), parents, probs.tolist())
+    return rng.choice(vocab, size=n, replace=False), np.array(parents), rng.random(n).astype(np.float32)
+
+
+def bench_tree(rng: np.random.Generator, vocab: int) -> pb.DraftTree:
+    """bench_arrays' tree on the wire."""
+    tokens, parents, probs = bench_arrays(rng, vocab)
+    return draft_tree(tokens.tolist(), parents.tolist(), probs.tolist())
+
+
+class HostOnlyDrafter(Eagle3Drafter):
+    """The real drafter with its graph-replayed proposal answered at once: every row drafts the bench tree
+    (an output of the step's shapes, made once per batch, as a replayed graph's static buffers)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        tokens, parents, probs = bench_arrays(np.random.default_rng(0), VOCAB)
+        self._row = torch.from_numpy(np.stack((tokens, parents, probs, -np.ones_like(probs))).astype(np.float64))
+        self._out: dict[int, DraftOut] = {}
+
+    def _propose_step(self, packed, hidden, temp=None, gumbel=None, depth=None) -> DraftOut:
+        b = packed.shape[0]
+        out = self._out.get(b)
+        if out is None:
+            w = self.width
+            out = self._out[b] = DraftOut(
+                tree=self._row.expand(b, -1, -1).clone(),  # [B, 4, 60]
+                q_ids=torch.zeros(b, 1, w, dtype=torch.long),  # [B, 1, W]: read for sampled rows only
+                q_probs=torch.zeros(b, 1, w),
+            )
+        return out
 
 
 class FakeDraft:
@@ -183,15 +220,63 @@ def build(max_items: int, hidden: str, hidden_size: int = 576) -> tuple[Verifier
     return servicer, draft
 
 
-def requests(ids: list[str], tree: pb.DraftTree, steps: int) -> dict[str, bytes]:
-    """Each kind's request bytes, as they arrive."""
+def colocate(servicer: VerifierServicer, max_items: int, hidden_size: int) -> DraftServicer:
+    """The draft in the verifier's process, as `--draft-here` builds it: a DraftServicer over a
+    HostOnlyDrafter (a random head of the model's width) that reads the verifier's exported buffer in place,
+    called by the chain (VerifierServicer.colocate), inline on the event loop as on a GPU."""
+    heads = hidden_size // 64
+    head = Eagle3Head(
+        Eagle3Config(
+            hidden_size=hidden_size,
+            intermediate_size=256,
+            num_heads=heads,
+            num_kv_heads=math.gcd(heads, 3),
+            head_dim=64,
+            vocab_size=VOCAB,
+            draft_vocab_size=VOCAB // 4,
+            target_hidden_size=hidden_size,
+            max_position=1024,
+        )
+    ).eval()
+    head.set_vocab_map(torch.arange(VOCAB // 4))
+    drafting = DraftingConfig()
+    engine: Verifier = servicer.engine  # type: ignore[assignment]
+    drafter = HostOnlyDrafter(
+        head,
+        engine.model.embed_tokens,
+        drafting,
+        max_items + 1,
+        512,
+        "cpu",
+        graphs=True,  # pads as a GPU
+        graph_cfg=GraphConfig(capture=False),
+    )
+    draft = DraftServicer(drafter, drafting, 3 * hidden_size, VOCAB, torch.device("cpu"), lease_ttl=3600.0)
+    draft.inline = True
+    if servicer.export is not None:
+        draft.mapped.add_local(servicer.export.exported.buffer_id, servicer.export.buffer)
+    servicer.colocate(draft)
+    return draft
+
+
+def requests(ids: list[str], tree: pb.DraftTree, steps: int, colocated: list[int]) -> dict[str, bytes]:
+    """Each kind's request bytes, as they arrive (colocated-kK: a chained Verify of K rounds, each item with
+    the budget and stop ids the gateway sends with K > 1, neither of which the bench's tokens reach)."""
     nodes, depth = len(tree.token_ids) // 4, len(LEVELS)
     verify = pb.VerifyRequest(items=[pb.VerifyItem(seq_id=s, tree=tree) for s in ids])
     chained = pb.VerifyRequest(
         draft="draft:0", items=[pb.VerifyItem(seq_id=s, chained=True, next_nodes=nodes, next_depth=depth) for s in ids]
     )
     decode = pb.DecodeRequest(steps=steps, items=[pb.DecodeItem(seq_id=s, want_hidden=True, hidden_row=4) for s in ids])
-    return {k: m.SerializeToString() for k, m in (("verify", verify), ("verify-chained", chained), ("decode", decode))}
+    out = {k: m.SerializeToString() for k, m in (("verify", verify), ("verify-chained", chained), ("decode", decode))}
+    for k in colocated:
+        req = pb.VerifyRequest(draft="here", rounds=k)
+        for s in ids:
+            req.items.add(
+                seq_id=s, chained=True, next_nodes=nodes, next_depth=depth, max_new=4096, stop_ids=pack_ints([2])
+            )
+        out[f"colocated-k{k}"] = req.SerializeToString()
+    return out
 
 
 def _first_chained(raw: bytes, tree: pb.DraftTree) -> pb.VerifyRequest:
@@ -212,27 +297,40 @@ class Measured:
 
 
 async def measure(
-    servicer: VerifierServicer, kind: str, ids: list[str], raw: bytes, tree: pb.DraftTree, rounds: int, warmup: int
+    servicer: VerifierServicer,
+    kind: str,
+    ids: list[str],
+    raw: bytes,
+    tree: pb.DraftTree,
+    rounds: int,
+    warmup: int,
+    drafter: Eagle3Drafter | None = None,
 ) -> Measured:
-    """`rounds` rounds of one kind after `warmup`, every round from the same sequence lengths."""
+    """`rounds` calls of one kind after `warmup`, every call from the same sequence lengths (the drafter's
+    too, when it is in this process); a call of several rounds counts as its wall over its rounds."""
     engine: Verifier = servicer.engine  # type: ignore[assignment]
     start = {s: (engine.seqs.get(s)[1].length, engine.seqs.get(s)[1].pending) for s in ids}
+    drafted = {s: drafter.seqs.get(s)[1].length for s in ids} if drafter is not None else {}
     if kind == "decode":
         parse: Callable[[bytes], object] = pb.DecodeRequest.FromString
         call: Callable[[object, object], Awaitable] = servicer.Decode
     else:
         parse, call = pb.VerifyRequest.FromString, servicer.Verify
-    if kind == "verify-chained":
+    chained = kind == "verify-chained" or kind.startswith("colocated")
+    if chained:
         await servicer.Verify(_first_chained(raw, tree), Context())
 
     async def one_round():
         for s, (length, pending) in start.items():
             st = engine.seqs.get(s)[1]
             st.length, st.pending = length, pending
+        for s, length in drafted.items():
+            drafter.seqs.get(s)[1].length = length
         t0 = time.perf_counter()
         resp = await call(parse(raw), Context())
         resp.SerializeToString()
-        return time.perf_counter() - t0, resp.compute_us / 1e6
+        n = max(getattr(resp, "rounds_run", 1), 1)
+        return (time.perf_counter() - t0) / n, (resp.compute_us + getattr(resp, "draft_compute_us", 0)) / 1e6 / n
 
     walls, engine_s = [], []
     for r in range(warmup + rounds):
@@ -241,7 +339,7 @@ async def measure(
             walls.append(wall)
             engine_s.append(compute)
     ops = await count_ops(one_round)
-    if kind == "verify-chained":
+    if chained:
         await servicer.chain.settle(ids)  # the proposals the last round asked for
     return Measured(walls, engine_s, ops)
 
@@ -281,27 +379,45 @@ async def count_ops(round_: Callable[[], Awaitable]) -> int:
     return n
 
 
+async def prefilled(args: argparse.Namespace, max_items: int, ids: list[str], here: bool):
+    """A servicer (build) holding ids, each prefilled with PROMPT random tokens; here: with the draft in its
+    process (colocate), which holds them too (started on random features, as after a prefill)."""
+    servicer, draft = build(max_items, args.hidden, args.hidden_size)
+    rng = np.random.default_rng(1)
+    prompts = {s: rng.integers(3, VOCAB, PROMPT).tolist() for s in ids}
+    prefill = pb.PrefillRequest(
+        items=[pb.PrefillItem(seq_id=s, token_ids=p, want_hidden=False) for s, p in prompts.items()]
+    )
+    firsts = await servicer.Prefill(prefill, Context())
+    if not here:
+        return servicer, draft, None
+    local = colocate(servicer, max_items, args.hidden_size)
+    start = pb.ProposeRequest()
+    for (s, p), r in zip(prompts.items(), firsts.results):
+        it = start.items.add(seq_id=s, token_ids=p[1:] + [r.next_token], context_prefix=p[:1], start=True)
+        encode_inline(torch.randn(PROMPT, 3 * args.hidden_size), it.hidden)
+    await local.Propose(start, Context())
+    return servicer, draft, local.drafter
+
+
 async def run(args: argparse.Namespace, out: Path) -> list[dict]:
     items = [int(n) for n in args.items.split(",")]
-    servicer, draft = build(max(items), args.hidden, args.hidden_size)
     ids = [f"gw.0-{i}" for i in range(max(items))]
-    rng = np.random.default_rng(1)
-    prefill = pb.PrefillRequest(
-        owner="",
-        items=[
-            pb.PrefillItem(seq_id=s, token_ids=rng.integers(3, VOCAB, PROMPT).tolist(), want_hidden=False) for s in ids
-        ],
-    )
-    await servicer.Prefill(prefill, Context())
+    colocated = [int(k) for k in args.colocated_rounds.split(",") if k]
+    servicer, draft, _ = await prefilled(args, max(items), ids, here=False)
+    here, _, drafter = await prefilled(args, max(items), ids, here=True) if colocated else (None, None, None)
     profile = tuple(args.profile.split(":")) if args.profile else None
     rows = []
     for n in items:
-        raws = requests(ids[:n], draft.tree, args.steps)
-        for kind in ("verify", "verify-chained", "decode"):
+        raws = requests(ids[:n], draft.tree, args.steps, colocated)
+        for kind in raws:
             prof = cProfile.Profile() if profile == (kind, str(n)) else None
             if prof is not None:
                 prof.enable()
-            m = await measure(servicer, kind, ids[:n], raws[kind], draft.tree, args.rounds, args.warmup)
+            if kind.startswith("colocated"):
+                m = await measure(here, kind, ids[:n], raws[kind], draft.tree, args.rounds, args.warmup, drafter)
+            else:
+                m = await measure(servicer, kind, ids[:n], raws[kind], draft.tree, args.rounds, args.warmup)
             if prof is not None:
                 prof.disable()
                 text = io.StringIO()
@@ -334,7 +450,12 @@ def main() -> None:
     ap.add_argument(
         "--hidden-size", type=int, default=576, help="the model's width (3x a feature row); 64 leaves out the copies"
     )
-    ap.add_argument("--profile", default="", help="KIND:ITEMS to profile, e.g. verify-chained:64")
+    ap.add_argument(
+        "--colocated-rounds",
+        default="1,4",
+        help="rounds a Verify of the colocated kinds (comma-separated; '' for none)",
+    )
+    ap.add_argument("--profile", default="", help="KIND:ITEMS to profile, e.g. verify-chained:64 or colocated-k4:64")
     ap.add_argument("--out", default="bench-results")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -344,7 +465,8 @@ def main() -> None:
     rows = asyncio.run(run(args, out))
     command = (
         f"PYTHONPATH=. python -m bench.host_round --items {args.items} --rounds {args.rounds} "
-        f"--steps {args.steps} --hidden {args.hidden} --hidden-size {args.hidden_size}"
+        f"--steps {args.steps} --hidden {args.hidden} --hidden-size {args.hidden_size} "
+        f"--colocated-rounds {args.colocated_rounds}"
     )
     meta = {
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",

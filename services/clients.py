@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import grpc
 
@@ -24,9 +23,6 @@ from services.packed import unpack_ints
 from services.sampling import sampling_msg
 from specdec.v1 import internal_pb2 as pb
 from specdec.v1 import internal_pb2_grpc as pb_grpc
-
-if TYPE_CHECKING:  # the gateway imports this module and no torch
-    from services.draft.server import DraftServicer
 
 
 @dataclass(frozen=True)
@@ -307,19 +303,6 @@ class DraftClient(_ServiceClient):
 
     async def import_buffer(self, buf: pb.IpcBuffer) -> None:
         await _call(self.stub.ImportBuffer, buf, self.timeout)
-
-
-class LocalDraftClient:
-    """The draft engine of this very process (`python -m services.verifier --draft-here`): the verifier's
-    chained proposals go straight to its servicer, with no RPC, no serialisation and no IPC handle; the
-    answers are DraftClient.propose's."""
-
-    def __init__(self, servicer: DraftServicer) -> None:
-        self.servicer = servicer
-
-    async def propose(self, items: list[pb.ProposeItem], stream: bool = True, owner: str = "") -> Batched:
-        resp = await self.servicer.propose_here(pb.ProposeRequest(items=items, owner=owner))
-        return Batched([r.tree for r in resp.results], resp.compute_us / 1e6)
 
 
 async def connect_ipc(

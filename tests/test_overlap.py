@@ -104,20 +104,22 @@ class FakeVerifier(VerifierClient):
     def room(self, seq_ids: list[str]) -> list[int]:
         return [1 << 20] * len(seq_ids)  # the fakes have no KV cache to fill
 
-    async def _engine_verify(self, request: pb.VerifyRequest, failed: dict[str, str]) -> pb.VerifyResponse:
+    async def _engine_verify(
+        self, request: pb.VerifyRequest, failed: dict[str, str], chained: dict[str, pb.DraftTree]
+    ) -> tuple[pb.VerifyResponse, dict]:
         self.log.append(("verify", [it.seq_id for it in request.items]))
         resp = pb.VerifyResponse(compute_us=1000)
         for it in request.items:
             if it.seq_id in failed:
                 resp.results.add(seq_id=it.seq_id, draft_error=failed[it.seq_id])
                 continue
-            drafted = unpack(it.tree)[0].tolist()
+            drafted = unpack(chained.get(it.seq_id, it.tree))[0].tolist()
             acc = drafted[: self.accept]
             tokens = acc + [acc[-1] + 1 if acc else drafted[0]]
             r = resp.results.add(seq_id=it.seq_id, accepted_tokens=tokens, tree_nodes=len(drafted))
             r.hidden.CopyFrom(self._hidden(tokens))
             self.accepted(it.seq_id, tokens)
-        return resp
+        return resp, {}  # nothing handed over: the draft is a service (a ProposeItem of each result)
 
     def accepted(self, seq_id: str, tokens: list[int]) -> None:
         pass

@@ -370,3 +370,73 @@ def test_one_verify_of_three_rounds_commits_what_three_verifies_do() -> None:
             assert any(sum(a) for a in accepted), accepted  # some drafted tokens were accepted
 
     asyncio.run(go())
+
+
+def _count_tree(last: int) -> tuple[list[int], list[int]]:
+    """CountDraft's tree after token `last`: (tokens, parents)."""
+    v = CFG.vocab_size
+    return [last] * 4 + [(last + j) % v for j in range(1, 5)], [-1, 0, 1, 2, -1, -1, -1, -1]
+
+
+class RecordingDraft:
+    """CountDraft as a draft service: records what each call was sent (tokens, features read from bytes)."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict[str, tuple[list[int], torch.Tensor]]] = []
+
+    async def propose(self, items: list[pb.ProposeItem], owner: str = "") -> Batched:
+        self.calls.append({it.seq_id: (list(it.token_ids), decode_inline(it.hidden)) for it in items})
+        return Batched([draft_tree(*_count_tree(it.token_ids[-1])) for it in items], 0.0)
+
+
+class HereDraft:
+    """CountDraft as the draft in the verifier's process (VerifierServicer.colocate): takes the handed-over
+    drafter inputs, answers engine trees, and records the same as RecordingDraft."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict[str, tuple[list[int], torch.Tensor]]] = []
+
+    async def propose_here(self, items) -> tuple[list[Tree], float]:
+        self.calls.append({it.seq_id: (list(it.token_ids), it.hidden.clone()) for it in items})
+        trees = []
+        for it in items:
+            tokens, parents = _count_tree(it.token_ids[-1])
+            trees.append(Tree(np.array(tokens), np.array(parents), np.ones(len(tokens), dtype=np.float32)))
+        assert all(not it.start and it.max_nodes == 8 and it.max_depth == 2 for it in items)
+        return trees, 0.0
+
+
+def test_the_draft_here_gets_what_a_draft_service_gets() -> None:
+    """Chained rounds with the draft in the verifier's process (its outcomes handed over as tensors, its trees
+    verified as engine trees) against the same draft as a service (ProposeItems with inline bytes, trees as
+    messages), over identical engines: a Verify of 3 rounds, then one of 1 round. Each propose call gets the
+    same sequences, tokens and feature rows (bit for bit), and the Verifies answer the same tokens, rounds
+    and chained flags, with no hidden states in either's results."""
+
+    async def go() -> None:
+        async with Pair() as pair:
+            here, apart = HereDraft(), RecordingDraft()
+            pair.servicers["ipc"].colocate(here)
+            pair.servicers["inline"].chain = DraftChain(lambda address: apart)
+            await _prefilled(pair)
+            trees = _trees(np.random.default_rng(4))
+            first = pb.VerifyRequest(draft="draft:0", rounds=3)
+            for s, t in zip(IDS, trees):
+                first.items.add(seq_id=s, next_nodes=8, next_depth=2, tree=t)
+            later = pb.VerifyRequest(draft="draft:0", rounds=1)
+            for s in IDS:
+                later.items.add(seq_id=s, next_nodes=8, next_depth=2, chained=True)
+            for req in (first, later):
+                a, b = await pair.both("Verify", req)
+                for x, y in zip(a.results, b.results):
+                    assert x.seq_id == y.seq_id and list(x.accepted_tokens) == list(y.accepted_tokens)
+                    assert x.round_accepted == y.round_accepted and x.chained and y.chained
+                    assert not x.HasField("hidden") and not y.HasField("hidden") and not x.draft_error
+            assert len(here.calls) == len(apart.calls) == 4  # after each of the 4 rounds
+            for h, r in zip(here.calls, apart.calls):
+                assert list(h) == list(r)
+                for s in h:
+                    assert h[s][0] == r[s][0] and torch.equal(h[s][1], r[s][1])
+            assert pair.states("ipc", IDS) == pair.states("inline", IDS)
+
+    asyncio.run(go())

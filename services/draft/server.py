@@ -17,6 +17,7 @@ from common.errors import InvalidRequest
 from common.ipc import ExportedBuffer, MappedBuffers, gpu_uuid
 from common.slots import check_unique
 from common.tensors import decode
+from common.tree import Tree
 from services.engine_runner import EngineRunner
 from services.leasing import SequenceLeases
 from services.sampling import sampling_config
@@ -68,10 +69,21 @@ class DraftServicer(pb_grpc.DraftServicer):
         async for request in request_iterator:
             yield await self.runner.answer(self._owned_propose, request, pb.ProposeResponse)
 
-    async def propose_here(self, request: pb.ProposeRequest) -> pb.ProposeResponse:
-        """Propose for a caller in this process (the colocated verifier's chain): the servicer's checks
-        and ownership, its errors raised as they are (the chain answers them as draft_error)."""
-        return await self._owned_propose(request)
+    async def propose_here(self, items: list[ProposeInput]) -> tuple[list[Tree], float]:
+        """Propose for the verifier of this process (its chain, services/draft/here.py): -> (trees in item
+        order, engine seconds). The items are that verifier's outcomes of sequences this draft holds, its
+        engine's tokens and feature rows on the device: nothing to convert, and nothing to check that the
+        engine did not make itself (the drafter checks what it always checks: known sequences, row counts,
+        depth, context room). Errors are raised as they are."""
+        self.leases.touch([it.seq_id for it in items])
+        return await self.runner.run(self._propose_inputs, items, inline=self.inline)
+
+    def _propose_inputs(self, items: list[ProposeInput]) -> tuple[list[Tree], float]:
+        # no synchronisation before answering, unlike _propose: the rows are the verifier's own tensors,
+        # not a region it rewrites, and the drafter's result reached the host after its reads of them
+        t0 = time.perf_counter()
+        trees = self.drafter.propose(items)
+        return trees, time.perf_counter() - t0
 
     async def Release(self, request, context):
         return await self.runner.unary(context, self._release_owned, request)

@@ -21,8 +21,15 @@ accepted count and tree size. The same example, k = 2:
   Verify([s: chained, next 4x8], rounds 2) -> take T2, verify, send; take T3, verify, send;
                                               answers [t4 t5 t6 t7 t8], round_accepted [2, 1]; T4 waits here
 
+The draft in this process (`--draft-here`, services/draft/here.py): no messages between the two engines.
+The verifier's `run` hands over each outcome that goes to the draft as the drafter's own input (its
+tokens and a reference to their features on the device, no copy into the exported buffer), and the
+drafter's trees come back as the engine's trees, which the next round verifies as they are: per
+sequence and round, no message is built, serialized, parsed or checked, and no hidden row is written.
+
 Bookkeeping only (asyncio and messages, no torch): `connect(address)` returns a client whose
-`propose(items, owner=...)` answers services.clients.Batched (trees in item order, engine seconds)."""
+`propose(items, owner=...)` answers services.clients.Batched (trees in item order, engine seconds). The
+chain never reads an outcome or a tree: it passes them between `run` and the client."""
 
 from __future__ import annotations
 
@@ -53,11 +60,18 @@ class Pending:
 class Taken:
     """The chained trees of a Verify, and what was missing."""
 
-    trees: dict[str, pb.DraftTree] = field(default_factory=dict)  # seq id -> its next tree
+    # seq id -> its next tree: a pb.DraftTree from a draft service, the engine's tree from the draft here
+    trees: dict[str, object] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)  # seq id -> why there is no tree
     compute_s: float = 0.0  # the draft's engine time in the calls that made them
     batch: int = 0  # the largest of those calls
     wait_s: float = 0.0  # how long the Verify waited for them
+
+
+# run(request, failed, trees) -> (the round's response, {seq id: its outcome as the draft here takes it})
+Run = Callable[
+    [pb.VerifyRequest, dict[str, str], dict[str, object]], Awaitable[tuple[pb.VerifyResponse, dict[str, object]]]
+]
 
 
 def _rules(it: pb.VerifyItem) -> ItemRules:
@@ -79,28 +93,23 @@ class DraftChain:
         self._pending: dict[str, Pending] = {}  # seq id -> the call proposing its next tree
 
     async def verify(
-        self,
-        request: pb.VerifyRequest,
-        run: Callable[[pb.VerifyRequest, dict[str, str]], Awaitable[pb.VerifyResponse]],
-        room: Callable[[list[str]], list[int]],
+        self, request: pb.VerifyRequest, run: Run, room: Callable[[list[str]], list[int]]
     ) -> pb.VerifyResponse:
         """A Verify under the protocol, of one round or several (VerifyRequest.rounds). Each round: the
-        chained items' trees (waiting for calls still running), `run(request, failed)` verifies every item
-        but the failed ones (answered with draft_error), then each item with next_nodes that runs on, or
-        ran the call's last round, goes to the draft for its next tree. `room(seq_ids)`: the KV rows each
-        sequence has left, read before every round after the first (services/verifier/rounds.py)."""
+        chained items' trees (waiting for calls still running), `run(request, failed, trees)` verifies every
+        item but the failed ones (answered with draft_error), each with its chained tree from `trees` or
+        else its own, then each item with next_nodes that runs on, or ran the call's last round, goes to
+        the draft for its next tree: as `run` handed it over, or as a ProposeItem of its result. `room(seq_ids)`:
+        the KV rows each sequence has left, read before every round after the first (services/verifier/rounds.py)."""
         items = request.items
         ids = [it.seq_id for it in items]
         await self.settle([s for it, s in zip(items, ids) if not it.chained])
         call = CallRounds([_rules(it) for it in items], max(request.rounds, 1))
         todo = call.running()
         trees = await self.take([ids[i] for i in todo if items[i].chained])
-        for i in todo:
-            if ids[i] in trees.trees:
-                items[i].tree.CopyFrom(trees.trees[ids[i]])
-        resp = await run(request, trees.failed)
+        resp, handed = await run(request, trees.failed, trees.trees)
         first, sent = resp.results, set()  # round 1's results become the call's (edited in place below)
-        self._close_round(request, call, ids, todo, trees, first, sent)
+        self._close_round(request, call, ids, todo, trees, first, handed, sent)
         resp.draft_compute_us = int(trees.compute_s * 1e6)
         resp.draft_batch, resp.draft_wait_us = trees.batch, int(trees.wait_s * 1e6)
         while todo := call.running():
@@ -116,10 +125,12 @@ class DraftChain:
             resp.draft_wait_us += int(trees.wait_s * 1e6)
             if not todo:
                 break
-            more = pb.VerifyRequest(items=[pb.VerifyItem(seq_id=ids[i], tree=trees.trees[ids[i]]) for i in todo])
-            out = await run(more, {})
+            more = pb.VerifyRequest()
+            for i in todo:  # what run reads of an item (its tree comes from trees)
+                more.items.add(seq_id=ids[i], next_nodes=items[i].next_nodes, next_depth=items[i].next_depth)
+            out, handed = await run(more, {}, trees.trees)
             resp.compute_us += out.compute_us
-            self._close_round(request, call, ids, todo, trees, out.results, sent)
+            self._close_round(request, call, ids, todo, trees, out.results, handed, sent)
         resp.rounds_run = call.ran
         for i, (r, it) in enumerate(zip(first, call.items)):
             del r.accepted_tokens[:]
@@ -139,11 +150,13 @@ class DraftChain:
         todo: list[int],
         trees: Taken,
         results,
+        handed: dict[str, object],
         sent: set[int],
     ) -> None:
         """A round's results (those of the items `todo` that had a tree, in order) into the call's
         bookkeeping; then each item with next_nodes that runs on, or ran the call's last round, goes to
-        the draft (`sent`: those whose next tree waits here)."""
+        the draft (`sent`: those whose next tree waits here), as `run` handed it over (`handed`: seq id ->
+        the drafter's input, for the draft in this process) or as a ProposeItem of its result."""
         verified = [i for i in todo if ids[i] not in trees.failed]
         by_item = dict(zip(verified, (r for r in results if not r.draft_error)))
         for i in todo:
@@ -156,10 +169,12 @@ class DraftChain:
         for i in verified:
             it, r = request.items[i], by_item[i]
             if it.next_nodes > 0 and call.items[i].stop in (None, Stop.ROUNDS):
-                out = pb.ProposeItem(
-                    seq_id=ids[i], token_ids=r.accepted_tokens, max_nodes=it.next_nodes, max_depth=it.next_depth
-                )
-                out.hidden.CopyFrom(r.hidden)
+                out = handed.get(ids[i])
+                if out is None:
+                    out = pb.ProposeItem(
+                        seq_id=ids[i], token_ids=r.accepted_tokens, max_nodes=it.next_nodes, max_depth=it.next_depth
+                    )
+                    out.hidden.CopyFrom(r.hidden)
                 outcomes.append(out)
                 sent.add(i)
         self.send(request.draft, request.owner, outcomes)
@@ -192,7 +207,7 @@ class DraftChain:
             client = self._clients[address] = self._connect(address)
         return client
 
-    def send(self, address: str, owner: str, items: list[pb.ProposeItem]) -> None:
+    def send(self, address: str, owner: str, items: list) -> None:
         """Ask the draft at `address` for these sequences' next trees, in the background."""
         if not items:
             return

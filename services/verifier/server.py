@@ -14,12 +14,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from common.config import SamplingConfig
-from common.engine.base import PrefillInput, VerifierEngine, VerifyInput
+from common.engine.base import PrefillInput, ProposeInput, VerifierEngine, VerifyInput
 from common.errors import CapacityExhausted, InvalidRequest, UnknownSequence
 from common.ipc import HiddenExport, gpu_uuid
 from common.slots import check_unique
 from common.tensors import encode_inline, encode_ipc
-from services.clients import DraftClient, LocalDraftClient
+from common.tree import Tree
+from services.clients import DraftClient
 from services.engine_runner import EngineRunner
 from services.leasing import SequenceLeases
 from services.sampling import sampling_config
@@ -64,10 +65,10 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self.runner = EngineRunner("verifier")
         self.leases = SequenceLeases(lease_ttl, self._release_ids, self.runner)
         # the next trees of chained sequences (a propose not answered within draft_timeout fails its items)
+        self.hand_over = False  # the draft is here (colocate)
+        self.chain = DraftChain(lambda address: DraftClient(address, timeout=draft_timeout))
         if draft_here is not None:
-            self.chain = DraftChain(lambda address: LocalDraftClient(draft_here))
-        else:
-            self.chain = DraftChain(lambda address: DraftClient(address, timeout=draft_timeout))
+            self.colocate(draft_here)
         self._spare_id = f"~features-{uuid.uuid4().hex}"  # no client can name it
         # sequences whose prompt is partly prefilled (more chunks due) -> the hidden states of their chunks
         # so far (those that want them), returned whole with the last chunk
@@ -76,6 +77,14 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self.step_costs = [
             pb.StepCost(kind=c.kind, batch=c.batch, size=c.size, seconds=c.seconds) for c in engine.step_costs()
         ]
+
+    def colocate(self, draft: DraftServicer) -> None:
+        """Chained proposals go to this process's draft, whatever address a Verify names: outcomes handed
+        over as its engine's inputs, its trees verified as they come (services/verifier/chain.py)."""
+        from services.draft.here import LocalDraftClient
+
+        self.hand_over = True
+        self.chain = DraftChain(lambda address: LocalDraftClient(draft))
 
     async def Prefill(self, request, context):
         return await self.runner.unary(context, self._admit_prefill, request)
@@ -151,8 +160,10 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self.leases.touch(ids)
         return await self.chain.verify(request, self._run_verify, self.engine.room)
 
-    async def _run_verify(self, request: pb.VerifyRequest, failed: dict[str, str]) -> pb.VerifyResponse:
-        return await self.runner.run(self._verify, request, failed, inline=self.inline)
+    async def _run_verify(
+        self, request: pb.VerifyRequest, failed: dict[str, str], chained: dict[str, object]
+    ) -> tuple[pb.VerifyResponse, dict[str, ProposeInput]]:
+        return await self.runner.run(self._verify, request, failed, chained, inline=self.inline)
 
     def _check_chain(self, request: pb.VerifyRequest, ids: list[str]) -> None:
         """Known, distinct sequences (ids: the items' ids) and well-formed protocol fields, checked before
@@ -300,15 +311,28 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self._published()
         return resp
 
-    def _verify(self, request: pb.VerifyRequest, failed: dict[str, str]) -> pb.VerifyResponse:
-        """Every item but the `failed` ones (chained trees that never came: answered with draft_error)."""
+    def _verify(
+        self, request: pb.VerifyRequest, failed: dict[str, str], chained: dict[str, object]
+    ) -> tuple[pb.VerifyResponse, dict[str, ProposeInput]]:
+        """Every item but the `failed` ones (chained trees that never came: answered with draft_error), each
+        with its tree in `chained` (seq id -> a message from a draft service, or the engine tree of the draft
+        here, verified as it is) or else its own. With the draft here, the outcome of each item that asks
+        for a next tree is handed over as the drafter's input ({seq id: ProposeInput}, its features the
+        engine's rows, not copied) and its result carries no hidden states: the draft gets them, or the item
+        stopped (a sequence whose commit does not stop it, if there were one, would catch up: the gateway's
+        propose of it fails for want of features)."""
         info = self.engine.info
         items = request.items
         ids = [it.seq_id for it in items]
         todo = [i for i, s in enumerate(ids) if s not in failed]  # the items verified
-        trees = trees_of([items[i].tree for i in todo], info.max_tree_nodes, info.vocab_size)
-        if any(t.size == 0 for t in trees):
-            raise InvalidRequest("a tree has no nodes")
+        given = [chained.get(ids[i]) for i in todo]  # [len(todo)] None: the item's own tree
+        wire = [j for j, t in enumerate(given) if not isinstance(t, Tree)]  # trees to read and check
+        msgs = [given[j] if given[j] is not None else items[todo[j]].tree for j in wire]
+        trees = given
+        for j, t in zip(wire, trees_of(msgs, info.max_tree_nodes, info.vocab_size)):
+            trees[j] = t
+        if any(t.size == 0 or t.size > info.max_tree_nodes for t in trees):
+            raise InvalidRequest(f"a tree has no nodes or more than {info.max_tree_nodes}")
         t0 = time.perf_counter()
         outs = self.engine.verify([VerifyInput(seq_id=ids[i], tree=t) for i, t in zip(todo, trees)]) if todo else []
         resp = pb.VerifyResponse(compute_us=int((time.perf_counter() - t0) * 1e6))
@@ -321,12 +345,22 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                 continue
             tree, out = next(verified)
             results.append(add(seq_id=s, accepted_tokens=out.tokens, tree_nodes=tree.size))
-        if outs:
-            counts = [o.hidden.shape[0] for o in outs]  # [K] rows of each verified item
-            hidden = torch.cat([o.hidden for o in outs]) if len(outs) > 1 else outs[0].hidden  # [sum(counts), 3H]
-            self._hiddens([ids[i] for i in todo], hidden, counts, [r.hidden for r in results])
+        handed: dict[str, ProposeInput] = {}
+        if self.hand_over:
+            for i, out in zip(todo, outs):
+                it = items[i]
+                if it.next_nodes > 0:
+                    handed[it.seq_id] = ProposeInput(
+                        it.seq_id, out.tokens, out.hidden, False, [], it.next_nodes, it.next_depth
+                    )
+        keep = [j for j, i in enumerate(todo) if ids[i] not in handed]  # results that carry hidden states
+        if keep:
+            counts = [outs[j].hidden.shape[0] for j in keep]  # [K] rows of each
+            # [sum(counts), 3H]
+            hidden = torch.cat([outs[j].hidden for j in keep]) if len(keep) > 1 else outs[keep[0]].hidden
+            self._hiddens([ids[todo[j]] for j in keep], hidden, counts, [results[j].hidden for j in keep])
         self._published()
-        return resp
+        return resp, handed
 
     def _decode(self, request: pb.DecodeRequest) -> pb.DecodeResponse:
         if not request.items:

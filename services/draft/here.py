@@ -1,0 +1,22 @@
+"""The draft engine of the verifier's own process (`python -m services.verifier --draft-here`), as the
+verifier's chain (services/verifier/chain.py) calls it: the outcomes it verified go in as the drafter's
+inputs and the trees come out as the engine's, with no message, no serialisation and no IPC handle between
+the two engines. The answers are services.clients.Batched, as a DraftClient's."""
+
+from __future__ import annotations
+
+from common.engine.base import ProposeInput
+from services.clients import Batched
+from services.draft.server import DraftServicer
+
+
+class LocalDraftClient:
+    def __init__(self, servicer: DraftServicer) -> None:
+        self.servicer = servicer
+
+    async def propose(self, items: list[ProposeInput], owner: str = "") -> Batched:
+        """Trees [len(items)] (common.tree.Tree) for sequences the draft holds (the chain never starts one
+        here: its outcomes follow a verify); the servicer's errors raised as they are (the chain answers
+        them as draft_error)."""
+        trees, compute_s = await self.servicer.propose_here(items)
+        return Batched(trees, compute_s)
