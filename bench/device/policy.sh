@@ -42,6 +42,11 @@
 #                                  rounds per Verify, 6x60 and the policy at concurrency 1, 16, 64
 #   bench/device/policy.sh fixcheck session 10's K/V offset fix on the GPU (its test in tests/gpu), then the long
 #                                  prompt under load at --max-context 4096 (bench.prefill_stall, whole and 512)
+#   bench/device/policy.sh handover session 11's hand-over to the draft in the verifier's process: the engine in
+#                                  process, then the colocated services at 1 and the default (4) rounds per
+#                                  Verify, 6x60 pinned, the policy and plain at concurrency 1, 16, 64
+#   bench/device/policy.sh profile4 py-spy round profiles of the draft in the verifier's process at 4 rounds per
+#                                  Verify, concurrency 1 and 64 (fixed policy, default tree); back as spy.tgz
 #   bench/device/policy.sh rest    one 10-minute call: the chained/unchained A/B (6x60 pinned and plain,
 #                                  concurrency 1, 16, 64), the long prompt (whole, 512-token chunks) and
 #                                  ghz by reflection (GHZ: the binary, concurrency 1 and 64)
@@ -125,6 +130,19 @@ case "$mode" in
         --colocate on --rounds-per-call 1,4 "${extra[@]}" --out "$out/split3-$t" > "$out/split3-$t.log" 2>&1
       echo "draft $t:"; grep -hE "tok/s total" "$out/split3-$t.log" | sed 's/.*services_bench INFO //' | cut -c1-90
     done ;;
+  handover)
+    engine
+    timeout 300 "${load[@]}" --head models/eagle3-smollm2 --concurrency 1,16,64 --prompts 32 --requests-per-worker 2 \
+      --modes tree:6x60,spec,plain --colocate on --rounds-per-call 1,0 --out "$out/handover" > "$out/handover.log" 2>&1
+    grep -hE "tok/s total" "$out/handover.log" | sed 's/.*services_bench INFO //' | cut -c1-120 ;;
+  profile4)
+    python3 -m pip install -q --no-deps --target /tmp/pyspy .devcarry/b/wheels/py_spy-*.whl; export PATH="/tmp/pyspy/bin:$PATH"
+    for c in 1 64; do
+      timeout 200 python3 -m bench.profile_services --out "/tmp/prof-on-4-c$c" --concurrency $c --seconds 6 \
+        --rounds-per-call 4 --colocate > "$out/profile-c$c.log" 2>&1
+      echo "c=$c:"; sed -n 3p "/tmp/prof-on-4-c$c/profile.md"
+    done
+    tar czf "$out/spy.tgz" -C /tmp prof-on-4-c1 prof-on-4-c64 ;;
   fixcheck)
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_engines.py -k move_rows \
       > "$out/fixcheck.log" 2>&1; tail -3 "$out/fixcheck.log"
