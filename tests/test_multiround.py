@@ -104,17 +104,23 @@ def test_draft_failure_mid_call_commits_the_rounds_before_and_catches_up() -> No
     assert any(e[0] == "chained" for e in after)  # and chained rounds again
 
 
-def test_one_round_while_a_prompt_is_prefilled() -> None:
-    """A 10-token prompt arriving mid-run goes in chunks of 4, 4, 2; between two chunks the running
-    sequence gets one round, not four (the joiner waits for one round at a time), and both are exact."""
+def test_calls_keep_their_rounds_while_a_prompt_is_prefilled() -> None:
+    """A 10-token prompt arriving mid-run goes in chunks of 4, 4, 2, each beside a call of the running
+    sequence (Scheduler._start_prefill), which keeps asking for four rounds a call: its rounds do not wait
+    for the joiner's prompt, nor the prompt for them. Both outputs exact."""
+    log: list = []
+    draft = FakeDraft(log)
+    verifier = FakeVerifier(log, 2, draft)
+    asked = counting(verifier)
     cfg = SchedulerConfig(max_active=4, draft_address=DRAFT, rounds_per_call=4, prefill_chunk=4)
     reqs = [(100, 40, frozenset(), 2), (300, 10, frozenset(), 10)]
-    outs, log = asyncio.run(_run(reqs, 4, cfg=cfg, stagger=0.05))
+    outs, log = asyncio.run(_run(reqs, 4, draft=draft, verifier=verifier, cfg=cfg, stagger=0.05))
     assert [o[0] for o in outs] == [list(range(101, 141)), list(range(301, 311))]
     chunks = [i for i, e in enumerate(log) if e[0] == "prefill" and e[1] == "gw-1"]
-    assert len(chunks) == 3
-    for a, b in zip(chunks, chunks[1:]):
-        assert [e[1] for e in log[a:b] if e[0] == "verify"] == [["gw-0"]]
+    assert [log[i][2:] for i in chunks] == [(4, True), (4, True), (2, False)]
+    assert asked == [4] * len(asked)  # every Verify, the ones beside the chunks too
+    between = [e[1] for e in log[chunks[0] : chunks[1]] if e[0] == "verify"]
+    assert len(between) > 1 and all(c == ["gw-0"] for c in between)  # a call of several rounds meanwhile
     assert _calls(log[: chunks[0]]).count(["gw-0"]) >= 2  # alone before it arrived: calls of several rounds
 
 

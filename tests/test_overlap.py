@@ -229,7 +229,8 @@ def test_joining_sequence_gets_its_own_propose_call() -> None:
     outs, log = asyncio.run(_run([(100, 30), (300, 6)], accept=1, stagger=0.05))
     assert outs == [list(range(101, 131)), list(range(301, 307))]
     early = log.index(("propose", ["gw-1"]))  # the newcomer alone: the gateway's call
-    assert log[early - 1] == ("prefill", "gw-1", 2, False)  # sent right after its prefill
+    prefilled = log.index(("prefill", "gw-1", 2, False))
+    assert prefilled < early and all(e[0] != "verify" for e in log[prefilled:early])  # sent once its prompt is in
     first_in = next(i for i, e in enumerate(log) if e[0] == "verify" and "gw-1" in e[1])
     assert ("verify", ["gw-0"]) in log[early:first_in]  # a round of the other without it, meanwhile
     assert log[first_in] == ("verify", ["gw-0", "gw-1"])
@@ -457,3 +458,44 @@ def test_sequences_the_policy_keeps_plain_are_parked_and_catch_up_for_a_tree() -
     assert ("features", ["gw-0", "gw-1"]) in log  # the catch-up when the tree was chosen
     after = log[log.index(("features", ["gw-0", "gw-1"])) :]
     assert any(e[0] == "verify" for e in after)  # speculating again
+
+
+class SlowPrefill(FakeVerifier):
+    """A prefill call that takes 50 ms (the rounds go on meanwhile)."""
+
+    async def prefill_many(self, items, owner=""):
+        self.log.append(("prefill-sent", [it.seq_id for it in items]))
+        await asyncio.sleep(0.05)
+        return await super().prefill_many(items, owner)
+
+
+def test_a_request_cancelled_during_its_prefill_is_released_after_the_call() -> None:
+    """The prefill runs beside the rounds (Scheduler._start_prefill). A request cancelled while its prefill
+    call is in flight leaves once the call is over, so that its release reaches the verifier after the
+    slot the call took (a release sent first would find nothing and leave the slot held); the running
+    request is unaffected."""
+
+    async def go():
+        log: list = []
+        draft = FakeDraft(log)
+        verifier = SlowPrefill(log, 1, draft)
+        sched = Scheduler(verifier, draft, SchedulerConfig(max_active=4, draft_address=DRAFT), FIXED)
+        sched.start()
+        running = asyncio.ensure_future(_collect(sched, count_up(100, 2, 30, ignore_eos=True)))
+        await asyncio.sleep(0.1)  # gw-0 is in its rounds
+        late = asyncio.ensure_future(_collect(sched, count_up(300, 2, 30, ignore_eos=True)))
+        await asyncio.sleep(0.02)  # gw-1's prefill is in flight
+        late.cancel()
+        tokens = await running
+        await sched.stop()
+        return tokens, log
+
+    tokens, log = asyncio.run(go())
+    assert tokens == list(range(101, 131))
+    sent = log.index(("prefill-sent", ["gw-1"]))
+    assert ("verify", ["gw-0"]) in log[sent : log.index(("prefill", "gw-1", 2, False))]  # rounds meanwhile
+    assert log.index(("release-verifier", ["gw-1"])) > log.index(("prefill", "gw-1", 2, False))
+
+
+async def _collect(sched: Scheduler, gen) -> list[int]:
+    return [t async for d in sched.generate(gen) for t in d.token_ids]

@@ -1,11 +1,13 @@
 """Continuous batching of generations over the draft and verifier services.
 
-One loop owns every active sequence. Each iteration admits waiting requests and prefills up to
-`prefill_chunk` prompt tokens on the verifier in one call (oldest first, several prompts together; a
-longer prompt goes in chunks, one per iteration, so that it stalls the running sequences for one chunk at
-a time, not for its whole prompt), then runs one round for every sequence whose prompt is in: propose,
-verify, commit, stream. Sequences join after their prefill and leave when finished, between rounds,
-without stalling the others.
+One loop owns every active sequence. Each iteration admits waiting requests, starts the next prefill in
+the background when none is in flight (up to `prefill_chunk` prompt tokens on the verifier in one call,
+oldest first, several prompts together; a longer prompt goes in chunks, one per iteration), and runs one
+round for every sequence whose prompt is in (propose, verify, commit, stream) while that prefill goes on:
+the verifier runs the prefill between the round's engine calls (services/engine_runner.py), so a joiner's
+first token does not wait for the round and the round does not wait for the joiner's whole prompt, only
+for the GPU time its chunk takes. Sequences join the round after their prefill and leave when finished,
+between rounds, without stalling the others.
 
 The draft is optional to every request. When it is down or a propose fails, the round's speculative
 sequences are decoded plainly on the verifier (the same tokens, one a round) and the draft's state of
@@ -31,8 +33,10 @@ sequence where this gateway would (end-of-sequence and stop token ids, its max_t
 are cut here at commit); the call answers every committed token and each round's accepted count, so the
 gateway's hop and host work come once per k rounds. The group's tokens are committed and streamed once per
 call; the request statistics, the metrics, the policy and the round breakdown still count each round
-(_commit_rounds, _time_round). k is 1 while requests wait for admission or are being prefilled, so that
-they wait for one round, not k (_rounds_per_call), and plain rounds are as before.
+(_commit_rounds, _time_round). k is 1 while requests wait for admission (a free slot), so that they wait
+for one round, not k (_rounds_per_call); a prompt being prefilled does not lower it (its chunks run beside
+the call; the sequence joins at the next call, at most k rounds after its first token), and plain rounds
+are as before.
 
 Speculation policy (common/policy.py): each group round has a shape, chosen when the round before was sent
 (its trees are drafted from there) or at the round's start: a tree (depth, nodes) or plain decoding. A request may pin
@@ -83,6 +87,7 @@ class Active:
     chained: bool = False  # the verifier holds its next tree (the draft has every token; next_propose is empty)
     prefilled: int = 0  # prompt tokens in the verifier's cache so far
     prefilling: bool = True  # its prompt is not all in yet: no rounds
+    in_prefill: bool = False  # a prefill call naming it is in flight: it does not retire before the call is over
     wants_hidden: bool = False  # decided at its first chunk: the prefill returns the prompt's features
     solo: bool = False  # a prefill it shared failed: its prompt goes in calls of its own
     started: float = field(default_factory=time.perf_counter)
@@ -149,6 +154,7 @@ class Scheduler:
         self.draining = False
         self._decided: dict[int, Shape] = {}  # per group: the next round's shape, chosen when this one was sent
         self._background: set[asyncio.Task] = set()  # work stop() waits for (releases, early proposes): _spawn
+        self._prefilling: asyncio.Task | None = None  # the prefill call in flight beside the rounds (_start_prefill)
         self._verifier_releases: set[asyncio.Task] = set()  # releases in flight (slots freed when done)
         self._wake = asyncio.Event()
         self._ids = itertools.count()
@@ -168,6 +174,8 @@ class Scheduler:
         if self._task:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        if self._prefilling is not None:  # its slots exist once it is over: released below, not before
+            await asyncio.gather(self._prefilling, return_exceptions=True)
         left = self.active + list(self.waiting.values())
         self.waiting.clear()
         self._fail(left, PeerUnavailable("the gateway shut down before this request finished"))
@@ -213,12 +221,17 @@ class Scheduler:
             if not self.active and not self.waiting:
                 self._wake.clear()
                 await self._wake.wait()
-            await self._admit()
+            self._admit()
+            await self._retire()  # finished by their first token, or cancelled while prefilling
+            self._start_prefill()
             if self.active:
                 await self._guarded(self.active, self._catch_up())  # sequences the draft lost, once it is back
             ready = [a for a in self.active if not a.prefilling]
             groups = [(g, [a for a in ready if a.group == g]) for g in range(self.cfg.groups)]
-            await asyncio.gather(*(self._guarded(members, self._round(g, members)) for g, members in groups if members))
+            if ready:
+                await asyncio.gather(*(self._guarded(m, self._round(g, m)) for g, m in groups if m))
+            elif self._prefilling is not None:  # nobody to run a round for: the prompts in first
+                await asyncio.wait({self._prefilling})
 
     async def _round(self, group: int, members: list[Active]) -> None:
         """One round for the members of a group. With several groups their rounds run concurrently: one
@@ -276,7 +289,7 @@ class Scheduler:
         else one. One as well when a member's next tree is plain: the policy's sequences stop after one
         round and would wait for the pinned ones' others. Sequences with pinned trees draft them whatever
         the policy's shape (PLAIN when every sequence is pinned: nobody for the policy to choose for)."""
-        if self.waiting or any(a.prefilling for a in self.active):
+        if self.waiting:
             return 1
         if any(self._next_tree(a, nxt) is None for a in members):  # None: no chaining, or a plain next tree
             return 1
@@ -505,7 +518,8 @@ class Scheduler:
             for _ in range(n):
                 histogram.observe(seconds[name] / n)
 
-    async def _admit(self) -> None:
+    def _admit(self) -> None:
+        """Waiting requests into the rounds' sequences while there is room (their prompts go in next)."""
         self.metrics.running.set(len(self.active))
         self.metrics.waiting.set(len(self.waiting))
         while self.waiting and len(self.active) < self.cfg.max_active:
@@ -515,6 +529,12 @@ class Scheduler:
             sizes = [sum(b.group == g for b in self.active) for g in range(self.cfg.groups)]
             a.group = sizes.index(min(sizes))  # the smaller group
             self.active.append(a)
+
+    def _start_prefill(self) -> None:
+        """The next prefill call, in the background, unless one is in flight or no prompt is left to go in:
+        up to prefill_chunk tokens, oldest first (see the module's docstring)."""
+        if self._prefilling is not None and not self._prefilling.done():
+            return
         budget = self.cfg.prefill_chunk or float("inf")
         work: list[tuple[Active, int]] = []  # (sequence, prompt tokens it gets now)
         for a in [a for a in self.active if a.prefilling and a.gen.finish is None]:  # oldest first
@@ -523,6 +543,21 @@ class Scheduler:
             n = int(min(len(a.gen.request.prompt_ids) - a.prefilled, budget))
             budget -= n
             work.append((a, n))
+        for a, _ in work:
+            a.in_prefill = True
+        self._prefilling = self._spawn(self._prefill_work(work)) if work else None
+
+    async def _prefill_work(self, work: list[tuple[Active, int]]) -> None:
+        """One prefill step (_start_prefill's): the sequences alone that a shared call failed, then the
+        others in one call. Until it is over they do not retire (a release sent before the call lands
+        would leave the call's slots held)."""
+        try:
+            await self._prefill_calls(work)
+        finally:
+            for a, _ in work:
+                a.in_prefill = False
+
+    async def _prefill_calls(self, work: list[tuple[Active, int]]) -> None:
         if self._verifier_releases and any(a.prefilled == 0 for a, _ in work):  # their slots: see _retire
             await asyncio.gather(*self._verifier_releases, return_exceptions=True)
         for a, n in [(a, n) for a, n in work if a.solo]:  # see _prefill_together
@@ -532,7 +567,6 @@ class Scheduler:
             await self._guarded([together[0][0]], self._prefill(together))
         elif together:
             await self._prefill_together(together)
-        await self._retire()
 
     async def _prefill_together(self, work: list[tuple[Active, int]]) -> None:
         """Several sequences in one call. It is all or nothing, so that one request's failure never fails the
@@ -604,12 +638,14 @@ class Scheduler:
 
     async def _retire(self) -> None:
         """Finished sequences leave the rounds; their slots are released in the background (the next round
-        need not wait for the verifier's Release, which waits for their chained proposals): _admit waits
-        for those releases before it prefills a new sequence into a slot."""
-        done = [a for a in self.active if a.gen.finish is not None]
+        need not wait for the verifier's Release, which waits for their chained proposals): a prefill step
+        waits for those releases before it prefills a new sequence into a slot (_prefill_calls). One whose
+        prefill call is in flight leaves once the call is over (Active.in_prefill)."""
+        done = [a for a in self.active if a.gen.finish is not None and not a.in_prefill]
         if not done:
             return
-        self.active = [a for a in self.active if a.gen.finish is None]
+        gone = set(done)  # by identity (Active is eq=False)
+        self.active = [a for a in self.active if a not in gone]
         self._spawn(self._release(done), self._verifier_releases)
 
     def _spawn(self, work, *also: set[asyncio.Task]) -> asyncio.Task:
