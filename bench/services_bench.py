@@ -116,6 +116,15 @@ def scrape_rounds(metrics_port: int) -> dict[str, tuple[float, float]]:
     return {p: (sums[p], counts.get(p, 0.0)) for p in sums}
 
 
+def verify_calls(metrics_port: int) -> float:
+    """The gateway's Verify calls so far (specdec_verify_calls_total): with the rounds' count, the rounds a
+    call ran on average."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("specdec_verify_calls_total")
+    )
+
+
 def run(args) -> list[RunResult]:
     prompts = [QUESTIONS[i % len(QUESTIONS)] for i in range(args.prompts)]
     results = []
@@ -162,7 +171,7 @@ def run(args) -> list[RunResult]:
             for c, m in [(c, m) for c in args.concurrency for m in modes]:
                 n = max(len(prompts), args.requests_per_worker * c)  # every worker busy for the whole run
                 load = [prompts[i % len(prompts)] for i in range(n)]
-                before, chosen = scrape_rounds(mport), policy_choices(stack.gateway)
+                before, chosen, calls = scrape_rounds(mport), policy_choices(stack.gateway), verify_calls(mport)
                 traces, finals, wall = asyncio.run(closed_loop(stack.gateway, load, args.max_new_tokens, c, m))
                 speculative = m != "plain"
                 rounds = sum(f.speculation.rounds for f in finals)
@@ -174,6 +183,8 @@ def run(args) -> list[RunResult]:
                 accepted = sum(f.speculation.accepted_tokens for f in finals)  # tokens per round, bonus included
                 r.acceptance_length = (accepted + rounds) / rounds if speculative and rounds else None
                 phase = per_round(before, after)
+                calls = verify_calls(mport) - calls
+                verified = after.get("total", (0, 0))[1] - before.get("total", (0, 0))[1]  # rounds with a Verify
                 r.draft_ms_per_round = phase.get("draft")
                 r.verify_ms_per_round = phase.get("verify")
                 r.rpc_ms_per_round = phase.get("rpc")
@@ -184,13 +195,14 @@ def run(args) -> list[RunResult]:
                 chosen = {k: v - chosen.get(k, 0) for k, v in now.items() if v - chosen.get(k, 0)}
                 log.info(
                     "%s c=%d: %.1f tok/s total, %.1f tok/s per request, acceptance %s, rounds per shape %s, "
-                    "ms per round %s",
+                    "rounds per Verify %s, ms per round %s",
                     r.method,
                     c,
                     r.tok_s_total,
                     r.tok_s_per_request,
                     r.acceptance_length,
                     chosen,
+                    round(verified / calls, 2) if calls else None,
                     {k: round(v, 3) for k, v in phase.items()},
                 )
                 results.append(r)

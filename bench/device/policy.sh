@@ -43,7 +43,7 @@
 #   bench/device/policy.sh fixcheck session 10's K/V offset fix on the GPU (its test in tests/gpu), then the long
 #                                  prompt under load at --max-context 4096 (bench.prefill_stall, whole and 512)
 #   bench/device/policy.sh handover session 11's hand-over to the draft in the verifier's process: the engine in
-#                                  process, then the colocated services at 1 and the default (4) rounds per
+#                                  process, then the colocated services at 1, the default (4) and 8 rounds per
 #                                  Verify, 6x60 pinned, the policy and plain at concurrency 1, 16, 64
 #   bench/device/policy.sh profile4 py-spy round profiles of the draft in the verifier's process at 4 rounds per
 #                                  Verify, concurrency 1 and 64 (fixed policy, default tree); back as spy.tgz
@@ -133,7 +133,7 @@ case "$mode" in
   handover)
     engine
     timeout 300 "${load[@]}" --head models/eagle3-smollm2 --concurrency 1,16,64 --prompts 32 --requests-per-worker 2 \
-      --modes tree:6x60,spec,plain --colocate on --rounds-per-call 1,0 --out "$out/handover" > "$out/handover.log" 2>&1
+      --modes tree:6x60,spec,plain --colocate on --rounds-per-call 1,0,8 --out "$out/handover" > "$out/handover.log" 2>&1
     grep -hE "tok/s total" "$out/handover.log" | sed 's/.*services_bench INFO //' | cut -c1-120 ;;
   profile4)
     python3 -m pip install -q --no-deps --target /tmp/pyspy .devcarry/b/wheels/py_spy-*.whl; export PATH="/tmp/pyspy/bin:$PATH"
