@@ -24,6 +24,8 @@ colocated-kK    verify-chained with the draft in this process (`--draft-here`): 
                 (services.draft.here.LocalDraftClient) over the real Eagle3Drafter, its graph-replayed proposal
                 answered at once with the bench tree; K rounds a Verify (`--colocated-rounds`), the figure
                 per round (the call's wall / K): both services' host work, as one process does it on a GPU
+engines         with the colocated kinds: the same two engines called directly, a proposal then a verify a
+                round (common/engine/loop.py's round): the host work under the colocated kinds, no service
 
 --hidden ipc (default): hidden rows go into the exported buffer (common.ipc.HiddenExport, here on the CPU),
 the colocated fast path; inline: as bytes in the response. Calls run inline on the event loop, as they do
@@ -60,6 +62,7 @@ import numpy as np
 import torch
 
 from common.config import DraftingConfig, LlamaConfig
+from common.engine.base import ProposeInput, VerifyInput
 from common.engine.cuda_graphs import GraphConfig
 from common.engine.draft import DraftOut, Eagle3Drafter
 from common.engine.verifier import DecodeStep, Verifier, VerifierConfig, VerifyStep
@@ -276,6 +279,8 @@ def requests(ids: list[str], tree: pb.DraftTree, steps: int, colocated: list[int
                 seq_id=s, chained=True, next_nodes=nodes, next_depth=depth, max_new=4096, stop_ids=pack_ints([2])
             )
         out[f"colocated-k{k}"] = req.SerializeToString()
+    if colocated:
+        out["engines"] = b""  # no request: measure_engines calls the engines
     return out
 
 
@@ -296,6 +301,22 @@ class Measured:
     ops: int  # torch operations that do work in one more round (count_ops)
 
 
+def keeper(engine: Verifier, drafter: Eagle3Drafter | None, ids: list[str]) -> Callable[[], None]:
+    """A function that puts the sequences back at their lengths of now, in the verifier (and its pending
+    token) and in the drafter when there is one: every measured round starts from the same place."""
+    start = {s: (engine.seqs.get(s)[1].length, engine.seqs.get(s)[1].pending) for s in ids}
+    drafted = {s: drafter.seqs.get(s)[1].length for s in ids} if drafter is not None else {}
+
+    def reset() -> None:
+        for s, (length, pending) in start.items():
+            st = engine.seqs.get(s)[1]
+            st.length, st.pending = length, pending
+        for s, length in drafted.items():
+            drafter.seqs.get(s)[1].length = length
+
+    return reset
+
+
 async def measure(
     servicer: VerifierServicer,
     kind: str,
@@ -308,9 +329,7 @@ async def measure(
 ) -> Measured:
     """`rounds` calls of one kind after `warmup`, every call from the same sequence lengths (the drafter's
     too, when it is in this process); a call of several rounds counts as its wall over its rounds."""
-    engine: Verifier = servicer.engine  # type: ignore[assignment]
-    start = {s: (engine.seqs.get(s)[1].length, engine.seqs.get(s)[1].pending) for s in ids}
-    drafted = {s: drafter.seqs.get(s)[1].length for s in ids} if drafter is not None else {}
+    reset = keeper(servicer.engine, drafter, ids)
     if kind == "decode":
         parse: Callable[[bytes], object] = pb.DecodeRequest.FromString
         call: Callable[[object, object], Awaitable] = servicer.Decode
@@ -321,11 +340,7 @@ async def measure(
         await servicer.Verify(_first_chained(raw, tree), Context())
 
     async def one_round():
-        for s, (length, pending) in start.items():
-            st = engine.seqs.get(s)[1]
-            st.length, st.pending = length, pending
-        for s, length in drafted.items():
-            drafter.seqs.get(s)[1].length = length
+        reset()
         t0 = time.perf_counter()
         resp = await call(parse(raw), Context())
         resp.SerializeToString()
@@ -342,6 +357,31 @@ async def measure(
     if chained:
         await servicer.chain.settle(ids)  # the proposals the last round asked for
     return Measured(walls, engine_s, ops)
+
+
+async def measure_engines(
+    servicer: VerifierServicer, drafter: Eagle3Drafter, ids: list[str], rounds: int, warmup: int
+) -> Measured:
+    """The colocated kinds' two engines with no service around them: Eagle3Drafter.propose, then
+    Verifier.verify, the next proposal's inputs from the verify's outputs (common/engine/loop.py's round),
+    from the same lengths every round: the floor under the colocated kinds' host time."""
+    engine: Verifier = servicer.engine  # type: ignore[assignment]
+    reset = keeper(engine, drafter, ids)
+    width = drafter.feature_dim
+    items = [ProposeInput(s, [5, 6, 7, 8], torch.zeros(4, width), False, [], 0) for s in ids]
+
+    async def one_round():
+        nonlocal items
+        reset()
+        t0 = time.perf_counter()
+        trees = drafter.propose(items)
+        outs = engine.verify([VerifyInput(s, t) for s, t in zip(ids, trees)])
+        items = [ProposeInput.after_verify(s, o, 0) for s, o in zip(ids, outs)]
+        wall = time.perf_counter() - t0
+        return wall, wall
+
+    walls = [(await one_round())[0] for _ in range(warmup + rounds)][warmup:]
+    return Measured(walls, walls, await count_ops(one_round))
 
 
 @functools.cache
@@ -414,7 +454,9 @@ async def run(args: argparse.Namespace, out: Path) -> list[dict]:
             prof = cProfile.Profile() if profile == (kind, str(n)) else None
             if prof is not None:
                 prof.enable()
-            if kind.startswith("colocated"):
+            if kind == "engines":
+                m = await measure_engines(here, drafter, ids[:n], args.rounds, args.warmup)
+            elif kind.startswith("colocated"):
                 m = await measure(here, kind, ids[:n], raws[kind], draft.tree, args.rounds, args.warmup, drafter)
             else:
                 m = await measure(servicer, kind, ids[:n], raws[kind], draft.tree, args.rounds, args.warmup)
