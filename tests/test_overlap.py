@@ -283,11 +283,19 @@ def test_a_chained_call_that_fails_means_plain_decoding_and_a_catch_up() -> None
 
 def test_two_groups_run_their_rounds_concurrently() -> None:
     """groups=2: sequences alternate between two groups whose rounds interleave on the services (one
-    group's verify happens while the other's propose is in flight); every token is still exact."""
+    group's verify happens while the other's propose is in flight: the second group's proposals start
+    5 ms late here, so that the two groups' calls do not answer at the same instant, as they would not on
+    real services); every token is still exact."""
+
+    class UnevenDraft(FakeDraft):
+        async def propose(self, items: list[pb.ProposeItem], owner: str = "") -> Batched:
+            if items[0].seq_id in ("gw-1", "gw-3"):
+                await asyncio.sleep(0.005)
+            return await super().propose(items, owner)
 
     async def run():
         log: list = []
-        draft = FakeDraft(log)
+        draft = UnevenDraft(log)
         cfg = SchedulerConfig(max_active=4, groups=2, draft_address=DRAFT)
         sched = Scheduler(FakeVerifier(log, 2, draft), draft, cfg, FIXED)
         sched.start()
@@ -499,3 +507,39 @@ def test_a_request_cancelled_during_its_prefill_is_released_after_the_call() -> 
 
 async def _collect(sched: Scheduler, gen) -> list[int]:
     return [t async for d in sched.generate(gen) for t in d.token_ids]
+
+
+def test_a_calls_text_is_streamed_while_the_next_call_runs() -> None:
+    """Scheduler._speak: a call's tokens are taken at once (budget and finish for the next call) and their
+    text is made and streamed right after the next Verify went out: between the verifier getting that call
+    (its chain logs `chained`) and its verify, which waits for the draft. 13 tokens: the prefill's, then 4
+    rounds of 3; each round's text after the next round's call, the last one's once nothing runs."""
+
+    async def go():
+        log: list = []
+        draft = FakeDraft(log)
+        sched = Scheduler(FakeVerifier(log, 2, draft), draft, SchedulerConfig(max_active=4, draft_address=DRAFT), FIXED)
+        stream = sched._stream
+
+        def logged(deltas):
+            log.append(("stream", [d.token_ids for _, d in deltas]))
+            stream(deltas)
+
+        sched._stream = logged
+        sched.start()
+        tokens = await _collect(sched, count_up(100, 2, 13, ignore_eos=True))
+        await sched.stop()
+        return tokens, log
+
+    tokens, log = asyncio.run(go())
+    assert tokens == list(range(101, 114))
+    streamed_ = [e[1] for e in log if e[0] == "stream"]
+    assert streamed_ == [[[101]], [[102, 103, 104]], [[105, 106, 107]], [[108, 109, 110]], [[111, 112, 113]]]
+    calls = [i for i, e in enumerate(log) if e[0] == "chained"]  # rounds 2, 3, 4
+    assert len(calls) == 3
+    for c in calls:
+        v = next(i for i in range(c, len(log)) if log[i][0] == "verify")
+        assert [e[1] for e in log[c:v] if e[0] == "stream"], log[c:v]  # the round before's text, meanwhile
+    assert log[-1][0] != "stream" and max(i for i, e in enumerate(log) if e[0] == "stream") > max(
+        i for i, e in enumerate(log) if e[0] == "verify"
+    )  # the last round's text after the last verify

@@ -167,3 +167,32 @@ def test_a_round_at_once_equals_the_rule_token_by_token(tok):
             each.finish,
             each._held,
         )
+
+
+def test_take_applies_the_token_rules_now_and_speak_the_text_later():
+    """take: token_ids, tokens_left and the finish by token rules at once (what the next call needs);
+    speak: the text. Hand-computed on FakeTokenizer's pieces."""
+    g = gen(max_tokens=4)
+    t = g.take([5, 6, 7, 8, 9])
+    assert (t.taken, t.finish) == ([5, 6, 7, 8], Finish.LENGTH)
+    assert g.token_ids == [5, 6, 7, 8] and g.tokens_left() == 0 and g.finish == Finish.LENGTH and g.text == ""
+    assert g.speak(t) == Delta(token_ids=[5, 6, 7, 8], text="Hello world", finish=Finish.LENGTH)
+    assert g.take([9]) is None  # finished: nothing taken
+
+
+def test_speak_gives_back_what_a_stop_string_cuts():
+    """The take [5, 6, 7, 8, 9] ("Hello world!") by token rules; its speak finds "lo w" completed by token 7
+    and leaves token_ids where token-by-token commits would: [5, 6, 7], finish STOP, text "Hel"."""
+    g = gen(stop=("lo w",))
+    t = g.take([5, 6, 7, 8, 9])
+    assert g.token_ids == [5, 6, 7, 8, 9] and g.finish is None
+    d = g.speak(t)
+    assert d == Delta(token_ids=[5, 6, 7], text="Hel", finish=Finish.STOP)
+    assert g.token_ids == [5, 6, 7] and g.text == "Hel"
+
+
+def test_a_request_cancelled_between_take_and_speak_only_gets_its_finish():
+    g = gen()
+    t = g.take([5, 6])
+    g.abort()
+    assert g.speak(t) == Delta(token_ids=[5, 6], text="", finish=Finish.ABORT)

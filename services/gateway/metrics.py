@@ -101,7 +101,7 @@ class Metrics:
         if self._phase is None:
             self._phase = {
                 p: self.round_seconds.labels(p)
-                for p in ("draft", "verify", "draft_wait", "rpc", "orchestration", "total")
+                for p in ("draft", "verify", "draft_wait", "rpc", "orchestration", "stream", "total")
             }
         return self._phase
 

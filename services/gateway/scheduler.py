@@ -27,6 +27,12 @@ dropped (wasted work, never a wrong token); the verifier's Release waits for the
 the draft's copy is released after that (both in the background: _retire). With no draft address for
 the verifier (SchedulerConfig.draft_address ""), every tree comes from the gateway's own propose.
 
+The gateway's host work overlaps the services': a call's tokens are taken as soon as it answers (the
+token rules: each sequence's budget and finish, what the next call needs, Generation.take), the next call
+is sent, and only then is the first call's text made and streamed (detokenizing, stop strings:
+Generation.speak, _speak), while the services work on the next one. A stop string found then ends its
+sequence one call late: that call's rounds for it are wasted, never streamed.
+
 Several rounds a call (SchedulerConfig.rounds_per_call = k): a Verify of chained sequences asks for up to k
 rounds, which the verifier runs by itself with the draft (services/verifier/chain.py), stopping each
 sequence where this gateway would (end-of-sequence and stop token ids, its max_tokens budget; stop strings
@@ -63,7 +69,7 @@ from common.rounds import MAX_ROUNDS_PER_CALL, start_shift
 from services.clients import DraftClient, RoundItem, Verified, VerifiedRound, VerifierClient, prefill_item
 from services.gateway.health import DraftLink
 from services.gateway.metrics import Metrics
-from services.gateway.sequence import Delta, Finish, Generation
+from services.gateway.sequence import Delta, Finish, Generation, Taken
 from services.gateway.speculation import append_plain_round
 from services.packed import pack_ints
 from services.sampling import sampling_msg
@@ -155,6 +161,7 @@ class Scheduler:
         self._decided: dict[int, Shape] = {}  # per group: the next round's shape, chosen when this one was sent
         self._background: set[asyncio.Task] = set()  # work stop() waits for (releases, early proposes): _spawn
         self._prefilling: asyncio.Task | None = None  # the prefill call in flight beside the rounds (_start_prefill)
+        self._unspoken: list[tuple[Active, Taken]] = []  # the last call's tokens, taken, their text not yet streamed
         self._verifier_releases: set[asyncio.Task] = set()  # releases in flight (slots freed when done)
         self._wake = asyncio.Event()
         self._ids = itertools.count()
@@ -176,6 +183,7 @@ class Scheduler:
             await asyncio.gather(self._task, return_exceptions=True)
         if self._prefilling is not None:  # its slots exist once it is over: released below, not before
             await asyncio.gather(self._prefilling, return_exceptions=True)
+        self._speak()
         left = self.active + list(self.waiting.values())
         self.waiting.clear()
         self._fail(left, PeerUnavailable("the gateway shut down before this request finished"))
@@ -219,6 +227,7 @@ class Scheduler:
     async def _loop(self) -> None:
         while True:
             if not self.active and not self.waiting:
+                self._speak()
                 self._wake.clear()
                 await self._wake.wait()
             self._admit()
@@ -231,6 +240,7 @@ class Scheduler:
             if ready:
                 await asyncio.gather(*(self._guarded(m, self._round(g, m)) for g, m in groups if m))
             elif self._prefilling is not None:  # nobody to run a round for: the prompts in first
+                self._speak()
                 await asyncio.wait({self._prefilling})
 
     async def _round(self, group: int, members: list[Active]) -> None:
@@ -252,19 +262,27 @@ class Scheduler:
             nxt = self._next_shape(group, spec)
             k = self._rounds_per_call(members, nxt)
             items = [self._round_item(a, trees.get(a.seq_id), nxt, k) for a in spec]
-            verified = await self.verifier.verify(items, self.cfg.draft_address, self.cfg.instance_id, rounds=k)
+            call = asyncio.ensure_future(
+                self.verifier.verify(items, self.cfg.draft_address, self.cfg.instance_id, rounds=k)
+            )
+            try:
+                await asyncio.sleep(0)  # the call's request goes out (the client writes it on its stream) ...
+                spoke = self._speak()  # ... and the last call's text is made and streamed while the services work
+                verified = await call
+            finally:
+                call.cancel()  # a no-op once done; else this round was cancelled or speaking failed
             t2 = time.perf_counter()
             self.metrics.verify_calls.inc()
             lost = [(a, r.draft_error) for a, r in zip(spec, verified.results) if r.draft_error]
             if lost:  # their chained trees never came: caught up later, plain this round if it got no tokens
                 self._draft_failed([a for a, _ in lost], lost[0][1])
                 plain += [a for a, r in zip(spec, verified.results) if r.draft_error and not r.tokens]
-            self._stream(self._commit_rounds(spec, verified, shape, nxt))  # commit, stream
+            self._unspoken += self._take_rounds(spec, verified, shape, nxt)  # streamed while the next call runs
             if verified.draft_batch:  # the chained trees' calls: the draft's engine time at its batch and depth
                 chained = [a for a in spec if a.seq_id not in trees] if verified.rounds == 1 else spec
                 depth = self._round_shape(chained, shape if verified.rounds == 1 else nxt or shape).depth
                 self.policy.observe_step("propose", verified.draft_batch, depth, verified.draft_s / verified.rounds)
-            self._time_round(t0, t1, t2, draft_s, verified)
+            self._time_round(t0, t1, t2, draft_s, verified, spoke)
             drafted = self._round_shape(spec, shape)
             self.policy.observe_round(len(spec), drafted, (t2 - t0) / verified.rounds, 1)
             for _ in range(verified.rounds - 1):  # the call's later rounds drafted the next shape
@@ -285,10 +303,11 @@ class Scheduler:
 
     def _rounds_per_call(self, members: list[Active], nxt: Shape | None) -> int:
         """Rounds the verifier may run in this Verify: cfg.rounds_per_call while the trees are chained and
-        nobody waits to join (a request waiting for admission or in its prefill would wait for all of them);
-        else one. One as well when a member's next tree is plain: the policy's sequences stop after one
-        round and would wait for the pinned ones' others. Sequences with pinned trees draft them whatever
-        the policy's shape (PLAIN when every sequence is pinned: nobody for the policy to choose for)."""
+        no request waits for admission (it would wait for all of them: a prompt being prefilled does not,
+        its prefill runs beside the call); else one. One as well when a member's next tree is plain: the
+        policy's sequences stop after one round and would wait for the pinned ones' others. Sequences with
+        pinned trees draft them whatever the policy's shape (PLAIN when every sequence is pinned: nobody for
+        the policy to choose for)."""
         if self.waiting:
             return 1
         if any(self._next_tree(a, nxt) is None for a in members):  # None: no chaining, or a plain next tree
@@ -302,13 +321,16 @@ class Scheduler:
             return RoundItem(a.seq_id, tree, nxt_tree)
         return RoundItem(a.seq_id, tree, nxt_tree, a.gen.tokens_left(), pack_ints(a.gen.token_stops))
 
-    def _commit_rounds(
+    def _take_rounds(
         self, spec: list[Active], verified: VerifiedRound, shape: Shape, nxt: Shape | None
-    ) -> list[tuple[Active, Delta]]:
-        """Each sequence's tokens of the call, committed at once (cut at a stop string, as one round's), and
-        its rounds counted one by one: the request's statistics, the metrics and the policy learn per round
-        (round 1 drafted `shape`, later ones `nxt`). Returns the deltas to stream."""
-        deltas, accepted, nodes = [], [], 0
+    ) -> list[tuple[Active, Taken]]:
+        """Each sequence's tokens of the call, taken at once by the token rules (Generation.take: its budget
+        and finish are right for the next call), and its rounds counted one by one: the request's
+        statistics, the metrics and the policy learn per round (round 1 drafted `shape`, later ones `nxt`).
+        Returns the takes to speak (_speak: their text, stop strings, the stream), which the next call
+        overlaps. A sequence that had finished (a stop string found by the last speak, a cancelled request)
+        takes nothing: rounds run past a stop string are wasted, never wrong."""
+        takes, accepted, nodes = [], [], 0
         for a, r in zip(spec, verified.results):
             if not r.tokens:  # a round-1 draft_error: nothing verified
                 continue
@@ -319,9 +341,22 @@ class Scheduler:
                 self.policy.observe(a.seq_id, self._tree(a, shape if j == 0 or nxt is None else nxt), n)
             accepted += r.accepted
             nodes += r.nodes
-            deltas.append((a, a.gen.commit(r.tokens)))
+            taken = a.gen.take(r.tokens)
+            if taken is not None:
+                takes.append((a, taken))
         self.metrics.verified(accepted, nodes)
-        return deltas
+        return takes
+
+    def _speak(self) -> float:
+        """Stream the text of the takes not yet spoken (detokenizing them, checking stop strings); called
+        right after the next Verify went out, and before anything else that streams or waits. Returns the
+        seconds it took."""
+        if not self._unspoken:
+            return 0.0
+        t0 = time.perf_counter()
+        pending, self._unspoken = self._unspoken, []
+        self._stream([(a, a.gen.speak(t)) for a, t in pending])
+        return time.perf_counter() - t0
 
     def _next_tree(self, a: Active, nxt: Shape | None) -> tuple[int, int] | None:
         """(depth, nodes) of the tree the verifier asks the draft for after this round, or None."""
@@ -342,6 +377,7 @@ class Scheduler:
     async def _plain_round(self, plain: list[Active]) -> None:
         """Several tokens per call; commit cuts at a stop (steps past it are wasted, not wrong). Speculative
         sequences bring their features back for the draft (see services/gateway/speculation.py)."""
+        self._speak()  # the takes first: this round commits and streams at once
         left = max(a.gen.request.max_tokens - len(a.gen.token_ids) for a in plain)
         steps = max(1, min(self.cfg.plain_steps, left))
         follow = {a.seq_id: len(a.next_propose.token_ids) for a in plain if a.next_propose is not None}
@@ -412,6 +448,7 @@ class Scheduler:
         if not early:
             return members, {}
         if all(a.early is not None for a in members):
+            self._speak()  # others' text need not wait for these trees
             await asyncio.wait({a.early.task for a in early}, return_when=asyncio.FIRST_COMPLETED)
         sitting = {id(a) for a in early if not a.early.task.done()}
         trees, counted = {}, set()
@@ -430,6 +467,8 @@ class Scheduler:
     async def _proposals(self, fresh: list[Active], shape: Shape) -> tuple[dict[str, pb.DraftTree], float]:
         """Trees of the sequences the verifier holds none for ({seq_id: tree}) and the draft's engine
         seconds; none when the draft failed (those sequences are plain this round, see _propose)."""
+        if fresh:
+            self._speak()  # the text need not wait for this call
         proposed = await self._propose(fresh, shape)
         if proposed is None:
             return {}, 0.0
@@ -472,6 +511,10 @@ class Scheduler:
         self.metrics.degraded.set(1 if self.speculation_degraded else 0)
         if not lost or not self.draft_link.may_try(time.monotonic()) or not self.draft.reachable():
             return
+        self._speak()  # token_ids as the stream has them (a stop string may have ended one)
+        lost = [a for a in lost if a.gen.finish is None]
+        if not lost:
+            return
         contexts = [a.gen.request.prompt_ids + a.gen.token_ids for a in lost]
         try:
             hidden = await self.verifier.features([(a.seq_id, ctx[:-1]) for a, ctx in zip(lost, contexts)])
@@ -497,13 +540,15 @@ class Scheduler:
         self.choices[shape] = self.choices.get(shape, 0) + 1
         self.metrics.round_shape(shape.depth, shape.nodes)
 
-    def _time_round(self, t0: float, t1: float, t2: float, draft_s: float, v: VerifiedRound) -> None:
+    def _time_round(self, t0: float, t1: float, t2: float, draft_s: float, v: VerifiedRound, spoke: float) -> None:
         """Round breakdown, per round (a call of several rounds: its figures over the rounds it ran): engine
         time in each service (the draft's: the trees of the call's rounds, chained or not), the verifier's
         wait for chained trees not ready when it needed them (rounds after a call's first always wait: the
-        draft works between them), RPC (call wall minus all that, the verifier's hops to the draft
-        included), and the gateway's own orchestration (commit, detokenize, stream)."""
-        rpc = max((t1 - t0) - draft_s, 0) + max((t2 - t1) - v.compute_s - v.wait_s, 0)
+        draft works between them), RPC (call wall minus all that and the streaming it overlapped, the
+        verifier's hops to the draft and anything it ran between the rounds, such as a prefill, included),
+        the gateway's own orchestration after the call (taking the tokens, the policy, the metrics), and
+        `stream`: the last call's text and streaming, done while this call ran (not part of total)."""
+        rpc = max((t1 - t0) - draft_s, 0) + max((t2 - t1) - v.compute_s - v.wait_s - spoke, 0)
         t3 = time.perf_counter()
         n = v.rounds
         seconds = {
@@ -512,6 +557,7 @@ class Scheduler:
             "draft_wait": v.wait_s,
             "rpc": rpc,
             "orchestration": t3 - t2,
+            "stream": spoke,
             "total": t3 - t0,
         }
         for name, histogram in self.metrics.round_phase.items():  # each round once: sum / count is per round

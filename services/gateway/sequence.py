@@ -42,6 +42,15 @@ class Delta:
     finish: Finish | None
 
 
+@dataclass(frozen=True)
+class Taken:
+    """A round's tokens as Generation.take committed them by the token rules, awaiting their text."""
+
+    new_tokens: list[int]  # [round] what the round brought
+    taken: list[int]  # [committed] its first tokens, cut at a stop token id or max_tokens
+    finish: Finish | None  # the finish they reached
+
+
 @dataclass
 class SpecStats:
     rounds: int = 0
@@ -90,19 +99,39 @@ class Generation:
         string once. The delta is what committing them one at a time (_commit_each) would give in all: a
         stop string can only start in the held text or the round's (see _push_text), and the text held
         after the round is the same. A round that completes a stop string goes token by token, to find
-        the token that completed it."""
-        if self.finish is not None:  # nothing is committed (held text comes out, as token by token)
-            return self._commit_each(new_tokens)
+        the token that completed it. commit = speak(take(...)): the scheduler takes at once and speaks
+        later, while the next call runs."""
+        taken = self.take(new_tokens)
+        return self.speak(taken) if taken is not None else self._commit_each(new_tokens)
+
+    def take(self, new_tokens: list[int]) -> Taken | None:
+        """commit's token rules, now: the tokens cut at an end-of-sequence or stop token id or at max_tokens
+        join token_ids and set the finish they reach, so that tokens_left and finish are what the next call
+        needs; the text comes with speak(). None when the generation had finished already (nothing is
+        taken; commit then emits what token-by-token commits would)."""
+        if self.finish is not None:
+            return None
         taken, finish = self._cut(new_tokens)
+        self.token_ids += taken
+        self.finish = finish
+        return Taken(new_tokens, taken, finish)
+
+    def speak(self, t: Taken) -> Delta:
+        """The text of a take (the last one: nothing was taken since), and stop strings: one that the round
+        completes cuts it where token-by-token commits would (the take's tokens are given back and
+        _commit_each goes through the round). A generation cancelled since the take only gets its finish."""
+        if self.finish is Finish.ABORT:  # take never sets it: cancelled since
+            return Delta(token_ids=t.taken, text="", finish=Finish.ABORT)
+        taken, finish = t.taken, t.finish
         spoken = taken if finish is None or finish == Finish.LENGTH else taken[:-1]  # eos, stop ids: no text
         stops = self.request.stop
         mark = self.decoder.mark() if stops else None
         window = self._held + self.decoder.push_round(spoken)
         if mark is not None and any(s in window for s in stops):
             self.decoder.rewind(mark)
-            return self._commit_each(new_tokens)
-        self.token_ids += taken
-        self.finish = finish
+            del self.token_ids[len(self.token_ids) - len(taken) :]
+            self.finish = None
+            return self._commit_each(t.new_tokens)
         if not stops or finish in (Finish.EOS, Finish.LENGTH):  # nothing more can complete a stop string
             text, self._held = window, ""
         else:  # a stop token drops the held text, as token by token
