@@ -19,7 +19,7 @@ from common.policy import PLAIN, CyclePolicy, FixedPolicy, Shape
 from services.clients import Batched, Prefilled, VerifierClient
 from services.gateway.detokenize import RoundDecoder
 from services.gateway.metrics import Metrics
-from services.gateway.scheduler import Scheduler, SchedulerConfig
+from services.gateway.scheduler import Active, Scheduler, SchedulerConfig
 from services.gateway.sequence import Delta, Generation, GenRequest
 from services.tree_wire import draft_tree, unpack
 from services.verifier.chain import DraftChain
@@ -543,3 +543,28 @@ def test_a_calls_text_is_streamed_while_the_next_call_runs() -> None:
     assert log[-1][0] != "stream" and max(i for i, e in enumerate(log) if e[0] == "stream") > max(
         i for i, e in enumerate(log) if e[0] == "verify"
     )  # the last round's text after the last verify
+
+
+def test_a_failed_step_leaves_a_sequence_in_prefill_to_retire_after_its_call() -> None:
+    """A step that fails its sequences (Scheduler._guarded: a catch-up fails for every active one) releases
+    them at once, except one whose prefill call is in flight: it gets the error now and leaves (and is
+    released) once the call is over, as a cancelled one does."""
+
+    async def go():
+        log: list = []
+        draft = FakeDraft(log)
+        sched = Scheduler(FakeVerifier(log, 1, draft), draft, SchedulerConfig(max_active=4, draft_address=DRAFT), FIXED)
+        running, joining = (Active(f"gw-{i}", count_up(100, 2, 5), asyncio.Queue()) for i in range(2))
+        joining.in_prefill = True
+        sched.active = [running, joining]
+
+        async def fails():
+            raise RuntimeError("a step failed")
+
+        await sched._guarded([running, joining], fails())
+        errors = [type(a.out.get_nowait()).__name__ for a in (running, joining)]
+        return sched.active == [joining], errors, [e for e in log if e[0] == "release-verifier"]
+
+    kept, errors, released = asyncio.run(go())
+    assert kept and errors == ["RuntimeError", "RuntimeError"]
+    assert released == [("release-verifier", ["gw-0"])]

@@ -734,8 +734,10 @@ class Scheduler:
         except Exception as e:  # the step's requests get the error; the loop and other requests go on
             log.warning("step failed for %d sequence(s): %s", len(group), e)
             self._fail(group, e)
-            self.active = [a for a in self.active if a not in group]
-            await self._release(group)
+            gone = [a for a in group if not a.in_prefill]  # one whose prefill call is in flight: _retire, after it
+            out = set(gone)  # by identity (Active is eq=False)
+            self.active = [a for a in self.active if a not in out]
+            await self._release(gone)
 
     @staticmethod
     def _fail(group: list[Active], e: Exception) -> None:
