@@ -39,7 +39,7 @@ sequence where this gateway would (end-of-sequence and stop token ids, its max_t
 are cut here at commit); the call answers every committed token and each round's accepted count, so the
 gateway's hop and host work come once per k rounds. The group's tokens are committed and streamed once per
 call; the request statistics, the metrics, the policy and the round breakdown still count each round
-(_commit_rounds, _time_round). k is 1 while requests wait for admission (a free slot), so that they wait
+(_take_rounds, _time_round). k is 1 while requests wait for admission (a free slot), so that they wait
 for one round, not k (_rounds_per_call); a prompt being prefilled does not lower it (its chunks run beside
 the call; the sequence joins at the next call, at most k rounds after its first token), and plain rounds
 are as before.
@@ -69,7 +69,7 @@ from common.rounds import MAX_ROUNDS_PER_CALL, start_shift
 from services.clients import DraftClient, RoundItem, Verified, VerifiedRound, VerifierClient, prefill_item
 from services.gateway.health import DraftLink
 from services.gateway.metrics import Metrics
-from services.gateway.sequence import Delta, Finish, Generation, Taken
+from services.gateway.sequence import Delta, Finish, Generation, Take
 from services.gateway.speculation import append_plain_round
 from services.packed import pack_ints
 from services.sampling import sampling_msg
@@ -161,7 +161,7 @@ class Scheduler:
         self._decided: dict[int, Shape] = {}  # per group: the next round's shape, chosen when this one was sent
         self._background: set[asyncio.Task] = set()  # work stop() waits for (releases, early proposes): _spawn
         self._prefilling: asyncio.Task | None = None  # the prefill call in flight beside the rounds (_start_prefill)
-        self._unspoken: list[tuple[Active, Taken]] = []  # the last call's tokens, taken, their text not yet streamed
+        self._unspoken: list[tuple[Active, Take]] = []  # the last call's tokens, taken, their text not yet streamed
         self._verifier_releases: set[asyncio.Task] = set()  # releases in flight (slots freed when done)
         self._wake = asyncio.Event()
         self._ids = itertools.count()
@@ -323,7 +323,7 @@ class Scheduler:
 
     def _take_rounds(
         self, spec: list[Active], verified: VerifiedRound, shape: Shape, nxt: Shape | None
-    ) -> list[tuple[Active, Taken]]:
+    ) -> list[tuple[Active, Take]]:
         """Each sequence's tokens of the call, taken at once by the token rules (Generation.take: its budget
         and finish are right for the next call), and its rounds counted one by one: the request's
         statistics, the metrics and the policy learn per round (round 1 drafted `shape`, later ones `nxt`).
@@ -682,17 +682,18 @@ class Scheduler:
                 if n > 1 and a.first_token_at is not None:
                     m.itl.observe((now - a.first_token_at) / (n - 1))
 
-    async def _retire(self) -> None:
+    async def _retire(self) -> asyncio.Task | None:
         """Finished sequences leave the rounds; their slots are released in the background (the next round
         need not wait for the verifier's Release, which waits for their chained proposals): a prefill step
         waits for those releases before it prefills a new sequence into a slot (_prefill_calls). One whose
-        prefill call is in flight leaves once the call is over (Active.in_prefill)."""
+        prefill call is in flight leaves once the call is over (Active.in_prefill). Returns the release's
+        task (None when nobody left): a failed step (_guarded) waits for it."""
         done = [a for a in self.active if a.gen.finish is not None and not a.in_prefill]
         if not done:
-            return
+            return None
         gone = set(done)  # by identity (Active is eq=False)
         self.active = [a for a in self.active if a not in gone]
-        self._spawn(self._release(done), self._verifier_releases)
+        return self._spawn(self._release(done), self._verifier_releases)
 
     def _spawn(self, work, *also: set[asyncio.Task]) -> asyncio.Task:
         """Run `work` in the background, tracked (until done) by stop() and by the sets `also`."""
@@ -734,10 +735,9 @@ class Scheduler:
         except Exception as e:  # the step's requests get the error; the loop and other requests go on
             log.warning("step failed for %d sequence(s): %s", len(group), e)
             self._fail(group, e)
-            gone = [a for a in group if not a.in_prefill]  # one whose prefill call is in flight: _retire, after it
-            out = set(gone)  # by identity (Active is eq=False)
-            self.active = [a for a in self.active if a not in out]
-            await self._release(gone)
+            released = await self._retire()  # they leave as finished ones do (one in a prefill call: after it)
+            if released is not None:
+                await released
 
     @staticmethod
     def _fail(group: list[Active], e: Exception) -> None:

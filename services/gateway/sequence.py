@@ -43,8 +43,8 @@ class Delta:
 
 
 @dataclass(frozen=True)
-class Taken:
-    """A round's tokens as Generation.take committed them by the token rules, awaiting their text."""
+class Take:
+    """A round's tokens as Generation.take committed them by the token rules, awaiting their text (speak)."""
 
     new_tokens: list[int]  # [round] what the round brought
     taken: list[int]  # [committed] its first tokens, cut at a stop token id or max_tokens
@@ -104,7 +104,7 @@ class Generation:
         taken = self.take(new_tokens)
         return self.speak(taken) if taken is not None else self._commit_each(new_tokens)
 
-    def take(self, new_tokens: list[int]) -> Taken | None:
+    def take(self, new_tokens: list[int]) -> Take | None:
         """commit's token rules, now: the tokens cut at an end-of-sequence or stop token id or at max_tokens
         join token_ids and set the finish they reach, so that tokens_left and finish are what the next call
         needs; the text comes with speak(). None when the generation had finished already (nothing is
@@ -114,9 +114,9 @@ class Generation:
         taken, finish = self._cut(new_tokens)
         self.token_ids += taken
         self.finish = finish
-        return Taken(new_tokens, taken, finish)
+        return Take(new_tokens, taken, finish)
 
-    def speak(self, t: Taken) -> Delta:
+    def speak(self, t: Take) -> Delta:
         """The text of a take (the last one: nothing was taken since), and stop strings: one that the round
         completes cuts it where token-by-token commits would (the take's tokens are given back and
         _commit_each goes through the round). A generation cancelled since the take only gets its finish."""
