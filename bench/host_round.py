@@ -24,6 +24,8 @@ colocated-kK    verify-chained with the draft in this process (`--draft-here`): 
                 (services.draft.here.LocalDraftClient) over the real Eagle3Drafter, its graph-replayed proposal
                 answered at once with the bench tree; K rounds a Verify (`--colocated-rounds`), the figure
                 per round (the call's wall / K): both services' host work, as one process does it on a GPU
+colocated-msg-kK the same, the draft reached as before the hand-over (d4376c7): ProposeItems with IPC
+                references through its own Propose, tree messages back (MessageDraft)
 engines         with the colocated kinds: the same two engines called directly, a proposal then a verify a
                 round (common/engine/loop.py's round): the host work under the colocated kinds, no service
 
@@ -223,7 +225,20 @@ def build(max_items: int, hidden: str, hidden_size: int = 576) -> tuple[Verifier
     return servicer, draft
 
 
-def colocate(servicer: VerifierServicer, max_items: int, hidden_size: int) -> DraftServicer:
+class MessageDraft:
+    """The draft in this process reached as before the hand-over (d4376c7): each outcome a ProposeItem with
+    an IPC reference into the verifier's exported buffer, through the DraftServicer's own Propose (its
+    checks, the reference's decode, tree messages that the verifier parses). `colocated-msg` kinds."""
+
+    def __init__(self, draft: DraftServicer) -> None:
+        self.draft = draft
+
+    async def propose(self, items: list[pb.ProposeItem], owner: str = "") -> Batched:
+        resp = await self.draft.Propose(pb.ProposeRequest(items=items, owner=owner), Context())
+        return Batched([r.tree for r in resp.results], resp.compute_us / 1e6)
+
+
+def colocate(servicer: VerifierServicer, max_items: int, hidden_size: int, messages: bool) -> DraftServicer:
     """The draft in the verifier's process, as `--draft-here` builds it: a DraftServicer over a
     HostOnlyDrafter (a random head of the model's width) that reads the verifier's exported buffer in place,
     called by the chain (VerifierServicer.colocate), inline on the event loop as on a GPU."""
@@ -258,7 +273,10 @@ def colocate(servicer: VerifierServicer, max_items: int, hidden_size: int) -> Dr
     draft.inline = True
     if servicer.export is not None:
         draft.mapped.add_local(servicer.export.exported.buffer_id, servicer.export.buffer)
-    servicer.colocate(draft)
+    if messages:
+        servicer.chain = DraftChain(lambda address: MessageDraft(draft))
+    else:
+        servicer.colocate(draft)
     return draft
 
 
@@ -279,8 +297,7 @@ def requests(ids: list[str], tree: pb.DraftTree, steps: int, colocated: list[int
                 seq_id=s, chained=True, next_nodes=nodes, next_depth=depth, max_new=4096, stop_ids=pack_ints([2])
             )
         out[f"colocated-k{k}"] = req.SerializeToString()
-    if colocated:
-        out["engines"] = b""  # no request: measure_engines calls the engines
+        out[f"colocated-msg-k{k}"] = out[f"colocated-k{k}"]
     return out
 
 
@@ -419,9 +436,10 @@ async def count_ops(round_: Callable[[], Awaitable]) -> int:
     return n
 
 
-async def prefilled(args: argparse.Namespace, max_items: int, ids: list[str], here: bool):
-    """A servicer (build) holding ids, each prefilled with PROMPT random tokens; here: with the draft in its
-    process (colocate), which holds them too (started on random features, as after a prefill)."""
+async def prefilled(args: argparse.Namespace, max_items: int, ids: list[str], here: str = ""):
+    """A servicer (build) holding ids, each prefilled with PROMPT random tokens; here "handover" or
+    "messages": with the draft in its process (colocate) reached that way, which holds them too (started on
+    random features, as after a prefill)."""
     servicer, draft = build(max_items, args.hidden, args.hidden_size)
     rng = np.random.default_rng(1)
     prompts = {s: rng.integers(3, VOCAB, PROMPT).tolist() for s in ids}
@@ -431,7 +449,7 @@ async def prefilled(args: argparse.Namespace, max_items: int, ids: list[str], he
     firsts = await servicer.Prefill(prefill, Context())
     if not here:
         return servicer, draft, None
-    local = colocate(servicer, max_items, args.hidden_size)
+    local = colocate(servicer, max_items, args.hidden_size, messages=here == "messages")
     start = pb.ProposeRequest()
     for (s, p), r in zip(prompts.items(), firsts.results):
         it = start.items.add(seq_id=s, token_ids=p[1:] + [r.next_token], context_prefix=p[:1], start=True)
@@ -444,19 +462,21 @@ async def run(args: argparse.Namespace, out: Path) -> list[dict]:
     items = [int(n) for n in args.items.split(",")]
     ids = [f"gw.0-{i}" for i in range(max(items))]
     colocated = [int(k) for k in args.colocated_rounds.split(",") if k]
-    servicer, draft, _ = await prefilled(args, max(items), ids, here=False)
-    here, _, drafter = await prefilled(args, max(items), ids, here=True) if colocated else (None, None, None)
+    servicer, draft, _ = await prefilled(args, max(items), ids)
+    colocated_here = {how: await prefilled(args, max(items), ids, how) for how in ("handover", "messages") if colocated}
     profile = tuple(args.profile.split(":")) if args.profile else None
     rows = []
     for n in items:
         raws = requests(ids[:n], draft.tree, args.steps, colocated)
-        for kind in raws:
+        for kind in list(raws) + (["engines"] if colocated else []):
             prof = cProfile.Profile() if profile == (kind, str(n)) else None
             if prof is not None:
                 prof.enable()
-            if kind == "engines":
+            if kind == "engines":  # no request: the hand-over servicer's two engines called directly
+                here, _, drafter = colocated_here["handover"]
                 m = await measure_engines(here, drafter, ids[:n], args.rounds, args.warmup)
             elif kind.startswith("colocated"):
+                here, _, drafter = colocated_here["messages" if kind.startswith("colocated-msg") else "handover"]
                 m = await measure(here, kind, ids[:n], raws[kind], draft.tree, args.rounds, args.warmup, drafter)
             else:
                 m = await measure(servicer, kind, ids[:n], raws[kind], draft.tree, args.rounds, args.warmup)

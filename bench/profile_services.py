@@ -24,6 +24,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 from bench.engine_bench import QUESTIONS
@@ -98,7 +99,9 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     mport = free_port()
-    prompts = [QUESTIONS[i % len(QUESTIONS)] for i in range(64)]
+    # requests to last the recording at any concurrency: the load stops starting new ones when it ends (a
+    # fixed 64 ran out after one wave at c=64, leaving most of session 11's c=64 profile idle)
+    prompts = [QUESTIONS[i % len(QUESTIONS)] for i in range(64 * max(args.concurrency, 1) * args.seconds)]
     with Stack(
         common_args=["--device", args.device, "--max-context", "1024"],
         gateway_args=["--metrics-port", str(mport), "--policy", args.policy]
@@ -129,8 +132,11 @@ def main() -> None:
             )
             for name, proc in stack.procs.items()
         ]
+        until = time.perf_counter() + args.seconds
         load = threading.Thread(
-            target=lambda: asyncio.run(closed_loop(stack.gateway, prompts, args.max_new_tokens, args.concurrency))
+            target=lambda: asyncio.run(
+                closed_loop(stack.gateway, prompts, args.max_new_tokens, args.concurrency, until=until)
+            )
         )
         load.start()
         for s in spies:

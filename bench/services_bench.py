@@ -67,15 +67,18 @@ async def one_request(
     return tr, last
 
 
-async def closed_loop(addr: str, prompts: list[str], max_new: int, concurrency: int, mode: str = "spec"):
-    """`concurrency` workers each send one request at a time until the prompts are used up."""
+async def closed_loop(
+    addr: str, prompts: list[str], max_new: int, concurrency: int, mode: str = "spec", until: float | None = None
+):
+    """`concurrency` workers each send one request at a time until the prompts are used up (or, with
+    `until`, a time.perf_counter() deadline, passed: no request starts after it)."""
     async with grpc.aio.insecure_channel(addr) as ch:
         stub = gpb_grpc.GenerationStub(ch)
         queue = list(prompts)
         traces, finals = [], []
 
         async def worker():
-            while queue:
+            while queue and (until is None or time.perf_counter() < until):
                 text = queue.pop(0)
                 tr, fin = await one_request(stub, text, max_new, time.perf_counter(), mode)
                 traces.append(tr)
@@ -104,25 +107,21 @@ def per_round(before: dict, after: dict) -> dict[str, float]:
 
 
 def scrape_rounds(metrics_port: int) -> dict[str, tuple[float, float]]:
-    """(sum of seconds, count) of each round phase, from the gateway's specdec_round_seconds histogram."""
+    """(sum of seconds, count) of each round phase, from the gateway's specdec_round_seconds histogram, and
+    under "verify_calls" (calls, 0): its specdec_verify_calls_total (with the rounds' count, the rounds a
+    call ran on average)."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
     sums: dict[str, float] = {}
     counts: dict[str, float] = {}
+    calls = 0.0
     for line in text.splitlines():
         if line.startswith("specdec_round_seconds_sum") or line.startswith("specdec_round_seconds_count"):
             name, value = line.rsplit(" ", 1)
             phase = name.split('phase="')[1].split('"')[0]
             (sums if "_sum" in name else counts)[phase] = float(value)
-    return {p: (sums[p], counts.get(p, 0.0)) for p in sums}
-
-
-def verify_calls(metrics_port: int) -> float:
-    """The gateway's Verify calls so far (specdec_verify_calls_total): with the rounds' count, the rounds a
-    call ran on average."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
-    return sum(
-        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("specdec_verify_calls_total")
-    )
+        elif line.startswith("specdec_verify_calls_total"):
+            calls += float(line.rsplit(" ", 1)[1])
+    return {p: (sums[p], counts.get(p, 0.0)) for p in sums} | {"verify_calls": (calls, 0.0)}
 
 
 def run(args) -> list[RunResult]:
@@ -171,7 +170,7 @@ def run(args) -> list[RunResult]:
             for c, m in [(c, m) for c in args.concurrency for m in modes]:
                 n = max(len(prompts), args.requests_per_worker * c)  # every worker busy for the whole run
                 load = [prompts[i % len(prompts)] for i in range(n)]
-                before, chosen, calls = scrape_rounds(mport), policy_choices(stack.gateway), verify_calls(mport)
+                before, chosen = scrape_rounds(mport), policy_choices(stack.gateway)
                 traces, finals, wall = asyncio.run(closed_loop(stack.gateway, load, args.max_new_tokens, c, m))
                 speculative = m != "plain"
                 rounds = sum(f.speculation.rounds for f in finals)
@@ -183,7 +182,7 @@ def run(args) -> list[RunResult]:
                 accepted = sum(f.speculation.accepted_tokens for f in finals)  # tokens per round, bonus included
                 r.acceptance_length = (accepted + rounds) / rounds if speculative and rounds else None
                 phase = per_round(before, after)
-                calls = verify_calls(mport) - calls
+                calls = after["verify_calls"][0] - before["verify_calls"][0]
                 verified = after.get("total", (0, 0))[1] - before.get("total", (0, 0))[1]  # rounds with a Verify
                 r.draft_ms_per_round = phase.get("draft")
                 r.verify_ms_per_round = phase.get("verify")
