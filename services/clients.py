@@ -4,14 +4,15 @@ reference reaches the draft exactly as the verifier wrote it.
 
 The two per-round calls (Draft.Propose, Verifier.Verify) travel on one long-lived bidirectional
 stream each (ProposeStream, VerifyStream): a stream round trip costs a fraction of a unary call's
-set-up. Each call writes one request and reads exactly one response; a call that failed on the
-service comes back as a response carrying `error`, raised here as the AioRpcError the unary call
-would have raised, and the stream stays open. Any other failure (timeout, cancellation, transport)
-drops the stream and the next call opens a new one."""
+set-up. Each call writes one request and gets exactly one response, in the order written (calls may
+overlap: StreamedCall); a call that failed on the service comes back as a response carrying `error`,
+raised here as the AioRpcError the unary call would have raised, and the stream stays open. A timeout or
+a transport failure drops the stream and the next call opens a new one."""
 
 from __future__ import annotations
 
 import asyncio
+import collections
 from dataclasses import dataclass, field
 
 import grpc
@@ -63,6 +64,7 @@ class RoundItem:
     next: tuple[int, int] | None = None
     max_new: int = 0
     stop_ids: bytes = b""  # int32 [num_stop_ids] packed (services/packed.py)
+    follows: bool = False  # sent before the answer of the call before, which named it too (VerifyItem.follows)
 
 
 @dataclass(frozen=True)
@@ -111,46 +113,43 @@ _CODES = {c.value[0]: c for c in grpc.StatusCode}
 
 
 class StreamedCall:
-    """A unary-shaped batched call carried on one long-lived bidirectional stream: each call writes
-    one request and awaits exactly one response. Calls are serialized (the scheduler makes one round
-    at a time; the lock keeps the one-request-one-response pairing even if not). The stream is opened
-    lazily and dropped after a timeout, a cancellation or a transport failure, so that a late answer
-    can never be paired with the next request; the next call opens a new one. A service without the
-    streaming method (UNIMPLEMENTED) gets the unary method from then on."""
+    """A unary-shaped batched call carried on one long-lived bidirectional stream: each call writes one
+    request and gets exactly one response, the service answering a stream's requests in order. Calls may
+    overlap: a second call's request goes out while the first is still answered (the gateway queues the
+    next Verify at the verifier that way, services/gateway/scheduler.py), and one reader pairs responses
+    with the calls in the order they were written. A caller that is cancelled or gives up leaves its place
+    in that order, and its late answer is dropped when it comes, so it can never reach another call. A
+    timeout (the service does not answer), a transport failure or the end of the stream fails every call
+    waiting on it and drops the stream; the next call opens a new one. A service without the streaming
+    method (UNIMPLEMENTED) gets the unary method from then on."""
 
     def __init__(self, stream_method, unary_method, timeout: float) -> None:
         self._open, self._unary, self.timeout = stream_method, unary_method, timeout
         self._name = _method_name(stream_method)
         self._stream: grpc.aio.StreamStreamCall | None = None
-        self._lock = asyncio.Lock()
+        self._waiting: collections.deque[asyncio.Future] = collections.deque()  # the stream's calls, in order
+        self._reader: asyncio.Task | None = None
+        self._write = asyncio.Lock()  # one request written at a time: the order of the writes is the order
         self.streaming = True  # False once the service said UNIMPLEMENTED
 
     async def __call__(self, request):
         if not self.streaming:
             return await _call(self._unary, request, self.timeout)
-        async with self._lock:
-            stream = self._stream
-            if stream is None or stream.done():  # first call, or the service ended it between calls
-                stream = self._stream = self._open()
-            try:
-                async with asyncio.timeout(self.timeout):
-                    await stream.write(request)
-                    resp = await stream.read()
-            except BaseException as e:
-                self._drop()
-                if isinstance(e, TimeoutError):
-                    raise PeerUnavailable(f"{self._name.lstrip('/')}: no answer within {self.timeout:g} s") from e
-                if isinstance(e, grpc.aio.AioRpcError):
-                    if e.code() == grpc.StatusCode.UNIMPLEMENTED:  # an older service: go unary
-                        self.streaming = False
-                        return await _call(self._unary, request, self.timeout)
-                    err = _peer_error(e, self._name)
-                    if err is not e:
-                        raise err from e
-                raise
-            if resp is grpc.aio.EOF:
-                self._drop()
-                raise PeerUnavailable(f"{self._name.lstrip('/')}: the service ended the stream")
+        try:
+            async with asyncio.timeout(self.timeout):
+                answer = await self._send(request)
+                resp = await asyncio.shield(answer)  # a cancelled caller leaves the answer to the reader
+        except TimeoutError as e:
+            self._fail_all(PeerUnavailable(f"{self._name.lstrip('/')}: no answer within {self.timeout:g} s"))
+            raise PeerUnavailable(f"{self._name.lstrip('/')}: no answer within {self.timeout:g} s") from e
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.UNIMPLEMENTED:  # an older service: go unary
+                self.streaming = False
+                return await _call(self._unary, request, self.timeout)
+            err = _peer_error(e, self._name)
+            if err is not e:
+                raise err from e
+            raise
         if resp.HasField("error"):
             raise _peer_error(
                 grpc.aio.AioRpcError(
@@ -163,13 +162,61 @@ class StreamedCall:
             )
         return resp
 
+    async def _send(self, request) -> asyncio.Future:
+        """Write the request on the stream (opened on first use, or after a failure) and return the future
+        its answer will resolve: its place in the stream's order."""
+        async with self._write:
+            if self._stream is None or self._stream.done():  # first call, or the service ended it
+                if self._stream is not None:  # calls still waiting on it are lost with it
+                    self._fail_all(PeerUnavailable(f"{self._name.lstrip('/')}: the service ended the stream"))
+                self._stream = self._open()
+                self._reader = asyncio.get_running_loop().create_task(self._read(self._stream))
+            answer = asyncio.get_running_loop().create_future()
+            self._waiting.append(answer)
+            try:
+                await self._stream.write(request)
+            except BaseException as e:
+                self._fail_all(e if isinstance(e, grpc.aio.AioRpcError) else PeerUnavailable(f"{self._name}: {e!r}"))
+                raise
+            return answer
+
+    async def _read(self, stream: grpc.aio.StreamStreamCall) -> None:
+        """Each response to the oldest call waiting (one whose caller left drops it)."""
+        try:
+            while True:
+                resp = await stream.read()
+                if resp is grpc.aio.EOF:
+                    raise PeerUnavailable(f"{self._name.lstrip('/')}: the service ended the stream")
+                if not self._waiting:  # an answer nobody asked for: the pairing is lost
+                    raise PeerUnavailable(f"{self._name.lstrip('/')}: an answer with no call waiting")
+                answer = self._waiting.popleft()
+                if not answer.done():
+                    answer.set_result(resp)
+        except asyncio.CancelledError:
+            raise  # dropped by _fail_all, which failed the calls waiting first
+        except BaseException as e:  # noqa: BLE001 - every waiting call gets the stream's failure
+            if stream is self._stream:
+                self._fail_all(e)
+
+    def _fail_all(self, e: BaseException) -> None:
+        """Every call waiting on the stream fails with e; the stream is dropped (the next call opens one)."""
+        waiting, self._waiting = self._waiting, collections.deque()
+        for answer in waiting:
+            if not answer.done():
+                answer.set_exception(e)
+                answer.exception()  # a caller that left never reads it: seen here
+        self._drop()
+
     def _drop(self) -> None:
         if self._stream is not None:
             self._stream.cancel()
             self._stream = None
+        if self._reader is not None and self._reader is not asyncio.current_task():
+            self._reader.cancel()
+        self._reader = None
 
     def close(self) -> None:
-        self._drop()
+        self._fail_all(PeerUnavailable(f"{self._name.lstrip('/')}: the client was closed"))
 
 
 class _ServiceClient:
@@ -242,9 +289,9 @@ class VerifierClient(_ServiceClient):
         add = req.items.add
         for it in items:  # one copy of each tree (a VerifyItem list would copy twice)
             depth, nodes = it.next or (0, 0)
-            rules = {"max_new": it.max_new, "stop_ids": it.stop_ids} if rounds > 1 else {}
+            rules = {"max_new": it.max_new, "stop_ids": it.stop_ids}  # read with rounds > 1 or follows
             if it.tree is None:
-                add(seq_id=it.seq_id, chained=True, next_depth=depth, next_nodes=nodes, **rules)
+                add(seq_id=it.seq_id, chained=True, next_depth=depth, next_nodes=nodes, follows=it.follows, **rules)
             else:
                 add(seq_id=it.seq_id, tree=it.tree, next_depth=depth, next_nodes=nodes, **rules)
         resp = await (self.streamed(req) if stream else _call(self.stub.Verify, req, self.timeout))

@@ -51,6 +51,9 @@ class GatewayConfig:
     # rounds one Verify may run (the verifier chains them with the draft by itself); 0 = auto:
     # GPU_ROUNDS_PER_CALL on a CUDA verifier, 1 on a CPU (a round there is long: streaming in steps of one)
     rounds_per_call: int = 0
+    # a Verify is sent before the last one is answered (the verifier goes from one to the next without the
+    # gateway's hop and host work in between: services/gateway/scheduler.py, Scheduler._round)
+    queue_calls: bool = True
 
     @property
     def chain_address(self) -> str:
@@ -157,6 +160,7 @@ async def main(cfg: GatewayConfig, port_file: str | None) -> None:
             draft_address=cfg.chain_address,
             prefill_chunk=cfg.prefill_chunk,
             rounds_per_call=cfg.rounds_for(vinfo.device),
+            queue_calls=cfg.queue_calls,
         ),
         policy,
         metrics,
@@ -291,6 +295,13 @@ def cli() -> None:
         f"once (one gateway hop per call); 1 while requests wait to join; 0 = {GPU_ROUNDS_PER_CALL} on a GPU "
         "with one round group, else 1",
     )
+    p.add_argument(
+        "--queue-calls",
+        choices=("on", "off"),
+        default=os.environ.get("QUEUE_CALLS", "on"),
+        help="send each Verify before the last one is answered, while the verifier chains the trees: it goes "
+        "from one call to the next without waiting for this gateway (on), or one call at a time (off)",
+    )
     a = parse_and_log(p)
     cfg = GatewayConfig(
         address=a.addr,
@@ -315,6 +326,7 @@ def cli() -> None:
         menu=a.policy_menu,
         verifier_draft=a.verifier_draft,
         rounds_per_call=a.rounds_per_call,
+        queue_calls=a.queue_calls == "on",
     )
     asyncio.run(main(cfg, a.port_file))
 

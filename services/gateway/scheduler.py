@@ -94,6 +94,7 @@ class Active:
     prefilled: int = 0  # prompt tokens in the verifier's cache so far
     prefilling: bool = True  # its prompt is not all in yet: no rounds
     in_prefill: bool = False  # a prefill call naming it is in flight: it does not retire before the call is over
+    calls: int = 0  # Verify calls naming it in flight (two when one is queued): it retires when none is
     wants_hidden: bool = False  # decided at its first chunk: the prefill returns the prompt's features
     solo: bool = False  # a prefill it shared failed: its prompt goes in calls of its own
     started: float = field(default_factory=time.perf_counter)
@@ -110,6 +111,20 @@ class Early:
 
 
 @dataclass(frozen=True)
+class Call:
+    """A group's Verify in flight, and what taking its answer needs."""
+
+    task: asyncio.Future  # -> services.clients.VerifiedRound
+    spec: list[Active]  # its items' sequences, in item order
+    given: set[str]  # seq ids whose tree the gateway gave (proposed or early): the others were chained
+    shape: Shape  # its first round's shape
+    nxt: Shape | None  # the shape of the trees it asked the draft for (None: no chaining)
+    t0: float  # its round began (perf_counter)
+    t1: float  # it was sent
+    draft_s: float  # the draft's engine seconds for the trees the gateway gave
+
+
+@dataclass(frozen=True)
 class SchedulerConfig:
     max_active: int = 8  # sequences in the rounds at once (<= the services' slots)
     max_waiting: int = 64  # queued requests beyond that before RESOURCE_EXHAUSTED
@@ -123,6 +138,9 @@ class SchedulerConfig:
     # rounds one Verify may run for chained sequences (the verifier goes on with the draft's trees by itself:
     # one gateway hop per call, not per round); 1 while requests wait to join
     rounds_per_call: int = 1
+    # a group's next Verify is sent before its last one is answered, while the trees are chained: the verifier
+    # goes on without waiting for the gateway (see Scheduler._round)
+    queue_calls: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.rounds_per_call <= MAX_ROUNDS_PER_CALL:
@@ -161,6 +179,8 @@ class Scheduler:
         self._decided: dict[int, Shape] = {}  # per group: the next round's shape, chosen when this one was sent
         self._background: set[asyncio.Task] = set()  # work stop() waits for (releases, early proposes): _spawn
         self._prefilling: asyncio.Task | None = None  # the prefill call in flight beside the rounds (_start_prefill)
+        self._queued: dict[int, Call] = {}  # per group: its Verify in flight, answered at its next round
+        self._answered_at: dict[int, float] = {}  # per group: when its last Verify was answered
         self._unspoken: list[tuple[Active, Take]] = []  # the last call's tokens, taken, their text not yet streamed
         self._verifier_releases: set[asyncio.Task] = set()  # releases in flight (slots freed when done)
         self._wake = asyncio.Event()
@@ -183,6 +203,8 @@ class Scheduler:
             await asyncio.gather(self._task, return_exceptions=True)
         if self._prefilling is not None:  # its slots exist once it is over: released below, not before
             await asyncio.gather(self._prefilling, return_exceptions=True)
+        queued, self._queued = list(self._queued.values()), {}
+        await asyncio.gather(*(c.task for c in queued), return_exceptions=True)  # before their slots are released
         self._speak()
         left = self.active + list(self.waiting.values())
         self.waiting.clear()
@@ -244,54 +266,105 @@ class Scheduler:
                 await asyncio.wait({self._prefilling})
 
     async def _round(self, group: int, members: list[Active]) -> None:
-        """One round for the members of a group. With several groups their rounds run concurrently: one
-        group's verification while another's draft proposes, so that neither service waits for the other."""
+        """One round for the members of a group: its Verify is sent, then the text of the last one is
+        streamed, then its answer is taken. With several groups their rounds run concurrently: one group's
+        verification while another's draft proposes, so that neither service waits for the other.
+
+        Queued calls (SchedulerConfig.queue_calls, while the verifier chains the trees): the round's Verify
+        is sent before the group's last one is answered, and the round takes that last one's answer instead
+        of its own, which stays in flight for the next round to take. The verifier goes from one call to the
+        next without waiting for the gateway's hop and host work (VerifyStream answers in order). The
+        sequences of the call in flight go on in the new one as `follows` items (chained: the verifier
+        subtracts what the call before committed from their budget and answers those it stopped with
+        nothing); a sequence finished by a stop string or a cancellation in between runs one call more,
+        wasted, never streamed, and leaves the rounds once no call in flight names it (Active.calls)."""
         t0 = time.perf_counter()
+        prev = self._queued.pop(group, None)
+        follow = self._follows(prev)
         decided = self._decided.pop(group, None)  # chosen when the last round was sent (its trees are chained)
         shape = decided if decided is not None else self._choose(members)  # the policy's
         members, early = await self._early_trees(members)  # joiners whose first tree is not in yet sit out
-        spec = [a for a in members if a.next_propose is not None and not self._tree(a, shape).plain]
-        spec = [a for a in spec if a.seq_id not in early] + [a for a in members if a.seq_id in early]
-        trees, draft_s = await self._proposals([a for a in spec if not a.chained and a.seq_id not in early], shape)
+        members = [a for a in members if a.calls == 0 or id(a) in follow]  # the others: their call is answered first
+        spec = [a for a in members if id(a) in follow or a.next_propose is not None and not self._tree(a, shape).plain]
+        spec = [a for a in spec if a.seq_id not in early] + [a for a in spec if a.seq_id in early]
+        fresh = [a for a in spec if not a.chained and id(a) not in follow and a.seq_id not in early]
+        trees, draft_s = await self._proposals(fresh, shape)
         trees.update(early)
-        spec = [a for a in spec if a.chained or a.seq_id in trees]
+        spec = [a for a in spec if a.chained or id(a) in follow or a.seq_id in trees]
         in_spec = set(spec)  # by identity (Active is eq=False): a list's `in` costs 64 comparisons at 64
-        plain = [a for a in members if a not in in_spec]
+        plain = [a for a in members if a not in in_spec and a.gen.finish is None]
+        call = None
         if spec:
             t1 = time.perf_counter()
             nxt = self._next_shape(group, spec)
             k = self._rounds_per_call(members, nxt)
-            items = [self._round_item(a, trees.get(a.seq_id), nxt, k) for a in spec]
-            call = asyncio.ensure_future(
+            items = [self._round_item(a, trees.get(a.seq_id), nxt, k, id(a) in follow) for a in spec]
+            task = asyncio.ensure_future(
                 self.verifier.verify(items, self.cfg.draft_address, self.cfg.instance_id, rounds=k)
             )
-            try:
-                await asyncio.sleep(0)  # the call's request goes out (the client writes it on its stream) ...
-                spoke = self._speak()  # ... and the last call's text is made and streamed while the services work
-                verified = await call
-            finally:
-                call.cancel()  # a no-op once done; else this round was cancelled or speaking failed
-            t2 = time.perf_counter()
-            self.metrics.verify_calls.inc()
-            lost = [(a, r.draft_error) for a, r in zip(spec, verified.results) if r.draft_error]
-            if lost:  # their chained trees never came: caught up later, plain this round if it got no tokens
-                self._draft_failed([a for a, _ in lost], lost[0][1])
-                plain += [a for a, r in zip(spec, verified.results) if r.draft_error and not r.tokens]
-            self._unspoken += self._take_rounds(spec, verified, shape, nxt)  # streamed while the next call runs
-            if verified.draft_batch:  # the chained trees' calls: the draft's engine time at its batch and depth
-                chained = [a for a in spec if a.seq_id not in trees] if verified.rounds == 1 else spec
-                depth = self._round_shape(chained, shape if verified.rounds == 1 else nxt or shape).depth
-                self.policy.observe_step("propose", verified.draft_batch, depth, verified.draft_s / verified.rounds)
-            self._time_round(t0, t1, t2, draft_s, verified, spoke)
-            drafted = self._round_shape(spec, shape)
-            self.policy.observe_round(len(spec), drafted, (t2 - t0) / verified.rounds, 1)
-            for _ in range(verified.rounds - 1):  # the call's later rounds drafted the next shape
-                self._count_choice(self._round_shape(spec, nxt or shape))
+            call = Call(task, spec, set(trees), shape, nxt, t0, t1, draft_s)
+            for a in spec:
+                a.calls += 1
+        try:
+            await asyncio.sleep(0)  # the call's request goes out (the client writes it on its stream) ...
+            spoke = self._speak()  # ... and the last call's text is made and streamed while the services work
+            if prev is not None:
+                plain += [a for a in await self._answered(group, prev, spoke) if a not in in_spec]
+                spoke = 0.0
+            if call is not None and not (self.cfg.queue_calls and call.nxt is not None):
+                call, this = None, call
+                plain += await self._answered(group, this, spoke)
+        finally:
+            if call is not None:  # stays in flight: the next round takes its answer (and stop() waits for it)
+                self._queued[group] = call
+        plain = [a for a in dict.fromkeys(plain) if a.calls == 0 and a.gen.finish is None]
         if plain:
             await self._plain_round(plain)
         if any(a.speculative for a in members):
-            self._count_choice(drafted if spec else PLAIN)
+            self._count_choice(self._round_shape(spec, shape) if spec else PLAIN)
         await self._retire()
+
+    def _follows(self, prev: Call | None) -> set[int]:
+        """The sequences of the call in flight that go on in the next one as `follows` items (by id(Active)):
+        those it asked the draft's next tree for, unless known finished or lost since it was sent."""
+        if prev is None or prev.nxt is None:
+            return set()
+        return {
+            id(a)
+            for a in prev.spec
+            if a.gen.finish is None and a.next_propose is not None and self._next_tree(a, prev.nxt) is not None
+        }
+
+    async def _answered(self, group: int, call: Call, spoke: float) -> list[Active]:
+        """A call's answer taken (its tokens, the policy, the metrics, the round breakdown); returns the
+        sequences to decode plainly (their chained tree never came and the call gave them no token)."""
+        try:
+            verified = await call.task
+        finally:
+            for a in call.spec:
+                a.calls -= 1
+        t2 = time.perf_counter()
+        # a queued call began when the one before it was answered (it waited at the verifier until then)
+        begun = self._answered_at.get(group, 0.0)
+        t0, t1 = max(call.t0, begun), max(call.t1, begun)
+        self._answered_at[group] = t2
+        self.metrics.verify_calls.inc()
+        spec, plain = call.spec, []
+        lost = [(a, r) for a, r in zip(spec, verified.results) if r.draft_error]
+        news = [(a, r) for a, r in lost if a.next_propose is not None or a.chained]  # not lost before
+        if news:  # their chained trees never came: caught up later, plain this round if it got no tokens
+            self._draft_failed([a for a, _ in news], news[0][1].draft_error)
+        plain = [a for a, r in lost if not r.tokens]
+        self._unspoken += self._take_rounds(spec, verified, call.shape, call.nxt)  # streamed during the next call
+        if verified.draft_batch:  # the chained trees' calls: the draft's engine time at its batch and depth
+            chained = [a for a in spec if a.seq_id not in call.given] if verified.rounds == 1 else spec
+            depth = self._round_shape(chained, call.shape if verified.rounds == 1 else call.nxt or call.shape).depth
+            self.policy.observe_step("propose", verified.draft_batch, depth, verified.draft_s / verified.rounds)
+        self._time_round(t0, t1, t2, call.draft_s, verified, spoke)
+        self.policy.observe_round(len(spec), self._round_shape(spec, call.shape), (t2 - t0) / verified.rounds, 1)
+        for _ in range(verified.rounds - 1):  # the call's later rounds drafted the next shape
+            self._count_choice(self._round_shape(spec, call.nxt or call.shape))
+        return plain
 
     def _next_shape(self, group: int, spec: list[Active]) -> Shape | None:
         """The group's next round shape, chosen now so that the verifier can chain its trees (None: no
@@ -314,12 +387,18 @@ class Scheduler:
             return 1
         return self.cfg.rounds_per_call
 
-    def _round_item(self, a: Active, tree: pb.DraftTree | None, nxt: Shape | None, k: int) -> RoundItem:
-        """A's item of a Verify of k rounds: with k > 1, the stop rules its commit applies (sequence.py)."""
+    def _round_item(
+        self, a: Active, tree: pb.DraftTree | None, nxt: Shape | None, k: int, follows: bool = False
+    ) -> RoundItem:
+        """A's item of a Verify of k rounds: with k > 1 or queued calls, the stop rules its commit applies
+        (sequence.py), so that the verifier stops it where the commit will and a call queued behind does
+        not verify it again; one that follows a call in flight has its budget as it was before that call
+        (the verifier subtracts what that call commits)."""
         nxt_tree = self._next_tree(a, nxt)
-        if k == 1:
+        if k == 1 and not self.cfg.queue_calls:
             return RoundItem(a.seq_id, tree, nxt_tree)
-        return RoundItem(a.seq_id, tree, nxt_tree, a.gen.tokens_left(), pack_ints(a.gen.token_stops))
+        rules = (a.gen.tokens_left(), pack_ints(a.gen.token_stops))
+        return RoundItem(a.seq_id, None if follows else tree, nxt_tree, *rules, follows)
 
     def _take_rounds(
         self, spec: list[Active], verified: VerifiedRound, shape: Shape, nxt: Shape | None
@@ -505,8 +584,10 @@ class Scheduler:
         """Restart the draft on every speculative sequence it does not hold: hidden states of the tokens
         in the verifier's cache, recomputed, paired with the tokens that follow them (as after a prefill:
         context [t0 .. tn] with tn pending -> hidden of t0..t(n-1), token_ids t1..tn, prefix [t0])."""
-        lost = [
-            a for a in self.active if a.speculative and a.next_propose is None and not a.parked and not a.prefilling
+        lost = [  # one a call in flight names is not caught up under that call (its answer may lose it again)
+            a
+            for a in self.active
+            if a.speculative and a.next_propose is None and not a.parked and not a.prefilling and not a.calls
         ]
         self.metrics.degraded.set(1 if self.speculation_degraded else 0)
         if not lost or not self.draft_link.may_try(time.monotonic()) or not self.draft.reachable():
@@ -688,7 +769,7 @@ class Scheduler:
         waits for those releases before it prefills a new sequence into a slot (_prefill_calls). One whose
         prefill call is in flight leaves once the call is over (Active.in_prefill). Returns the release's
         task (None when nobody left): a failed step (_guarded) waits for it."""
-        done = [a for a in self.active if a.gen.finish is not None and not a.in_prefill]
+        done = [a for a in self.active if a.gen.finish is not None and not a.in_prefill and not a.calls]
         if not done:
             return None
         gone = set(done)  # by identity (Active is eq=False)

@@ -47,6 +47,7 @@ from specdec.v1 import internal_pb2 as pb
 
 log = logging.getLogger(__name__)
 MAX_DRAFTS = 4  # distinct draft addresses one verifier talks to (a typo in a flag should not open channels forever)
+_STOPPED = (Stop.TOKEN, Stop.LENGTH, Stop.BEFORE)  # what a call queued behind does not verify again
 
 
 @dataclass(frozen=True)
@@ -74,10 +75,25 @@ Run = Callable[
 ]
 
 
-def _rules(it: pb.VerifyItem) -> ItemRules:
-    """An item's stop rules for a call of several rounds (checked by DraftChain.check)."""
+@dataclass(frozen=True)
+class Last:
+    """How a call left a sequence, for the call queued behind it (VerifyItem.follows)."""
+
+    stopped: bool  # by its rules (a stop token id, its budget) or before the call (it followed one that did)
+    committed: int  # tokens the call committed
+
+
+def _rules(it: pb.VerifyItem, last: Last | None) -> ItemRules | None:
+    """An item's stop rules (checked by DraftChain.check); None when it follows a call that stopped it.
+    An item that follows a call (`last`: how that call left it) has its budget less what that call committed.
+    Example: max_new 10 for both calls, the first committed 4 (not stopped) -> 6 here."""
     stop_ids = frozenset(unpack_ints(it.stop_ids, "stop_ids")) if it.stop_ids else frozenset()
-    return ItemRules(chained=it.next_nodes > 0, rows=1 + it.next_nodes, max_new=it.max_new, stop_ids=stop_ids)
+    max_new = it.max_new
+    if last is not None:
+        if last.stopped or (max_new and max_new <= last.committed):
+            return None
+        max_new = max_new - last.committed if max_new else 0
+    return ItemRules(chained=it.next_nodes > 0, rows=1 + it.next_nodes, max_new=max_new, stop_ids=stop_ids)
 
 
 def _retrieve(task: asyncio.Task) -> None:
@@ -91,6 +107,7 @@ class DraftChain:
         self._connect = connect
         self._clients: dict[str, object] = {}  # address -> client
         self._pending: dict[str, Pending] = {}  # seq id -> the call proposing its next tree
+        self._last: dict[str, Last] = {}  # seq id -> how the last Verify naming it left it (until the next one)
 
     async def verify(
         self, request: pb.VerifyRequest, run: Run, room: Callable[[list[str]], list[int]]
@@ -103,11 +120,18 @@ class DraftChain:
         the KV rows each sequence has left, read before every round after the first (services/verifier/rounds.py)."""
         items = request.items
         ids = [it.seq_id for it in items]
+        last = {s: self._last.pop(s) for s in ids if s in self._last}  # the call before's, used once
         await self.settle([s for it, s in zip(items, ids) if not it.chained])
-        call = CallRounds([_rules(it) for it in items], max(request.rounds, 1))
+        rules = [_rules(it, last.get(s) if it.follows else None) for it, s in zip(items, ids)]
+        call = CallRounds([r or ItemRules(chained=False) for r in rules], max(request.rounds, 1))
+        # stopped by the call before: not verified (answered as a failed item would be, its error cleared below)
+        before = {ids[i]: "stopped by the call before" for i, r in enumerate(rules) if r is None}
+        for i, r in enumerate(rules):
+            if r is None:
+                call.items[i].stop = Stop.BEFORE
         todo = call.running()
         trees = await self.take([ids[i] for i in todo if items[i].chained])
-        resp, handed = await run(request, trees.failed, trees.trees)
+        resp, handed = await run(request, trees.failed | before if before else trees.failed, trees.trees)
         first, sent = resp.results, set()  # round 1's results become the call's (edited in place below)
         self._close_round(request, call, ids, todo, trees, first, handed, sent)
         resp.draft_compute_us = int(trees.compute_s * 1e6)
@@ -132,6 +156,8 @@ class DraftChain:
             resp.compute_us += out.compute_us
             self._close_round(request, call, ids, todo, trees, out.results, handed, sent)
         resp.rounds_run = call.ran
+        for s, it in zip(ids, call.items):  # for a call queued behind this one (VerifyItem.follows)
+            self._last[s] = Last(it.stop in _STOPPED, len(it.tokens))
         for i, (r, it) in enumerate(zip(first, call.items)):
             del r.accepted_tokens[:]
             r.accepted_tokens.extend(it.tokens)
@@ -187,6 +213,8 @@ class DraftChain:
         for it in request.items:
             if it.max_new < 0 or len(it.stop_ids) % 4:
                 raise InvalidRequest(f"sequence {it.seq_id!r}: max_new must be >= 0 and stop_ids whole int32s")
+            if it.follows and not it.chained:
+                raise InvalidRequest(f"sequence {it.seq_id!r} follows the call before but is not chained")
             if it.chained and it.HasField("tree"):
                 raise InvalidRequest(f"sequence {it.seq_id!r} is chained and carries a tree: one or the other")
             nodes = it.next_nodes
@@ -243,6 +271,8 @@ class DraftChain:
     async def settle(self, seq_ids: list[str]) -> None:
         """Wait for the calls proposing these sequences' next trees and drop the trees: another call on
         them follows (the draft must be done reading their hidden states before those are rewritten)."""
+        for s in seq_ids:
+            self._last.pop(s, None)
         calls = {self._pending.pop(s).task for s in seq_ids if s in self._pending}
         if calls:
             await asyncio.wait(calls)
@@ -251,3 +281,4 @@ class DraftChain:
         """Drop without waiting (sequences freed by lease expiry: the draft frees its copies on its own)."""
         for s in seq_ids:
             self._pending.pop(s, None)
+            self._last.pop(s, None)

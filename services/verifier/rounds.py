@@ -30,6 +30,7 @@ class Stop(enum.Enum):
     LENGTH = 3  # reached its max_new budget
     CAPACITY = 4  # its KV cache has no room for another tree
     DRAFT = 5  # its next tree never came
+    BEFORE = 6  # the call before stopped it (TOKEN or LENGTH): a call queued behind it (VerifyItem.follows)
 
 
 @dataclass(frozen=True)

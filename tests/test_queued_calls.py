@@ -1,0 +1,235 @@
+"""Queued calls (SchedulerConfig.queue_calls, VerifyItem.follows): the gateway sends a group's next Verify
+before the last one is answered, and the verifier, answering a stream's calls in order, goes from one to
+the next without waiting for the gateway's hop and host work. The real scheduler, verifier client and
+chain bookkeeping over the fakes of tests/test_overlap.py (hand-worked count-up tokens, features that must
+line up with the tokens), with a verifier that answers its calls one after the other, as VerifyStream
+does. Hand-computed: every committed token, which rounds the verifier runs, when a finished sequence is
+released, and what a draft failure under a queued call costs."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from common.config import SamplingConfig
+from common.policy import FixedPolicy, Shape
+from common.rpc import start_server
+from services.clients import VerifierClient
+from services.gateway.detokenize import RoundDecoder
+from services.gateway.metrics import Metrics
+from services.gateway.scheduler import Scheduler, SchedulerConfig
+from services.gateway.sequence import Generation, GenRequest
+from specdec.v1 import internal_pb2 as pb
+from specdec.v1 import internal_pb2_grpc as pb_grpc
+from tests.test_overlap import DRAFT, EOS, FollowingDraft, FollowingVerifier, Ids, streamed
+
+CHAIN = FixedPolicy(Shape(1, 3))  # every round drafts a 3-token chain; the verifier accepts `accept` of it
+
+
+class InOrderVerifier(FollowingVerifier):
+    """Answers its Verify calls one at a time in the order they were sent (VerifyStream), logging when each
+    was sent (with its items' `follows`), when it was answered, and every verified outcome."""
+
+    def __init__(self, log: list, accept: int, draft) -> None:
+        super().__init__(log, accept, draft)
+        self._order = asyncio.Lock()  # FIFO: the stream's order
+        self.named: dict[str, int] = {}  # seq id -> calls in flight naming it
+
+    async def _verify_call(self, request):
+        ids = [it.seq_id for it in request.items]
+        self.log.append(("sent", ids, [it.follows for it in request.items]))
+        for s in ids:
+            self.named[s] = self.named.get(s, 0) + 1
+        try:
+            async with self._order:
+                resp = await super()._verify_call(request)
+        finally:
+            for s in ids:
+                self.named[s] -= 1
+        self.log.append(("answered", ids, [list(r.accepted_tokens) for r in resp.results]))
+        return resp
+
+    async def release(self, seq_ids: list[str]) -> None:
+        """A real verifier would free a slot that a queued call is about to use: logged, and never expected."""
+        if any(self.named.get(s) for s in seq_ids):
+            self.log.append(("released-while-named", list(seq_ids)))
+        await super().release(seq_ids)
+
+    def accepted(self, seq_id: str, tokens: list[int]) -> None:
+        super().accepted(seq_id, tokens)
+        self.log.append(("accepted", seq_id, tokens))
+
+
+def _queued(requests: list[tuple[int, int]], accept: int, k: int = 1, fail_call: int = 0, queue: bool = True):
+    """Requests (last prompt token, max_tokens), prompts [first - 1, first], through the scheduler with
+    queued calls; returns (tokens per request, log, metrics)."""
+
+    async def run():
+        log: list = []
+        draft = FollowingDraft(log, fail_call)
+        metrics = Metrics()
+        cfg = SchedulerConfig(
+            max_active=4, draft_address=DRAFT, rounds_per_call=k, queue_calls=queue, draft_retry_s=0.01
+        )
+        sched = Scheduler(InOrderVerifier(log, accept, draft), draft, cfg, CHAIN, metrics)
+        sched.start()
+
+        async def one(first: int, max_tokens: int) -> list[int]:
+            req = GenRequest(prompt_ids=[first - 1, first], max_tokens=max_tokens, sampling=SamplingConfig())
+            gen = Generation(request=req, decoder=RoundDecoder(Ids()), eos_token_id=EOS)
+            return streamed([d async for d in sched.generate(gen)])
+
+        outs = await asyncio.gather(*(one(*r) for r in requests))
+        await sched.stop()
+        assert not [e for e in log if e[0] == "released-while-named"]
+        return outs, log, metrics
+
+    return asyncio.run(run())
+
+
+def _in_flight(log: list) -> int:
+    """The most Verify calls sent and not yet answered at one moment."""
+    most = now = 0
+    for e in log:
+        now += {"sent": 1, "answered": -1}.get(e[0], 0)
+        most = max(most, now)
+    return most
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_queued_calls_keep_every_token_and_the_next_call_waits_at_the_verifier(k: int) -> None:
+    """Two sequences, 2 of 3 drafted tokens accepted a round (3 committed): every token exact (the features
+    the draft gets line up with them, FollowingDraft), and from the second call on each Verify was sent while
+    the one before was in flight, its items `follows`. Without queued calls, never two in flight."""
+    outs, log, _ = _queued([(100, 30), (200, 30)], accept=2, k=k)
+    assert outs == [list(range(101, 131)), list(range(201, 231))]
+    sent = [e for e in log if e[0] == "sent"]
+    assert _in_flight(log) == 2
+    assert sent[0][2] == [False, False] and all(e[2] == [True] * len(e[1]) for e in sent[1:])
+    outs, log, _ = _queued([(100, 30), (200, 30)], accept=2, k=k, queue=False)
+    assert outs == [list(range(101, 131)), list(range(201, 231))]
+    assert _in_flight(log) == 1 and not any(any(e[2]) for e in log if e[0] == "sent")
+
+
+def test_a_sequence_its_call_stopped_is_not_verified_again_by_the_queued_one() -> None:
+    """max_tokens 12, 2 tokens a round (1 of 3 accepted), 3 rounds a call. The prefill gives 101; call 1
+    commits 102-107 (7 of 12). Call 2 was sent before call 1 was answered, with the budget as it was then
+    (11): the verifier subtracts call 1's 6 and stops after 5 (108-112; its third round verified, cut).
+    Call 3, sent before call 2 was answered, names the sequence again: the verifier answers it with
+    nothing and verifies nothing. So 6 rounds verified, not 9; the sequence is released after call 3."""
+    outs, log, _ = _queued([(100, 12)], accept=1, k=3)
+    assert outs == [list(range(101, 113))]
+    assert [e[2] for e in log if e[0] == "accepted"] == [[102 + 2 * i, 103 + 2 * i] for i in range(6)]
+    answered = [e for e in log if e[0] == "answered"]
+    assert [e[2] for e in answered] == [[list(range(102, 108))], [list(range(108, 113))], [[]]]
+    assert log.index(("release-verifier", ["gw-0"])) > log.index(answered[-1])
+
+
+def test_a_sequence_finishing_under_a_queued_call_leaves_the_others_their_tokens() -> None:
+    """gw-0 (max_tokens 4) finishes in its first call (3 of 3 accepted and the bonus: 102-105, cut at 104);
+    the queued call names it first and answers it with nothing, and gw-1's result after it is gw-1's own
+    (the skipped item keeps its place); gw-1 goes on alone, exact."""
+    outs, log, _ = _queued([(100, 4), (200, 13)], accept=3)
+    assert outs == [list(range(101, 105)), list(range(201, 214))]
+    assert [e[2] for e in log if e[0] == "accepted" and e[1] == "gw-0"] == [[102, 103, 104, 105]]
+    both = [e for e in log if e[0] == "answered" and e[1] == ["gw-0", "gw-1"]]
+    assert [e[2] for e in both] == [[[102, 103, 104], [202, 203, 204, 205]], [[], [206, 207, 208, 209]]]
+    assert any(e[0] == "sent" and e[1] == ["gw-1"] for e in log)
+
+
+def test_a_draft_failure_under_a_queued_call_is_one_failure_and_the_tokens_stay_exact() -> None:
+    """The draft's 3rd call fails (the proposal chained after call 2): call 3 was sent before that, so its
+    items find no tree (draft_error, no tokens) and so do those of call 4 behind it. The gateway counts the
+    failure once, decodes the sequences plainly, catches the draft up (Features) and chains again; every
+    token exact (the plain rounds' features too: the draft checks them)."""
+    outs, log, metrics = _queued([(100, 120), (200, 120)], accept=2, fail_call=3)  # long enough to catch up
+    assert outs == [list(range(101, 221)), list(range(201, 321))]
+    assert metrics.registry.get_sample_value("specdec_draft_failures_total") == 1
+    failed = log.index(("draft-failed", ["gw-0", "gw-1"]))
+    after = log[failed:]
+    assert any(e[0] == "decode" for e in after) and ("features", ["gw-0", "gw-1"]) in after
+    assert any(e[0] == "chained" for e in after[after.index(("features", ["gw-0", "gw-1"])) :])
+
+
+class OrderedStream(pb_grpc.VerifierServicer):
+    """A VerifyStream that answers in order, as the verifier does, each answer tagged with its request's
+    `rounds`; it holds its first answer until `hold` requests have arrived, and ends the stream when a
+    request asks for 13 rounds."""
+
+    def __init__(self, hold: int) -> None:
+        self.hold, self.seen = hold, []
+        self.arrived = asyncio.Event()
+
+    async def VerifyStream(self, request_iterator, context):
+        pending: asyncio.Queue = asyncio.Queue()
+
+        async def take_in():
+            async for req in request_iterator:
+                self.seen.append(req.rounds)
+                if len(self.seen) >= self.hold:
+                    self.arrived.set()
+                await pending.put(req)
+
+        reader = asyncio.get_running_loop().create_task(take_in())
+        try:
+            await self.arrived.wait()
+            while True:
+                req = await pending.get()
+                if req.rounds == 13:
+                    return
+                yield pb.VerifyResponse(rounds_run=req.rounds)
+        finally:
+            reader.cancel()
+
+
+async def _served(servicer, test):
+    server = await start_server("127.0.0.1:0", [(pb_grpc.add_VerifierServicer_to_server, servicer)], [])
+    client = VerifierClient(f"127.0.0.1:{server.port}", timeout=10)
+    try:
+        return await test(client.streamed)
+    finally:
+        await client.close()
+        await server.server.stop(None)
+
+
+def test_calls_on_one_stream_overlap_and_each_gets_its_own_answer() -> None:
+    """Three calls at once on the gateway's stream client: all three requests reach the service before it
+    answers the first (they were written while it was pending), and each call gets its own answer."""
+
+    async def test(call):
+        answers = await asyncio.gather(*(call(pb.VerifyRequest(rounds=r)) for r in (1, 2, 3)))
+        return [a.rounds_run for a in answers]
+
+    servicer = OrderedStream(hold=3)
+    assert asyncio.run(_served(servicer, test)) == [1, 2, 3]
+    assert servicer.seen == [1, 2, 3]
+
+
+def test_a_caller_that_leaves_does_not_take_the_next_calls_answer() -> None:
+    """The first of two overlapping calls is cancelled before its answer comes: the second still gets its
+    own (the late first answer is dropped), and the stream carries a third."""
+
+    async def test(call):
+        first = asyncio.ensure_future(call(pb.VerifyRequest(rounds=1)))
+        second = asyncio.ensure_future(call(pb.VerifyRequest(rounds=2)))
+        await asyncio.sleep(0.05)
+        first.cancel()
+        opened = call._stream
+        got = (await second).rounds_run
+        return got, (await call(pb.VerifyRequest(rounds=3))).rounds_run, call._stream is opened
+
+    assert asyncio.run(_served(OrderedStream(hold=2), test)) == (2, 3, True)
+
+
+def test_a_stream_ended_under_waiting_calls_fails_them_and_the_next_call_opens_one() -> None:
+    """The service ends the stream while two calls wait (the first asked it to): both fail with
+    PeerUnavailable, and the next call goes out on a new stream."""
+
+    async def test(call):
+        outs = await asyncio.gather(
+            call(pb.VerifyRequest(rounds=13)), call(pb.VerifyRequest(rounds=2)), return_exceptions=True
+        )
+        return [type(o).__name__ for o in outs], (await call(pb.VerifyRequest(rounds=4))).rounds_run
+
+    assert asyncio.run(_served(OrderedStream(hold=2), test)) == (["PeerUnavailable", "PeerUnavailable"], 4)
