@@ -9,7 +9,9 @@ requests in flight, each new one sent when one finishes), and reads the round br
 gateway's Prometheus metrics, per round (a Verify of several rounds counts as its rounds). --rounds-per-call
 runs one stack per value (the gateway's --rounds-per-call; 0 = its default), so one run shows a round
 per Verify beside several; runs at a value other than 0 are named with a -k<value> suffix and leave plain
-decoding out (plain rounds make no Verify). Figures use the definitions of bench.engine_bench.
+decoding out (plain rounds make no Verify). --queue-calls off,on runs each stack with the gateway sending one
+Verify at a time and with each sent before the last is answered (named -queued). Figures use the
+definitions of bench.engine_bench.
 """
 
 from __future__ import annotations
@@ -128,7 +130,8 @@ def run(args) -> list[RunResult]:
     prompts = [QUESTIONS[i % len(QUESTIONS)] for i in range(args.prompts)]
     results = []
     stacks = [(i, c, h) for i in args.ipc_modes for c in args.chain_modes for h in args.colocate_modes]
-    for (ipc, chain, here), k in [(st, k) for st in stacks for k in args.rounds_per_call]:
+    runs = [(st, k, q) for st in stacks for k in args.rounds_per_call for q in args.queue_modes]
+    for (ipc, chain, here), k, queue in runs:
         mport = free_port()
         common = [
             "--device",
@@ -155,6 +158,8 @@ def run(args) -> list[RunResult]:
                 args.policy,
                 "--rounds-per-call",
                 str(k),
+                "--queue-calls",
+                queue,
             ]
             + ([] if ipc else ["--no-ipc"])
             + ([] if chain else ["--verifier-draft", "none"])
@@ -166,7 +171,8 @@ def run(args) -> list[RunResult]:
             mode = "ipc" if "CUDA IPC" in gw_log.split("hidden states between")[-1][:40] else "inline"
             mode = f"colocated{'-thread' if args.draft_thread else ''}-{mode}" if here else mode
             asyncio.run(closed_loop(stack.gateway, prompts[:2], 16, 1))  # warm-up
-            modes = [m for m in args.spec_modes if k == 0 or m != "plain"]
+            # plain makes no Verify: once, on the default rounds' first stack
+            modes = [m for m in args.spec_modes if m != "plain" or k == 0 and queue == args.queue_modes[0]]
             for c, m in [(c, m) for c in args.concurrency for m in modes]:
                 n = max(len(prompts), args.requests_per_worker * c)  # every worker busy for the whole run
                 load = [prompts[i % len(prompts)] for i in range(n)]
@@ -178,6 +184,7 @@ def run(args) -> list[RunResult]:
                 suffix = {"spec": "", "plain": "-plain"}.get(m, "-" + m.replace(":", "-"))
                 suffix += "" if chain or m == "plain" else "-unchained"
                 suffix += f"-k{k}" if k else ""
+                suffix += "-queued" if queue == "on" and m != "plain" else ""
                 r = summarize(f"services-{mode}{suffix}", c, traces, wall, rounds=rounds)
                 accepted = sum(f.speculation.accepted_tokens for f in finals)  # tokens per round, bonus included
                 r.acceptance_length = (accepted + rounds) / rounds if speculative and rounds else None
@@ -251,6 +258,12 @@ def parse_args(argv=None):
         help="comma list of the gateway's --rounds-per-call, one stack each (0 = its default: 4 on a GPU, 1 on a "
         "CPU), e.g. 1,0 for one round per Verify beside the default",
     )
+    p.add_argument(
+        "--queue-calls",
+        default="on",
+        help="comma list of the gateway's --queue-calls, one stack each: on (a Verify sent before the last is "
+        "answered; runs named -queued) or off (one call at a time), e.g. off,on for the A/B",
+    )
     p.add_argument("--requests-per-worker", type=int, default=2, help="requests = max(prompts, this x concurrency)")
     p.add_argument("--out", default="bench_out")
     a = p.parse_args(argv)
@@ -260,6 +273,9 @@ def parse_args(argv=None):
     a.colocate_modes = [m == "on" for m in a.colocate.split(",")]
     a.spec_modes = a.modes.split(",")
     a.rounds_per_call = [int(k) for k in a.rounds_per_call.split(",")]
+    a.queue_modes = a.queue_calls.split(",")
+    if not set(a.queue_modes) <= {"on", "off"}:
+        p.error(f"--queue-calls takes on and off, got {a.queue_calls!r}")
     return a
 
 

@@ -117,13 +117,15 @@ def test_a_sequence_its_call_stopped_is_not_verified_again_by_the_queued_one() -
     commits 102-107 (7 of 12). Call 2 was sent before call 1 was answered, with the budget as it was then
     (11): the verifier subtracts call 1's 6 and stops after 5 (108-112; its third round verified, cut).
     Call 3, sent before call 2 was answered, names the sequence again: the verifier answers it with
-    nothing and verifies nothing. So 6 rounds verified, not 9; the sequence is released after call 3."""
-    outs, log, _ = _queued([(100, 12)], accept=1, k=3)
+    nothing and verifies nothing. So 6 rounds verified, not 9, and 6 group rounds counted (call 3 ran none);
+    the sequence is released after call 3."""
+    outs, log, metrics = _queued([(100, 12)], accept=1, k=3)
     assert outs == [list(range(101, 113))]
     assert [e[2] for e in log if e[0] == "accepted"] == [[102 + 2 * i, 103 + 2 * i] for i in range(6)]
     answered = [e for e in log if e[0] == "answered"]
     assert [e[2] for e in answered] == [[list(range(102, 108))], [list(range(108, 113))], [[]]]
     assert log.index(("release-verifier", ["gw-0"])) > log.index(answered[-1])
+    assert metrics.registry.get_sample_value("specdec_policy_tree_nodes_count") == 6
 
 
 def test_a_sequence_finishing_under_a_queued_call_leaves_the_others_their_tokens() -> None:

@@ -284,7 +284,8 @@ class Scheduler:
         decided = self._decided.pop(group, None)  # chosen when the last round was sent (its trees are chained)
         shape = decided if decided is not None else self._choose(members)  # the policy's
         members, early = await self._early_trees(members)  # joiners whose first tree is not in yet sit out
-        members = [a for a in members if a.calls == 0 or id(a) in follow]  # the others: their call is answered first
+        # finished ones wait for their calls to be answered (then they retire), as do those not following
+        members = [a for a in members if a.gen.finish is None and (a.calls == 0 or id(a) in follow)]
         spec = [a for a in members if id(a) in follow or a.next_propose is not None and not self._tree(a, shape).plain]
         spec = [a for a in spec if a.seq_id not in early] + [a for a in spec if a.seq_id in early]
         fresh = [a for a in spec if not a.chained and id(a) not in follow and a.seq_id not in early]
@@ -309,19 +310,20 @@ class Scheduler:
             await asyncio.sleep(0)  # the call's request goes out (the client writes it on its stream) ...
             spoke = self._speak()  # ... and the last call's text is made and streamed while the services work
             if prev is not None:
-                plain += [a for a in await self._answered(group, prev, spoke) if a not in in_spec]
+                queued = call is not None and self.cfg.queue_calls and call.nxt is not None
+                plain += [a for a in await self._answered(group, prev, spoke, queued) if a not in in_spec]
                 spoke = 0.0
             if call is not None and not (self.cfg.queue_calls and call.nxt is not None):
                 call, this = None, call
-                plain += await self._answered(group, this, spoke)
+                plain += await self._answered(group, this, spoke, False)
         finally:
             if call is not None:  # stays in flight: the next round takes its answer (and stop() waits for it)
                 self._queued[group] = call
         plain = [a for a in dict.fromkeys(plain) if a.calls == 0 and a.gen.finish is None]
         if plain:
             await self._plain_round(plain)
-        if any(a.speculative for a in members):
-            self._count_choice(self._round_shape(spec, shape) if spec else PLAIN)
+        if not spec and any(a.speculative for a in members):
+            self._count_choice(PLAIN)  # a call's rounds count when it is answered (_answered): those it ran
         await self._retire()
 
     def _follows(self, prev: Call | None) -> set[int]:
@@ -335,9 +337,10 @@ class Scheduler:
             if a.gen.finish is None and a.next_propose is not None and self._next_tree(a, prev.nxt) is not None
         }
 
-    async def _answered(self, group: int, call: Call, spoke: float) -> list[Active]:
-        """A call's answer taken (its tokens, the policy, the metrics, the round breakdown); returns the
-        sequences to decode plainly (their chained tree never came and the call gave them no token)."""
+    async def _answered(self, group: int, call: Call, spoke: float, ahead: bool) -> list[Active]:
+        """A call's answer taken (its tokens, the policy, the metrics, the round breakdown; `ahead`: the
+        group's next call is in flight); returns the sequences to decode plainly (their chained tree never
+        came and the call gave them no token)."""
         try:
             verified = await call.task
         finally:
@@ -360,8 +363,11 @@ class Scheduler:
             chained = [a for a in spec if a.seq_id not in call.given] if verified.rounds == 1 else spec
             depth = self._round_shape(chained, call.shape if verified.rounds == 1 else call.nxt or call.shape).depth
             self.policy.observe_step("propose", verified.draft_batch, depth, verified.draft_s / verified.rounds)
-        self._time_round(t0, t1, t2, call.draft_s, verified, spoke)
+        if not any(r.accepted for r in verified.results):  # a queued call whose sequences had all stopped
+            return plain
+        self._time_round(t0, t1, t2, call.draft_s, verified, spoke, ahead)
         self.policy.observe_round(len(spec), self._round_shape(spec, call.shape), (t2 - t0) / verified.rounds, 1)
+        self._count_choice(self._round_shape(spec, call.shape))
         for _ in range(verified.rounds - 1):  # the call's later rounds drafted the next shape
             self._count_choice(self._round_shape(spec, call.nxt or call.shape))
         return plain
@@ -621,14 +627,18 @@ class Scheduler:
         self.choices[shape] = self.choices.get(shape, 0) + 1
         self.metrics.round_shape(shape.depth, shape.nodes)
 
-    def _time_round(self, t0: float, t1: float, t2: float, draft_s: float, v: VerifiedRound, spoke: float) -> None:
+    def _time_round(
+        self, t0: float, t1: float, t2: float, draft_s: float, v: VerifiedRound, spoke: float, ahead: bool = False
+    ) -> None:
         """Round breakdown, per round (a call of several rounds: its figures over the rounds it ran): engine
         time in each service (the draft's: the trees of the call's rounds, chained or not), the verifier's
         wait for chained trees not ready when it needed them (rounds after a call's first always wait: the
         draft works between them), RPC (call wall minus all that and the streaming it overlapped, the
         verifier's hops to the draft and anything it ran between the rounds, such as a prefill, included),
         the gateway's own orchestration after the call (taking the tokens, the policy, the metrics), and
-        `stream`: the last call's text and streaming, done while this call ran (not part of total)."""
+        `stream`: the last call's text and streaming, done while this call ran (not part of total). A
+        queued call (`ahead`: the next one was in flight when it was taken) began when the call before was
+        answered, and its orchestration overlaps the next call: not part of total either."""
         rpc = max((t1 - t0) - draft_s, 0) + max((t2 - t1) - v.compute_s - v.wait_s - spoke, 0)
         t3 = time.perf_counter()
         n = v.rounds
@@ -639,7 +649,7 @@ class Scheduler:
             "rpc": rpc,
             "orchestration": t3 - t2,
             "stream": spoke,
-            "total": t3 - t0,
+            "total": (t2 if ahead else t3) - t0,
         }
         for name, histogram in self.metrics.round_phase.items():  # each round once: sum / count is per round
             for _ in range(n):
