@@ -47,6 +47,9 @@
 #                                  Verify, 6x60 pinned, the policy and plain at concurrency 1, 16, 64
 #   bench/device/policy.sh profile4 py-spy round profiles of the draft in the verifier's process at 4 rounds per
 #                                  Verify, concurrency 1 and 64 (fixed policy, default tree); back as spy.tgz
+#   bench/device/policy.sh queued  session 12's queued calls: the engine in process, then the colocated services at
+#                                  the default rounds per Verify with one call at a time and with the next one
+#                                  queued (--queue-calls off,on), 6x60 pinned and plain at concurrency 1, 16, 64
 #   bench/device/policy.sh rest    one 10-minute call: the chained/unchained A/B (6x60 pinned and plain,
 #                                  concurrency 1, 16, 64), the long prompt (whole, 512-token chunks) and
 #                                  ghz by reflection (GHZ: the binary, concurrency 1 and 64)
@@ -135,6 +138,11 @@ case "$mode" in
     timeout 300 "${load[@]}" --head models/eagle3-smollm2 --concurrency 1,16,64 --prompts 32 --requests-per-worker 2 \
       --modes tree:6x60,spec,plain --colocate on --rounds-per-call 1,0,8 --out "$out/handover" > "$out/handover.log" 2>&1
     grep -hE "tok/s total" "$out/handover.log" | sed 's/.*services_bench INFO //' | cut -c1-120 ;;
+  queued)
+    engine
+    timeout 300 "${load[@]}" --head models/eagle3-smollm2 --concurrency 1,16,64 --prompts 32 --requests-per-worker 2 \
+      --modes tree:6x60,plain --colocate on --queue-calls off,on --out "$out/queued" > "$out/queued.log" 2>&1
+    grep -hE "tok/s total" "$out/queued.log" | sed 's/.*services_bench INFO //' | cut -c1-150 ;;
   profile4)
     python3 -m pip install -q --no-deps --target /tmp/pyspy .devcarry/b/wheels/py_spy-*.whl; export PATH="/tmp/pyspy/bin:$PATH"
     for c in 1 64; do
