@@ -54,7 +54,9 @@ case "$mode" in
       > "$out/train.log" 2>&1
     tail -4 "$out/train.log"; cp "$w/train/train_log.jsonl" "$out/" 2>/dev/null
     [ -d "$w/head" ] && tar czf "$out/head.tgz" -C "$w" head ;;
-  eval)
+  eval)  # on a machine other than train's: the eval sets from .devcarry/e (as for eval32) and the head from .devcarry/h/head.tgz
+    [ -f "$w/sharegpt_heldout.jsonl" ] || cp .devcarry/e/*.jsonl "$w/"
+    [ -d "$w/head" ] || tar xzf .devcarry/h/head.tgz -C "$w"
     for h in ${EVAL_HEADS:-old new}; do  # EVAL_HEADS=new: the shipped head's figures are known (deterministic)
       head=models/eagle3-smollm2; [ "$h" = new ] && head="$w/head"
       timeout 150 "${tp[@]}" eval --workdir "$w" --device cuda --head "$head" --limit "${EVAL_LIMIT:-40}" \
