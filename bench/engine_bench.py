@@ -14,6 +14,9 @@ and leave the batch when done. Figures per method and concurrency:
   ITL                mean gap between a request's tokens (speculative tokens arrive in bursts)
   acceptance length  mean tokens committed per sequence per round (accepted drafts + the bonus)
   round breakdown    draft ms, verify (or decode) ms and host/orchestration ms per round
+`--methods closed` adds speculative decoding in a closed loop (speculative-closed): `concurrency` requests in
+flight, each finished one replaced by the next, prefilled between two rounds of the others, as
+bench.services_bench loads the gateway (max(prompts, --requests-per-worker x concurrency) requests).
 """
 
 from __future__ import annotations
@@ -203,6 +206,45 @@ def run_spec(
     accepted = [c for r in rounds for c in r.committed]
     host_s = sum(r.host_s for r in rounds)
     return summarize(name, concurrency, traces, wall, len(rounds), draft_s, verify_s, host_s, accepted)
+
+
+def run_spec_closed(
+    verifier, drafter, prompts: list[list[int]], max_new: int, concurrency: int, tree_size: int, requests: int
+) -> RunResult:
+    """Speculative decoding in a closed loop, the services bench's workload in process: `concurrency`
+    requests in flight and each finished one replaced by the next (prompts cycled, `requests` in all), its
+    prefill between two rounds of the others (speculative_loop's `more`). Figures as the waves'; the rounds'
+    prefill time is in the wall and in the running requests' token times, as it is through the gateway."""
+    load = [prompts[i % len(prompts)] for i in range(requests)]
+    traces = [RequestTrace() for _ in load]
+    owner: dict[str, int] = {}
+    rounds: list[Round] = []
+    nxt = 0
+
+    def take(n: int) -> dict[str, list[int]]:
+        nonlocal nxt
+        now, new = time.perf_counter(), {}
+        for i in range(nxt, min(nxt + n, len(load))):
+            owner[f"closed-{i}"] = i
+            traces[i].arrival = now
+            new[f"closed-{i}"] = load[i]
+        nxt = min(nxt + n, len(load))
+        return new
+
+    def commit(sid: str, tokens: list[int]) -> bool:
+        tr, now = traces[owner[sid]], time.perf_counter()
+        got = tokens[: max_new - len(tr.tokens)]
+        tr.tokens.extend(got)
+        tr.times.extend([now] * len(got))
+        return len(tr.tokens) < max_new
+
+    t_start = time.perf_counter()
+    speculative_loop(verifier, drafter, take(concurrency), tree_size, commit, rounds.append, more=take)
+    wall = time.perf_counter() - t_start
+    accepted = [c for r in rounds for c in r.committed]
+    draft_s, verify_s = sum(r.draft_s for r in rounds), sum(r.verify_s for r in rounds)
+    host_s = sum(r.host_s + r.prefill_s for r in rounds)
+    return summarize("speculative-closed", concurrency, traces, wall, len(rounds), draft_s, verify_s, host_s, accepted)
 
 
 def run_hf(model_path: Path, device: torch.device, dtype: str, prompts: list[list[int]], max_new: int) -> RunResult:
@@ -412,6 +454,16 @@ def bench(args, ckpt) -> int:
                 f"accept {r.acceptance_length:.2f}",
                 flush=True,
             )
+        if "closed" in args.methods:  # the services bench's closed loop, in process: requests as it counts them
+            n = max(len(prompts), args.requests_per_worker * c)
+            closed = run_spec_closed(eng.verifier, eng.drafter, prompts, args.max_new_tokens, c, args.tree_size, n)
+            results.append(closed)
+            r = results[-1]
+            print(
+                f"speculative-closed c={c}: {r.tok_s_per_request:.1f} tok/s/req, {r.tok_s_total:.1f} tok/s total, "
+                f"accept {r.acceptance_length:.2f}",
+                flush=True,
+            )
     meta = {
         "device": args.device,
         "device_name": device_name(args.device),
@@ -511,7 +563,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--concurrency", default="1,4,16")
-    p.add_argument("--methods", default="hf,plain,spec", help="comma list of hf, plain, spec")
+    p.add_argument(
+        "--methods",
+        default="hf,plain,spec",
+        help="comma list of hf, plain, spec (waves), closed (speculative in a closed loop, as bench.services_bench)",
+    )
+    p.add_argument(
+        "--requests-per-worker", type=int, default=2, help="closed: requests = max(prompts, this x concurrency)"
+    )
     p.add_argument("--hf-prompts", type=int, default=3, help="prompts for the (slow) HF generate baseline")
     p.add_argument("--max-context", type=int, default=1024)
     p.add_argument("--top-k", type=int, default=10)
@@ -534,8 +593,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("-v", "--verbose", action="store_true")
     args = p.parse_args(argv)
     args.methods = {m.strip() for m in args.methods.split(",") if m.strip()}
-    if not args.methods <= {"hf", "plain", "spec"}:
-        p.error(f"unknown methods {sorted(args.methods - {'hf', 'plain', 'spec'})}")
+    if not args.methods <= {"hf", "plain", "spec", "closed"}:
+        p.error(f"unknown methods {sorted(args.methods - {'hf', 'plain', 'spec', 'closed'})}")
     return args
 
 

@@ -1,11 +1,13 @@
 """bench.sampling_accept --prompts-file: the first n rows' prompt_ids, and clear errors for a short or bad file;
-bench.engine_bench: a concurrency above the prompts' count still runs one wave of that many sequences."""
+bench.engine_bench: a concurrency above the prompts' count still runs one wave of that many sequences, and its
+closed loop (speculative_loop's `more`) replaces each finished request between two rounds."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+import torch
 
 from bench.engine_bench import filled, waves
 from bench.sampling_accept import read_prompts
@@ -41,3 +43,58 @@ def test_engine_waves_hold_the_concurrency_when_prompts_are_fewer():
     assert [len(w) for w in waves(filled([a, b, c], 7), 7)] == [7]
     assert filled([a, b, c], 2) == [a, b, c]
     assert [len(w) for w in waves(filled([a, b, c], 2), 2)] == [2, 1]
+
+
+class _CountingEngines:
+    """Fake verifier and drafter for the in-process closed loop: a prefill picks the prompt's last token + 1,
+    every round commits the next two tokens of the count-up; the calls are logged."""
+
+    name = "counting"
+
+    def __init__(self) -> None:
+        self.log: list = []
+        self.last: dict[str, int] = {}
+
+    def prefill_batch(self, items):
+        from common.engine.base import PrefillOutput
+
+        self.log.append(("prefill", [it.seq_id for it in items]))
+        outs = []
+        for it in items:
+            self.last[it.seq_id] = it.token_ids[-1] + 1
+            outs.append(PrefillOutput(next_token=self.last[it.seq_id], hidden=torch.zeros(len(it.token_ids), 1)))
+        return outs
+
+    def propose(self, items):
+        self.log.append(("propose", [it.seq_id for it in items]))
+        return [None for _ in items]
+
+    def verify(self, items):
+        from common.engine.base import VerifyOutput
+
+        outs = []
+        for it in items:
+            t = self.last[it.seq_id]
+            self.last[it.seq_id] = t + 2
+            outs.append(VerifyOutput(tokens=[t + 1, t + 2], hidden=torch.zeros(2, 1)))
+        return outs
+
+    def release(self, seq_ids):
+        return len(seq_ids)
+
+
+def test_engine_closed_loop_replaces_each_finished_request_between_rounds():
+    """Three requests of 5 tokens at concurrency 2, each round committing 2: a and b run rounds 1-2 (1 + 2 + 2
+    tokens) and finish, c is prefilled after round 2 and runs rounds 3-4 alone; every request's tokens are
+    its count-up, and c's clock starts when it joined, not at the start."""
+    from bench.engine_bench import run_spec_closed
+
+    eng = _CountingEngines()
+    prompts = [[10], [20], [30]]
+    r = run_spec_closed(eng, eng, prompts, max_new=5, concurrency=2, tree_size=4, requests=3)
+    assert r.outputs == [[11, 12, 13, 14, 15], [21, 22, 23, 24, 25], [31, 32, 33, 34, 35]]
+    prefills = [e[1] for e in eng.log if e[0] == "prefill"]
+    assert prefills == [["closed-0", "closed-1"], ["closed-2"]]
+    proposes = [e[1] for e in eng.log if e[0] == "propose"]
+    assert proposes == [["closed-0", "closed-1"]] * 2 + [["closed-2"]] * 2
+    assert r.rounds == 4 and r.requests == 3 and r.acceptance_length == 2.0

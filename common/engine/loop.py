@@ -21,6 +21,7 @@ class Round:
     verify_s: float  # wall seconds of the verify call
     host_s: float  # wall seconds of the bookkeeping after it (commits, releases)
     committed: list[int]  # [sequences in the round] tokens committed per sequence (accepted + the bonus)
+    prefill_s: float = 0.0  # wall seconds of the prefill of the sequences that joined after it (`more`)
 
 
 def speculative_loop(
@@ -31,20 +32,29 @@ def speculative_loop(
     commit: Callable[[str, list[int]], bool],
     on_round: Callable[[Round], None] | None = None,
     sampling: dict[str, SamplingConfig] | None = None,
+    more: Callable[[int], dict[str, list[int]]] | None = None,
 ) -> None:
     """Prefill every prompt (seq id -> prompt ids, in one batched call), then run rounds until every sequence is done.
     commit(seq_id, new_tokens) receives each sequence's tokens as they come (the prefill's first token,
     then each round's) and returns whether the sequence goes on; a finished one is released on both
     engines. on_round sees each round's timing and committed counts. sampling: seq id -> how it samples
-    (absent: greedy)."""
-    items: dict[str, ProposeInput] = {}
-    cfgs = {sid: (sampling or {}).get(sid, SamplingConfig()) for sid in prompts}
-    outs = verifier.prefill_batch([PrefillInput(sid, p, cfgs[sid]) for sid, p in prompts.items()])
-    for (sid, prompt), out in zip(prompts.items(), outs):
-        if commit(sid, [out.next_token]):
-            items[sid] = ProposeInput.after_prefill(sid, prompt, out, tree_size, cfgs[sid])
-        else:
-            verifier.release([sid])
+    (absent: greedy). more(n): after a round in which n sequences finished, the prompts that start now (a
+    closed loop: each finished request replaced by the next), prefilled in one call and in the next round.
+    Example, 2 in flight, more = the next prompt for each finished one: a finishes in round 5 -> c is
+    prefilled after round 5 and proposes in round 6 beside b."""
+
+    def start(new: dict[str, list[int]]) -> dict[str, ProposeInput]:
+        cfgs = {sid: (sampling or {}).get(sid, SamplingConfig()) for sid in new}
+        outs = verifier.prefill_batch([PrefillInput(sid, p, cfgs[sid]) for sid, p in new.items()])
+        going = {}
+        for (sid, prompt), out in zip(new.items(), outs):
+            if commit(sid, [out.next_token]):
+                going[sid] = ProposeInput.after_prefill(sid, prompt, out, tree_size, cfgs[sid])
+            else:
+                verifier.release([sid])
+        return going
+
+    items = start(prompts)
     while items:
         t_a = time.perf_counter()
         trees = drafter.propose(list(items.values()))
@@ -58,13 +68,18 @@ def speculative_loop(
         done = [sid for sid in items if sid not in going]
         verifier.release(done)
         drafter.release(done)
+        t_d = time.perf_counter()
+        joining = more(len(done)) if more is not None and done else {}
+        if joining:
+            going.update(start(joining))
         if on_round is not None:
             on_round(
                 Round(
                     draft_s=t_b - t_a,
                     verify_s=t_c - t_b,
-                    host_s=time.perf_counter() - t_c,
+                    host_s=t_d - t_c,
                     committed=[len(r.tokens) for r in results],
+                    prefill_s=time.perf_counter() - t_d,
                 )
             )
         items = going
