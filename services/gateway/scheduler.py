@@ -94,7 +94,8 @@ class Active:
     prefilled: int = 0  # prompt tokens in the verifier's cache so far
     prefilling: bool = True  # its prompt is not all in yet: no rounds
     in_prefill: bool = False  # a prefill call naming it is in flight: it does not retire before the call is over
-    calls: int = 0  # Verify calls naming it in flight (two when one is queued): it retires when none is
+    calls: int = 0  # Verify calls naming it in flight (two when one is queued): it retires when none is ...
+    rule_stopped: bool = False  # ... or once a call's token rules finished it (the call queued behind skips it)
     wants_hidden: bool = False  # decided at its first chunk: the prefill returns the prompt's features
     solo: bool = False  # a prefill it shared failed: its prompt goes in calls of its own
     started: float = field(default_factory=time.perf_counter)
@@ -429,6 +430,8 @@ class Scheduler:
             taken = a.gen.take(r.tokens)
             if taken is not None:
                 takes.append((a, taken))
+                # the verifier stopped it by the same rules: a call queued behind answers it with nothing
+                a.rule_stopped = taken.finish is not None
         self.metrics.verified(accepted, nodes)
         return takes
 
@@ -777,9 +780,14 @@ class Scheduler:
         """Finished sequences leave the rounds; their slots are released in the background (the next round
         need not wait for the verifier's Release, which waits for their chained proposals): a prefill step
         waits for those releases before it prefills a new sequence into a slot (_prefill_calls). One whose
-        prefill call is in flight leaves once the call is over (Active.in_prefill). Returns the release's
-        task (None when nobody left): a failed step (_guarded) waits for it."""
-        done = [a for a in self.active if a.gen.finish is not None and not a.in_prefill and not a.calls]
+        prefill call is in flight leaves once the call is over (Active.in_prefill); one that a Verify in flight
+        names, once that call is answered, unless the token rules of the call before finished it: the verifier
+        stopped it there by the same rules, so the call in flight does not touch it and its slots can go at
+        once (Active.rule_stopped; a stop string or a cancellation is the gateway's alone). Returns the
+        release's task (None when nobody left): a failed step (_guarded) waits for it."""
+        done = [
+            a for a in self.active if a.gen.finish is not None and not a.in_prefill and (not a.calls or a.rule_stopped)
+        ]
         if not done:
             return None
         gone = set(done)  # by identity (Active is eq=False)

@@ -47,7 +47,7 @@ from specdec.v1 import internal_pb2 as pb
 
 log = logging.getLogger(__name__)
 MAX_DRAFTS = 4  # distinct draft addresses one verifier talks to (a typo in a flag should not open channels forever)
-_STOPPED = (Stop.TOKEN, Stop.LENGTH, Stop.BEFORE)  # what a call queued behind does not verify again
+_STOPPED = (Stop.TOKEN, Stop.LENGTH)  # what a call queued behind does not verify again
 
 
 @dataclass(frozen=True)
@@ -110,19 +110,24 @@ class DraftChain:
         self._last: dict[str, Last] = {}  # seq id -> how the last Verify naming it left it (until the next one)
 
     async def verify(
-        self, request: pb.VerifyRequest, run: Run, room: Callable[[list[str]], list[int]]
+        self,
+        request: pb.VerifyRequest,
+        run: Run,
+        room: Callable[[list[str]], list[int]],
+        gone: frozenset[str] = frozenset(),
     ) -> pb.VerifyResponse:
         """A Verify under the protocol, of one round or several (VerifyRequest.rounds). Each round: the
         chained items' trees (waiting for calls still running), `run(request, failed, trees)` verifies every
         item but the failed ones (answered with draft_error), each with its chained tree from `trees` or
         else its own, then each item with next_nodes that runs on, or ran the call's last round, goes to
         the draft for its next tree: as `run` handed it over, or as a ProposeItem of its result. `room(seq_ids)`:
-        the KV rows each sequence has left, read before every round after the first (services/verifier/rounds.py)."""
+        the KV rows each sequence has left, read before every round after the first (services/verifier/rounds.py).
+        `gone`: `follows` items whose sequence was released since the call before stopped it: not verified."""
         items = request.items
         ids = [it.seq_id for it in items]
         last = {s: self._last.pop(s) for s in ids if s in self._last}  # the call before's, used once
         await self.settle([s for it, s in zip(items, ids) if not it.chained])
-        rules = [_rules(it, last.get(s) if it.follows else None) for it, s in zip(items, ids)]
+        rules = [None if s in gone else _rules(it, last.get(s) if it.follows else None) for it, s in zip(items, ids)]
         call = CallRounds([r or ItemRules(chained=False) for r in rules], max(request.rounds, 1))
         # stopped by the call before: not verified (answered as a failed item would be, its error cleared below)
         before = {ids[i]: "stopped by the call before" for i, r in enumerate(rules) if r is None}
@@ -157,7 +162,8 @@ class DraftChain:
             self._close_round(request, call, ids, todo, trees, out.results, handed, sent)
         resp.rounds_run = call.ran
         for s, it in zip(ids, call.items):  # for a call queued behind this one (VerifyItem.follows)
-            self._last[s] = Last(it.stop in _STOPPED, len(it.tokens))
+            if it.stop is not Stop.BEFORE:  # its gateway sends no third call (and may have released it)
+                self._last[s] = Last(it.stop in _STOPPED, len(it.tokens))
         for i, (r, it) in enumerate(zip(first, call.items)):
             del r.accepted_tokens[:]
             r.accepted_tokens.extend(it.tokens)

@@ -158,7 +158,15 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         ids = [it.seq_id for it in request.items]
         self._check_chain(request, ids)
         self.leases.touch(ids)
-        return await self.chain.verify(request, self._run_verify, self.engine.room)
+        gone = self._gone(request)
+        return await self.chain.verify(request, self._run_verify, self.engine.room, gone)
+
+    def _gone(self, request: pb.VerifyRequest) -> frozenset[str]:
+        """Items that follow a call which stopped their sequence, already released by its gateway (it
+        releases a sequence the call's rules stopped without waiting for the queued call): answered with
+        nothing, like any item whose call before stopped it."""
+        owner_of = self.leases.table.owner_of
+        return frozenset(it.seq_id for it in request.items if it.follows and owner_of(it.seq_id) is None)
 
     async def _run_verify(
         self, request: pb.VerifyRequest, failed: dict[str, str], chained: dict[str, object]
@@ -171,7 +179,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         if not ids:
             raise InvalidRequest("verify request has no items")
         check_unique(ids)
-        self._check_held(ids)
+        self._check_held([it.seq_id for it in request.items if not it.follows])  # see _gone
         self.chain.check(request)
 
     def _check_held(self, ids: list[str]) -> None:
