@@ -62,9 +62,17 @@ class InOrderVerifier(FollowingVerifier):
             self.log.append(("verified-after-release", seq_id))
 
 
-def _queued(requests: list[tuple[int, int]], accept: int, k: int = 1, fail_call: int = 0, queue: bool = True):
-    """Requests (last prompt token, max_tokens), prompts [first - 1, first], through the scheduler with
-    queued calls; returns (tokens per request, log, metrics)."""
+def _queued(
+    requests: list[tuple[int, int]],
+    accept: int,
+    k: int = 1,
+    fail_call: int = 0,
+    queue: bool = True,
+    stagger: float = 0.0,
+):
+    """Requests (last prompt token, max_tokens), prompts [first - 1, first], the i-th sent after i x stagger
+    seconds, through the scheduler with queued calls; returns (tokens per request, log, metrics). The log
+    also has ("arrived", first) when a request is sent and ("final", first) when its last delta arrives."""
 
     async def run():
         log: list = []
@@ -76,17 +84,44 @@ def _queued(requests: list[tuple[int, int]], accept: int, k: int = 1, fail_call:
         sched = Scheduler(InOrderVerifier(log, accept, draft), draft, cfg, CHAIN, metrics)
         sched.start()
 
-        async def one(first: int, max_tokens: int) -> list[int]:
+        async def one(first: int, max_tokens: int, delay: float) -> list[int]:
+            await asyncio.sleep(delay)
             req = GenRequest(prompt_ids=[first - 1, first], max_tokens=max_tokens, sampling=SamplingConfig())
             gen = Generation(request=req, decoder=RoundDecoder(Ids()), eos_token_id=EOS)
-            return streamed([d async for d in sched.generate(gen)])
+            log.append(("arrived", first))
+            deltas = []
+            async for d in sched.generate(gen):
+                deltas.append(d)
+                if d.finish is not None:
+                    log.append(("final", first))
+            return streamed(deltas)
 
-        outs = await asyncio.gather(*(one(*r) for r in requests))
+        outs = await asyncio.gather(*(one(f, m, i * stagger) for i, (f, m) in enumerate(requests)))
         await sched.stop()
         assert not [e for e in log if e[0] == "verified-after-release"]
         return outs, log, metrics
 
     return asyncio.run(run())
+
+
+def test_a_finished_requests_last_delta_goes_out_when_its_call_is_taken() -> None:
+    """gw-0 (max_tokens 4, 3 of 3 accepted) finishes in call 1, taken after call 2 was sent: its last delta
+    reaches its client right then, before call 3 is sent (its client's next request need not wait a call
+    for it); the others' text still goes out while the next call runs."""
+    outs, log, _ = _queued([(100, 4), (200, 30)], accept=3)
+    assert outs == [list(range(101, 105)), list(range(201, 231))]
+    sent = [i for i, e in enumerate(log) if e[0] == "sent"]
+    assert sent[1] < log.index(("final", 100)) < sent[2]
+
+
+def test_a_request_arriving_during_a_call_is_prefilled_beside_it() -> None:
+    """gw-1 arrives 20 ms into gw-0's calls (5 ms each): it is admitted and its prefill call goes out before
+    the call in flight is answered, not after (the loop would reach it only then); both exact."""
+    outs, log, _ = _queued([(100, 60), (200, 12)], accept=2, stagger=0.02)
+    assert outs == [list(range(101, 161)), list(range(201, 213))]
+    arrived = log.index(("arrived", 200))
+    answered = next(i for i, e in enumerate(log) if i > arrived and e[0] == "answered")
+    assert arrived < log.index(("prefill-call", ["gw-1"])) < answered
 
 
 def _in_flight(log: list) -> int:

@@ -234,6 +234,9 @@ class Scheduler:
         )
         self.waiting[a.seq_id] = a
         self._wake.set()
+        if self._task is not None and not self._task.done() and self.active:  # rounds run: admit now, prefill beside
+            self._admit()  # (the loop would reach it only after the call in flight; asyncio: no await between)
+            self._start_prefill()
         try:
             while True:
                 item = await a.out.get()
@@ -359,7 +362,14 @@ class Scheduler:
         if news:  # their chained trees never came: caught up later, plain this round if it got no tokens
             self._draft_failed([a for a, _ in news], news[0][1].draft_error)
         plain = [a for a, r in lost if not r.tokens]
-        self._unspoken += self._take_rounds(spec, verified, call.shape, call.nxt)  # streamed during the next call
+        takes = self._take_rounds(spec, verified, call.shape, call.nxt)
+        # the text is streamed during the next call, but a finished request's at once: its client sends its
+        # next request on it (a closed loop's replacement would wait a call for it)
+        ends = [(a, t) for a, t in takes if t.finish is not None]
+        if ends:
+            self._speak()  # the takes before them first (a sequence's own earlier take may be among them)
+            self._stream([(a, a.gen.speak(t)) for a, t in ends])
+        self._unspoken += [(a, t) for a, t in takes if t.finish is None]
         if verified.draft_batch:  # the chained trees' calls: the draft's engine time at its batch and depth
             chained = [a for a in spec if a.seq_id not in call.given] if verified.rounds == 1 else spec
             depth = self._round_shape(chained, call.shape if verified.rounds == 1 else call.nxt or call.shape).depth
