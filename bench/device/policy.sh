@@ -50,6 +50,10 @@
 #   bench/device/policy.sh queued  session 12's queued calls: the engine in process, then the colocated services at
 #                                  the default rounds per Verify with one call at a time and with the next one
 #                                  queued (--queue-calls off,on), 6x60 pinned and plain at concurrency 1, 16, 64
+#   bench/device/policy.sh closed  the split under one workload: the engine in process in waves and in the services
+#                                  bench's closed loop (--methods spec,closed), then the colocated services,
+#                                  one call at a time and queued, 2 and the default 4 rounds per Verify, 6x60
+#                                  pinned, concurrency 1, 16, 64, 4 requests per worker (PER_WORKER)
 #   bench/device/policy.sh rest    one 10-minute call: the chained/unchained A/B (6x60 pinned and plain,
 #                                  concurrency 1, 16, 64), the long prompt (whole, 512-token chunks) and
 #                                  ghz by reflection (GHZ: the binary, concurrency 1 and 64)
@@ -143,6 +147,15 @@ case "$mode" in
     timeout 300 "${load[@]}" --head models/eagle3-smollm2 --concurrency 1,16,64 --prompts 32 --requests-per-worker 2 \
       --modes tree:6x60,plain --colocate on --queue-calls off,on --out "$out/queued" > "$out/queued.log" 2>&1
     grep -hE "tok/s total" "$out/queued.log" | sed 's/.*services_bench INFO //' | cut -c1-150 ;;
+  closed)
+    timeout 240 python3 -m bench.engine_bench --device cuda --head models/eagle3-smollm2 --prompts 32 \
+      --concurrency 1,16,64 --methods spec,closed --requests-per-worker "${PER_WORKER:-4}" --out /tmp/engine-closed \
+      > "$out/engine.log" 2>&1
+    cp /tmp/engine-closed/engine_bench.json "$out/" 2>/dev/null; grep -E "^speculative" "$out/engine.log"
+    timeout 330 "${load[@]}" --head models/eagle3-smollm2 --concurrency 1,16,64 --prompts 32 \
+      --requests-per-worker "${PER_WORKER:-4}" --modes tree:6x60 --colocate on --rounds-per-call 2,0 \
+      --queue-calls off,on --out "$out/closed" > "$out/closed.log" 2>&1
+    grep -hE "tok/s total" "$out/closed.log" | sed 's/.*services_bench INFO //' | cut -c1-150 ;;
   profile4)
     python3 -m pip install -q --no-deps --target /tmp/pyspy .devcarry/b/wheels/py_spy-*.whl; export PATH="/tmp/pyspy/bin:$PATH"
     for c in 1 64; do

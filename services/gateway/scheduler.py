@@ -280,8 +280,9 @@ class Scheduler:
         next without waiting for the gateway's hop and host work (VerifyStream answers in order). The
         sequences of the call in flight go on in the new one as `follows` items (chained: the verifier
         subtracts what the call before committed from their budget and answers those it stopped with
-        nothing); a sequence finished by a stop string or a cancellation in between runs one call more,
-        wasted, never streamed, and leaves the rounds once no call in flight names it (Active.calls)."""
+        nothing); one that the call before's token rules finished leaves the rounds at once (the call in
+        flight skips it: Active.rule_stopped), one finished by a stop string or a cancellation in between
+        runs one call more, wasted, never streamed, and leaves once no call in flight names it (Active.calls)."""
         t0 = time.perf_counter()
         prev = self._queued.pop(group, None)
         follow = self._follows(prev)
