@@ -174,6 +174,34 @@ def run_plain(verifier, prompts: list[list[int]], max_new: int, concurrency: int
     return summarize("plain", concurrency, traces, time.perf_counter() - t_start, rounds, 0.0, decode_s, host_s)
 
 
+def _committer(traces: list[RequestTrace], owner: dict[str, int], max_new: int):
+    """speculative_loop's commit for requests traced in `traces` (seq id -> its index in `owner`): each
+    request's tokens up to max_new, stamped with their arrival time; it goes on while it has fewer."""
+
+    def commit(sid: str, tokens: list[int]) -> bool:
+        tr, now = traces[owner[sid]], time.perf_counter()
+        got = tokens[: max_new - len(tr.tokens)]
+        tr.tokens.extend(got)
+        tr.times.extend([now] * len(got))
+        return len(tr.tokens) < max_new
+
+    return commit
+
+
+def _summarize_rounds(name: str, concurrency: int, traces: list[RequestTrace], t_start: float, rounds: list[Round]):
+    """summarize() over speculative_loop's rounds (host time: the bookkeeping and any joiners' prefill)."""
+    wall = time.perf_counter() - t_start
+    accepted = [c for r in rounds for c in r.committed]
+    draft_s, verify_s = sum(r.draft_s for r in rounds), sum(r.verify_s for r in rounds)
+    host_s = sum(r.host_s + r.prefill_s for r in rounds)
+    return summarize(name, concurrency, traces, wall, len(rounds), draft_s, verify_s, host_s, accepted)
+
+
+def closed_loop_requests(prompts: int, per_worker: int, concurrency: int) -> int:
+    """Requests of a closed-loop run: every worker busy for the whole run (bench.services_bench too)."""
+    return max(prompts, per_worker * concurrency)
+
+
 def run_spec(
     verifier,
     drafter,
@@ -184,28 +212,17 @@ def run_spec(
     name: str = "speculative",
 ) -> RunResult:
     traces = [RequestTrace() for _ in prompts]
+    owner: dict[str, int] = {}
+    commit = _committer(traces, owner, max_new)
     rounds: list[Round] = []
     t_start = time.perf_counter()
     for wave in waves(prompts, concurrency):
         t0 = time.perf_counter()
-        owner = {f"spec-{i}": i for i, _ in wave}
         for i, _ in wave:
+            owner[f"spec-{i}"] = i
             traces[i].arrival = t0
-
-        def commit(sid: str, tokens: list[int], owner: dict[str, int] = owner) -> bool:
-            tr, now = traces[owner[sid]], time.perf_counter()
-            take = tokens[: max_new - len(tr.tokens)]
-            tr.tokens.extend(take)
-            tr.times.extend([now] * len(take))
-            return len(tr.tokens) < max_new
-
         speculative_loop(verifier, drafter, {f"spec-{i}": p for i, p in wave}, tree_size, commit, rounds.append)
-    draft_s = sum(r.draft_s for r in rounds)
-    verify_s = sum(r.verify_s for r in rounds)
-    wall = time.perf_counter() - t_start
-    accepted = [c for r in rounds for c in r.committed]
-    host_s = sum(r.host_s for r in rounds)
-    return summarize(name, concurrency, traces, wall, len(rounds), draft_s, verify_s, host_s, accepted)
+    return _summarize_rounds(name, concurrency, traces, t_start, rounds)
 
 
 def run_spec_closed(
@@ -231,20 +248,10 @@ def run_spec_closed(
         nxt = min(nxt + n, len(load))
         return new
 
-    def commit(sid: str, tokens: list[int]) -> bool:
-        tr, now = traces[owner[sid]], time.perf_counter()
-        got = tokens[: max_new - len(tr.tokens)]
-        tr.tokens.extend(got)
-        tr.times.extend([now] * len(got))
-        return len(tr.tokens) < max_new
-
     t_start = time.perf_counter()
+    commit = _committer(traces, owner, max_new)
     speculative_loop(verifier, drafter, take(concurrency), tree_size, commit, rounds.append, more=take)
-    wall = time.perf_counter() - t_start
-    accepted = [c for r in rounds for c in r.committed]
-    draft_s, verify_s = sum(r.draft_s for r in rounds), sum(r.verify_s for r in rounds)
-    host_s = sum(r.host_s + r.prefill_s for r in rounds)
-    return summarize("speculative-closed", concurrency, traces, wall, len(rounds), draft_s, verify_s, host_s, accepted)
+    return _summarize_rounds("speculative-closed", concurrency, traces, t_start, rounds)
 
 
 def run_hf(model_path: Path, device: torch.device, dtype: str, prompts: list[list[int]], max_new: int) -> RunResult:
@@ -455,7 +462,7 @@ def bench(args, ckpt) -> int:
                 flush=True,
             )
         if "closed" in args.methods:  # the services bench's closed loop, in process: requests as it counts them
-            n = max(len(prompts), args.requests_per_worker * c)
+            n = closed_loop_requests(len(prompts), args.requests_per_worker, c)
             closed = run_spec_closed(eng.verifier, eng.drafter, prompts, args.max_new_tokens, c, args.tree_size, n)
             results.append(closed)
             r = results[-1]

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import grpc
 
-from bench.engine_bench import QUESTIONS, RequestTrace, RunResult, summarize
+from bench.engine_bench import QUESTIONS, RequestTrace, RunResult, closed_loop_requests, summarize
 from services.stack import Stack
 from specdec.v1 import generation_pb2 as gpb
 from specdec.v1 import generation_pb2_grpc as gpb_grpc
@@ -174,7 +174,7 @@ def run(args) -> list[RunResult]:
             # plain makes no Verify: once, on the default rounds' first stack
             modes = [m for m in args.spec_modes if m != "plain" or k == 0 and queue == args.queue_modes[0]]
             for c, m in [(c, m) for c in args.concurrency for m in modes]:
-                n = max(len(prompts), args.requests_per_worker * c)  # every worker busy for the whole run
+                n = closed_loop_requests(len(prompts), args.requests_per_worker, c)
                 load = [prompts[i % len(prompts)] for i in range(n)]
                 before, chosen = scrape_rounds(mport), policy_choices(stack.gateway)
                 traces, finals, wall = asyncio.run(closed_loop(stack.gateway, load, args.max_new_tokens, c, m))

@@ -126,6 +126,7 @@ class StreamedCall:
     def __init__(self, stream_method, unary_method, timeout: float) -> None:
         self._open, self._unary, self.timeout = stream_method, unary_method, timeout
         self._name = _method_name(stream_method)
+        self._label = self._name.lstrip("/")  # in errors
         self._stream: grpc.aio.StreamStreamCall | None = None
         self._waiting: collections.deque[asyncio.Future] = collections.deque()  # the stream's calls, in order
         self._reader: asyncio.Task | None = None
@@ -140,8 +141,9 @@ class StreamedCall:
                 answer = await self._send(request)
                 resp = await asyncio.shield(answer)  # a cancelled caller leaves the answer to the reader
         except TimeoutError as e:
-            self._fail_all(PeerUnavailable(f"{self._name.lstrip('/')}: no answer within {self.timeout:g} s"))
-            raise PeerUnavailable(f"{self._name.lstrip('/')}: no answer within {self.timeout:g} s") from e
+            err = PeerUnavailable(f"{self._label}: no answer within {self.timeout:g} s")
+            self._fail_all(err)  # the service is stuck: the calls behind this one wait in vain too
+            raise err from e
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.UNIMPLEMENTED:  # an older service: go unary
                 self.streaming = False
@@ -168,7 +170,7 @@ class StreamedCall:
         async with self._write:
             if self._stream is None or self._stream.done():  # first call, or the service ended it
                 if self._stream is not None:  # calls still waiting on it are lost with it
-                    self._fail_all(PeerUnavailable(f"{self._name.lstrip('/')}: the service ended the stream"))
+                    self._fail_all(PeerUnavailable(f"{self._label}: the service ended the stream"))
                 self._stream = self._open()
                 self._reader = asyncio.get_running_loop().create_task(self._read(self._stream))
             answer = asyncio.get_running_loop().create_future()
@@ -176,7 +178,7 @@ class StreamedCall:
             try:
                 await self._stream.write(request)
             except BaseException as e:
-                self._fail_all(e if isinstance(e, grpc.aio.AioRpcError) else PeerUnavailable(f"{self._name}: {e!r}"))
+                self._fail_all(e if isinstance(e, grpc.aio.AioRpcError) else PeerUnavailable(f"{self._label}: {e!r}"))
                 raise
             return answer
 
@@ -186,9 +188,9 @@ class StreamedCall:
             while True:
                 resp = await stream.read()
                 if resp is grpc.aio.EOF:
-                    raise PeerUnavailable(f"{self._name.lstrip('/')}: the service ended the stream")
+                    raise PeerUnavailable(f"{self._label}: the service ended the stream")
                 if not self._waiting:  # an answer nobody asked for: the pairing is lost
-                    raise PeerUnavailable(f"{self._name.lstrip('/')}: an answer with no call waiting")
+                    raise PeerUnavailable(f"{self._label}: an answer with no call waiting")
                 answer = self._waiting.popleft()
                 if not answer.done():
                     answer.set_result(resp)
@@ -216,7 +218,7 @@ class StreamedCall:
         self._reader = None
 
     def close(self) -> None:
-        self._fail_all(PeerUnavailable(f"{self._name.lstrip('/')}: the client was closed"))
+        self._fail_all(PeerUnavailable(f"{self._label}: the client was closed"))
 
 
 class _ServiceClient:

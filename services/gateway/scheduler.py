@@ -314,11 +314,11 @@ class Scheduler:
         try:
             await asyncio.sleep(0)  # the call's request goes out (the client writes it on its stream) ...
             spoke = self._speak()  # ... and the last call's text is made and streamed while the services work
+            keep = call is not None and self.cfg.queue_calls and call.nxt is not None  # in flight past this round
             if prev is not None:
-                queued = call is not None and self.cfg.queue_calls and call.nxt is not None
-                plain += [a for a in await self._answered(group, prev, spoke, queued) if a not in in_spec]
+                plain += [a for a in await self._answered(group, prev, spoke, keep) if a not in in_spec]
                 spoke = 0.0
-            if call is not None and not (self.cfg.queue_calls and call.nxt is not None):
+            if call is not None and not keep:
                 call, this = None, call
                 plain += await self._answered(group, this, spoke, False)
         finally:

@@ -129,8 +129,7 @@ class DraftChain:
         await self.settle([s for it, s in zip(items, ids) if not it.chained])
         rules = [None if s in gone else _rules(it, last.get(s) if it.follows else None) for it, s in zip(items, ids)]
         call = CallRounds([r or ItemRules(chained=False) for r in rules], max(request.rounds, 1))
-        # stopped by the call before: not verified (answered as a failed item would be, its error cleared below)
-        before = {ids[i]: "stopped by the call before" for i, r in enumerate(rules) if r is None}
+        before = {ids[i]: "" for i, r in enumerate(rules) if r is None}  # stopped by the call before: not verified
         for i, r in enumerate(rules):
             if r is None:
                 call.items[i].stop = Stop.BEFORE
@@ -190,7 +189,8 @@ class DraftChain:
         the draft (`sent`: those whose next tree waits here), as `run` handed it over (`handed`: seq id ->
         the drafter's input, for the draft in this process) or as a ProposeItem of its result."""
         verified = [i for i in todo if ids[i] not in trees.failed]
-        by_item = dict(zip(verified, (r for r in results if not r.draft_error)))
+        keep = {ids[i] for i in verified}  # results hold the unverified items too (failed, stopped before)
+        by_item = dict(zip(verified, (r for r in results if r.seq_id in keep)))
         for i in todo:
             if ids[i] in trees.failed:
                 call.failed(i, trees.failed[ids[i]])
