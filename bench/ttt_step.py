@@ -3,7 +3,8 @@ the same initial weights in the same run:
 
   dense        the dense [T, (j+1)T] mask through the PyTorch attention, eager: training before this change
   fused-eager  common.kernels.ttt (causal flash kernel + diagonal, log-sum-exp merge), eager
-  fused        the same, each TTT step's head forward and loss through torch.compile: training now
+  fused        the same, each TTT step (head forward, attention, loss) through torch.compile with static
+               shapes: training now
 
     python -m bench.ttt_step --out DIR                                        # CPU smoke (small)
     python -m bench.ttt_step --device cuda --batch 8,16,32 --seq 1024 --steps 6 --out DIR
@@ -85,7 +86,7 @@ def time_path(
     """Fresh copies of the head and its optimizer; returns the timings of `iters` steps after `warmup`
     (warmup_s: the warm-up steps' total, torch.compile's compilation included)."""
     device = inputs.embeds.device
-    cfg = replace(cfg, compile=path.compile)
+    cfg = replace(cfg, compile=path.compile, batch_size=inputs.embeds.shape[0])  # no padded rows
     head = copy.deepcopy(head)
     opt = make_optimizer(head, cfg)
     if device.type == "cuda":

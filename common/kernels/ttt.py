@@ -123,12 +123,10 @@ class _ShiftedCausalWithDiagonal(torch.autograd.Function):
         return gq, gk0, gv0, g_diag_s, g_diag_v, None, None
 
 
-@torch.compiler.disable
 def planned_attention(q: Tensor, kv: Tensor, slots: Tensor, plan) -> Tensor:
-    """attention for a common.kernels.TTTPlan. Under torch.compile (training's TTT step) this runs eagerly
-    between the compiled graphs around it: it is fused kernels already, Inductor's dynamic-shape stride
-    checks reject the flash backward's gradient layouts, and the step it reads here stays out of the
-    graphs (one graph serves every TTT step)."""
+    """attention for a common.kernels.TTTPlan. Under torch.compile (training's TTT step, static shapes:
+    training.ttt.compiled_step) it is traced with the rest of the step, so the diagonal, the merge and the
+    layout changes around the flash kernels fuse with the projections around them."""
     return attention(q, kv, slots, plan.step)
 
 
