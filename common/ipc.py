@@ -117,6 +117,7 @@ class HiddenExport:
         self.flat = self.buffer.view(regions * rows, width)  # [regions * rows, width] the same memory
         self.row_bytes = width * self.buffer.element_size()
         self.rows = rows
+        self.unwaited = False  # copies were queued since the last wait()
 
     def write(self, seq_id: str, hidden: torch.Tensor, row: int = 0) -> tuple[int, int]:
         """Copy hidden [k, width] into the sequence's region from row `row` on (rows before it hold
@@ -154,6 +155,7 @@ class HiddenExport:
             # from pageable memory: staged before the call returns, so dst may go at once
             index = torch.from_numpy(dst).to(self.buffer.device, non_blocking=True)  # [sum(counts)]
             self.flat.index_copy_(0, index, hidden.to(device=self.buffer.device, dtype=self.buffer.dtype))
+        self.unwaited = True
         placed = []
         for f, (_, state) in zip(first, states):
             state.writes += 1
@@ -169,9 +171,12 @@ class HiddenExport:
             return self.table.get(seq_id)
 
     def wait(self) -> None:
-        """Block until every write so far is in device memory: once per call, before it answers."""
-        if self.buffer.is_cuda:  # CPU copies are complete when they return
+        """Block until every write so far is in device memory: once per call, before it answers. Nothing to
+        wait for when nothing was written since the last wait (a round whose outcomes the draft in this
+        process took over: the host's synchronisation would only hold up the draft's next launch)."""
+        if self.buffer.is_cuda and self.unwaited:  # CPU copies are complete when they return
             torch.cuda.current_stream(self.buffer.device).synchronize()
+        self.unwaited = False
 
     def release(self, seq_id: str) -> None:
         self.table.release(seq_id)

@@ -31,15 +31,24 @@ class InOrderVerifier(FollowingVerifier):
     """Answers its Verify calls one at a time in the order they were sent (VerifyStream), logging when each
     was sent (with its items' `follows`), when it was answered, and every verified outcome."""
 
-    def __init__(self, log: list, accept: int, draft) -> None:
+    def __init__(self, log: list, accept: int, draft, round_s: float = 0.0) -> None:
         super().__init__(log, accept, draft)
         self._order = asyncio.Lock()  # FIFO: the stream's order
         self.released: set[str] = set()
+        self.round_s = round_s  # each round's engine time (the call's own 5 ms come on top)
+        self.begun = 0  # calls begun
+        self.beginning: dict[int, asyncio.Event] = {}  # call number -> set when it begins
+
+    async def _engine_verify(self, request, failed, chained):
+        await asyncio.sleep(self.round_s)
+        return await super()._engine_verify(request, failed, chained)
 
     async def _verify_call(self, request):
         ids = [it.seq_id for it in request.items]
         self.log.append(("sent", ids, [it.follows for it in request.items]))
         async with self._order:
+            self.begun += 1
+            self.beginning.setdefault(self.begun, asyncio.Event()).set()
             self.chain.check(request)
             if any(it.chained for it in request.items):
                 self.log.append(("chained", [it.seq_id for it in request.items if it.chained]))
@@ -69,10 +78,14 @@ def _queued(
     fail_call: int = 0,
     queue: bool = True,
     stagger: float = 0.0,
+    round_s: float = 0.0,
+    after_call: int = 0,
 ):
     """Requests (last prompt token, max_tokens), prompts [first - 1, first], the i-th sent after i x stagger
-    seconds, through the scheduler with queued calls; returns (tokens per request, log, metrics). The log
-    also has ("arrived", first) when a request is sent and ("final", first) when its last delta arrives."""
+    seconds (after_call: the requests after the first are sent that long after the verifier began that
+    call), through the scheduler with queued calls, each verifier round taking round_s; returns (tokens per
+    request, log, metrics). The log also has ("arrived", first) when a request is sent and ("final", first)
+    when its last delta arrives."""
 
     async def run():
         log: list = []
@@ -81,10 +94,13 @@ def _queued(
         cfg = SchedulerConfig(
             max_active=4, draft_address=DRAFT, rounds_per_call=k, queue_calls=queue, draft_retry_s=0.01
         )
-        sched = Scheduler(InOrderVerifier(log, accept, draft), draft, cfg, CHAIN, metrics)
+        verifier = InOrderVerifier(log, accept, draft, round_s)
+        sched = Scheduler(verifier, draft, cfg, CHAIN, metrics)
         sched.start()
 
         async def one(first: int, max_tokens: int, delay: float) -> list[int]:
+            if after_call and delay:
+                await verifier.beginning.setdefault(after_call, asyncio.Event()).wait()
             await asyncio.sleep(delay)
             req = GenRequest(prompt_ids=[first - 1, first], max_tokens=max_tokens, sampling=SamplingConfig())
             gen = Generation(request=req, decoder=RoundDecoder(Ids()), eos_token_id=EOS)
@@ -122,6 +138,21 @@ def test_a_request_arriving_during_a_call_is_prefilled_beside_it() -> None:
     arrived = log.index(("arrived", 200))
     answered = next(i for i, e in enumerate(log) if i > arrived and e[0] == "answered")
     assert arrived < log.index(("prefill-call", ["gw-1"])) < answered
+
+
+@pytest.mark.parametrize("hold", [True, False])
+def test_a_request_arriving_early_in_a_call_joins_the_next_call(hold: bool, monkeypatch) -> None:
+    """4 rounds a call, 30 ms a round: gw-1 arrives 3 ms after the verifier began call 4. The gateway holds
+    the queued call 5 until about a round before call 4's last round (scheduler._hold, from the rounds'
+    mean time), so gw-1's prefill and first tree, done meanwhile, go in call 5. Without the hold (the
+    margin as long as a call) call 5 went out when call 4 began, and gw-1's first call is 6. Both exact."""
+    if not hold:
+        monkeypatch.setattr("services.gateway.scheduler.HOLD_MARGIN_S", 1.0)
+    outs, log, _ = _queued([(100, 80), (200, 12)], accept=2, k=4, stagger=0.003, round_s=0.03, after_call=4)
+    assert outs == [list(range(101, 181)), list(range(201, 213))]
+    sent = [e[1] for e in log if e[0] == "sent"]
+    first = next(i for i, ids in enumerate(sent, 1) if "gw-1" in ids)
+    assert first == (5 if hold else 6), sent
 
 
 def _in_flight(log: list) -> int:

@@ -76,6 +76,9 @@ from services.sampling import sampling_msg
 from specdec.v1 import internal_pb2 as pb
 
 log = logging.getLogger(__name__)
+# a queued Verify is sent this long before the call in flight is expected to start its last round (_hold):
+# the gateway's work to send it, the hop, and the estimate's error
+HOLD_MARGIN_S = 0.002
 
 
 @dataclass(eq=False)  # identity: rounds test membership of 64-long lists (a field-wise __eq__ cost ms)
@@ -123,6 +126,7 @@ class Call:
     t0: float  # its round began (perf_counter)
     t1: float  # it was sent
     draft_s: float  # the draft's engine seconds for the trees the gateway gave
+    k: int = 1  # the rounds it asked for
 
 
 @dataclass(frozen=True)
@@ -182,6 +186,8 @@ class Scheduler:
         self._prefilling: asyncio.Task | None = None  # the prefill call in flight beside the rounds (_start_prefill)
         self._queued: dict[int, Call] = {}  # per group: its Verify in flight, answered at its next round
         self._answered_at: dict[int, float] = {}  # per group: when its last Verify was answered
+        self._round_s: dict[int, float] = {}  # per group: seconds a round of its calls takes at the verifier (mean)
+        self._releasing = 0  # sequences whose verifier Release is in flight (their slots are not free yet)
         self._unspoken: list[tuple[Active, Take]] = []  # the last call's tokens, taken, their text not yet streamed
         self._verifier_releases: set[asyncio.Task] = set()  # releases in flight (slots freed when done)
         self._wake = asyncio.Event()
@@ -283,6 +289,8 @@ class Scheduler:
         nothing); one that the call before's token rules finished leaves the rounds at once (the call in
         flight skips it: Active.rule_stopped), one finished by a stop string or a cancellation in between
         runs one call more, wasted, never streamed, and leaves once no call in flight names it (Active.calls)."""
+        if group in self._queued and await self._hold(group, self._queued[group]):
+            members = [a for a in self.active if a.group == group and not a.prefilling]  # joiners included
         t0 = time.perf_counter()
         prev = self._queued.pop(group, None)
         follow = self._follows(prev)
@@ -308,7 +316,7 @@ class Scheduler:
             task = asyncio.ensure_future(
                 self.verifier.verify(items, self.cfg.draft_address, self.cfg.instance_id, rounds=k)
             )
-            call = Call(task, spec, set(trees), shape, nxt, t0, t1, draft_s)
+            call = Call(task, spec, set(trees), shape, nxt, t0, t1, draft_s, k)
             for a in spec:
                 a.calls += 1
         try:
@@ -330,6 +338,30 @@ class Scheduler:
         if not spec and any(a.speculative for a in members):
             self._count_choice(PLAIN)  # a call's rounds count when it is answered (_answered): those it ran
         await self._retire()
+
+    async def _hold(self, group: int, prev: Call) -> bool:
+        """Before the group's next Verify is queued behind `prev` (in flight): wait until about one round before
+        prev is expected to start its last round at the verifier (its rounds at the group's mean round time,
+        from when it began: the call before it was answered), or until prev is answered. A request that
+        replaces a finished one arrives just after that one's call is taken, when the next call would go out
+        at once; its prefill and first tree then run beside prev's rounds, and waiting lets it into the next
+        call instead of the one after it (a whole call of rounds sooner). The verifier still finds the next
+        call queued when prev ends (HOLD_MARGIN_S covers sending it). Only while a sequence can join (a free
+        slot, or a prompt going in in this group) and nobody waits for admission (calls are one round then).
+        Returns whether it waited. Example: prev asks for 4 rounds of ~3.8 ms and began 0.5 ms ago -> the next
+        call goes out in 3 x 3.8 - 2 - 0.5 = 8.9 ms, or when prev is answered, if sooner."""
+        round_s = self._round_s.get(group)
+        if round_s is None or prev.k < 2 or self.waiting:
+            return False
+        if len(self.active) >= self.cfg.max_active and not any(a.prefilling for a in self.active if a.group == group):
+            return False
+        begun = max(self._answered_at.get(group, 0.0), prev.t1)
+        wait = begun + (prev.k - 1) * round_s - HOLD_MARGIN_S - time.perf_counter()
+        if wait <= 0:
+            return False
+        self._speak()  # the last call's text need not wait
+        await asyncio.wait({prev.task}, timeout=wait)
+        return True
 
     def _follows(self, prev: Call | None) -> set[int]:
         """The sequences of the call in flight that go on in the next one as `follows` items (by id(Active)):
@@ -356,6 +388,10 @@ class Scheduler:
         begun = self._answered_at.get(group, 0.0)
         t0, t1 = max(call.t0, begun), max(call.t1, begun)
         self._answered_at[group] = t2
+        if verified.rounds:  # the mean round at the verifier, for _hold (recent calls weigh most)
+            per_round = (t2 - t1) / verified.rounds
+            last = self._round_s.get(group, per_round)
+            self._round_s[group] = 0.7 * last + 0.3 * per_round
         self.metrics.verify_calls.inc()
         spec, plain = call.spec, []
         lost = [(a, r) for a, r in zip(spec, verified.results) if r.draft_error]
@@ -709,7 +745,9 @@ class Scheduler:
                 a.in_prefill = False
 
     async def _prefill_calls(self, work: list[tuple[Active, int]]) -> None:
-        if self._verifier_releases and any(a.prefilled == 0 for a, _ in work):  # their slots: see _retire
+        new = any(a.prefilled == 0 for a, _ in work)
+        if new and self._verifier_releases and len(self.active) + self._releasing > self.cfg.max_active:
+            # the verifier's slots are full until releases land (see _retire): wait for them
             await asyncio.gather(*self._verifier_releases, return_exceptions=True)
         for a, n in [(a, n) for a, n in work if a.solo]:  # see _prefill_together
             await self._guarded([a], self._prefill([(a, n)]))
@@ -790,7 +828,8 @@ class Scheduler:
     async def _retire(self) -> asyncio.Task | None:
         """Finished sequences leave the rounds; their slots are released in the background (the next round
         need not wait for the verifier's Release, which waits for their chained proposals): a prefill step
-        waits for those releases before it prefills a new sequence into a slot (_prefill_calls). One whose
+        that would find the verifier's slots full waits for those releases before it prefills a new sequence
+        (_prefill_calls). One whose
         prefill call is in flight leaves once the call is over (Active.in_prefill); one that a Verify in flight
         names, once that call is answered, unless the token rules of the call before finished it: the verifier
         stopped it there by the same rules, so the call in flight does not touch it and its slots can go at
@@ -803,7 +842,8 @@ class Scheduler:
             return None
         gone = set(done)  # by identity (Active is eq=False)
         self.active = [a for a in self.active if a not in gone]
-        return self._spawn(self._release(done), self._verifier_releases)
+        self._releasing += len(done)
+        return self._spawn(self._release(done, counted=True), self._verifier_releases)
 
     def _spawn(self, work, *also: set[asyncio.Task]) -> asyncio.Task:
         """Run `work` in the background, tracked (until done) by stop() and by the sets `also`."""
@@ -813,10 +853,11 @@ class Scheduler:
             task.add_done_callback(tasks.discard)
         return task
 
-    async def _release(self, done: list[Active]) -> None:
+    async def _release(self, done: list[Active], counted: bool = False) -> None:
         """The verifier's slots (its Release waits for the chained proposals naming them), then the draft's
         copies (after any early propose naming them): the draft must not be asked about a sequence it has
-        freed. Unknown ids are ignored on both; a lost release is reaped by the lease."""
+        freed. Unknown ids are ignored on both; a lost release is reaped by the lease. counted: _retire
+        counted them in _releasing (slots in use until the verifier's Release is over)."""
         ids = [a.seq_id for a in done]
         if not ids:
             return
@@ -826,6 +867,9 @@ class Scheduler:
             await self.verifier.release(ids)
         except Exception as e:  # noqa: BLE001 - a lost release is reaped by the lease
             log.warning("release of %s on the verifier failed: %s", ids, e)
+        finally:
+            if counted:
+                self._releasing -= len(ids)
         if self.draft is None:
             return
         early = {a.early.task for a in done if a.early is not None}
