@@ -428,6 +428,8 @@ def test_prefill_groups_docstring_example() -> None:
     assert prefill_groups([30, 500, 28, 4, 3]) == [[1], [0, 2, 3], [4]]
     assert prefill_groups([7, 7, 7]) == [[0, 1, 2]] and prefill_groups([]) == []
     assert prefill_groups([9, 1], waste=1.0) == [[0], [1]]
+    assert prefill_groups([30, 500, 28, 4, 3], max_rows=2) == [[1], [0, 2], [3, 4]]
+    assert prefill_groups([5] * 5, max_rows=2) == [[0, 1], [2, 3], [4]] and prefill_groups([5] * 5) == [[0, 1, 2, 3, 4]]
     with pytest.raises(ValueError):
         prefill_groups([1], waste=0.5)
 

@@ -54,6 +54,9 @@
 #                                  bench's closed loop (--methods spec,closed), then the colocated services,
 #                                  one call at a time and queued, 2 and the default 4 rounds per Verify, 6x60
 #                                  pinned, concurrency 1, 16, 64, 4 requests per worker (PER_WORKER)
+#   bench/device/policy.sh join    session 13's joiner path: the engine in process (plain, waves, closed loop), then the
+#                                  colocated services at their defaults (queued calls, 4 rounds per Verify), 6x60
+#                                  pinned and plain, concurrency 1, 16, 64, 4 requests per worker (PER_WORKER)
 #   bench/device/policy.sh rest    one 10-minute call: the chained/unchained A/B (6x60 pinned and plain,
 #                                  concurrency 1, 16, 64), the long prompt (whole, 512-token chunks) and
 #                                  ghz by reflection (GHZ: the binary, concurrency 1 and 64)
@@ -156,6 +159,14 @@ case "$mode" in
       --requests-per-worker "${PER_WORKER:-4}" --modes tree:6x60 --colocate on --rounds-per-call 2,0 \
       --queue-calls off,on --out "$out/closed" > "$out/closed.log" 2>&1
     grep -hE "tok/s total" "$out/closed.log" | sed 's/.*services_bench INFO //' | cut -c1-150 ;;
+  join)
+    timeout 270 python3 -m bench.engine_bench --device cuda --head models/eagle3-smollm2 --prompts 32 \
+      --concurrency 1,16,64 --methods plain,spec,closed --requests-per-worker "${PER_WORKER:-4}" --out /tmp/engine-join \
+      > "$out/engine.log" 2>&1
+    cp /tmp/engine-join/engine_bench.json "$out/" 2>/dev/null; grep -E "^(speculative|plain)" "$out/engine.log"
+    timeout 300 "${load[@]}" --head models/eagle3-smollm2 --concurrency 1,16,64 --prompts 32 \
+      --requests-per-worker "${PER_WORKER:-4}" --modes tree:6x60,plain --colocate on --out "$out/join" > "$out/join.log" 2>&1
+    grep -hE "tok/s total" "$out/join.log" | sed 's/.*services_bench INFO //' | cut -c1-330 ;;
   profile4)
     python3 -m pip install -q --no-deps --target /tmp/pyspy .devcarry/b/wheels/py_spy-*.whl; export PATH="/tmp/pyspy/bin:$PATH"
     for c in 1 64; do

@@ -39,18 +39,21 @@ from common.weights import Checkpoint
 log = logging.getLogger(__name__)
 
 
-def prefill_groups(lengths: list[int], waste: float = 1.5) -> list[list[int]]:
+def prefill_groups(lengths: list[int], waste: float = 1.5, max_rows: int | None = None) -> list[list[int]]:
     """Indices of prompts (or chunks) to prefill in one forward each: longest first, a group growing while
-    its padded size (members x its longest) stays within `waste` x its real tokens.
+    its padded size (members x its longest) stays within `waste` x its real tokens and it has fewer than
+    max_rows members (the most rows a captured prefill graph takes: a larger group would run eagerly).
     Example: lengths [30, 500, 28, 4, 3] -> [[1], [0, 2, 3], [4]]: 500 alone (2 x 500 > 1.5 x 530); 30, 28
-    and 4 pad to 3 x 30 = 90 for 62 tokens (<= 93); 3 more would make 120 for 65 (> 97.5)."""
+    and 4 pad to 3 x 30 = 90 for 62 tokens (<= 93); 3 more would make 120 for 65 (> 97.5). With max_rows 2:
+    [[1], [0, 2], [3, 4]]."""
     if waste < 1:
         raise ValueError(f"waste must be >= 1, got {waste}")
     groups: list[list[int]] = []
     real = 0
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
         g = groups[-1] if groups else None
-        if g is not None and (len(g) + 1) * lengths[g[0]] <= waste * (real + lengths[i]):
+        room = g is not None and (max_rows is None or len(g) < max_rows)
+        if room and (len(g) + 1) * lengths[g[0]] <= waste * (real + lengths[i]):
             g.append(i)
             real += lengths[i]
         else:
@@ -186,6 +189,11 @@ class Verifier:
         self.tree_buckets = tuple(sorted({t for t in gc.tree_buckets if t <= self.max_rows} | {self.max_rows}))
         self.prefill_buckets = tuple(sorted(t for t in gc.prefill_buckets if t < cfg.max_context))
         self.prefill_batch_buckets = tuple(sorted(b for b in gc.prefill_batch_buckets if b <= cfg.max_sequences))
+        # more rows than the largest prefill graph takes go in several replays, not one eager forward (on a
+        # GPU an eager forward of the model costs several times a replay: its hundreds of kernel launches)
+        self._prefill_rows_max = (
+            max(self.prefill_batch_buckets) if self.graphs.pad and self.prefill_batch_buckets else None
+        )
         if self.graphs.enabled:
             self._capture()
 
@@ -230,7 +238,7 @@ class Verifier:
                     raise InvalidRequest(f"prompt has {total} tokens; the context holds {self.cfg.max_context}")
             outs: dict[str, PrefillOutput] = {}
             with self.graphs.on_stream():
-                for group in prefill_groups([len(it.token_ids) for it in items]):
+                for group in prefill_groups([len(it.token_ids) for it in items], max_rows=self._prefill_rows_max):
                     outs.update(self._prefill_rows([items[i] for i in group]))
             return [outs[it.seq_id] for it in items]
         except BaseException:
