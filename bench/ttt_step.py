@@ -3,7 +3,7 @@ the same initial weights in the same run:
 
   dense        the dense [T, (j+1)T] mask through the PyTorch attention, eager: training before this change
   fused-eager  common.kernels.ttt (causal flash kernel + diagonal, log-sum-exp merge), eager
-  fused        the same, each TTT step (head forward, attention, loss) through torch.compile with static
+  fused        the same, each TTT step (head forward, attention, loss) through torch.compile with dynamic
                shapes: training now
 
     python -m bench.ttt_step --out DIR                                        # CPU smoke (small)
@@ -16,7 +16,8 @@ weights; the batch is random features (timing does not depend on their values). 
 steps first (not timed; they include torch.compile's compilation, reported as warm-up s), then --iters
 timed steps, each ended by a device synchronisation. Figures per batch size and path: ms per step (mean
 and min), samples/s (batch / mean step time), speed-up over dense, peak GPU memory, the first step's loss
-(the paths must agree) and the warm-up time. A path that runs out of GPU memory is recorded as such.
+(the paths must agree; only the forward: tests/gpu/test_gpu_ttt.py compares the compiled step's
+gradients, which once were wrong with a right first loss) and the warm-up time. A path that runs out of GPU memory is recorded as such.
 On CPU torch.compile is not used, so fused is fused-eager. Writes DIR/ttt_step.json and DIR/ttt_step.md
 and prints the markdown.
 """
@@ -86,7 +87,7 @@ def time_path(
     """Fresh copies of the head and its optimizer; returns the timings of `iters` steps after `warmup`
     (warmup_s: the warm-up steps' total, torch.compile's compilation included)."""
     device = inputs.embeds.device
-    cfg = replace(cfg, compile=path.compile, batch_size=inputs.embeds.shape[0])  # no padded rows
+    cfg = replace(cfg, compile=path.compile)
     head = copy.deepcopy(head)
     opt = make_optimizer(head, cfg)
     if device.type == "cuda":

@@ -40,10 +40,6 @@ class TrainConfig:
     ttt_steps: int = 6
     step_weight: float = 0.8  # loss weight of TTT step j is step_weight ** j (EAGLE-3 reference)
     compile: bool = True  # torch.compile each TTT step's head forward and loss on CUDA (CPU runs eagerly)
-    # compiled: TTT rows padded to the first of these that holds them (None: thirds of max_len, 256, 512, 768
-    # for 768); every shape costs its own graphs, compiled once per process: about a minute per shape for 6
-    # TTT steps on an H100
-    length_buckets: tuple[int, ...] | None = None
     save_every: int = 200
     log_every: int = 20
     seed: int = 0
@@ -54,20 +50,12 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.ttt_steps < 1 or self.ttt_steps > 16:
             raise ValueError(f"ttt_steps must be in [1, 16], got {self.ttt_steps}")
-        lb = self.length_buckets
-        if lb is not None and (not lb or min(lb) < 1 or list(lb) != sorted(lb)):
-            raise ValueError(f"length_buckets must be increasing and >= 1, got {lb}")
         if self.max_len < 4:
             raise ValueError(f"max_len must be >= 4, got {self.max_len}")
         if not self.lr > 0:
             raise ValueError(f"lr must be positive, got {self.lr}")
         if self.minutes is not None and not self.minutes > 0:
             raise ValueError(f"minutes must be positive, got {self.minutes}")
-
-    @property
-    def buckets(self) -> tuple[int, ...]:
-        """The compiled step's lengths (length_buckets, or thirds of max_len rounded up)."""
-        return self.length_buckets or tuple(-(-self.max_len * k // 3) for k in (1, 2, 3))
 
 
 def draft_vocab(seqs: Sequences, size: int, vocab_size: int) -> torch.Tensor:
@@ -152,32 +140,6 @@ class TTTInputs:
     aux: torch.Tensor  # [B, T, 3H_target] float32 base features a_r
     targets: TTTTargets
 
-    def padded(self, batch: int, buckets: tuple[int, ...]) -> TTTInputs:
-        """These inputs with at least `batch` rows and the length raised to the first of `buckets` that holds
-        it (longer: as it is): the padding is zeros and never valid, after the real rows and positions (TTT
-        attention looks only backwards, so nothing real sees it), and the loss and statistics count valid
-        rows only: the same step on a shape that the compiled graphs already have. Itself when nothing needs
-        padding. Example: B 13, T 300, batch 16, buckets (256, 512) -> B 16, T 512 (rows 13-15 and
-        positions 300-511 padding)."""
-        b, t = self.embeds.shape[:2]
-        pb, pt = max(b, batch) - b, next((n for n in buckets if n >= t), t) - t
-        if not pb and not pt:
-            return self
-
-        def pad(x: torch.Tensor) -> torch.Tensor:  # [B, T, ...] -> [B + pb, T + pt, ...]
-            out = x.new_zeros((b + pb, t + pt, *x.shape[2:]))
-            out[:b, :t] = x
-            return out
-
-        tg = self.targets
-        return TTTInputs(
-            embeds=pad(self.embeds),
-            aux=pad(self.aux),
-            targets=TTTTargets(
-                target_p=pad(tg.target_p), base_top=pad(tg.base_top), in_draft=pad(tg.in_draft), valid=pad(tg.valid)
-            ),
-        )
-
 
 @dataclass
 class StepOutcome:
@@ -193,14 +155,11 @@ def optimize_step(
     lr: float,
     attention: StepAttention = FusedAttention(),
 ) -> StepOutcome:
-    """One optimizer step: the TTT forward (bf16 autocast and, with cfg.compile, torch.compile on a GPU, the
-    inputs padded to cfg.batch_size rows and one of cfg.buckets), backward, clipping, AdamW.
-    The Trainer and bench.ttt_step both run this."""
+    """One optimizer step: the TTT forward (bf16 autocast and, with cfg.compile, torch.compile on a GPU),
+    backward, clipping, AdamW. The Trainer and bench.ttt_step both run this."""
     for g in opt.param_groups:
         g["lr"] = lr
     device = inputs.embeds.device
-    if cfg.compile and device.type == "cuda":
-        inputs = inputs.padded(cfg.batch_size, cfg.buckets)
     with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
         res = ttt_forward(
             head,
@@ -214,7 +173,8 @@ def optimize_step(
         )
     opt.zero_grad(set_to_none=True)
     res.loss.backward()
-    gnorm = torch.nn.utils.clip_grad_norm_(head.parameters(), cfg.grad_clip)
+    # a non-finite gradient stops training before the step (RuntimeError), not minutes of NaN weights later
+    gnorm = torch.nn.utils.clip_grad_norm_(head.parameters(), cfg.grad_clip, error_if_nonfinite=True)
     opt.step()
     return StepOutcome(result=res, grad_norm=float(gnorm))
 

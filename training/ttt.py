@@ -16,7 +16,6 @@ tests and bench.ttt_step compare it with. On CUDA each step (ttt_step) may run t
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from dataclasses import dataclass
 from typing import Protocol
@@ -119,34 +118,25 @@ def ttt_step(
     pmask: torch.Tensor,
 ) -> StepOutput:
     """One TTT step: the head forward and its loss. target_p [B, T, Vd] float32; pmask [B, T] float32,
-    1 on the rows that count. The cross-entropy -sum_v p_v log q_v, with log q = logits - logsumexp(logits)
-    in float32, is computed as sum(p) logsumexp(logits) - sum_v p_v logits_v: no [B, T, Vd] log-probabilities
-    are written or kept for the backward (the compiled step reads the logits and p twice instead, fused).
-    The argmax of the logits is the argmax of the log-probabilities."""
+    1 on the rows that count. The cross-entropy is -sum_v p_v log q_v with the log-softmax in float32;
+    the argmax of the logits is the argmax of the log-probabilities."""
     h, normed = head.hidden_and_normed(embeds, hidden, batch, cache)
     logits = head.lm_head(normed)  # [B, T, Vd] in the compute dtype
-    x = logits.float()  # [B, T, Vd]
-    ce = target_p.sum(-1) * torch.logsumexp(x, dim=-1) - (target_p * x).sum(-1)  # [B, T]
+    logp = torch.log_softmax(logits.float(), dim=-1)  # [B, T, Vd]
+    ce = -(target_p * logp).sum(-1)  # [B, T]
     loss = (ce * pmask).sum() / pmask.sum().clamp(min=1.0)
     return StepOutput(hidden=h, loss=loss, draft_top=logits.detach().argmax(-1))
 
 
-# graphs one process may compile for ttt_step: one per TTT step j and padded shape (optimize_step pads the
-# batch to TrainConfig.batch_size and the length to one of TrainConfig.length_buckets: 6 steps x 3 lengths
-# are 18; a few more for lengths beyond the last bucket)
-RECOMPILE_LIMIT = 64
-
-
 @functools.cache
 def compiled_step():
-    """ttt_step compiled by TorchInductor, for CUDA, with static shapes: the attention (common.kernels.ttt)
-    is traced with the rest, so the norms, RoPE, SwiGLU, casts, the diagonal's scores and merge, the layout
-    changes around the flash kernels and the vocabulary-wide loss become a few fused kernels. One graph per
-    TTT step j (the diagonal's width) and shape: callers pad shapes to a few buckets (see RECOMPILE_LIMIT).
-    Dynamic shapes would need one graph per step only, but Inductor's stride checks reject the flash
-    backward's gradient layouts under them. Built on first use (importing the compiler costs a CPU process
-    time); each graph compiles once per process (tens of seconds)."""
-    return torch.compile(ttt_step, dynamic=False)
+    """ttt_step compiled by TorchInductor, for CUDA: the norms, RoPE, SwiGLU, casts, the TTT attention's
+    diagonal and merge (common.kernels.ttt) and the vocabulary-wide loss become a few fused kernels.
+    dynamic=True: one graph per TTT step j whatever the batch and length (not one per padded length; static
+    shapes gave wrong gradients, see common.kernels.ttt.planned_attention). Built on first use (importing
+    the compiler costs a CPU process time); compiling costs about two minutes once per process (134 s for 6
+    steps on an H100; dynamo's recompile limit, 8, caps the steps it compiles: more run eagerly)."""
+    return torch.compile(ttt_step, dynamic=True)
 
 
 def ttt_forward(
@@ -160,13 +150,11 @@ def ttt_forward(
     compile: bool = False,
 ) -> TTTResult:
     """embeds [B, T, H] = embed(x_{r+1}); aux [B, T, 3H_target] = a_r. Returns the weighted loss.
-    compile: run ttt_step through torch.compile when on CUDA (the same function; CPU runs it eagerly), one
-    graph per step and shape: pad the batch to a few shapes first (training.train.TTTInputs.padded)."""
+    compile: run ttt_step through torch.compile when on CUDA (the same function; CPU runs it eagerly)."""
     b, t, _ = embeds.shape
     device = embeds.device
     c = head.cfg
-    compiled = compile and device.type == "cuda"
-    step_fn = compiled_step() if compiled else ttt_step
+    step_fn = compiled_step() if compile and device.type == "cuda" else ttt_step
     cache_dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     cache = KVCache.allocate(1, b, steps * t, c.num_kv_heads, c.head_dim, cache_dtype, device)
     rows = torch.arange(t, device=device)
@@ -178,8 +166,7 @@ def ttt_forward(
     for j in range(steps):
         rows_ok = targets.valid & (rows >= j)[None, :]  # [B, T]
         pmask = (rows_ok & targets.in_draft).float()  # [B, T] reference: only in-vocab targets
-        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT) if compiled else contextlib.nullcontext():
-            out = step_fn(head, embeds, hidden, attention.batch(pos, slots, j), cache, targets.target_p, pmask)
+        out = step_fn(head, embeds, hidden, attention.batch(pos, slots, j), cache, targets.target_p, pmask)
         total = total + (step_weight**j) * out.loss
         with torch.no_grad():
             hit = (head.to_base_ids(out.draft_top) == targets.base_top) & rows_ok  # [B, T]

@@ -124,9 +124,13 @@ class _ShiftedCausalWithDiagonal(torch.autograd.Function):
 
 
 def planned_attention(q: Tensor, kv: Tensor, slots: Tensor, plan) -> Tensor:
-    """attention for a common.kernels.TTTPlan. Under torch.compile (training's TTT step, static shapes:
-    training.ttt.compiled_step) it is traced with the rest of the step, so the diagonal, the merge and the
-    layout changes around the flash kernels fuse with the projections around them."""
+    """attention for a common.kernels.TTTPlan. Under torch.compile (training's TTT step, dynamic shapes:
+    training.ttt.compiled_step) it is traced with the rest of the step, one graph per TTT step (the plan's
+    step is a constant of the graph), so the diagonal, the merge and the layout changes around the flash
+    kernels fuse with the projections around them. With static shapes the same tracing gave a right forward
+    and wrong gradients on an H100 (torch 2.11: the q and k projections' 1.3x their norm off, a training run
+    NaN within 20 steps; docs/ttt_training_step.md, session 13): tests/gpu/test_gpu_ttt.py compares the
+    compiled step's gradients with the eager dense step's."""
     return attention(q, kv, slots, plan.step)
 
 
