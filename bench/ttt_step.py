@@ -17,9 +17,9 @@ steps first (not timed; they include torch.compile's compilation, reported as wa
 timed steps, each ended by a device synchronisation. Figures per batch size and path: ms per step (mean
 and min), samples/s (batch / mean step time), speed-up over dense, peak GPU memory, the first step's loss
 (the paths must agree; only the forward: tests/gpu/test_gpu_ttt.py compares the compiled step's
-gradients, which once were wrong with a right first loss) and the warm-up time. A path that runs out of GPU memory is recorded as such.
-On CPU torch.compile is not used, so fused is fused-eager. Writes DIR/ttt_step.json and DIR/ttt_step.md
-and prints the markdown.
+gradients, which once were wrong with a right first loss) and the warm-up time. A path that runs out of
+GPU memory is recorded as such. On CPU torch.compile is not used, so fused is fused-eager. Writes
+DIR/ttt_step.json and DIR/ttt_step.md and prints the markdown.
 """
 
 from __future__ import annotations
