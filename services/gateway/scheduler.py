@@ -829,12 +829,12 @@ class Scheduler:
         """Finished sequences leave the rounds; their slots are released in the background (the next round
         need not wait for the verifier's Release, which waits for their chained proposals): a prefill step
         that would find the verifier's slots full waits for those releases before it prefills a new sequence
-        (_prefill_calls). One whose
-        prefill call is in flight leaves once the call is over (Active.in_prefill); one that a Verify in flight
-        names, once that call is answered, unless the token rules of the call before finished it: the verifier
-        stopped it there by the same rules, so the call in flight does not touch it and its slots can go at
-        once (Active.rule_stopped; a stop string or a cancellation is the gateway's alone). Returns the
-        release's task (None when nobody left): a failed step (_guarded) waits for it."""
+        (_prefill_calls). One whose prefill call is in flight leaves once the call is over (Active.in_prefill);
+        one that a Verify in flight names, once that call is answered, unless the token rules of the call
+        before finished it: the verifier stopped it there by the same rules, so the call in flight does not
+        touch it and its slots can go at once (Active.rule_stopped; a stop string or a cancellation is the
+        gateway's alone). Returns the release's task (None when nobody left): a failed step (_guarded) waits
+        for it."""
         done = [
             a for a in self.active if a.gen.finish is not None and not a.in_prefill and (not a.calls or a.rule_stopped)
         ]
