@@ -16,10 +16,11 @@ weights; the batch is random features (timing does not depend on their values). 
 steps first (not timed; they include torch.compile's compilation, reported as warm-up s), then --iters
 timed steps, each ended by a device synchronisation. Figures per batch size and path: ms per step (mean
 and min), samples/s (batch / mean step time), speed-up over dense, peak GPU memory, the first step's loss
-(the paths must agree; only the forward: tests/gpu/test_gpu_ttt.py compares the compiled step's
-gradients, which once were wrong with a right first loss) and the warm-up time. A path that runs out of
-GPU memory is recorded as such. On CPU torch.compile is not used, so fused is fused-eager. Writes
-DIR/ttt_step.json and DIR/ttt_step.md and prints the markdown.
+(the paths must agree), the first step's gradients against the first path's (grad diff: the largest
+|g - g_ref| / |g_ref| over the parameters; bf16 noise is about 0.01 on a GPU, a wrong backward with a right
+loss once gave 1.3) and the warm-up time. A path that runs out of GPU memory is recorded as such. On CPU
+torch.compile is not used, so fused is fused-eager. Writes DIR/ttt_step.json and DIR/ttt_step.md
+and prints the markdown.
 """
 
 from __future__ import annotations
@@ -82,10 +83,19 @@ def sync(device: torch.device) -> None:
 
 
 def time_path(
-    head: Eagle3Head, inputs: TTTInputs, cfg: TrainConfig, path: StepVariant, warmup: int, iters: int
-) -> dict:
+    head: Eagle3Head,
+    inputs: TTTInputs,
+    cfg: TrainConfig,
+    path: StepVariant,
+    warmup: int,
+    iters: int,
+    reference: dict[str, torch.Tensor] | None = None,
+) -> tuple[dict, dict[str, torch.Tensor]]:
     """Fresh copies of the head and its optimizer; returns the timings of `iters` steps after `warmup`
-    (warmup_s: the warm-up steps' total, torch.compile's compilation included)."""
+    (warmup_s: the warm-up steps' total, torch.compile's compilation included) and the first step's
+    gradients (after clipping, float32). With `reference` (another path's first gradients) the timings get
+    grad_diff: the largest |g - g_ref| / |g_ref| over the parameters (a wrong backward with a right loss
+    shows here, not in the first loss)."""
     device = inputs.embeds.device
     cfg = replace(cfg, compile=path.compile)
     head = copy.deepcopy(head)
@@ -93,7 +103,7 @@ def time_path(
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    first_loss = None
+    first_loss, grads = None, {}
     times, warm = [], 0.0
     for i in range(warmup + iters):
         sync(device)
@@ -102,6 +112,7 @@ def time_path(
         sync(device)
         if first_loss is None:
             first_loss = float(res.loss.detach())
+            grads = {n: p.grad.float().clone() for n, p in head.named_parameters() if p.grad is not None}
         if i >= warmup:
             times.append(time.perf_counter() - t0)
         else:
@@ -117,7 +128,9 @@ def time_path(
     }
     if device.type == "cuda":
         out["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-    return out
+    if reference is not None:
+        out["grad_diff"] = max(float((grads[n] - g).norm() / g.norm().clamp(min=1e-30)) for n, g in reference.items())
+    return out, grads
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -132,9 +145,11 @@ def run(args: argparse.Namespace) -> dict:
     for batch in args.batch:
         inputs = random_inputs(hcfg, batch, args.seq, device, seed=batch)
         row: dict = {"batch": batch}
+        reference = None  # the first path's first gradients (dense when it runs)
         for name in args.paths:
             try:
-                row[name] = time_path(head, inputs, cfg, PATHS[name], args.warmup, args.iters)
+                row[name], grads = time_path(head, inputs, cfg, PATHS[name], args.warmup, args.iters, reference)
+                reference = reference if reference is not None else grads
             except torch.OutOfMemoryError:
                 row[name] = {"oom": True}
             log.info("batch %d %s: %s", batch, name, row[name])
@@ -165,8 +180,9 @@ def markdown(report: dict) -> str:
         f"TTT training step ({m['ttt_steps']} steps, seq {m['seq']}, {m['compute']}) on {m['device']}, "
         f"torch {m['torch']}; mean of {m['iters']} steps after {m['warmup']} warm-up",
         "",
-        "| batch | path | ms/step | min ms | samples/s | speed-up vs dense | peak GiB | first loss | warm-up s |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| batch | path | ms/step | min ms | samples/s | speed-up vs dense | peak GiB | first loss | grad diff "
+        "| warm-up s |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in report["results"]:
         for name in PATHS:
@@ -174,13 +190,14 @@ def markdown(report: dict) -> str:
             if r is None:
                 continue
             if r.get("oom"):
-                lines.append(f"| {row['batch']} | {name} | out of memory | | | | | | |")
+                lines.append(f"| {row['batch']} | {name} | out of memory | | | | | | | |")
                 continue
             mem = f"{r['peak_mem_gib']:.1f}" if "peak_mem_gib" in r else "-"
             speedup = f"**{r['speedup']:.2f}x**" if "speedup" in r else "-"
+            diff = f"{r['grad_diff']:.4f}" if "grad_diff" in r else "-"
             lines.append(
                 f"| {row['batch']} | {name} | {r['ms_per_step']:.1f} | {r['ms_min']:.1f} | "
-                f"{r['samples_per_s']:.2f} | {speedup} | {mem} | {r['first_loss']:.5f} | {r['warmup_s']:.1f} |"
+                f"{r['samples_per_s']:.2f} | {speedup} | {mem} | {r['first_loss']:.5f} | {diff} | {r['warmup_s']:.1f} |"
             )
     return "\n".join(lines) + "\n"
 

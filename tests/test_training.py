@@ -281,6 +281,24 @@ def test_a_non_finite_gradient_stops_the_step_before_the_update():
     assert any(not torch.equal(p, before[n]) for n, p in head.named_parameters())
 
 
+def test_ttt_bench_reports_how_far_each_paths_gradients_are_from_the_first():
+    """bench.ttt_step's grad diff: ~0 for the fused path against the dense one (float32, CPU), and large
+    against gradients that are not the step's (what a wrong backward with a right first loss looks like)."""
+    from bench.ttt_step import PATHS, parse_args, run, time_path
+
+    args = ["--out", "unused", "--batch", "1", "--seq", "12", "--steps", "2", "--warmup", "0", "--iters", "1"]
+    report = run(parse_args(args))
+    row = report["results"][0]
+    assert "grad_diff" not in row["dense"] and row["fused"]["grad_diff"] < 1e-4
+    head = random_head(seed=9)
+    inputs = random_ttt_inputs(head.cfg, b=1, t=8, seed=5)
+    cfg = TrainConfig(draft_vocab=64, ttt_steps=2)
+    _, grads = time_path(head, inputs, cfg, PATHS["dense"], 0, 1)
+    wrong = {n: g.flip(0) if g.dim() else -g for n, g in grads.items()}
+    out, _ = time_path(head, inputs, cfg, PATHS["fused"], 0, 1, reference=wrong)
+    assert out["grad_diff"] > 0.5
+
+
 # ---- training ----
 def test_engine_generate_equals_the_model_loop(tmp_path):
     """The generate stage's engine path (continuous batching over 2 slots for 6 prompts, batched prefill,
