@@ -129,8 +129,14 @@ def time_path(
     if device.type == "cuda":
         out["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     if reference is not None:
-        out["grad_diff"] = max(float((grads[n] - g).norm() / g.norm().clamp(min=1e-30)) for n, g in reference.items())
+        out["grad_diff"] = grad_diff(grads, reference)
     return out, grads
+
+
+def grad_diff(grads: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
+    """The largest |g - g_ref| / |g_ref| over the parameters of `reference` (name -> gradient): about 0.01
+    between two right bf16 steps on a GPU, 1.3 for the wrong backward of session 13."""
+    return max(float((grads[n] - g).norm() / g.norm().clamp(min=1e-30)) for n, g in reference.items())
 
 
 def run(args: argparse.Namespace) -> dict:

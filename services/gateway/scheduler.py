@@ -126,7 +126,7 @@ class Call:
     t0: float  # its round began (perf_counter)
     t1: float  # it was sent
     draft_s: float  # the draft's engine seconds for the trees the gateway gave
-    k: int = 1  # the rounds it asked for
+    k: int  # the rounds it asked for
 
 
 @dataclass(frozen=True)
@@ -187,7 +187,7 @@ class Scheduler:
         self._queued: dict[int, Call] = {}  # per group: its Verify in flight, answered at its next round
         self._answered_at: dict[int, float] = {}  # per group: when its last Verify was answered
         self._round_s: dict[int, float] = {}  # per group: seconds a round of its calls takes at the verifier (mean)
-        self._releasing = 0  # sequences whose verifier Release is in flight (their slots are not free yet)
+        self._releasing = 0  # sequences whose release (_release) is in flight: their slots are not free yet
         self._unspoken: list[tuple[Active, Take]] = []  # the last call's tokens, taken, their text not yet streamed
         self._verifier_releases: set[asyncio.Task] = set()  # releases in flight (slots freed when done)
         self._wake = asyncio.Event()
@@ -267,9 +267,8 @@ class Scheduler:
             self._start_prefill()
             if self.active:
                 await self._guarded(self.active, self._catch_up())  # sequences the draft lost, once it is back
-            ready = [a for a in self.active if not a.prefilling]
-            groups = [(g, [a for a in ready if a.group == g]) for g in range(self.cfg.groups)]
-            if ready:
+            groups = [(g, self._ready(g)) for g in range(self.cfg.groups)]
+            if any(m for _, m in groups):
                 await asyncio.gather(*(self._guarded(m, self._round(g, m)) for g, m in groups if m))
             elif self._prefilling is not None:  # nobody to run a round for: the prompts in first
                 self._speak()
@@ -290,7 +289,7 @@ class Scheduler:
         flight skips it: Active.rule_stopped), one finished by a stop string or a cancellation in between
         runs one call more, wasted, never streamed, and leaves once no call in flight names it (Active.calls)."""
         if group in self._queued and await self._hold(group, self._queued[group]):
-            members = [a for a in self.active if a.group == group and not a.prefilling]  # joiners included
+            members = self._ready(group)  # joiners included
         t0 = time.perf_counter()
         prev = self._queued.pop(group, None)
         follow = self._follows(prev)
@@ -338,6 +337,10 @@ class Scheduler:
         if not spec and any(a.speculative for a in members):
             self._count_choice(PLAIN)  # a call's rounds count when it is answered (_answered): those it ran
         await self._retire()
+
+    def _ready(self, group: int) -> list[Active]:
+        """The group's sequences whose prompt is in: those a round runs for."""
+        return [a for a in self.active if a.group == group and not a.prefilling]
 
     async def _hold(self, group: int, prev: Call) -> bool:
         """Before the group's next Verify is queued behind `prev` (in flight): wait until about one round before
@@ -842,8 +845,13 @@ class Scheduler:
             return None
         gone = set(done)  # by identity (Active is eq=False)
         self.active = [a for a in self.active if a not in gone]
-        self._releasing += len(done)
-        return self._spawn(self._release(done, counted=True), self._verifier_releases)
+        self._releasing += len(done)  # until the release is over (its slots are in use until then)
+        task = self._spawn(self._release(done), self._verifier_releases)
+        task.add_done_callback(lambda _, n=len(done): self._release_over(n))
+        return task
+
+    def _release_over(self, n: int) -> None:
+        self._releasing -= n
 
     def _spawn(self, work, *also: set[asyncio.Task]) -> asyncio.Task:
         """Run `work` in the background, tracked (until done) by stop() and by the sets `also`."""
@@ -853,11 +861,10 @@ class Scheduler:
             task.add_done_callback(tasks.discard)
         return task
 
-    async def _release(self, done: list[Active], counted: bool = False) -> None:
+    async def _release(self, done: list[Active]) -> None:
         """The verifier's slots (its Release waits for the chained proposals naming them), then the draft's
         copies (after any early propose naming them): the draft must not be asked about a sequence it has
-        freed. Unknown ids are ignored on both; a lost release is reaped by the lease. counted: _retire
-        counted them in _releasing (slots in use until the verifier's Release is over)."""
+        freed. Unknown ids are ignored on both; a lost release is reaped by the lease."""
         ids = [a.seq_id for a in done]
         if not ids:
             return
@@ -867,9 +874,6 @@ class Scheduler:
             await self.verifier.release(ids)
         except Exception as e:  # noqa: BLE001 - a lost release is reaped by the lease
             log.warning("release of %s on the verifier failed: %s", ids, e)
-        finally:
-            if counted:
-                self._releasing -= len(ids)
         if self.draft is None:
             return
         early = {a.early.task for a in done if a.early is not None}
