@@ -36,6 +36,7 @@ class InOrderVerifier(FollowingVerifier):
         self._order = asyncio.Lock()  # FIFO: the stream's order
         self.released: set[str] = set()
         self.round_s = round_s  # each round's engine time (the call's own 5 ms come on top)
+        self.release_s = 0.0  # a Release's time before its slots are free
         self.begun = 0  # calls begun
         self.beginning: dict[int, asyncio.Event] = {}  # call number -> set when it begins
 
@@ -61,6 +62,7 @@ class InOrderVerifier(FollowingVerifier):
 
     async def release(self, seq_ids: list[str]) -> None:
         self.released.update(seq_ids)
+        await asyncio.sleep(self.release_s)
         await super().release(seq_ids)
 
     def accepted(self, seq_id: str, tokens: list[int]) -> None:
@@ -80,6 +82,8 @@ def _queued(
     stagger: float = 0.0,
     round_s: float = 0.0,
     after_call: int = 0,
+    max_active: int = 4,
+    release_s: float = 0.0,
 ):
     """Requests (last prompt token, max_tokens), prompts [first - 1, first], the i-th sent after i x stagger
     seconds (after_call: the requests after the first are sent that long after the verifier began that
@@ -92,9 +96,10 @@ def _queued(
         draft = FollowingDraft(log, fail_call)
         metrics = Metrics()
         cfg = SchedulerConfig(
-            max_active=4, draft_address=DRAFT, rounds_per_call=k, queue_calls=queue, draft_retry_s=0.01
+            max_active=max_active, draft_address=DRAFT, rounds_per_call=k, queue_calls=queue, draft_retry_s=0.01
         )
         verifier = InOrderVerifier(log, accept, draft, round_s)
+        verifier.release_s = release_s
         sched = Scheduler(verifier, draft, cfg, CHAIN, metrics)
         sched.start()
 
@@ -153,6 +158,19 @@ def test_a_request_arriving_early_in_a_call_joins_the_next_call(hold: bool, monk
     sent = [e[1] for e in log if e[0] == "sent"]
     first = next(i for i, ids in enumerate(sent, 1) if "gw-1" in ids)
     assert first == (5 if hold else 6), sent
+
+
+@pytest.mark.parametrize("max_active", [2, 4])
+def test_a_new_prefill_waits_for_a_release_only_when_the_slots_are_full(max_active: int) -> None:
+    """gw-0 finishes in its first call and its Release takes 200 ms; gw-2 arrives 60 ms in, beside gw-1. With 4
+    slots (2 running + 1 being released <= 4) its prefill goes out at once; with 2 it waits for the release
+    (the verifier would refuse a third sequence). Both exact."""
+    outs, log, _ = _queued(
+        [(100, 4), (200, 40), (300, 4)], accept=2, stagger=0.03, max_active=max_active, release_s=0.2
+    )
+    assert outs == [list(range(101, 105)), list(range(201, 241)), list(range(301, 305))]
+    prefill, released = log.index(("prefill-call", ["gw-2"])), log.index(("release-verifier", ["gw-0"]))
+    assert (prefill < released) == (max_active == 4), log
 
 
 def _in_flight(log: list) -> int:
