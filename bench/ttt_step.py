@@ -62,14 +62,16 @@ PATHS = {
 
 
 def random_inputs(hcfg: Eagle3Config, batch: int, seq: int, device: torch.device, seed: int) -> TTTInputs:
-    """Random features and targets: embeds [B, T, H], aux [B, T, 3H], a target distribution [B, T, Vd]."""
+    """Random features and targets: embeds [B, T, H], aux [B, T, 3H], the base's logits over the draft
+    vocabulary [B, T, Vd] in the dtype training gets them in (the base's: bf16 on a GPU, float32 on CPU)."""
     g = torch.Generator(device="cpu").manual_seed(seed)
+    logits_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     vd = hcfg.draft_vocab_size
     return TTTInputs(
         embeds=torch.randn(batch, seq, hcfg.hidden_size, generator=g).to(device),
         aux=torch.randn(batch, seq, 3 * hcfg.target_hidden_size, generator=g).to(device),
-        targets=TTTTargets(
-            target_p=torch.softmax(3 * torch.randn(batch, seq, vd, generator=g), dim=-1).to(device),
+        targets=TTTTargets.of(
+            (3 * torch.randn(batch, seq, vd, generator=g)).to(device, logits_dtype),
             base_top=torch.randint(0, vd, (batch, seq), generator=g).to(device),
             in_draft=torch.ones(batch, seq, dtype=torch.bool, device=device),
             valid=torch.ones(batch, seq, dtype=torch.bool, device=device),
@@ -90,6 +92,7 @@ def time_path(
     warmup: int,
     iters: int,
     reference: dict[str, torch.Tensor] | None = None,
+    profile: Path | None = None,
 ) -> tuple[dict, dict[str, torch.Tensor]]:
     """Fresh copies of the head and its optimizer; returns the timings of `iters` steps after `warmup`
     (warmup_s: the warm-up steps' total, torch.compile's compilation included) and the first step's
@@ -130,7 +133,26 @@ def time_path(
         out["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     if reference is not None:
         out["grad_diff"] = grad_diff(grads, reference)
+    if profile is not None:
+        out["profile"] = profile_steps(head, opt, inputs, cfg, path, profile)
     return out, grads
+
+
+def profile_steps(
+    head: Eagle3Head, opt: torch.optim.Optimizer, inputs: TTTInputs, cfg: TrainConfig, path: StepVariant, out: Path
+) -> str:
+    """Two more steps under torch.profiler; writes their kernels and operators by device time (self) to
+    `out` and returns its name."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if inputs.embeds.is_cuda:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(2):
+            optimize_step(head, opt, inputs, cfg, cfg.lr, path.attention)
+        sync(inputs.embeds.device)
+    key = "self_device_time_total" if inputs.embeds.is_cuda else "self_cpu_time_total"
+    out.write_text(prof.key_averages().table(sort_by=key, row_limit=60, max_name_column_width=90) + "\n")
+    return out.name
 
 
 def grad_diff(grads: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
@@ -154,7 +176,8 @@ def run(args: argparse.Namespace) -> dict:
         reference = None  # the first path's first gradients (dense when it runs)
         for name in args.paths:
             try:
-                row[name], grads = time_path(head, inputs, cfg, PATHS[name], args.warmup, args.iters, reference)
+                prof = args.out / f"profile-{name}-{batch}.txt" if args.profile else None
+                row[name], grads = time_path(head, inputs, cfg, PATHS[name], args.warmup, args.iters, reference, prof)
                 reference = reference if reference is not None else grads
             except torch.OutOfMemoryError:
                 row[name] = {"oom": True}
@@ -225,6 +248,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help=f"comma-separated, of {', '.join(PATHS)} (default: all on CUDA; dense,fused on CPU, where fused "
         "runs eagerly)",
     )
+    ap.add_argument(
+        "--profile", action="store_true", help="after each path's timing, profile two steps: DIR/profile-PATH-B.txt"
+    )
     ap.add_argument("--head-config", default=str(HEAD_CONFIG), help="EAGLE-3 config.json giving the shapes")
     args = ap.parse_args(argv)
     args.batch = [int(b) for b in args.batch.split(",")]
@@ -242,8 +268,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    report = run(args)
     args.out.mkdir(parents=True, exist_ok=True)
+    report = run(args)
     (args.out / "ttt_step.json").write_text(json.dumps(report, indent=2) + "\n")
     md = markdown(report)
     (args.out / "ttt_step.md").write_text(md)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -130,6 +131,27 @@ def test_batched_greedy_matches_unbatched():
 
 
 # ---- TTT ----
+def test_soft_cross_entropy_is_minus_p_log_q_over_the_masked_rows():
+    """training.ttt.soft_cross_entropy (sum(p) lse - sum(p x), p from logits and their log-sum-exp) against
+    -sum p log_softmax(x) computed the plain way, values and gradients; and one row by hand: uniform logits
+    over 4 ids, p one-hot -> log 4; a masked row does not count."""
+    from training.ttt import soft_cross_entropy
+
+    x = torch.zeros(1, 2, 4, requires_grad=True)
+    tl = torch.tensor([[[30.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 5.0]]])  # row 0: p ~ one-hot
+    loss = soft_cross_entropy(x, tl, tl.logsumexp(-1), torch.tensor([[1.0, 0.0]]))
+    assert abs(float(loss) - math.log(4)) < 1e-6
+    g = torch.Generator().manual_seed(0)
+    x = (3 * torch.randn(3, 5, 50, generator=g)).requires_grad_()
+    tl = 3 * torch.randn(3, 5, 50, generator=g)
+    pmask = (torch.rand(3, 5, generator=g) < 0.7).float()
+    got = soft_cross_entropy(x, tl, tl.logsumexp(-1), pmask)
+    ce = -(torch.softmax(tl, -1) * torch.log_softmax(x, -1)).sum(-1)
+    want = (ce * pmask).sum() / pmask.sum()
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(torch.autograd.grad(got, x)[0], torch.autograd.grad(want, x)[0])
+
+
 def test_ttt_mask_diagonal():
     m = ttt_mask(5, 2, CPU)  # [5, 15]
     r = 4
@@ -166,12 +188,7 @@ def test_ttt_matches_drafter_chain():
     f = base_features(base, seq)
     embeds = base.embed_tokens(seq[:, 1:])
     valid = torch.ones(1, t, dtype=torch.bool)
-    tg = TTTTargets(
-        target_p=torch.full((1, t, 64), 1 / 64),
-        base_top=torch.zeros(1, t, dtype=torch.long),
-        in_draft=valid,
-        valid=valid,
-    )
+    tg = TTTTargets.of(torch.zeros(1, t, 64), torch.zeros(1, t, dtype=torch.long), valid, valid)
     # record each step's log-probabilities from the lm_head's output
     outs = []
     hook = head.lm_head.register_forward_hook(lambda m, i, o: outs.append(torch.log_softmax(o.detach(), dim=-1)))
@@ -219,7 +236,7 @@ def test_fused_ttt_attention_matches_dense_mask(t):
         window = ttt_mask(t, j, CPU)[None].expand(b, t, (j + 1) * t)
         bias = reference.attention_bias(torch.zeros(b, dtype=torch.long), window, (j + 1) * t, h // kvh, q.dtype)
         dense = reference.attention(q, kv, slots, (j + 1) * t, bias)  # [B, T, H * D]
-        fused = ttt_attention(q, kv, slots, j)
+        fused = ttt_attention(q, [kv[slots, s * t : (s + 1) * t] for s in range(j + 1)])  # step s: [B, T, ...]
         assert torch.allclose(fused, dense, atol=1e-5, rtol=1e-5), j
         grad = torch.randn_like(dense)
         for gd, gf in zip(torch.autograd.grad(dense, (q, kv), grad), torch.autograd.grad(fused, (q, kv), grad)):
@@ -232,8 +249,8 @@ def random_ttt_inputs(hcfg: Eagle3Config, b: int, t: int, seed: int) -> TTTInput
     return TTTInputs(
         embeds=torch.randn(b, t, hcfg.hidden_size, generator=g),
         aux=torch.randn(b, t, 3 * hcfg.target_hidden_size, generator=g),
-        targets=TTTTargets(
-            target_p=torch.softmax(3 * torch.randn(b, t, hcfg.draft_vocab_size, generator=g), dim=-1),
+        targets=TTTTargets.of(
+            3 * torch.randn(b, t, hcfg.draft_vocab_size, generator=g),
             base_top=torch.randint(0, hcfg.draft_vocab_size, (b, t), generator=g),
             in_draft=torch.rand(b, t, generator=g) < 0.8,
             valid=valid,

@@ -80,16 +80,22 @@ class AttentionPlan:
     bias: torch.Tensor  # [B, 1, G * T, kv_len] additive mask in the compute dtype (see reference.attention)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class TTTPlan:
-    """Training-time-test attention (common.kernels.ttt): step `step` of T query rows over a cache whose
-    columns [s * T, (s + 1) * T) hold step s, for s = 0..step. Chosen by the caller, not by the model."""
+    """Training-time-test attention (common.kernels.ttt): step `step` of T query rows over the K/V of
+    steps 0..step. They are not in a KV cache but in `kv` (kv[s]: step s's [B, T, 2, KVH, D]), where
+    this step appends its own: gradients reach each step's K/V directly (a cache written in place under
+    autograd costs whole-cache zero fills and index adds in the backward). Chosen by the caller, not by
+    the model; eq=False: compared and hashed by identity (kv is a list)."""
 
     step: int  # TTT step j >= 0
+    kv: list  # [step] tensors [B, T, 2, KVH, D] before this step's forward, [step + 1] after it
 
     def __post_init__(self) -> None:
         if self.step < 0:
             raise ValueError(f"TTTPlan needs step >= 0, got {self.step}")
+        if len(self.kv) != self.step:
+            raise ValueError(f"TTTPlan of step {self.step} needs the K/V of {self.step} steps, got {len(self.kv)}")
 
 
 def attention_plan(
@@ -111,12 +117,9 @@ def attention(
     slots: torch.Tensor,
     prefix_len: torch.Tensor,
     window: torch.Tensor,
-    plan: AttentionPlan | TTTPlan | None = None,
+    plan: AttentionPlan | None = None,
 ) -> torch.Tensor:
-    """q [B, T, H, D] over the cache kv [S, C, 2, KVH, D]; see reference.attention. [B, T, H * D]
-    With a TTTPlan, prefix_len and window are not read: the plan says who sees whom (common.kernels.ttt)."""
-    if isinstance(plan, TTTPlan):
-        return _ttt_attention(q, kv, slots, plan)
+    """q [B, T, H, D] over the cache kv [S, C, 2, KVH, D]; see reference.attention. [B, T, H * D]"""
     if use_triton(q) and q.dtype == kv.dtype and window.stride(-1) == 1:
         return _ops().attention(q, kv, slots, prefix_len, window)
     if plan is None:
@@ -140,7 +143,10 @@ def rope_attention(
 ) -> torch.Tensor:
     """rope_kv_write, then attention of the rotated queries: [B, T, H * D]. One Triton kernel (two with
     a split over keys) for up to 64 new tokens a sequence (decoding, trees, the draft's levels and
-    proposals); else the two operations (prefill, the reference)."""
+    proposals); else the two operations (prefill, the reference). With a TTTPlan the cache and the
+    positions' bookkeeping (slots, write_pos, prefix_len, window) are not used: common.kernels.ttt."""
+    if isinstance(plan, TTTPlan):
+        return _ttt_rope_attention(qkv, cos, sin, positions, plan, num_heads, num_kv_heads)
     b, t, _ = qkv.shape
     fused = (
         use_triton(qkv)
@@ -159,12 +165,20 @@ def rope_attention(
     return attention(q, kv, slots, prefix_len, window, plan)
 
 
-def _ttt_attention(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, plan: TTTPlan) -> torch.Tensor:
+def _ttt_rope_attention(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    plan: TTTPlan,
+    num_heads: int,
+    num_kv_heads: int,
+) -> torch.Tensor:
     """Training-time test only: common.kernels.ttt is imported here, on first use, because it loads
     torch.compile's machinery (torch._dynamo, Triton: over a second), which no service needs."""
     from common.kernels import ttt
 
-    return ttt.planned_attention(q, kv, slots, plan)
+    return ttt.rope_attention(qkv, cos, sin, positions, plan, num_heads, num_kv_heads)
 
 
 def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

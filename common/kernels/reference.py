@@ -40,14 +40,20 @@ def rope_kv_write(
     b, t, _ = qkv.shape
     h, kvh = num_heads, num_kv_heads
     view = qkv.view(b, t, h + 2 * kvh, -1)
-    half = view.shape[-1] // 2
-    c, s = cos[positions][:, :, None, :half], sin[positions][:, :, None, :half]  # [B, T, 1, D/2]
-    qk = view[:, :, : h + kvh].float()
-    x1, x2 = qk[..., :half], qk[..., half:]
-    rotated = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(qkv.dtype)  # [B, T, H + KVH, D]
+    rotated = rope(view[:, :, : h + kvh], cos, sin, positions)  # [B, T, H + KVH, D]
     view[:, :, :h] = rotated[:, :, :h]
     new = torch.stack((rotated[:, :, h:], view[:, :, h + kvh :]), dim=2)  # [B, T, 2, KVH, D]
     kv[slots[:, None].expand(b, t), write_pos] = new.to(kv.dtype)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """x [B, T, N, D] heads rotated at positions [B, T] (rotate-half layout, computed in float32), in x's
+    dtype; out of place (training-time test differentiates through it)."""
+    half = x.shape[-1] // 2
+    c, s = cos[positions][:, :, None, :half], sin[positions][:, :, None, :half]  # [B, T, 1, D/2]
+    xf = x.float()
+    x1, x2 = xf[..., :half], xf[..., half:]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
 
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:

@@ -1,18 +1,19 @@
 """Training-time-test (TTT) attention without a dense mask: a causal flash-attention kernel for the step-0
 keys plus `step` per-row "diagonal" keys, merged by log-sum-exp, with an exact backward.
 
-Step j of training-time test (training/ttt.py) unrolls the draft head j times; its K/V live in the cache
-in blocks of T columns, block s holding step s. Row r of step j sees
+Step j of training-time test (training/ttt.py) unrolls the draft head j times; the K/V of step s are
+kv[s] [B, T, 2, KVH, D] (TTTPlan.kv, no cache). Row r of step j sees
 
-    block 0:          keys k <= r - j      (a causal mask shifted by j)
-    block s = 1..j:   key r - j + s only   (one "diagonal" key per earlier step, when r - j + s >= 0)
+    step 0:           keys k <= r - j      (a causal mask shifted by j)
+    step s = 1..j:    key r - j + s only   (one "diagonal" key per earlier step, when r - j + s >= 0)
 
-Example, T = 5, j = 2, row r = 4 (x: seen), the dense mask training.ttt.ttt_mask builds:
+Example, T = 5, j = 2, row r = 4 (x: seen), the dense mask training.ttt.ttt_mask builds (its columns:
+the steps' keys side by side):
 
-    block 0     block 1     block 2
-    x x x . .   . . . x .   . . . . x        block 0: k <= 2; block 1: k = 3; block 2: k = 4
+    step 0      step 1      step 2
+    x x x . .   . . . x .   . . . . x        step 0: k <= 2; step 1: k = 3; step 2: k = 4
 
-The dense mask costs (j + 1) T^2 scores per head and the PyTorch math kernel. Here block 0 is plain
+The dense mask costs (j + 1) T^2 scores per head and the PyTorch math kernel. Here step 0 is plain
 causal attention of queries j..T-1 over keys 0..T-1-j (query r is row r - j of that square, so
 "k <= r - j" is "column <= row"), which PyTorch's flash kernels (CPU and CUDA) compute in O(T) memory and
 return with its log-sum-exp; the diagonal keys are j dot products per row. The two are merged by
@@ -30,6 +31,9 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
+
+from common.kernels import TTTPlan, reference
 
 Tensor = torch.Tensor
 
@@ -123,51 +127,67 @@ class _ShiftedCausalWithDiagonal(torch.autograd.Function):
         return gq, gk0, gv0, g_diag_s, g_diag_v, None, None
 
 
-def planned_attention(q: Tensor, kv: Tensor, slots: Tensor, plan) -> Tensor:
-    """attention for a common.kernels.TTTPlan. Under torch.compile (training's TTT step, dynamic shapes:
-    training.ttt.compiled_step) it is traced with the rest of the step, one graph per TTT step (the plan's
-    step is a constant of the graph), so the diagonal, the merge and the layout changes around the flash
-    kernels fuse with the projections around them. With static shapes the same tracing gave a right forward
-    and wrong gradients on an H100 (torch 2.11: the q and k projections' 1.3x their norm off, a training run
-    NaN within 20 steps; docs/ttt_training_step.md, session 13): tests/gpu/test_gpu_ttt.py compares the
-    compiled step's gradients with the eager dense step's."""
-    return attention(q, kv, slots, plan.step)
+def rope_attention(
+    qkv: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, plan: TTTPlan, num_heads: int, num_kv_heads: int
+) -> Tensor:
+    """Step plan.step's attention from its fused projections: q and k rotated (reference.rope, the RoPE of
+    every other path), this step's K/V [B, T, 2, KVH, D] appended to plan.kv, then `attention`.
+
+    qkv [B, T, (H + 2 KVH) * D]; cos, sin [max_position, D]; positions [B, T]. Returns [B, T, H * D].
+    Under torch.compile (training's TTT step, training.ttt.compiled_step, dynamic shapes) it is traced with
+    the rest of the step, one graph per TTT step (the plan's step is a constant of the graph), so the
+    diagonal, the merge and the layout changes around the flash kernels fuse with the projections around
+    them. With static shapes the same tracing gave a right forward and wrong gradients on an H100 (torch
+    2.11: the q and k projections' 1.3x their norm off, a training run NaN within 20 steps;
+    docs/ttt_training_step.md, session 13): tests/gpu/test_gpu_ttt.py compares the compiled step's
+    gradients with the eager dense step's."""
+    b, t, _ = qkv.shape
+    h, kvh = num_heads, num_kv_heads
+    view = qkv.view(b, t, h + 2 * kvh, -1)
+    rotated = reference.rope(view[:, :, : h + kvh], cos, sin, positions)  # [B, T, H + KVH, D]
+    plan.kv.append(torch.stack((rotated[:, :, h:], view[:, :, h + kvh :]), dim=2))  # [B, T, 2, KVH, D]
+    return attention(rotated[:, :, :h], plan.kv)
 
 
-def attention(q: Tensor, kv: Tensor, slots: Tensor, step: int) -> Tensor:
-    """Attention of TTT step `step` (see the module docstring).
+def attention(q: Tensor, kv: list[Tensor]) -> Tensor:
+    """Attention of TTT step j = len(kv) - 1 (see the module docstring).
 
-    q [B, T, H, D] this step's rotated queries; kv [S, C, 2, KVH, D] one layer's cache, the K/V of step s
-    in columns [s*T, (s+1)*T) for s = 0..step; slots [B]. Returns [B, T, H * D] in q's dtype, the same
-    function as reference.attention under training.ttt.ttt_mask.
+    q [B, T, H, D] this step's rotated queries; kv[s] [B, T, 2, KVH, D] the K/V of step s = 0..j.
+    Returns [B, T, H * D] in q's dtype, the same function as reference.attention under training.ttt.ttt_mask.
     """
     # q's dtype decides (bf16 under the trainer's autocast): autocast would round the float32 diagonal
     # scores and the merge to bf16
     with torch.autocast(q.device.type, enabled=False):
-        return _attention(q, kv, slots, step)
+        return _attention(q, [x.to(q.dtype) for x in kv])
 
 
-def _attention(q: Tensor, kv: Tensor, slots: Tensor, step: int) -> Tensor:
+def _attention(q: Tensor, kv: list[Tensor]) -> Tensor:
     b, t, h, d = q.shape
-    kvh = kv.shape[3]
-    g, j = h // kvh, step
-    keys = kv.narrow(1, 0, (j + 1) * t).index_select(0, slots).to(q.dtype)  # [B, (j+1)T, 2, KVH, D]
-    keys = keys.view(b, j + 1, t, 2, kvh, d)  # [B, j+1, T, 2, KVH, D]
+    kvh = kv[0].shape[3]
+    g, j = h // kvh, len(kv) - 1
     qg = q.view(b, t, kvh, g, d).permute(0, 2, 3, 1, 4)  # [B, KVH, G, T, D]
-    # the diagonal: row r, block s = 1..j sees key row r - j + s. T = 4, j = 2:
-    #   rows[r] = [r - 1, r] -> [[-1, 0], [0, 1], [1, 2], [2, 3]] (-1: no key, masked)
-    r = torch.arange(t, device=q.device)
-    s = torch.arange(1, j + 1, device=q.device)
-    rows = r[:, None] - j + s[None, :]  # [T, j]
-    blocks = s[None, :].expand(t, j)  # [T, j]
-    diag = keys[:, blocks, rows.clamp(min=0)]  # [B, T, j, 2, KVH, D]
+    # the diagonal: row r sees key row r - (j - s) of step s = 1..j, i.e. step s's K/V moved down j - s
+    # rows (the rows above them are zeros, masked: that key does not exist). T = 4, j = 2:
+    #   step 1 moved down 1 -> key rows [-, 0, 1, 2]; step 2 moved down 0 -> [0, 1, 2, 3]
+    diag = torch.stack([_down(kv[s], j - s) for s in range(1, j + 1)], dim=2) if j else kv[0][:, :, None][:, :, :0]
     diag_k = diag[:, :, :, 0].permute(0, 3, 1, 2, 4)  # [B, KVH, T, j, D]
     diag_v = diag[:, :, :, 1].permute(0, 3, 1, 2, 4)  # [B, KVH, T, j, D]
+    r = torch.arange(t, device=q.device)
+    s = torch.arange(1, j + 1, device=q.device)
+    missing = (r[:, None] - j + s[None, :]) < 0  # [T, j] key row r - j + s does not exist
     scale = 1.0 / math.sqrt(d)
     # j dot products per row: broadcast multiply and sum (batched matmuls of size j run far slower)
     diag_s = (qg.float()[..., None, :] * diag_k.float()[:, :, None]).sum(-1) * scale  # [B, KVH, G, T, j]
-    diag_s = diag_s.masked_fill(rows < 0, float("-inf"))
-    k0 = keys[:, 0, :, 0].transpose(1, 2)  # [B, KVH, T, D]
-    v0 = keys[:, 0, :, 1].transpose(1, 2)  # [B, KVH, T, D]
+    diag_s = diag_s.masked_fill(missing, float("-inf"))
+    k0 = kv[0][:, :, 0].transpose(1, 2)  # [B, KVH, T, D]
+    v0 = kv[0][:, :, 1].transpose(1, 2)  # [B, KVH, T, D]
     out = _ShiftedCausalWithDiagonal.apply(qg, k0, v0, diag_s, diag_v, j, scale)
     return out.permute(0, 3, 1, 2, 4).reshape(b, t, h * d)
+
+
+def _down(x: Tensor, n: int) -> Tensor:
+    """x [B, T, ...] moved down n rows along T: row r holds x's row r - n, zeros above. [B, T, ...]"""
+    t = x.shape[1]
+    n = min(n, t)
+    pad = [0, 0] * (x.dim() - 2) + [n, 0]  # F.pad's pairs run from the last dimension to the first
+    return F.pad(x[:, : t - n], pad)

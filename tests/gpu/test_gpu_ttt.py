@@ -39,7 +39,7 @@ def test_fused_ttt_attention_bf16_matches_float32_dense(t):
         bias = reference.attention_bias(zeros, window, (j + 1) * t, H // KVH, torch.float32)
         q32, kv32 = q.detach().float().requires_grad_(), kv.detach().float().requires_grad_()
         dense = reference.attention(q32, kv32, slots, (j + 1) * t, bias)
-        fused = ttt_attention(q, kv, slots, j)
+        fused = ttt_attention(q, [kv[slots, s * t : (s + 1) * t] for s in range(j + 1)])  # step s: [B, T, ...]
         assert fused.dtype == torch.bfloat16
         torch.testing.assert_close(fused.float(), dense, atol=2e-2, rtol=2e-2)
         grad = torch.randn_like(dense)
@@ -69,8 +69,8 @@ def test_fused_train_step_matches_dense_on_gpu():
     inputs = TTTInputs(
         embeds=torch.randn(b, t, 576, generator=g).to(DEV),
         aux=torch.randn(b, t, 3 * 576, generator=g).to(DEV),
-        targets=TTTTargets(
-            target_p=torch.softmax(3 * torch.randn(b, t, 1024, generator=g), -1).to(DEV),
+        targets=TTTTargets.of(
+            (3 * torch.randn(b, t, 1024, generator=g)).to(DEV, torch.bfloat16),
             base_top=torch.randint(0, 1024, (b, t), generator=g).to(DEV),
             in_draft=torch.ones(b, t, dtype=torch.bool, device=DEV),
             valid=torch.ones(b, t, dtype=torch.bool, device=DEV),
