@@ -283,11 +283,18 @@ class VerifierClient(_ServiceClient):
         return [Prefilled(next_token=r.next_token, hidden=r.hidden) for r in resp.results]
 
     async def verify(
-        self, items: list[RoundItem], draft: str = "", owner: str = "", stream: bool = True, rounds: int = 1
+        self,
+        items: list[RoundItem],
+        draft: str = "",
+        owner: str = "",
+        stream: bool = True,
+        rounds: int = 1,
+        cut: bool = False,
     ) -> VerifiedRound:
         """draft: the draft's address as the verifier reaches it (for items with `next`); rounds: at most
-        this many rounds in the call (VerifyRequest.rounds)."""
-        req = pb.VerifyRequest(draft=draft, owner=owner, rounds=rounds if rounds > 1 else 0)
+        this many rounds in the call (VerifyRequest.rounds); cut: the call before it on the stream stops
+        after its current round (VerifyRequest.cut)."""
+        req = pb.VerifyRequest(draft=draft, owner=owner, rounds=rounds if rounds > 1 else 0, cut=cut)
         add = req.items.add
         for it in items:  # one copy of each tree (a VerifyItem list would copy twice)
             depth, nodes = it.next or (0, 0)

@@ -20,6 +20,7 @@ from services.gateway.detokenize import RoundDecoder
 from services.gateway.metrics import Metrics
 from services.gateway.scheduler import Scheduler, SchedulerConfig
 from services.gateway.sequence import Generation, GenRequest
+from services.verifier.server import answers_in_order
 from specdec.v1 import internal_pb2 as pb
 from specdec.v1 import internal_pb2_grpc as pb_grpc
 from tests.test_overlap import DRAFT, EOS, FollowingDraft, FollowingVerifier, Ids, streamed
@@ -39,6 +40,8 @@ class InOrderVerifier(FollowingVerifier):
         self.release_s = 0.0  # a Release's time before its slots are free
         self.begun = 0  # calls begun
         self.beginning: dict[int, asyncio.Event] = {}  # call number -> set when it begins
+        self.running: list[asyncio.Event] = []  # the call in flight's cut signal, as VerifyStream's
+        self.honour_cut = True  # False: a verifier that runs every call's rounds whatever comes behind it
 
     async def _engine_verify(self, request, failed, chained):
         await asyncio.sleep(self.round_s)
@@ -47,7 +50,10 @@ class InOrderVerifier(FollowingVerifier):
     async def _verify_call(self, request):
         ids = [it.seq_id for it in request.items]
         self.log.append(("sent", ids, [it.follows for it in request.items]))
+        if request.cut and self.running and self.honour_cut:  # as VerifyStream's reader: the call in flight ends
+            self.running[0].set()
         async with self._order:
+            self.running.append(asyncio.Event())
             self.begun += 1
             self.beginning.setdefault(self.begun, asyncio.Event()).set()
             self.chain.check(request)
@@ -55,7 +61,9 @@ class InOrderVerifier(FollowingVerifier):
                 self.log.append(("chained", [it.seq_id for it in request.items if it.chained]))
             # as the verifier's _gone: a follows item whose sequence was released is not verified
             gone = frozenset(it.seq_id for it in request.items if it.follows and it.seq_id in self.released)
-            resp = await self.chain.verify(request, self._engine_verify, self.room, gone)
+            resp = await self.chain.verify(request, self._engine_verify, self.room, gone, self.running[0])
+            self.running.clear()
+            self.log.append(("ran", resp.rounds_run))
             await asyncio.sleep(0.005)  # a call takes time on the GPU (the gateway's work overlaps it)
         self.log.append(("answered", ids, [list(r.accepted_tokens) for r in resp.results]))
         return resp
@@ -84,6 +92,7 @@ def _queued(
     after_call: int = 0,
     max_active: int = 4,
     release_s: float = 0.0,
+    honour_cut: bool = True,
 ):
     """Requests (last prompt token, max_tokens), prompts [first - 1, first], the i-th sent after i x stagger
     seconds (after_call: the requests after the first are sent that long after the verifier began that
@@ -99,7 +108,7 @@ def _queued(
             max_active=max_active, draft_address=DRAFT, rounds_per_call=k, queue_calls=queue, draft_retry_s=0.01
         )
         verifier = InOrderVerifier(log, accept, draft, round_s)
-        verifier.release_s = release_s
+        verifier.release_s, verifier.honour_cut = release_s, honour_cut
         sched = Scheduler(verifier, draft, cfg, CHAIN, metrics)
         sched.start()
 
@@ -158,6 +167,24 @@ def test_a_request_arriving_early_in_a_call_joins_the_next_call(hold: bool, monk
     sent = [e[1] for e in log if e[0] == "sent"]
     first = next(i for i, ids in enumerate(sent, 1) if "gw-1" in ids)
     assert first == (5 if hold else 6), sent
+
+
+@pytest.mark.parametrize("honour_cut", [True, False])
+def test_a_joiner_cuts_the_call_in_flight_short(honour_cut: bool) -> None:
+    """4 rounds a call, 30 ms a round: gw-1 arrives 3 ms after the verifier began call 4 and is ready (prompt
+    and first tree in) a few ms later. The gateway sends call 5 with it at once, marked `cut`: call 4 stops
+    after its current round (it runs 1, 2 at the most, not 4), gw-0 goes on in call 5 (follows) and gw-1 is
+    first verified there. A verifier that ignores `cut` runs call 4's 4 rounds and gw-1 waits for them. Both
+    exact."""
+    outs, log, _ = _queued(
+        [(100, 80), (200, 12)], accept=2, k=4, stagger=0.003, round_s=0.03, after_call=4, honour_cut=honour_cut
+    )
+    assert outs == [list(range(101, 181)), list(range(201, 213))]
+    ran = [e[1] for e in log if e[0] == "ran"]
+    sent = [e for e in log if e[0] == "sent"]
+    first = next(i for i, e in enumerate(sent, 1) if "gw-1" in e[1])
+    assert first == 5 and sent[4][2] == [True, False], sent  # gw-0 follows call 4, gw-1 is new
+    assert ran[3] <= 2 if honour_cut else ran[3] == 4, ran
 
 
 @pytest.mark.parametrize("max_active", [2, 4])
@@ -279,6 +306,38 @@ async def _served(servicer, test):
     finally:
         await client.close()
         await server.server.stop(None)
+
+
+class CutStream(pb_grpc.VerifierServicer):
+    """The verifier's VerifyStream loop (services.verifier.server.answers_in_order) over calls of `rounds`
+    rounds of 20 ms each that end early when their cut signal is set before a round, as chain.py's do."""
+
+    async def VerifyStream(self, request_iterator, context):
+        async def answer(request: pb.VerifyRequest, cut: asyncio.Event) -> pb.VerifyResponse:
+            ran = 0
+            while ran < request.rounds and not cut.is_set():
+                await asyncio.sleep(0.02)
+                ran += 1
+            return pb.VerifyResponse(rounds_run=ran)
+
+        async for response in answers_in_order(request_iterator, answer):
+            yield response
+
+
+def test_a_call_with_cut_ends_the_call_in_flight_after_its_round_and_only_that_one() -> None:
+    """On a real stream: a call of 10 rounds (20 ms each), and 30 ms later one of 3 with `cut`: the first
+    ends after its second round (its third when the cut comes in late), the second runs its 3. A call with
+    `cut` that arrives while nothing runs cuts nothing: the next call behind it still runs all its rounds."""
+
+    async def test(call):
+        first = asyncio.ensure_future(call(pb.VerifyRequest(rounds=10)))
+        await asyncio.sleep(0.03)
+        second = await call(pb.VerifyRequest(rounds=3, cut=True))
+        alone = await call(pb.VerifyRequest(rounds=2, cut=True))
+        return (await first).rounds_run, second.rounds_run, alone.rounds_run
+
+    first, second, alone = asyncio.run(_served(CutStream(), test))
+    assert first in (2, 3) and (second, alone) == (3, 2), (first, second, alone)  # 3: the cut came in late
 
 
 def test_calls_on_one_stream_overlap_and_each_gets_its_own_answer() -> None:

@@ -57,6 +57,10 @@
 #   bench/device/policy.sh join    session 13's joiner path: the engine in process (plain, waves, closed loop), then the
 #                                  colocated services at their defaults (queued calls, 4 rounds per Verify), 6x60
 #                                  pinned and plain, concurrency 1, 16, 64, 4 requests per worker (PER_WORKER)
+#   bench/device/policy.sh cut     session 14's A/B: this tree's colocated services (defaults) and OLD's (a folder holding an
+#                                  older tree's common, services, bench and protos: `git archive C ... | tar x -C
+#                                  .devcarry/old`) alternated new, old, new, old, 6x60 pinned, concurrency 1, 16, 64,
+#                                  4 requests per worker (PER_WORKER), then the engine's closed loop
 #   bench/device/policy.sh rest    one 10-minute call: the chained/unchained A/B (6x60 pinned and plain,
 #                                  concurrency 1, 16, 64), the long prompt (whole, 512-token chunks) and
 #                                  ghz by reflection (GHZ: the binary, concurrency 1 and 64)
@@ -168,6 +172,22 @@ case "$mode" in
     timeout 300 "${load[@]}" --head models/eagle3-smollm2 --concurrency 1,16,64 --prompts 32 \
       --requests-per-worker "${PER_WORKER:-4}" --modes tree:6x60,plain --colocate on --out "$out/join" > "$out/join.log" 2>&1
     grep -hE "tok/s total" "$out/join.log" | sed 's/.*services_bench INFO //' | cut -c1-330 ;;
+  cut)
+    old=${OLD:-.devcarry/old}; here=$PWD
+    (cd "$old" && python3 -m grpc_tools.protoc -Iprotos --python_out=. --grpc_python_out=. --pyi_out=. protos/specdec/v1/*.proto)
+    ab=(--device cuda --ipc on --max-new-tokens 128 --max-context 1024 --concurrency 1,16,64 --prompts 32
+        --requests-per-worker "${PER_WORKER:-4}" --modes tree:6x60 --colocate on --head "$here/models/eagle3-smollm2")
+    for i in 1 2; do
+      timeout 150 python3 -m bench.services_bench "${ab[@]}" --out "/tmp/ab-$i-new" > "$out/ab-$i-new.log" 2>&1
+      (cd "$old" && timeout 150 python3 -m bench.services_bench "${ab[@]}" --out "/tmp/ab-$i-old") > "$out/ab-$i-old.log" 2>&1
+      cp "/tmp/ab-$i-new/services.json" "$out/ab-$i-new.json" 2>/dev/null
+      cp "/tmp/ab-$i-old/services.json" "$out/ab-$i-old.json" 2>/dev/null
+    done
+    timeout 200 python3 -m bench.engine_bench --device cuda --head models/eagle3-smollm2 --prompts 32 --concurrency 1,16,64 \
+      --methods closed --requests-per-worker "${PER_WORKER:-4}" --out /tmp/engine-cut > "$out/engine.log" 2>&1
+    cp /tmp/engine-cut/engine_bench.json "$out/" 2>/dev/null
+    for f in "$out"/ab-*.log; do echo "$f"; grep -hE "tok/s total" "$f" | sed 's/.*services_bench INFO //' | cut -c1-200; done
+    grep -E "^(speculative|closed)" "$out/engine.log" ;;
   profile4)
     python3 -m pip install -q --no-deps --target /tmp/pyspy .devcarry/b/wheels/py_spy-*.whl; export PATH="/tmp/pyspy/bin:$PATH"
     for c in 1 64; do

@@ -191,6 +191,7 @@ class Scheduler:
         self._unspoken: list[tuple[Active, Take]] = []  # the last call's tokens, taken, their text not yet streamed
         self._verifier_releases: set[asyncio.Task] = set()  # releases in flight (slots freed when done)
         self._wake = asyncio.Event()
+        self._joinable = asyncio.Event()  # a joiner became ready for a call (its prompt and first tree in): _hold
         self._ids = itertools.count()
         self._task: asyncio.Task | None = None
 
@@ -312,8 +313,11 @@ class Scheduler:
             nxt = self._next_shape(group, spec)
             k = self._rounds_per_call(members, nxt)
             items = [self._round_item(a, trees.get(a.seq_id), nxt, k, id(a) in follow) for a in spec]
+            # sequences that were not in the call in flight (joiners): it ends after its current round
+            # instead of running its other rounds without them (VerifyRequest.cut)
+            cut = prev is not None and prev.k > 1 and len(follow) < len(spec)
             task = asyncio.ensure_future(
-                self.verifier.verify(items, self.cfg.draft_address, self.cfg.instance_id, rounds=k)
+                self.verifier.verify(items, self.cfg.draft_address, self.cfg.instance_id, rounds=k, cut=cut)
             )
             call = Call(task, spec, set(trees), shape, nxt, t0, t1, draft_s, k)
             for a in spec:
@@ -343,16 +347,18 @@ class Scheduler:
         return [a for a in self.active if a.group == group and not a.prefilling]
 
     async def _hold(self, group: int, prev: Call) -> bool:
-        """Before the group's next Verify is queued behind `prev` (in flight): wait until about one round before
-        prev is expected to start its last round at the verifier (its rounds at the group's mean round time,
-        from when it began: the call before it was answered), or until prev is answered. A request that
-        replaces a finished one arrives just after that one's call is taken, when the next call would go out
-        at once; its prefill and first tree then run beside prev's rounds, and waiting lets it into the next
-        call instead of the one after it (a whole call of rounds sooner). The verifier still finds the next
-        call queued when prev ends (HOLD_MARGIN_S covers sending it). Only while a sequence can join (a free
-        slot, or a prompt going in in this group) and nobody waits for admission (calls are one round then).
-        Returns whether it waited. Example: prev asks for 4 rounds of ~3.8 ms and began 0.5 ms ago -> the next
-        call goes out in 3 x 3.8 - 2 - 0.5 = 8.9 ms, or when prev is answered, if sooner."""
+        """Before the group's next Verify is queued behind `prev` (in flight): wait until a sequence that is not
+        in prev is ready to join (its prompt and first tree in), or until about one round before prev is
+        expected to start its last round at the verifier (its rounds at the group's mean round time, from when
+        it began: the call before it was answered), or until prev is answered. A request that replaces a
+        finished one arrives just after that one's call is taken, when the next call would go out at once; its
+        prefill and first tree run beside prev's rounds, and waiting lets it into the next call instead of
+        the one after it; that call then cuts prev short (VerifyRequest.cut), so the joiner waits about a
+        round, not the rest of prev. Without a joiner the verifier still finds the next call queued when prev
+        ends (HOLD_MARGIN_S covers sending it). Only while a sequence can join (a free slot, or a prompt going in
+        in this group) and nobody waits for admission (calls are one round then). Returns whether it waited.
+        Example: prev asks for 4 rounds of ~3.8 ms and began 0.5 ms ago -> the next call goes out in
+        3 x 3.8 - 2 - 0.5 = 8.9 ms, or when prev is answered or a joiner is ready, if sooner."""
         round_s = self._round_s.get(group)
         if round_s is None or prev.k < 2 or self.waiting:
             return False
@@ -360,11 +366,32 @@ class Scheduler:
             return False
         begun = max(self._answered_at.get(group, 0.0), prev.t1)
         wait = begun + (prev.k - 1) * round_s - HOLD_MARGIN_S - time.perf_counter()
-        if wait <= 0:
+        if wait <= 0 or self._joiner_ready(group):
             return False
         self._speak()  # the last call's text need not wait
-        await asyncio.wait({prev.task}, timeout=wait)
+        self._joinable.clear()
+        joinable = asyncio.ensure_future(self._joinable.wait())
+        try:
+            while not prev.task.done() and not self._joiner_ready(group):
+                left = begun + (prev.k - 1) * round_s - HOLD_MARGIN_S - time.perf_counter()
+                if left <= 0:
+                    break
+                await asyncio.wait({prev.task, joinable}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+                if joinable.done():  # a joiner's first tree (or prompt) came in: is it this group's?
+                    self._joinable.clear()
+                    joinable = asyncio.ensure_future(self._joinable.wait())
+        finally:
+            joinable.cancel()
         return True
+
+    def _joiner_ready(self, group: int) -> bool:
+        """A speculative sequence of the group that no call in flight names could run a round now (a joiner:
+        its prompt is in and its first tree, if one was asked for, too; or one back from a plain round)."""
+        return any(
+            a.calls == 0 and a.next_propose is not None and a.gen.finish is None
+            and (a.early is None or a.early.task.done())
+            for a in self._ready(group)
+        )  # fmt: skip
 
     def _follows(self, prev: Call | None) -> set[int]:
         """The sequences of the call in flight that go on in the next one as `follows` items (by id(Active)):
@@ -574,6 +601,7 @@ class Scheduler:
                 by_shape.setdefault(shape, []).append(a)
         for shape, group in by_shape.items():
             task = self._spawn(self._propose(group, shape))
+            task.add_done_callback(lambda _: self._joinable.set())  # their first trees are in: _hold ends
             depth = self._round_shape(group, shape).depth
             for i, a in enumerate(group):
                 a.early = Early(task, i, depth)
@@ -792,6 +820,8 @@ class Scheduler:
                 self._joined(a, pre.next_token, pre.hidden)
                 joined.append(a)
         self._propose_early([a for a in joined if a.gen.finish is None])
+        if any(a.early is None for a in joined):  # no first tree to wait for: ready for the next call now
+            self._joinable.set()
 
     def _joined(self, a: Active, first_token: int, hidden: pb.TensorRef) -> None:
         """Its prompt is in: the draft's start item (when it speculates) and its first token."""

@@ -20,6 +20,10 @@ keeps that bookkeeping) or k rounds ran, and answers once: every committed token
 accepted count and tree size. The same example, k = 2:
   Verify([s: chained, next 4x8], rounds 2) -> take T2, verify, send; take T3, verify, send;
                                               answers [t4 t5 t6 t7 t8], round_accepted [2, 1]; T4 waits here
+A call that arrives on the stream with VerifyRequest.cut while the one before it runs ends that one
+before its next round (`cut`, set by the stream's reader in services/verifier/server.py): the gateway
+sends it when it brings sequences that were not in the call in flight (a joiner), so that they wait for
+one round instead of the rest of the call; the cut call's items go on in it as after a last round.
 
 The draft in this process (`--draft-here`, services/draft/here.py): no messages between the two engines.
 The verifier's `run` hands over each outcome that goes to the draft as the drafter's own input (its
@@ -115,6 +119,7 @@ class DraftChain:
         run: Run,
         room: Callable[[list[str]], list[int]],
         gone: frozenset[str] = frozenset(),
+        cut: asyncio.Event | None = None,
     ) -> pb.VerifyResponse:
         """A Verify under the protocol, of one round or several (VerifyRequest.rounds). Each round: the
         chained items' trees (waiting for calls still running), `run(request, failed, trees)` verifies every
@@ -122,7 +127,9 @@ class DraftChain:
         else its own, then each item with next_nodes that runs on, or ran the call's last round, goes to
         the draft for its next tree: as `run` handed it over, or as a ProposeItem of its result. `room(seq_ids)`:
         the KV rows each sequence has left, read before every round after the first (services/verifier/rounds.py).
-        `gone`: `follows` items whose sequence was released since the call before stopped it: not verified."""
+        `gone`: `follows` items whose sequence was released since the call before stopped it: not verified.
+        `cut`: set while the call runs (a call queued behind it with VerifyRequest.cut arrived): no round
+        begins after it is set; the items still running end as after the call's last round."""
         items = request.items
         ids = [it.seq_id for it in items]
         last = {s: self._last.pop(s) for s in ids if s in self._last}  # the call before's, used once
@@ -141,6 +148,9 @@ class DraftChain:
         resp.draft_compute_us = int(trees.compute_s * 1e6)
         resp.draft_batch, resp.draft_wait_us = trees.batch, int(trees.wait_s * 1e6)
         while todo := call.running():
+            if cut is not None and cut.is_set():
+                call.cut()  # their next trees went to the draft: the call queued behind takes them
+                break
             trees = await self.take([ids[i] for i in todo])
             sent.difference_update(todo)
             for i in todo:

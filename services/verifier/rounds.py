@@ -105,6 +105,12 @@ class CallRounds:
         elif rules.max_new and len(it.tokens) >= rules.max_new:
             it.stop = Stop.LENGTH
 
+    def cut(self) -> None:
+        """Before a round after the first: the call ends here (VerifyRequest.cut of the call queued behind
+        it): the items still running stop as after the call's last round (ROUNDS)."""
+        for i in self.running():
+            self.items[i].stop = Stop.ROUNDS
+
     def end_round(self) -> None:
         """The round is over: items that ran the call's last round, or cannot chain, stop (ROUNDS)."""
         self.ran += 1

@@ -5,6 +5,8 @@ and, when a Verify asks for several rounds, runs them one after the other with t
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
 import socket
 import time
@@ -93,9 +95,14 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         return await self.runner.unary(context, self._touched_verify, request)
 
     async def VerifyStream(self, request_iterator, context):
-        """One response per request, in order; the stream outlives failed calls."""
-        async for request in request_iterator:
-            yield await self.runner.answer(self._touched_verify, request, pb.VerifyResponse)
+        """One response per request, in order; the stream outlives failed calls (answers_in_order)."""
+
+        def answer(request: pb.VerifyRequest, cut: asyncio.Event):
+            verify = functools.partial(self._touched_verify, cut=cut)
+            return self.runner.answer(verify, request, pb.VerifyResponse)
+
+        async for response in answers_in_order(request_iterator, answer):
+            yield response
 
     async def Decode(self, request, context):
         return await self.runner.unary(context, self._touched_decode, request)
@@ -151,7 +158,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self.leases.added(new, request.owner)
         return resp
 
-    async def _touched_verify(self, request: pb.VerifyRequest) -> pb.VerifyResponse:
+    async def _touched_verify(self, request: pb.VerifyRequest, cut: asyncio.Event | None = None) -> pb.VerifyResponse:
         """The chained items' trees from the draft (waiting for what is not done yet), the verify, then the
         outcome of every item with next_nodes to the draft for its next tree; round after round when the
         request asks for several (see chain.py)."""
@@ -159,7 +166,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self._check_chain(request, ids)
         self.leases.touch(ids)
         gone = self._gone(request)
-        return await self.chain.verify(request, self._run_verify, self.engine.room, gone)
+        return await self.chain.verify(request, self._run_verify, self.engine.room, gone, cut)
 
     def _gone(self, request: pb.VerifyRequest) -> frozenset[str]:
         """Items that follow a call which stopped their sequence, already released by its gateway (it
@@ -392,3 +399,32 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             self._hiddens([ids[i] for i in want], hidden.flatten(0, 1), [steps] * len(want), msgs, rows)
         self._published()
         return resp
+
+
+async def answers_in_order(requests, answer):
+    """A VerifyStream's answers: `answer(request, cut)` (awaitable) for each request, one after the other, in
+    order. The requests are read ahead of the answers, so that one with VerifyRequest.cut that arrives
+    while the call before it runs sets that call's `cut` (asyncio.Event; chain.py ends the call before its
+    next round); one that arrives between calls cuts nothing."""
+    calls: asyncio.Queue = asyncio.Queue()  # requests read and not begun; None: the stream ended
+    running: list[asyncio.Event] = []  # the cut signal of the call in flight, while one is
+
+    async def read() -> None:
+        try:
+            async for request in requests:
+                if request.cut and running:
+                    running[0].set()
+                calls.put_nowait(request)
+        finally:
+            calls.put_nowait(None)
+
+    reader = asyncio.ensure_future(read())
+    reader.add_done_callback(lambda t: t.cancelled() or t.exception())  # a broken stream just ends the loop
+    try:
+        while (request := await calls.get()) is not None:
+            running.append(asyncio.Event())
+            response = await answer(request, running[0])
+            running.clear()
+            yield response
+    finally:
+        reader.cancel()
