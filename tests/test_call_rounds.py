@@ -3,7 +3,7 @@ what each commits, why each stops. Plain Python: no model, no services."""
 
 import pytest
 
-from common.rounds import cut_at_stop
+from common.rounds import cut_at_stop, cut_pays
 from services.verifier.rounds import CallRounds, ItemRules, Stop
 
 CHAINED = ItemRules(chained=True, rows=9)  # a 4x8 next tree: the root and 8 nodes
@@ -146,3 +146,9 @@ def test_rounds_out_of_range(rounds):
 )
 def test_cut_at_stop(tokens, room, out):
     assert cut_at_stop(tokens, room, frozenset({2})) == out
+
+
+def test_a_call_cuts_the_one_in_flight_when_its_new_sequences_are_a_sixteenth_of_those_going_on() -> None:
+    assert cut_pays(1, 15) and cut_pays(1, 16) and not cut_pays(1, 17)
+    assert cut_pays(4, 60) and cut_pays(4, 64) and not cut_pays(3, 60)
+    assert not cut_pays(0, 0) and cut_pays(1, 0)

@@ -93,12 +93,13 @@ def _queued(
     max_active: int = 4,
     release_s: float = 0.0,
     honour_cut: bool = True,
+    delays: list[float] | None = None,
 ):
     """Requests (last prompt token, max_tokens), prompts [first - 1, first], the i-th sent after i x stagger
-    seconds (after_call: the requests after the first are sent that long after the verifier began that
-    call), through the scheduler with queued calls, each verifier round taking round_s; returns (tokens per
-    request, log, metrics). The log also has ("arrived", first) when a request is sent and ("final", first)
-    when its last delta arrives."""
+    seconds, or after delays[i] (after_call: the requests with a delay are sent that long after the
+    verifier began that call), through the scheduler with queued calls, each verifier round taking round_s;
+    returns (tokens per request, log, metrics). The log also has ("arrived", first) when a request is sent
+    and ("final", first) when its last delta arrives."""
 
     async def run():
         log: list = []
@@ -126,7 +127,8 @@ def _queued(
                     log.append(("final", first))
             return streamed(deltas)
 
-        outs = await asyncio.gather(*(one(f, m, i * stagger) for i, (f, m) in enumerate(requests)))
+        waits = delays or [i * stagger for i in range(len(requests))]
+        outs = await asyncio.gather(*(one(f, m, d) for (f, m), d in zip(requests, waits)))
         await sched.stop()
         assert not [e for e in log if e[0] == "verified-after-release"]
         return outs, log, metrics
@@ -185,6 +187,20 @@ def test_a_joiner_cuts_the_call_in_flight_short(honour_cut: bool) -> None:
     first = next(i for i, e in enumerate(sent, 1) if "gw-1" in e[1])
     assert first == 5 and sent[4][2] == [True, False], sent  # gw-0 follows call 4, gw-1 is new
     assert ran[3] <= 2 if honour_cut else ran[3] == 4, ran
+
+
+def test_one_joiner_does_not_cut_a_call_that_17_sequences_go_on_in() -> None:
+    """As above, but 17 sequences run when gw-17 arrives 3 ms into call 4: one joiner is not 1/16 of them
+    (common.rounds.cut_pays), so call 4 runs its 4 rounds and the hold sends call 5, with gw-17, about a round
+    before call 4's last round. All exact."""
+    requests = [(100 * (i + 1), 80) for i in range(17)] + [(1900, 12)]
+    outs, log, _ = _queued(
+        requests, accept=2, k=4, round_s=0.03, after_call=4, max_active=18, delays=[0.0] * 17 + [0.003]
+    )
+    assert outs == [list(range(f + 1, f + 1 + m)) for f, m in requests]
+    ran = [e[1] for e in log if e[0] == "ran"]
+    first = next(i for i, e in enumerate((e for e in log if e[0] == "sent"), 1) if "gw-17" in e[1])
+    assert first == 5 and ran[3] == 4, (first, ran)
 
 
 @pytest.mark.parametrize("max_active", [2, 4])

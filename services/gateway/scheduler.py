@@ -65,7 +65,7 @@ from dataclasses import dataclass, field
 
 from common.errors import CapacityExhausted, PeerUnavailable
 from common.policy import PLAIN, Policy, Shape
-from common.rounds import MAX_ROUNDS_PER_CALL, start_shift
+from common.rounds import MAX_ROUNDS_PER_CALL, cut_pays, start_shift
 from services.clients import DraftClient, RoundItem, Verified, VerifiedRound, VerifierClient, prefill_item
 from services.gateway.health import DraftLink
 from services.gateway.metrics import Metrics
@@ -314,8 +314,8 @@ class Scheduler:
             k = self._rounds_per_call(members, nxt)
             items = [self._round_item(a, trees.get(a.seq_id), nxt, k, id(a) in follow) for a in spec]
             # sequences that were not in the call in flight (joiners): it ends after its current round
-            # instead of running its other rounds without them (VerifyRequest.cut)
-            cut = prev is not None and prev.k > 1 and len(follow) < len(spec)
+            # instead of running its other rounds without them (VerifyRequest.cut), when they are enough
+            cut = prev is not None and prev.k > 1 and cut_pays(len(spec) - len(follow), len(follow))
             task = asyncio.ensure_future(
                 self.verifier.verify(items, self.cfg.draft_address, self.cfg.instance_id, rounds=k, cut=cut)
             )
@@ -347,18 +347,18 @@ class Scheduler:
         return [a for a in self.active if a.group == group and not a.prefilling]
 
     async def _hold(self, group: int, prev: Call) -> bool:
-        """Before the group's next Verify is queued behind `prev` (in flight): wait until a sequence that is not
-        in prev is ready to join (its prompt and first tree in), or until about one round before prev is
-        expected to start its last round at the verifier (its rounds at the group's mean round time, from when
-        it began: the call before it was answered), or until prev is answered. A request that replaces a
+        """Before the group's next Verify is queued behind `prev` (in flight): wait until enough sequences not in
+        prev are ready to join (prompt and first tree in: _joiner_ready), or until about one round before prev
+        is expected to start its last round at the verifier (its rounds at the group's mean round time, from
+        when it began: the call before it was answered), or until prev is answered. A request that replaces a
         finished one arrives just after that one's call is taken, when the next call would go out at once; its
         prefill and first tree run beside prev's rounds, and waiting lets it into the next call instead of
-        the one after it; that call then cuts prev short (VerifyRequest.cut), so the joiner waits about a
-        round, not the rest of prev. Without a joiner the verifier still finds the next call queued when prev
-        ends (HOLD_MARGIN_S covers sending it). Only while a sequence can join (a free slot, or a prompt going in
-        in this group) and nobody waits for admission (calls are one round then). Returns whether it waited.
-        Example: prev asks for 4 rounds of ~3.8 ms and began 0.5 ms ago -> the next call goes out in
-        3 x 3.8 - 2 - 0.5 = 8.9 ms, or when prev is answered or a joiner is ready, if sooner."""
+        the one after it; when the joiners are enough, that call cuts prev short (VerifyRequest.cut), so they
+        wait about a round, not the rest of prev. Otherwise the verifier still finds the next call queued when
+        prev ends (HOLD_MARGIN_S covers sending it). Only while a sequence can join (a free slot, or a prompt
+        going in in this group) and nobody waits for admission (calls are one round then). Returns whether it
+        waited. Example: prev asks for 4 rounds of ~3.8 ms and began 0.5 ms ago -> the next call goes out in
+        3 x 3.8 - 2 - 0.5 = 8.9 ms, or when prev is answered or enough joiners are ready, if sooner."""
         round_s = self._round_s.get(group)
         if round_s is None or prev.k < 2 or self.waiting:
             return False
@@ -366,13 +366,13 @@ class Scheduler:
             return False
         begun = max(self._answered_at.get(group, 0.0), prev.t1)
         wait = begun + (prev.k - 1) * round_s - HOLD_MARGIN_S - time.perf_counter()
-        if wait <= 0 or self._joiner_ready(group):
+        if wait <= 0 or self._joiner_ready(group, prev):
             return False
         self._speak()  # the last call's text need not wait
         self._joinable.clear()
         joinable = asyncio.ensure_future(self._joinable.wait())
         try:
-            while not prev.task.done() and not self._joiner_ready(group):
+            while not prev.task.done() and not self._joiner_ready(group, prev):
                 left = begun + (prev.k - 1) * round_s - HOLD_MARGIN_S - time.perf_counter()
                 if left <= 0:
                     break
@@ -384,14 +384,16 @@ class Scheduler:
             joinable.cancel()
         return True
 
-    def _joiner_ready(self, group: int) -> bool:
-        """A speculative sequence of the group that no call in flight names could run a round now (a joiner:
-        its prompt is in and its first tree, if one was asked for, too; or one back from a plain round)."""
-        return any(
+    def _joiner_ready(self, group: int, prev: Call) -> bool:
+        """Enough speculative sequences of the group that no call in flight names (common.rounds.cut_pays
+        against prev's) could run a round now: joiners whose prompt is in and first tree too, if one was asked
+        for, or sequences back from a plain round."""
+        ready = sum(
             a.calls == 0 and a.next_propose is not None and a.gen.finish is None
             and (a.early is None or a.early.task.done())
             for a in self._ready(group)
         )  # fmt: skip
+        return cut_pays(ready, len(prev.spec))
 
     def _follows(self, prev: Call | None) -> set[int]:
         """The sequences of the call in flight that go on in the next one as `follows` items (by id(Active)):
