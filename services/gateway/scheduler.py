@@ -41,8 +41,9 @@ gateway's hop and host work come once per k rounds. The group's tokens are commi
 call; the request statistics, the metrics, the policy and the round breakdown still count each round
 (_take_rounds, _time_round). k is 1 while requests wait for admission (a free slot), so that they wait
 for one round, not k (_rounds_per_call); a prompt being prefilled does not lower it (its chunks run beside
-the call; the sequence joins at the next call, at most k rounds after its first token), and plain rounds
-are as before.
+the call; the sequence joins at the next call, which the gateway sends as soon as the joiners are ready and
+enough, marked `cut`: the call in flight ends before its next round, _hold, common.rounds.cut_pays), and
+plain rounds are as before.
 
 Speculation policy (common/policy.py): each group round has a shape, chosen when the round before was sent
 (its trees are drafted from there) or at the round's start: a tree (depth, nodes) or plain decoding. A request may pin
