@@ -80,6 +80,9 @@ class RunResult:
     tok_s_total: float
     ttft_ms: float
     itl_ms: float
+    # mean time from a request's first token to the next ones: how long a joiner waits for its first round
+    # (in a closed loop, for the round or call it can join)
+    second_ms: float = 0.0
     acceptance_length: float | None = None
     rounds: int = 0
     draft_ms_per_round: float | None = None
@@ -102,9 +105,12 @@ def summarize(
     host: float = 0.0,
     accepted: list[int] | None = None,
 ) -> RunResult:
-    per_req, ttft, itl = [], [], []
+    per_req, ttft, itl, second = [], [], [], []
     for tr in traces:
         ttft.append(tr.times[0] - tr.arrival)
+        later = [t for t in tr.times if t > tr.times[0]]  # the first message may carry several tokens
+        if later:
+            second.append(later[0] - tr.times[0])
         span = tr.times[-1] - tr.times[0]
         if len(tr.tokens) > 1 and span > 0:
             per_req.append((len(tr.tokens) - 1) / span)
@@ -121,6 +127,7 @@ def summarize(
         tok_s_total=total / wall,
         ttft_ms=1e3 * float(np.mean(ttft)),
         itl_ms=1e3 * float(np.mean(itl)) if itl else 0.0,
+        second_ms=1e3 * float(np.mean(second)) if second else 0.0,
         acceptance_length=float(np.mean(accepted)) if accepted else None,
         rounds=rounds,
         draft_ms_per_round=1e3 * draft / r if rounds and draft else None,

@@ -201,7 +201,7 @@ def run(args) -> list[RunResult]:
                 chosen = {k: v - chosen.get(k, 0) for k, v in now.items() if v - chosen.get(k, 0)}
                 log.info(
                     "%s c=%d: %.1f tok/s total, %.1f tok/s per request, acceptance %s, rounds per shape %s, "
-                    "rounds per Verify %s, ms per round %s",
+                    "rounds per Verify %s, ms per round %s, ttft %.1f ms, first to next token %.1f ms",
                     r.method,
                     c,
                     r.tok_s_total,
@@ -210,6 +210,8 @@ def run(args) -> list[RunResult]:
                     chosen,
                     round(verified / calls, 2) if calls else None,
                     {k: round(v, 3) for k, v in phase.items()},
+                    r.ttft_ms,
+                    r.second_ms,
                 )
                 results.append(r)
     return results

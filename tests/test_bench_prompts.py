@@ -98,3 +98,14 @@ def test_engine_closed_loop_replaces_each_finished_request_between_rounds():
     proposes = [e[1] for e in eng.log if e[0] == "propose"]
     assert proposes == [["closed-0", "closed-1"]] * 2 + [["closed-2"]] * 2
     assert r.rounds == 4 and r.requests == 3 and r.acceptance_length == 2.0
+
+
+def test_summarize_times_the_first_token_and_the_wait_for_the_next() -> None:
+    """bench.engine_bench.summarize by hand: ttft from arrival to the first token; second_ms from the first
+    token to the first later one (a first message of two tokens counts once)."""
+    from bench.engine_bench import RequestTrace, summarize
+
+    a = RequestTrace(tokens=[1, 2, 3, 4], times=[1.0, 1.0, 1.5, 1.5], arrival=0.5)
+    b = RequestTrace(tokens=[5, 6], times=[2.0, 2.1], arrival=2.0)
+    r = summarize("x", 2, [a, b], wall=2.0)
+    assert r.ttft_ms == pytest.approx(250.0) and r.second_ms == pytest.approx(300.0)
