@@ -108,9 +108,9 @@ def summarize(
     per_req, ttft, itl, second = [], [], [], []
     for tr in traces:
         ttft.append(tr.times[0] - tr.arrival)
-        later = [t for t in tr.times if t > tr.times[0]]  # the first message may carry several tokens
-        if later:
-            second.append(later[0] - tr.times[0])
+        later = next((t for t in tr.times if t > tr.times[0]), None)  # the first message may carry several
+        if later is not None:
+            second.append(later - tr.times[0])
         span = tr.times[-1] - tr.times[0]
         if len(tr.tokens) > 1 and span > 0:
             per_req.append((len(tr.tokens) - 1) / span)

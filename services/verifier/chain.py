@@ -22,8 +22,9 @@ accepted count and tree size. The same example, k = 2:
                                               answers [t4 t5 t6 t7 t8], round_accepted [2, 1]; T4 waits here
 A call that arrives on the stream with VerifyRequest.cut while the one before it runs ends that one
 before its next round (`cut`, set by the stream's reader in services/verifier/server.py): the gateway
-sends it when it brings sequences that were not in the call in flight (a joiner), so that they wait for
-one round instead of the rest of the call; the cut call's items go on in it as after a last round.
+sends it when it brings enough sequences that were not in the call in flight (joiners; common.rounds.
+cut_pays), so that they wait for one round instead of the rest of the call; the cut call's items go on in
+it as after a last round.
 
 The draft in this process (`--draft-here`, services/draft/here.py): no messages between the two engines.
 The verifier's `run` hands over each outcome that goes to the draft as the drafter's own input (its

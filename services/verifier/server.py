@@ -407,13 +407,13 @@ async def answers_in_order(requests, answer):
     while the call before it runs sets that call's `cut` (asyncio.Event; chain.py ends the call before its
     next round); one that arrives between calls cuts nothing."""
     calls: asyncio.Queue = asyncio.Queue()  # requests read and not begun; None: the stream ended
-    running: list[asyncio.Event] = []  # the cut signal of the call in flight, while one is
+    running: asyncio.Event | None = None  # the cut signal of the call in flight, while one is
 
     async def read() -> None:
         try:
             async for request in requests:
-                if request.cut and running:
-                    running[0].set()
+                if request.cut and running is not None:
+                    running.set()
                 calls.put_nowait(request)
         finally:
             calls.put_nowait(None)
@@ -422,9 +422,9 @@ async def answers_in_order(requests, answer):
     reader.add_done_callback(lambda t: t.cancelled() or t.exception())  # a broken stream just ends the loop
     try:
         while (request := await calls.get()) is not None:
-            running.append(asyncio.Event())
-            response = await answer(request, running[0])
-            running.clear()
+            running = cut = asyncio.Event()
+            response = await answer(request, cut)
+            running = None
             yield response
     finally:
         reader.cancel()

@@ -13,12 +13,12 @@ import copy
 import pytest
 import torch
 
-from bench.ttt_step import grad_diff
+from bench.ttt_step import grad_diff, random_inputs
 from common.kernels import reference
 from common.kernels.ttt import attention as ttt_attention
 from common.model.eagle3 import Eagle3Config, Eagle3Head
-from training.train import TrainConfig, TTTInputs, make_optimizer, optimize_step
-from training.ttt import DenseMaskAttention, FusedAttention, TTTTargets, ttt_mask
+from training.train import TrainConfig, make_optimizer, optimize_step
+from training.ttt import DenseMaskAttention, FusedAttention, ttt_mask
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -65,17 +65,7 @@ def test_fused_train_step_matches_dense_on_gpu():
     head.set_vocab_map(torch.arange(1024))
     head.to(DEV)
     b, t = 2, 160
-    g = torch.Generator().manual_seed(2)
-    inputs = TTTInputs(
-        embeds=torch.randn(b, t, 576, generator=g).to(DEV),
-        aux=torch.randn(b, t, 3 * 576, generator=g).to(DEV),
-        targets=TTTTargets.of(
-            (3 * torch.randn(b, t, 1024, generator=g)).to(DEV, torch.bfloat16),
-            base_top=torch.randint(0, 1024, (b, t), generator=g).to(DEV),
-            in_draft=torch.ones(b, t, dtype=torch.bool, device=DEV),
-            valid=torch.ones(b, t, dtype=torch.bool, device=DEV),
-        ),
-    )
+    inputs = random_inputs(hcfg, b, t, DEV, seed=2)  # bf16 target logits, as training gets them on a GPU
     losses, grads = {}, {}
     # the dense step eager, the fused one as training runs it (compiled): the gradients must agree too, not
     # only the losses (session 13: the attention traced into the compiled graph gave the right loss and
