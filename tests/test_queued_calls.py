@@ -9,6 +9,7 @@ released, and what a draft failure under a queued call costs."""
 from __future__ import annotations
 
 import asyncio
+import collections
 
 import pytest
 
@@ -29,19 +30,22 @@ CHAIN = FixedPolicy(Shape(1, 3))  # every round drafts a 3-token chain; the veri
 
 
 class InOrderVerifier(FollowingVerifier):
-    """Answers its Verify calls one at a time in the order they were sent (VerifyStream), logging when each
-    was sent (with its items' `follows`), when it was answered, and every verified outcome."""
+    """Answers its Verify calls one at a time in the order they were sent, through the verifier's own
+    VerifyStream loop (services.verifier.server.answers_in_order: read ahead, a `cut` request ends the call
+    in flight), logging when each was sent (with its items' `follows`), when it was answered, and every
+    verified outcome."""
 
     def __init__(self, log: list, accept: int, draft, round_s: float = 0.0) -> None:
         super().__init__(log, accept, draft)
-        self._order = asyncio.Lock()  # FIFO: the stream's order
         self.released: set[str] = set()
         self.round_s = round_s  # each round's engine time (the call's own 5 ms come on top)
         self.release_s = 0.0  # a Release's time before its slots are free
         self.begun = 0  # calls begun
         self.beginning: dict[int, asyncio.Event] = {}  # call number -> set when it begins
-        self.running: list[asyncio.Event] = []  # the call in flight's cut signal, as VerifyStream's
         self.honour_cut = True  # False: a verifier that runs every call's rounds whatever comes behind it
+        self._sent: asyncio.Queue = asyncio.Queue()  # (request, its caller's future), in the order sent
+        self._answering: collections.deque = collections.deque()  # the futures of the requests read, in order
+        self._stream: asyncio.Task | None = None
 
     async def _engine_verify(self, request, failed, chained):
         await asyncio.sleep(self.round_s)
@@ -50,10 +54,33 @@ class InOrderVerifier(FollowingVerifier):
     async def _verify_call(self, request):
         ids = [it.seq_id for it in request.items]
         self.log.append(("sent", ids, [it.follows for it in request.items]))
-        if request.cut and self.running and self.honour_cut:  # as VerifyStream's reader: the call in flight ends
-            self.running[0].set()
-        async with self._order:
-            self.running.append(asyncio.Event())
+        if self._stream is None:
+            self._stream = asyncio.ensure_future(self._serve())
+        answer = asyncio.get_running_loop().create_future()
+        self._sent.put_nowait((request, answer))
+        resp = await answer
+        self.log.append(("answered", ids, [list(r.accepted_tokens) for r in resp.results]))
+        return resp
+
+    async def _serve(self) -> None:
+        async def requests():
+            while True:
+                request, answer = await self._sent.get()
+                self._answering.append(answer)
+                yield request
+
+        async for outcome in answers_in_order(requests(), self._answer):
+            answer = self._answering.popleft()
+            if answer.done():  # its caller left
+                continue
+            if isinstance(outcome, BaseException):
+                answer.set_exception(outcome)
+            else:
+                answer.set_result(outcome)
+
+    async def _answer(self, request, cut: asyncio.Event):
+        """One call, as the verifier's _touched_verify: the call's outcome, or the exception it raised."""
+        try:
             self.begun += 1
             self.beginning.setdefault(self.begun, asyncio.Event()).set()
             self.chain.check(request)
@@ -61,12 +88,14 @@ class InOrderVerifier(FollowingVerifier):
                 self.log.append(("chained", [it.seq_id for it in request.items if it.chained]))
             # as the verifier's _gone: a follows item whose sequence was released is not verified
             gone = frozenset(it.seq_id for it in request.items if it.follows and it.seq_id in self.released)
-            resp = await self.chain.verify(request, self._engine_verify, self.room, gone, self.running[0])
-            self.running.clear()
+            resp = await self.chain.verify(
+                request, self._engine_verify, self.room, gone, cut if self.honour_cut else None
+            )
             self.log.append(("ran", resp.rounds_run))
             await asyncio.sleep(0.005)  # a call takes time on the GPU (the gateway's work overlaps it)
-        self.log.append(("answered", ids, [list(r.accepted_tokens) for r in resp.results]))
-        return resp
+            return resp
+        except Exception as e:  # noqa: BLE001 - handed to its caller, as the stream answers a failed call
+            return e
 
     async def release(self, seq_ids: list[str]) -> None:
         self.released.update(seq_ids)
