@@ -78,6 +78,8 @@ class VerifiedRound:
     draft_batch: int = 0
     wait_s: float = 0.0  # all rounds
     rounds: int = 1  # rounds the call ran
+    wall_s: float = 0.0  # the verifier's time in the call (all rounds)
+    idle_s: float = 0.0  # how long the verifier had nothing to do before it (VerifyStream)
 
 
 @dataclass(frozen=True)
@@ -323,6 +325,8 @@ class VerifierClient(_ServiceClient):
             resp.draft_batch,
             resp.draft_wait_us / 1e6,
             max(resp.rounds_run, 1),
+            resp.wall_us / 1e6,
+            resp.idle_us / 1e6,
         )
 
     async def decode(

@@ -16,7 +16,7 @@ import pytest
 from common.config import SamplingConfig
 from common.policy import FixedPolicy, Shape
 from common.rpc import start_server
-from services.clients import VerifierClient
+from services.clients import VerifiedRound, VerifierClient
 from services.gateway.detokenize import RoundDecoder
 from services.gateway.metrics import Metrics
 from services.gateway.scheduler import Scheduler, SchedulerConfig
@@ -425,3 +425,39 @@ def test_a_stream_ended_under_waiting_calls_fails_them_and_the_next_call_opens_o
         return [type(o).__name__ for o in outs], (await call(pb.VerifyRequest(rounds=4))).rounds_run
 
     assert asyncio.run(_served(OrderedStream(hold=2), test)) == (["PeerUnavailable", "PeerUnavailable"], 4)
+
+
+def test_the_stream_says_how_long_the_verifier_waited_for_each_call() -> None:
+    """On a real stream, calls of 2 rounds of 20 ms: a call sent 80 ms after the one before was answered
+    finds the verifier idle that long (idle_us >= 70 ms); a call written while the one before runs is
+    queued when the loop takes it up (idle_us 0)."""
+
+    async def test(call):
+        await call(pb.VerifyRequest(rounds=2))
+        await asyncio.sleep(0.08)
+        late = await call(pb.VerifyRequest(rounds=2))
+        first, queued = await asyncio.gather(call(pb.VerifyRequest(rounds=2)), call(pb.VerifyRequest(rounds=2)))
+        return late.idle_us, queued.idle_us
+
+    late, queued = asyncio.run(_served(CutStream(), test))
+    assert late >= 70_000 and queued == 0, (late, queued)
+
+
+def test_the_round_breakdown_splits_the_call_wall_into_the_verifiers_work_its_idle_time_and_the_hops() -> None:
+    """A call of 2 rounds, by hand (seconds): sent 1 ms after its round began, of which the gateway's own
+    propose took 0.5; answered 10 ms after it was sent, 0.5 of which went to streaming the call before.
+    The verifier reports 8 ms in the call: 4 engine, 2 waiting for trees, so 2 its own; and 1 idle before
+    it. So per round: verifier_host 1, starved 0.5, rpc (0.5 before sending + 10 - 4 - 2 - 2 - 1 - 0.5
+    after) / 2 = 0.5."""
+    m = Metrics()
+    sched = Scheduler(None, None, SchedulerConfig(), CHAIN, m)
+    v = VerifiedRound([], compute_s=0.004, wait_s=0.002, rounds=2, wall_s=0.008, idle_s=0.001)
+    sched._time_round(0.0, 0.001, 0.011, 0.0005, v, spoke=0.0005)
+    per_round = {
+        p: m.registry.get_sample_value("specdec_round_seconds_sum", {"phase": p})
+        / m.registry.get_sample_value("specdec_round_seconds_count", {"phase": p})
+        for p in ("verify", "draft_wait", "verifier_host", "starved", "rpc")
+    }
+    assert per_round == pytest.approx(
+        {"verify": 0.002, "draft_wait": 0.001, "verifier_host": 0.001, "starved": 0.0005, "rpc": 0.0005}
+    )

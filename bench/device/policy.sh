@@ -61,6 +61,10 @@
 #                                  older tree's common, services, bench and protos: `git archive C ... | tar x -C
 #                                  .devcarry/old`) alternated new, old, new, old, 6x60 pinned, concurrency 1, 16, 64,
 #                                  4 requests per worker (PER_WORKER), then the engine's closed loop
+#   bench/device/policy.sh diag    session 15's round breakdown: the engine's closed loop, then this tree's colocated
+#                                  services (defaults), 6x60 pinned, concurrency 1, 16, 64, 4 requests per worker,
+#                                  their breakdown with the verifier's own work and idle time, then py-spy
+#                                  profiles of the three processes at concurrency 16 (back as spy16.tgz)
 #   bench/device/policy.sh rest    one 10-minute call: the chained/unchained A/B (6x60 pinned and plain,
 #                                  concurrency 1, 16, 64), the long prompt (whole, 512-token chunks) and
 #                                  ghz by reflection (GHZ: the binary, concurrency 1 and 64)
@@ -188,6 +192,18 @@ case "$mode" in
     cp /tmp/engine-cut/engine_bench.json "$out/" 2>/dev/null
     for f in "$out"/ab-*.log; do echo "$f"; grep -hE "tok/s total" "$f" | sed 's/.*services_bench INFO //' | cut -c1-200; done
     grep -E "^(speculative|closed)" "$out/engine.log" ;;
+  diag)
+    timeout 200 python3 -m bench.engine_bench --device cuda --head models/eagle3-smollm2 --prompts 32 --concurrency 1,16,64 \
+      --methods closed --requests-per-worker "${PER_WORKER:-4}" --out /tmp/engine-diag > "$out/engine.log" 2>&1
+    cp /tmp/engine-diag/engine_bench.json "$out/" 2>/dev/null; grep -E "^speculative" "$out/engine.log"
+    timeout 170 "${load[@]}" --head models/eagle3-smollm2 --concurrency 1,16,64 --prompts 32 \
+      --requests-per-worker "${PER_WORKER:-4}" --modes tree:6x60 --colocate on --out "$out/diag" > "$out/diag.log" 2>&1
+    grep -hE "tok/s total" "$out/diag.log" | sed 's/.*services_bench INFO //' | cut -c1-420
+    python3 -m pip install -q --no-deps --target /tmp/pyspy .devcarry/b/wheels/py_spy-*.whl; export PATH="/tmp/pyspy/bin:$PATH"
+    timeout 150 python3 -m bench.profile_services --out /tmp/prof16 --concurrency 16 --seconds 6 --rounds-per-call 4 \
+      --colocate > "$out/profile-c16.log" 2>&1
+    cp /tmp/prof16/profile.md "$out/profile16.md" 2>/dev/null; sed -n 1,12p "$out/profile16.md"
+    tar czf "$out/spy16.tgz" -C /tmp prof16 ;;
   profile4)
     python3 -m pip install -q --no-deps --target /tmp/pyspy .devcarry/b/wheels/py_spy-*.whl; export PATH="/tmp/pyspy/bin:$PATH"
     for c in 1 64; do

@@ -6,6 +6,8 @@ from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+# the round breakdown's phases (services/gateway/scheduler.py, Scheduler._time_round)
+ROUND_PHASES = ("draft", "verify", "draft_wait", "verifier_host", "starved", "rpc", "orchestration", "stream", "total")
 LATENCY_BUCKETS = (
     0.001,
     0.0025,
@@ -99,10 +101,7 @@ class Metrics:
     @property
     def round_phase(self) -> dict:
         if self._phase is None:
-            self._phase = {
-                p: self.round_seconds.labels(p)
-                for p in ("draft", "verify", "draft_wait", "rpc", "orchestration", "stream", "total")
-            }
+            self._phase = {p: self.round_seconds.labels(p) for p in ROUND_PHASES}
         return self._phase
 
     def serve(self, port: int, addr: str) -> None:

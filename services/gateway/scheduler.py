@@ -717,19 +717,25 @@ class Scheduler:
         """Round breakdown, per round (a call of several rounds: its figures over the rounds it ran): engine
         time in each service (the draft's: the trees of the call's rounds, chained or not), the verifier's
         wait for chained trees not ready when it needed them (rounds after a call's first always wait: the
-        draft works between them), RPC (call wall minus all that and the streaming it overlapped, the
-        verifier's hops to the draft and anything it ran between the rounds, such as a prefill, included),
+        draft works between them), the verifier's own work in the call (`verifier_host`: its wall less its
+        engine's verify and that wait: the chain's bookkeeping, messages, anything it ran between the
+        rounds, such as a prefill), `starved`: how long the verifier had nothing to do before the call (it
+        had answered the one before and this one had not come), RPC (call wall minus all that and the
+        streaming it overlapped: the hops, serialization, the gateway's event loop reading the answer late),
         the gateway's own orchestration after the call (taking the tokens, the policy, the metrics), and
         `stream`: the last call's text and streaming, done while this call ran (not part of total). A
         queued call (`ahead`: the next one was in flight when it was taken) began when the call before was
         answered, and its orchestration overlaps the next call: not part of total either."""
-        rpc = max((t1 - t0) - draft_s, 0) + max((t2 - t1) - v.compute_s - v.wait_s - spoke, 0)
+        host = max(v.wall_s - v.compute_s - v.wait_s, 0)
+        rpc = max((t1 - t0) - draft_s, 0) + max((t2 - t1) - v.compute_s - v.wait_s - host - v.idle_s - spoke, 0)
         t3 = time.perf_counter()
         n = v.rounds
         seconds = {
             "draft": draft_s + v.draft_s,
             "verify": v.compute_s,
             "draft_wait": v.wait_s,
+            "verifier_host": host,
+            "starved": v.idle_s,
             "rpc": rpc,
             "orchestration": t3 - t2,
             "stream": spoke,

@@ -162,11 +162,14 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         """The chained items' trees from the draft (waiting for what is not done yet), the verify, then the
         outcome of every item with next_nodes to the draft for its next tree; round after round when the
         request asks for several (see chain.py)."""
+        t0 = time.perf_counter()
         ids = [it.seq_id for it in request.items]
         self._check_chain(request, ids)
         self.leases.touch(ids)
         gone = self._gone(request)
-        return await self.chain.verify(request, self._run_verify, self.engine.room, gone, cut)
+        resp = await self.chain.verify(request, self._run_verify, self.engine.room, gone, cut)
+        resp.wall_us = int((time.perf_counter() - t0) * 1e6)
+        return resp
 
     def _gone(self, request: pb.VerifyRequest) -> frozenset[str]:
         """Items that follow a call which stopped their sequence, already released by its gateway (it
@@ -405,7 +408,8 @@ async def answers_in_order(requests, answer):
     """A VerifyStream's answers: `answer(request, cut)` (awaitable) for each request, one after the other, in
     order. The requests are read ahead of the answers, so that one with VerifyRequest.cut that arrives
     while the call before it runs sets that call's `cut` (asyncio.Event; chain.py ends the call before its
-    next round); one that arrives between calls cuts nothing."""
+    next round); one that arrives between calls cuts nothing. Each answer says how long the loop waited
+    for its request after answering the one before (idle_us; 0 when it was there already: queued)."""
     calls: asyncio.Queue = asyncio.Queue()  # requests read and not begun; None: the stream ended
     running: asyncio.Event | None = None  # the cut signal of the call in flight, while one is
 
@@ -421,10 +425,15 @@ async def answers_in_order(requests, answer):
     reader = asyncio.ensure_future(read())
     reader.add_done_callback(lambda t: t.cancelled() or t.exception())  # a broken stream just ends the loop
     try:
-        while (request := await calls.get()) is not None:
+        while True:
+            waited, t0 = calls.empty(), time.perf_counter()
+            if (request := await calls.get()) is None:
+                break
+            idle = time.perf_counter() - t0 if waited else 0.0
             running = cut = asyncio.Event()
             response = await answer(request, cut)
             running = None
+            response.idle_us = int(idle * 1e6)
             yield response
     finally:
         reader.cancel()
