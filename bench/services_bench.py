@@ -109,7 +109,8 @@ def per_round(before: dict, after: dict) -> dict[str, float]:
 
 
 def scrape_rounds(metrics_port: int) -> dict[str, tuple[float, float]]:
-    """(sum of seconds, count) of each round phase, from the gateway's specdec_round_seconds histogram, and
+    """(sum of seconds, count) of each round phase, from the gateway's specdec_round_seconds histogram, of
+    each stage of a request's way into the rounds ("stage:NAME", specdec_request_stage_seconds), and
     under "verify_calls" (calls, 0): its specdec_verify_calls_total (with the rounds' count, the rounds a
     call ran on average)."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
@@ -117,10 +118,14 @@ def scrape_rounds(metrics_port: int) -> dict[str, tuple[float, float]]:
     counts: dict[str, float] = {}
     calls = 0.0
     for line in text.splitlines():
-        if line.startswith("specdec_round_seconds_sum") or line.startswith("specdec_round_seconds_count"):
+        if line.startswith(("specdec_round_seconds_sum", "specdec_round_seconds_count")):
             name, value = line.rsplit(" ", 1)
             phase = name.split('phase="')[1].split('"')[0]
             (sums if "_sum" in name else counts)[phase] = float(value)
+        elif line.startswith(("specdec_request_stage_seconds_sum", "specdec_request_stage_seconds_count")):
+            name, value = line.rsplit(" ", 1)
+            stage = "stage:" + name.split('stage="')[1].split('"')[0]
+            (sums if "_sum" in name else counts)[stage] = float(value)
         elif line.startswith("specdec_verify_calls_total"):
             calls += float(line.rsplit(" ", 1)[1])
     return {p: (sums[p], counts.get(p, 0.0)) for p in sums} | {"verify_calls": (calls, 0.0)}
@@ -189,6 +194,7 @@ def run(args) -> list[RunResult]:
                 accepted = sum(f.speculation.accepted_tokens for f in finals)  # tokens per round, bonus included
                 r.acceptance_length = (accepted + rounds) / rounds if speculative and rounds else None
                 phase = per_round(before, after)
+                stages = {k.split(":")[1]: round(phase.pop(k), 2) for k in list(phase) if k.startswith("stage:")}
                 calls = after["verify_calls"][0] - before["verify_calls"][0]
                 verified = after.get("total", (0, 0))[1] - before.get("total", (0, 0))[1]  # rounds with a Verify
                 r.draft_ms_per_round = phase.get("draft")
@@ -201,7 +207,8 @@ def run(args) -> list[RunResult]:
                 chosen = {k: v - chosen.get(k, 0) for k, v in now.items() if v - chosen.get(k, 0)}
                 log.info(
                     "%s c=%d: %.1f tok/s total, %.1f tok/s per request, acceptance %s, rounds per shape %s, "
-                    "rounds per Verify %s, ms per round %s, ttft %.1f ms, first to next token %.1f ms",
+                    "rounds per Verify %s, ms per round %s, ttft %.1f ms, first to next token %.1f ms, "
+                    "ms per request stage %s",
                     r.method,
                     c,
                     r.tok_s_total,
@@ -212,6 +219,7 @@ def run(args) -> list[RunResult]:
                     {k: round(v, 3) for k, v in phase.items()},
                     r.ttft_ms,
                     r.second_ms,
+                    stages,
                 )
                 results.append(r)
     return results

@@ -18,7 +18,7 @@ from common.policy import FixedPolicy, Shape
 from common.rpc import start_server
 from services.clients import VerifiedRound, VerifierClient
 from services.gateway.detokenize import RoundDecoder
-from services.gateway.metrics import Metrics
+from services.gateway.metrics import REQUEST_STAGES, Metrics
 from services.gateway.scheduler import Scheduler, SchedulerConfig
 from services.gateway.sequence import Generation, GenRequest
 from services.verifier.server import answers_in_order
@@ -40,6 +40,7 @@ class InOrderVerifier(FollowingVerifier):
         self.released: set[str] = set()
         self.round_s = round_s  # each round's engine time (the call's own 5 ms come on top)
         self.release_s = 0.0  # a Release's time before its slots are free
+        self.prefill_s = 0.0  # a Prefill's time
         self.begun = 0  # calls begun
         self.beginning: dict[int, asyncio.Event] = {}  # call number -> set when it begins
         self.honour_cut = True  # False: a verifier that runs every call's rounds whatever comes behind it
@@ -97,6 +98,10 @@ class InOrderVerifier(FollowingVerifier):
         except Exception as e:  # noqa: BLE001 - handed to its caller, as the stream answers a failed call
             return e
 
+    async def prefill_many(self, items, owner=""):
+        await asyncio.sleep(self.prefill_s)
+        return await super().prefill_many(items, owner)
+
     async def release(self, seq_ids: list[str]) -> None:
         self.released.update(seq_ids)
         await asyncio.sleep(self.release_s)
@@ -123,6 +128,7 @@ def _queued(
     release_s: float = 0.0,
     honour_cut: bool = True,
     delays: list[float] | None = None,
+    prefill_s: float = 0.0,
 ):
     """Requests (last prompt token, max_tokens), prompts [first - 1, first], the i-th sent after i x stagger
     seconds, or after delays[i] (after_call: the requests with a delay are sent that long after the
@@ -138,7 +144,7 @@ def _queued(
             max_active=max_active, draft_address=DRAFT, rounds_per_call=k, queue_calls=queue, draft_retry_s=0.01
         )
         verifier = InOrderVerifier(log, accept, draft, round_s)
-        verifier.release_s, verifier.honour_cut = release_s, honour_cut
+        verifier.release_s, verifier.honour_cut, verifier.prefill_s = release_s, honour_cut, prefill_s
         sched = Scheduler(verifier, draft, cfg, CHAIN, metrics)
         sched.start()
 
@@ -183,6 +189,23 @@ def test_a_request_arriving_during_a_call_is_prefilled_beside_it() -> None:
     arrived = log.index(("arrived", 200))
     answered = next(i for i, e in enumerate(log) if i > arrived and e[0] == "answered")
     assert arrived < log.index(("prefill-call", ["gw-1"])) < answered
+
+
+def test_a_prompt_arriving_during_a_prefill_goes_in_when_that_prefill_is_over() -> None:
+    """4 rounds a call, 30 ms a round, prefills of 10 ms: gw-1 arrives 3 ms into call 2 and is prefilled at
+    once; gw-2 arrives 3 ms later, while gw-1's prefill runs. gw-2's prefill call goes out when gw-1's is
+    over, before call 2 is answered (the loop would reach it only after that answer: a call later). Each
+    request passes every stage of its way into the rounds once (Metrics.stage); all exact."""
+    outs, log, metrics = _queued(
+        [(100, 150), (200, 12), (300, 12)], accept=2, k=4, round_s=0.03, after_call=2, delays=[0, 0.003, 0.006],
+        prefill_s=0.01,
+    )  # fmt: skip
+    assert outs == [list(range(101, 251)), list(range(201, 213)), list(range(301, 313))]
+    arrived = log.index(("arrived", 300))
+    answered = next(i for i, e in enumerate(log) if i > arrived and e[0] == "answered")
+    assert arrived < log.index(("prefill-call", ["gw-2"])) < answered, log[arrived:answered]
+    count = metrics.registry.get_sample_value
+    assert [count("specdec_request_stage_seconds_count", {"stage": s}) for s in REQUEST_STAGES] == [3] * 5
 
 
 @pytest.mark.parametrize("hold", [True, False])

@@ -65,6 +65,10 @@
 #                                  services (defaults), 6x60 pinned, concurrency 1, 16, 64, 4 requests per worker,
 #                                  their breakdown with the verifier's own work and idle time, then py-spy
 #                                  profiles of the three processes at concurrency 16 (back as spy16.tgz)
+#   bench/device/policy.sh ab15    session 15's A/B: the engine's closed loop (SKIP_ENGINE=1: none), then this tree's
+#                                  colocated services (defaults; RUNS NAME-new8: 8 rounds per Verify) and OLD's, RUNS
+#                                  in order (default new, old, old, new), 6x60 pinned, concurrency 1, 16, 64,
+#                                  PER_WORKER (8) requests per worker
 #   bench/device/policy.sh rest    one 10-minute call: the chained/unchained A/B (6x60 pinned and plain,
 #                                  concurrency 1, 16, 64), the long prompt (whole, 512-token chunks) and
 #                                  ghz by reflection (GHZ: the binary, concurrency 1 and 64)
@@ -204,6 +208,26 @@ case "$mode" in
       --colocate > "$out/profile-c16.log" 2>&1
     cp /tmp/prof16/profile.md "$out/profile16.md" 2>/dev/null; sed -n 1,12p "$out/profile16.md"
     tar czf "$out/spy16.tgz" -C /tmp prof16 ;;
+  ab15)
+    old=${OLD:-.devcarry/old}; here=$PWD; pw=${PER_WORKER:-8}
+    (cd "$old" && python3 -m grpc_tools.protoc -Iprotos --python_out=. --grpc_python_out=. --pyi_out=. protos/specdec/v1/*.proto)
+    if [ -z "${SKIP_ENGINE:-}" ]; then
+      timeout 150 python3 -m bench.engine_bench --device cuda --head models/eagle3-smollm2 --prompts 32 --concurrency 1,16,64 \
+        --methods closed --requests-per-worker "$pw" --out /tmp/engine-ab > "$out/engine.log" 2>&1
+      cp /tmp/engine-ab/engine_bench.json "$out/" 2>/dev/null; grep -E "^speculative" "$out/engine.log"
+    fi
+    ab=(--device cuda --ipc on --max-new-tokens 128 --max-context 1024 --concurrency 1,16,64 --prompts 32
+        --requests-per-worker "$pw" --modes tree:6x60 --colocate on --head "$here/models/eagle3-smollm2")
+    for run in ${RUNS:-1-new 2-old 3-old 4-new}; do  # NAME-new: this tree, NAME-new8: at 8 rounds, NAME-old: OLD
+      case "${run#*-}" in
+        new) timeout 110 python3 -m bench.services_bench "${ab[@]}" --out "/tmp/ab-$run" > "$out/ab-$run.log" 2>&1 ;;
+        new8) timeout 110 python3 -m bench.services_bench "${ab[@]}" --rounds-per-call 8 --out "/tmp/ab-$run" \
+          > "$out/ab-$run.log" 2>&1 ;;
+        old) (cd "$old" && timeout 110 python3 -m bench.services_bench "${ab[@]}" --out "/tmp/ab-$run") > "$out/ab-$run.log" 2>&1 ;;
+      esac
+      cp "/tmp/ab-$run/services.json" "$out/ab-$run.json" 2>/dev/null
+      echo "$run"; grep -hE "tok/s total" "$out/ab-$run.log" | sed 's/.*services_bench INFO //' | cut -c1-600
+    done ;;
   profile4)
     python3 -m pip install -q --no-deps --target /tmp/pyspy .devcarry/b/wheels/py_spy-*.whl; export PATH="/tmp/pyspy/bin:$PATH"
     for c in 1 64; do

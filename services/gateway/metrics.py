@@ -8,6 +8,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 # the round breakdown's phases (services/gateway/scheduler.py, Scheduler._time_round)
 ROUND_PHASES = ("draft", "verify", "draft_wait", "verifier_host", "starved", "rpc", "orchestration", "stream", "total")
+# a request's way into the rounds, each stage observed once per request (services/gateway/scheduler.py):
+# queue (arrival -> its first prefill call sent), prefill (-> its first token), first_tree (-> its first
+# tree in: the early propose), join (-> the first Verify naming it sent), first_call (-> that Verify answered)
+REQUEST_STAGES = ("queue", "prefill", "first_tree", "join", "first_call")
 LATENCY_BUCKETS = (
     0.001,
     0.0025,
@@ -74,6 +78,13 @@ class Metrics:
             registry=r,
             buckets=LATENCY_BUCKETS,
         )
+        self.request_stage = Histogram(
+            "specdec_request_stage_seconds",
+            "A request's way to its first rounds (REQUEST_STAGES: queue, prefill, first_tree, join, first_call)",
+            ["stage"],
+            registry=r,
+            buckets=LATENCY_BUCKETS,
+        )
         self.verify_calls = Counter(
             "specdec_verify_calls", "Verify calls to the verifier (one may run several rounds)", registry=r
         )
@@ -96,6 +107,7 @@ class Metrics:
         # Label children resolved once, on first use (labels() takes a lock and hashes on every call,
         # and these run every round); created lazily so the exposition is as before.
         self._phase: dict | None = None
+        self._stage: dict | None = None
         self._per_pos: list = []
 
     @property
@@ -106,6 +118,12 @@ class Metrics:
 
     def serve(self, port: int, addr: str) -> None:
         start_http_server(port, addr=addr, registry=self.registry)
+
+    def stage(self, name: str, seconds: float) -> None:
+        """One request's time in one of REQUEST_STAGES."""
+        if self._stage is None:
+            self._stage = {n: self.request_stage.labels(n) for n in REQUEST_STAGES}
+        self._stage[name].observe(seconds)
 
     def round_shape(self, depth: int, nodes: int) -> None:
         self.tree_nodes.observe(nodes)

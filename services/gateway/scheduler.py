@@ -103,7 +103,13 @@ class Active:
     wants_hidden: bool = False  # decided at its first chunk: the prefill returns the prompt's features
     solo: bool = False  # a prefill it shared failed: its prompt goes in calls of its own
     started: float = field(default_factory=time.perf_counter)
+    # its way into the rounds (Metrics.stage; perf_counter): its first prefill call sent, its first token, its
+    # first tree in (the early propose; the first token when there is none), the first Verify naming it sent
+    prefill_at: float | None = None
     first_token_at: float | None = None
+    ready_at: float | None = None
+    first_call_at: float | None = None
+    first_answered: bool = False  # that Verify's answer was taken
 
 
 @dataclass(frozen=True)
@@ -323,6 +329,9 @@ class Scheduler:
             call = Call(task, spec, set(trees), shape, nxt, t0, t1, draft_s, k)
             for a in spec:
                 a.calls += 1
+                if a.first_call_at is None:
+                    a.first_call_at = t1
+                    self.metrics.stage("join", t1 - (a.ready_at or a.first_token_at or t1))
         try:
             await asyncio.sleep(0)  # the call's request goes out (the client writes it on its stream) ...
             spoke = self._speak()  # ... and the last call's text is made and streamed while the services work
@@ -417,6 +426,10 @@ class Scheduler:
             for a in call.spec:
                 a.calls -= 1
         t2 = time.perf_counter()
+        for a in call.spec:
+            if not a.first_answered:  # its first Verify: the call in flight's rest, then this one
+                a.first_answered = True
+                self.metrics.stage("first_call", t2 - a.first_call_at)
         # a queued call began when the one before it was answered (it waited at the verifier until then)
         begun = self._answered_at.get(group, 0.0)
         t0, t1 = max(call.t0, begun), max(call.t1, begun)
@@ -604,6 +617,7 @@ class Scheduler:
                 by_shape.setdefault(shape, []).append(a)
         for shape, group in by_shape.items():
             task = self._spawn(self._propose(group, shape))
+            task.add_done_callback(lambda _, group=group: self._ready_now(group))
             task.add_done_callback(lambda _: self._joinable.set())  # their first trees are in: _hold ends
             depth = self._round_shape(group, shape).depth
             for i, a in enumerate(group):
@@ -757,9 +771,13 @@ class Scheduler:
             a.group = sizes.index(min(sizes))  # the smaller group
             self.active.append(a)
 
-    def _start_prefill(self) -> None:
+    def _start_prefill(self, fresh: bool = False) -> None:
         """The next prefill call, in the background, unless one is in flight or no prompt is left to go in:
-        up to prefill_chunk tokens, oldest first (see the module's docstring)."""
+        up to prefill_chunk tokens, oldest first (see the module's docstring). When a prefill call is over,
+        the prompts that arrived meanwhile go in at once (`fresh`: only prompts not begun), not at the loop's
+        next turn, a call later: replacements of sequences that one call finished arrive together, and all but
+        the first would wait that long for their first token. A long prompt's later chunks still go one per
+        turn, so that they do not take the verifier from the rounds back to back."""
         if self._prefilling is not None and not self._prefilling.done():
             return
         budget = self.cfg.prefill_chunk or float("inf")
@@ -767,12 +785,20 @@ class Scheduler:
         for a in [a for a in self.active if a.prefilling and a.gen.finish is None]:  # oldest first
             if budget <= 0:
                 break
+            if fresh and a.prefilled:
+                continue
             n = int(min(len(a.gen.request.prompt_ids) - a.prefilled, budget))
             budget -= n
             work.append((a, n))
         for a, _ in work:
             a.in_prefill = True
         self._prefilling = self._spawn(self._prefill_work(work)) if work else None
+        if self._prefilling is not None:
+            self._prefilling.add_done_callback(self._prefill_over)
+
+    def _prefill_over(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and self._task is not None and not self._task.done():  # not while stopping
+            self._start_prefill(fresh=True)
 
     async def _prefill_work(self, work: list[tuple[Active, int]]) -> None:
         """One prefill step (_start_prefill's): the sequences alone that a shared call failed, then the
@@ -812,9 +838,12 @@ class Scheduler:
     async def _prefill(self, work: list[tuple[Active, int]]) -> None:
         """The next n prompt tokens of each sequence, in one verifier call; a last chunk makes its sequence
         join the rounds with its first token."""
-        items = []
+        items, now = [], time.perf_counter()
         for a, n in work:
             req = a.gen.request
+            if a.prefill_at is None:
+                a.prefill_at = now
+                self.metrics.stage("queue", now - a.started)
             if a.prefilled == 0:
                 # while the draft is down, no hidden states: the sequence catches up once it is back
                 a.wants_hidden = a.speculative and not self.draft_link.degraded
@@ -830,6 +859,7 @@ class Scheduler:
                 joined.append(a)
         self._propose_early([a for a in joined if a.gen.finish is None])
         if any(a.early is None for a in joined):  # no first tree to wait for: ready for the next call now
+            self._ready_now([a for a in joined if a.early is None])
             self._joinable.set()
 
     def _joined(self, a: Active, first_token: int, hidden: pb.TensorRef) -> None:
@@ -848,6 +878,16 @@ class Scheduler:
                 sampling=sampling_msg(req.sampling),
             )
         self._stream([(a, a.gen.commit([first_token]))])
+        if a.first_token_at is not None and a.prefill_at is not None:  # None: its first token ended it unseen
+            self.metrics.stage("prefill", a.first_token_at - a.prefill_at)
+
+    def _ready_now(self, joined: list[Active]) -> None:
+        """Their first tree is in (or none is coming): they can join a call."""
+        now = time.perf_counter()
+        for a in joined:
+            if a.ready_at is None and a.first_token_at is not None:
+                a.ready_at = now
+                self.metrics.stage("first_tree", now - a.first_token_at)
 
     def _stream(self, deltas: list[tuple[Active, Delta]]) -> None:
         """Send each sequence its delta (all sent at this moment: one clock reading, one counter update)."""
