@@ -66,7 +66,8 @@
 #                                  their breakdown with the verifier's own work and idle time, then py-spy
 #                                  profiles of the three processes at concurrency 16 (back as spy16.tgz)
 #   bench/device/policy.sh ab15    session 15's A/B: the engine's closed loop (SKIP_ENGINE=1: none), then this tree's
-#                                  colocated services (defaults; RUNS NAME-new8: 8 rounds per Verify) and OLD's, RUNS
+#                                  colocated services (defaults; RUNS NAME-new8: 8 rounds per Verify), OLD's and MID's
+#                                  (NAME-old, NAME-mid: two older trees unpacked as OLD is), RUNS
 #                                  in order (default new, old, old, new), 6x60 pinned, concurrency 1, 16, 64,
 #                                  PER_WORKER (8) requests per worker
 #   bench/device/policy.sh rest    one 10-minute call: the chained/unchained A/B (6x60 pinned and plain,
@@ -210,7 +211,9 @@ case "$mode" in
     tar czf "$out/spy16.tgz" -C /tmp prof16 ;;
   ab15)
     old=${OLD:-.devcarry/old}; here=$PWD; pw=${PER_WORKER:-8}
-    (cd "$old" && python3 -m grpc_tools.protoc -Iprotos --python_out=. --grpc_python_out=. --pyi_out=. protos/specdec/v1/*.proto)
+    for d in "$old" ${MID:-.devcarry/mid}; do
+      [ -d "$d" ] && (cd "$d" && python3 -m grpc_tools.protoc -Iprotos --python_out=. --grpc_python_out=. --pyi_out=. protos/specdec/v1/*.proto)
+    done
     if [ -z "${SKIP_ENGINE:-}" ]; then
       timeout 150 python3 -m bench.engine_bench --device cuda --head models/eagle3-smollm2 --prompts 32 --concurrency 1,16,64 \
         --methods closed --requests-per-worker "$pw" --out /tmp/engine-ab > "$out/engine.log" 2>&1
@@ -224,6 +227,8 @@ case "$mode" in
         new8) timeout 110 python3 -m bench.services_bench "${ab[@]}" --rounds-per-call 8 --out "/tmp/ab-$run" \
           > "$out/ab-$run.log" 2>&1 ;;
         old) (cd "$old" && timeout 110 python3 -m bench.services_bench "${ab[@]}" --out "/tmp/ab-$run") > "$out/ab-$run.log" 2>&1 ;;
+        mid) (cd "${MID:-.devcarry/mid}" && timeout 110 python3 -m bench.services_bench "${ab[@]}" --out "/tmp/ab-$run") \
+          > "$out/ab-$run.log" 2>&1 ;;
       esac
       cp "/tmp/ab-$run/services.json" "$out/ab-$run.json" 2>/dev/null
       echo "$run"; grep -hE "tok/s total" "$out/ab-$run.log" | sed 's/.*services_bench INFO //' | cut -c1-600
