@@ -93,7 +93,7 @@ class DraftServicer(pb_grpc.DraftServicer):
 
     async def _release_owned(self, request: pb.ReleaseRequest) -> pb.ReleaseResponse:
         ids = list(request.seq_ids)
-        n = await self.runner.run(self.drafter.release, ids, inline=self.inline)
+        n = await self.runner.run(self.drafter.release, ids)
         self.leases.removed(ids)
         return pb.ReleaseResponse(released=n)
 

@@ -151,7 +151,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         continued = [s for s in ids if s in self._chunks]
         self.leases.touch(continued)
         try:
-            resp = await self.runner.run(self._prefill, request, inline=self.inline)
+            resp = await self.runner.run(self._prefill, request)
         except BaseException:
             self.leases.removed(continued)  # the failed call freed them (see _prefill)
             raise
@@ -207,7 +207,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
     async def _release_owned(self, request: pb.ReleaseRequest) -> pb.ReleaseResponse:
         ids = list(request.seq_ids)
         await self.chain.settle(ids)  # the draft answers for them before anyone frees its copies
-        n = await self.runner.run(self._release_ids, ids, inline=self.inline)
+        n = await self.runner.run(self._release_ids, ids)
         self.leases.removed(ids)
         return pb.ReleaseResponse(released=n)
 
@@ -217,7 +217,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         ids = [it.seq_id for it in request.items]
         self._check_held(ids)
         await self.chain.settle(ids)
-        return await self.runner.run(self._features, request, inline=self.inline)
+        return await self.runner.run(self._features, request)
 
     # ---- conversion + engine calls (run on the engine thread) ----
     def _published(self) -> None:
