@@ -126,6 +126,10 @@ def scrape_rounds(metrics_port: int) -> dict[str, tuple[float, float]]:
             name, value = line.rsplit(" ", 1)
             stage = "stage:" + name.split('stage="')[1].split('"')[0]
             (sums if "_sum" in name else counts)[stage] = float(value)
+        elif line.startswith(("specdec_prefill_call_seconds_sum", "specdec_prefill_call_seconds_count")):
+            name, value = line.rsplit(" ", 1)
+            part = "stage:prefill_" + name.split('part="')[1].split('"')[0]
+            (sums if "_sum" in name else counts)[part] = float(value)
         elif line.startswith("specdec_verify_calls_total"):
             calls += float(line.rsplit(" ", 1)[1])
     return {p: (sums[p], counts.get(p, 0.0)) for p in sums} | {"verify_calls": (calls, 0.0)}

@@ -30,6 +30,8 @@ from specdec.v1 import internal_pb2_grpc as pb_grpc
 class Prefilled:
     next_token: int
     hidden: pb.TensorRef  # [prompt_len, 3H]
+    engine_s: float = 0.0  # the call's engine time (every result of a call has the call's figures)
+    verifier_s: float = 0.0  # the call at the verifier, from taking it up to its answer
 
 
 def prefill_item(
@@ -282,7 +284,8 @@ class VerifierClient(_ServiceClient):
     async def prefill_many(self, items: list[pb.PrefillItem], owner: str = "") -> list[Prefilled]:
         """Several prompts or chunks in one call, all or nothing (see Verifier.Prefill)."""
         resp = await _call(self.stub.Prefill, pb.PrefillRequest(items=items, owner=owner), self.timeout)
-        return [Prefilled(next_token=r.next_token, hidden=r.hidden) for r in resp.results]
+        engine_s, verifier_s = resp.compute_us / 1e6, resp.wall_us / 1e6
+        return [Prefilled(r.next_token, r.hidden, engine_s, verifier_s) for r in resp.results]
 
     async def verify(
         self,

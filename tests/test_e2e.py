@@ -214,6 +214,13 @@ def test_four_rounds_per_verify_equal_plain_greedy(stack):
     verify_calls = _sample(metrics, "specdec_verify_calls_total")
     rounds = _sample(metrics, 'specdec_round_seconds_count{phase="total"}')  # batched rounds, each counted once
     assert 0 < verify_calls < rounds, (verify_calls, rounds)
+    # each Prefill call's time: the engine's inside the verifier's inside the gateway's
+    engine, verifier, call = (
+        _sample(metrics, f'specdec_prefill_call_seconds_sum{{part="{p}"}}') for p in ("engine", "verifier", "call")
+    )
+    assert 0 < engine <= verifier <= call, (engine, verifier, call)
+    # each of its 6 requests (2 speculative, 2 plain, the stop, the sampled) was prefilled once
+    assert _sample(metrics, 'specdec_request_stage_seconds_count{stage="prefill"}') == 6
 
 
 def _sample(metrics: str, name: str) -> float:

@@ -85,6 +85,13 @@ class Metrics:
             registry=r,
             buckets=LATENCY_BUCKETS,
         )
+        self.prefill_call = Histogram(
+            "specdec_prefill_call_seconds",
+            "A Prefill call: its whole time at the gateway (call), at the verifier (verifier) and the engine's",
+            ["part"],
+            registry=r,
+            buckets=LATENCY_BUCKETS,
+        )
         self.verify_calls = Counter(
             "specdec_verify_calls", "Verify calls to the verifier (one may run several rounds)", registry=r
         )

@@ -851,6 +851,11 @@ class Scheduler:
             chunk = req.prompt_ids[a.prefilled : a.prefilled + n]
             items.append(prefill_item(a.seq_id, chunk, req.sampling, a.wants_hidden, more))
         results = await self.verifier.prefill_many(items, self.cfg.instance_id)
+        if results:
+            m = self.metrics.prefill_call
+            m.labels("call").observe(time.perf_counter() - now)
+            m.labels("verifier").observe(results[0].verifier_s)
+            m.labels("engine").observe(results[0].engine_s)
         joined = []
         for (a, n), it, pre in zip(work, items, results):
             a.prefilled += n

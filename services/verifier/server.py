@@ -139,6 +139,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
     # ---- ownership (on the event loop), then the engine call (on the engine thread) ----
     async def _admit_prefill(self, request: pb.PrefillRequest) -> pb.PrefillResponse:
         """New sequences are admitted (capacity, draining); chunks that continue one are not new."""
+        t0 = time.perf_counter()
         ids = [it.seq_id for it in request.items]
         check_unique(ids)
         new = [s for s in ids if s not in self._chunks]
@@ -156,6 +157,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             self.leases.removed(continued)  # the failed call freed them (see _prefill)
             raise
         self.leases.added(new, request.owner)
+        resp.wall_us = int((time.perf_counter() - t0) * 1e6)
         return resp
 
     async def _touched_verify(self, request: pb.VerifyRequest, cut: asyncio.Event | None = None) -> pb.VerifyResponse:
@@ -289,13 +291,14 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             )
             for it in request.items
         ]
+        t0 = time.perf_counter()
         try:
             outs = self.engine.prefill_batch(inputs)
         except BaseException:
             for it in request.items:
                 self._chunks.pop(it.seq_id, None)
             raise
-        resp = pb.PrefillResponse()
+        resp = pb.PrefillResponse(compute_us=int((time.perf_counter() - t0) * 1e6))
         try:
             for it, out in zip(request.items, outs):
                 chunks = self._chunks.pop(it.seq_id, [])
