@@ -70,6 +70,9 @@
 #                                  (NAME-old, NAME-mid: two older trees unpacked as OLD is), RUNS
 #                                  in order (default new, old, old, new), 6x60 pinned, concurrency 1, 16, 64,
 #                                  PER_WORKER (8) requests per worker
+#   bench/device/policy.sh stallghz the 2,000-token prompt joining 16 running streams, whole and in 512-token chunks
+#                                  (bench.prefill_stall), then ghz by reflection (GHZ: the binary) at concurrency 1,
+#                                  16, 64 (bench.ghz_load)
 #   bench/device/policy.sh rest    one 10-minute call: the chained/unchained A/B (6x60 pinned and plain,
 #                                  concurrency 1, 16, 64), the long prompt (whole, 512-token chunks) and
 #                                  ghz by reflection (GHZ: the binary, concurrency 1 and 64)
@@ -233,6 +236,12 @@ case "$mode" in
       cp "/tmp/ab-$run/services.json" "$out/ab-$run.json" 2>/dev/null
       echo "$run"; grep -hE "tok/s total" "$out/ab-$run.log" | sed 's/.*services_bench INFO //' | cut -c1-600
     done ;;
+  stallghz)
+    timeout 250 python3 -m bench.prefill_stall --device cuda --concurrency 16 --prompt-tokens 2000 \
+      --prefill-chunk 0,512 --out "$out" > "$out/stall.log" 2>&1; tail -8 "$out/stall.log"
+    timeout 250 python3 -m bench.ghz_load --ghz "${GHZ:-.devcarry/g/ghz}" --device cuda --concurrency 1,16,64 \
+      --requests-per-worker 2 --out /tmp/specdec-ghz > "$out/ghz.txt" 2>&1
+    cp /tmp/specdec-ghz/ghz.md "$out/" 2>/dev/null; tail -12 "$out/ghz.txt" ;;
   profile4)
     python3 -m pip install -q --no-deps --target /tmp/pyspy .devcarry/b/wheels/py_spy-*.whl; export PATH="/tmp/pyspy/bin:$PATH"
     for c in 1 64; do
