@@ -466,15 +466,19 @@ def test_the_stream_says_how_long_the_verifier_waited_for_each_call() -> None:
     assert late >= 70_000 and queued == 0, (late, queued)
 
 
-def test_the_round_breakdown_splits_the_call_wall_into_the_verifiers_work_its_idle_time_and_the_hops() -> None:
+@pytest.mark.parametrize(("idle", "starved", "rpc"), [(0.001, 0.0005, 0.0005), (0.5, 0.001, 0.00025)])
+def test_the_round_breakdown_splits_the_call_wall_into_the_verifiers_work_its_idle_time_and_the_hops(
+    idle: float, starved: float, rpc: float
+) -> None:
     """A call of 2 rounds, by hand (seconds): sent 1 ms after its round began, of which the gateway's own
     propose took 0.5; answered 10 ms after it was sent, 0.5 of which went to streaming the call before.
-    The verifier reports 8 ms in the call: 4 engine, 2 waiting for trees, so 2 its own; and 1 idle before
-    it. So per round: verifier_host 1, starved 0.5, rpc (0.5 before sending + 10 - 4 - 2 - 2 - 1 - 0.5
-    after) / 2 = 0.5."""
+    The verifier reports 8 ms in the call: 4 engine, 2 waiting for trees, so 2 its own. Idle 1 ms before
+    it: per round verifier_host 1, starved 0.5, rpc (0.5 before sending + 10 - 4 - 2 - 2 - 1 - 0.5 after)
+    / 2 = 0.5. Idle 500 ms (the stream had no calls for a while): only what fits between sending it and
+    the verifier's taking it up (10 - 8 = 2 ms) is starved, 1 a round; rpc (0.5 + 0) / 2 = 0.25."""
     m = Metrics()
     sched = Scheduler(None, None, SchedulerConfig(), CHAIN, m)
-    v = VerifiedRound([], compute_s=0.004, wait_s=0.002, rounds=2, wall_s=0.008, idle_s=0.001)
+    v = VerifiedRound([], compute_s=0.004, wait_s=0.002, rounds=2, wall_s=0.008, idle_s=idle)
     sched._time_round(0.0, 0.001, 0.011, 0.0005, v, spoke=0.0005)
     per_round = {
         p: m.registry.get_sample_value("specdec_round_seconds_sum", {"phase": p})
@@ -482,5 +486,5 @@ def test_the_round_breakdown_splits_the_call_wall_into_the_verifiers_work_its_id
         for p in ("verify", "draft_wait", "verifier_host", "starved", "rpc")
     }
     assert per_round == pytest.approx(
-        {"verify": 0.002, "draft_wait": 0.001, "verifier_host": 0.001, "starved": 0.0005, "rpc": 0.0005}
+        {"verify": 0.002, "draft_wait": 0.001, "verifier_host": 0.001, "starved": starved, "rpc": rpc}
     )

@@ -733,15 +733,18 @@ class Scheduler:
         wait for chained trees not ready when it needed them (rounds after a call's first always wait: the
         draft works between them), the verifier's own work in the call (`verifier_host`: its wall less its
         engine's verify and that wait: the chain's bookkeeping, messages, anything it ran between the
-        rounds, such as a prefill), `starved`: how long the verifier had nothing to do before the call (it
-        had answered the one before and this one had not come), RPC (call wall minus all that and the
+        rounds, such as a prefill), `starved`: how long the verifier had nothing to do while the call was on
+        its way (it had answered the one before and this one had not come), RPC (call wall minus all that and the
         streaming it overlapped: the hops, serialization, the gateway's event loop reading the answer late),
         the gateway's own orchestration after the call (taking the tokens, the policy, the metrics), and
         `stream`: the last call's text and streaming, done while this call ran (not part of total). A
         queued call (`ahead`: the next one was in flight when it was taken) began when the call before was
         answered, and its orchestration overlaps the next call: not part of total either."""
         host = max(v.wall_s - v.compute_s - v.wait_s, 0)
-        rpc = max((t1 - t0) - draft_s, 0) + max((t2 - t1) - v.compute_s - v.wait_s - host - v.idle_s - spoke, 0)
+        # the verifier's idle time while this call was on its way (not before it was sent: an idle stream
+        # between two runs of requests is nobody's round)
+        starved = min(v.idle_s, max((t2 - t1) - v.wall_s, 0))
+        rpc = max((t1 - t0) - draft_s, 0) + max((t2 - t1) - v.compute_s - v.wait_s - host - starved - spoke, 0)
         t3 = time.perf_counter()
         n = v.rounds
         seconds = {
@@ -749,7 +752,7 @@ class Scheduler:
             "verify": v.compute_s,
             "draft_wait": v.wait_s,
             "verifier_host": host,
-            "starved": v.idle_s,
+            "starved": starved,
             "rpc": rpc,
             "orchestration": t3 - t2,
             "stream": spoke,
