@@ -32,13 +32,27 @@ class Prefilled:
     hidden: pb.TensorRef  # [prompt_len, 3H]
     engine_s: float = 0.0  # the call's engine time (every result of a call has the call's figures)
     verifier_s: float = 0.0  # the call at the verifier, from taking it up to its answer
+    chained: bool = False  # its first tree was asked for (PrefillItem.next_nodes): it waits at the verifier
 
 
 def prefill_item(
-    seq_id: str, token_ids: list[int], sampling: SamplingConfig, want_hidden: bool, more: bool = False
+    seq_id: str,
+    token_ids: list[int],
+    sampling: SamplingConfig,
+    want_hidden: bool,
+    more: bool = False,
+    first_tree: tuple[int, int] | None = None,
 ) -> pb.PrefillItem:
+    """first_tree: (depth, nodes) of the first tree for the verifier to ask the draft for (PrefillItem.next_nodes)."""
+    depth, nodes = first_tree or (0, 0)
     return pb.PrefillItem(
-        seq_id=seq_id, token_ids=token_ids, sampling=sampling_msg(sampling), want_hidden=want_hidden, more=more
+        seq_id=seq_id,
+        token_ids=token_ids,
+        sampling=sampling_msg(sampling),
+        want_hidden=want_hidden,
+        more=more,
+        next_nodes=nodes,
+        next_depth=depth,
     )
 
 
@@ -281,11 +295,13 @@ class VerifierClient(_ServiceClient):
         item = prefill_item(seq_id, token_ids, sampling, want_hidden, more)
         return (await self.prefill_many([item], owner))[0]
 
-    async def prefill_many(self, items: list[pb.PrefillItem], owner: str = "") -> list[Prefilled]:
-        """Several prompts or chunks in one call, all or nothing (see Verifier.Prefill)."""
-        resp = await _call(self.stub.Prefill, pb.PrefillRequest(items=items, owner=owner), self.timeout)
+    async def prefill_many(self, items: list[pb.PrefillItem], owner: str = "", draft: str = "") -> list[Prefilled]:
+        """Several prompts or chunks in one call, all or nothing (see Verifier.Prefill); draft: the draft's
+        address as the verifier reaches it (items with next_nodes)."""
+        req = pb.PrefillRequest(items=items, owner=owner, draft=draft)
+        resp = await _call(self.stub.Prefill, req, self.timeout)
         engine_s, verifier_s = resp.compute_us / 1e6, resp.wall_us / 1e6
-        return [Prefilled(r.next_token, r.hidden, engine_s, verifier_s) for r in resp.results]
+        return [Prefilled(r.next_token, r.hidden, engine_s, verifier_s, r.chained) for r in resp.results]
 
     async def verify(
         self,

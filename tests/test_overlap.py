@@ -16,6 +16,7 @@ import numpy as np
 
 from common.config import SamplingConfig
 from common.policy import PLAIN, CyclePolicy, FixedPolicy, Shape
+from common.rounds import start_shift
 from services.clients import Batched, Prefilled, VerifierClient
 from services.gateway.detokenize import RoundDecoder
 from services.gateway.metrics import Metrics
@@ -81,15 +82,34 @@ class FakeVerifier(VerifierClient):
     def _hidden(self, tokens: list[int]) -> pb.TensorRef:
         return pb.TensorRef()
 
-    async def prefill_many(self, items: list[pb.PrefillItem], owner: str = "") -> list[Prefilled]:
+    async def prefill_many(self, items: list[pb.PrefillItem], owner: str = "", draft: str = "") -> list[Prefilled]:
+        """As the verifier's Prefill: an item with next_nodes has its first tree asked for from the draft
+        (a start item of its features, through the chain) and gets no features back (chained)."""
         self.log.append(("prefill-call", [it.seq_id for it in items]))
         if self.fail_prefill and len(items) > 1:
             self.fail_prefill -= 1
             raise RuntimeError("a prefill of several sequences failed")
-        out = []
+        out, first = [], []
         for it in items:
             self.log.append(("prefill", it.seq_id, len(it.token_ids), it.more))
-            out.append(self._prefilled(list(it.token_ids), it.more))
+            pre = self._prefilled(list(it.token_ids), it.more)
+            if it.next_nodes:
+                token_ids, prefix = start_shift(list(it.token_ids), pre.next_token)
+                first.append(
+                    pb.ProposeItem(
+                        seq_id=it.seq_id,
+                        token_ids=token_ids,
+                        hidden=pre.hidden,
+                        start=True,
+                        context_prefix=prefix,
+                        max_nodes=it.next_nodes,
+                        max_depth=it.next_depth,
+                    )
+                )
+                pre = Prefilled(pre.next_token, pb.TensorRef(), chained=True)
+                self.log.append(("first-tree", it.seq_id))
+            out.append(pre)
+        self.chain.send(draft, owner, first)
         return out
 
     def _prefilled(self, token_ids: list[int], more: bool) -> Prefilled:
@@ -365,10 +385,10 @@ class FollowingVerifier(FakeVerifier):
         assert not more  # the following tests' prompts fit one chunk
         return Prefilled(next_token=token_ids[-1] + 1, hidden=_rows(token_ids[1:] + [token_ids[-1] + 1]))
 
-    async def prefill_many(self, items: list[pb.PrefillItem], owner: str = "") -> list[Prefilled]:
+    async def prefill_many(self, items: list[pb.PrefillItem], owner: str = "", draft: str = "") -> list[Prefilled]:
         for it in items:
             self.last[it.seq_id] = it.token_ids[-1] + 1
-        return await super().prefill_many(items, owner)
+        return await super().prefill_many(items, owner, draft)
 
     def _hidden(self, tokens: list[int]) -> pb.TensorRef:
         return _rows(tokens)
@@ -471,10 +491,10 @@ def test_sequences_the_policy_keeps_plain_are_parked_and_catch_up_for_a_tree() -
 class SlowPrefill(FakeVerifier):
     """A prefill call that takes 50 ms (the rounds go on meanwhile)."""
 
-    async def prefill_many(self, items, owner=""):
+    async def prefill_many(self, items, owner="", draft=""):
         self.log.append(("prefill-sent", [it.seq_id for it in items]))
         await asyncio.sleep(0.05)
-        return await super().prefill_many(items, owner)
+        return await super().prefill_many(items, owner, draft)
 
 
 def test_a_request_cancelled_during_its_prefill_is_released_after_the_call() -> None:

@@ -98,9 +98,9 @@ class InOrderVerifier(FollowingVerifier):
         except Exception as e:  # noqa: BLE001 - handed to its caller, as the stream answers a failed call
             return e
 
-    async def prefill_many(self, items, owner=""):
+    async def prefill_many(self, items, owner="", draft=""):
         await asyncio.sleep(self.prefill_s)
-        return await super().prefill_many(items, owner)
+        return await super().prefill_many(items, owner, draft)
 
     async def release(self, seq_ids: list[str]) -> None:
         self.released.update(seq_ids)
@@ -189,6 +189,20 @@ def test_a_request_arriving_during_a_call_is_prefilled_beside_it() -> None:
     arrived = log.index(("arrived", 200))
     answered = next(i for i, e in enumerate(log) if i > arrived and e[0] == "answered")
     assert arrived < log.index(("prefill-call", ["gw-1"])) < answered
+
+
+def test_a_joiners_first_tree_is_asked_for_by_its_prefill_and_waits_at_the_verifier() -> None:
+    """gw-1 arrives 20 ms into gw-0's calls, when its group's next shape is chosen: its prefill asks the
+    verifier for its first tree (PrefillItem.next_nodes; the fake verifier sends the start item through
+    its chain, as the real one does), so the gateway makes no propose of its own for it, and its first
+    Verify names it chained. gw-0, the first request, had no shape to ask for: its first tree came from
+    the gateway. Both exact (the draft checks every feature row against the tokens)."""
+    outs, log, _ = _queued([(100, 60), (200, 12)], accept=2, stagger=0.02)
+    assert outs == [list(range(101, 161)), list(range(201, 213))]
+    assert ("first-tree", "gw-1") in log and ("first-tree", "gw-0") not in log
+    first_call = next(e for e in log if e[0] == "sent" and "gw-1" in e[1])
+    chained = next(e for e in log[log.index(first_call) :] if e[0] == "chained")
+    assert "gw-1" in chained[1]
 
 
 def test_a_prompt_arriving_during_a_prefill_goes_in_when_that_prefill_is_over() -> None:

@@ -230,3 +230,44 @@ def test_chunked_prefill_on_the_wire(stack):
     finally:
         v.Release(pb.ReleaseRequest(seq_ids=["st-whole", "st-chunks"]))
         ch.close()
+
+
+def test_a_prefill_that_asks_for_the_first_tree_equals_the_callers_propose(stack):
+    """A prompt prefilled in two chunks whose last asks for its first tree (next_nodes: the verifier hands
+    the prompt's features to the draft, as after a round) answers `chained` with no hidden states, and its
+    first Verify, naming it chained, gives what the caller's own start propose and Verify give for the same
+    prompt. Bad input is INVALID_ARGUMENT: next_nodes on a chunk that more follow, without want_hidden, or
+    without a draft address."""
+    draft_addr = f"127.0.0.1:{stack.ports['draft']}"
+
+    def item(seq_id: str, tokens: list[int], **kw) -> pb.PrefillItem:
+        return pb.PrefillItem(seq_id=seq_id, token_ids=tokens, want_hidden=True, **kw)
+
+    async def go():
+        v, d = _clients(stack)
+        try:
+            await v.prefill_many([item("st-pre-chain", PROMPT[:4], more=True)])
+            (last,) = await v.prefill_many([item("st-pre-chain", PROMPT[4:], next_nodes=30)], draft=draft_addr)
+            assert last.chained and not last.hidden.ByteSize()
+            nxt = await _started(v, ["st-pre-direct"])
+            tree = (await d.propose([nxt["st-pre-direct"]])).results[0]
+            both = await v.verify([RoundItem("st-pre-chain", None), RoundItem("st-pre-direct", tree)])
+            chained, direct = both.results
+            assert not chained.draft_error and chained.tokens == direct.tokens and chained.nodes == direct.nodes
+            assert both.draft_batch == 1  # the chained tree came from the draft call the prefill made
+            for bad, addr, words in [
+                (item("st-pre-bad", PROMPT[:4], more=True, next_nodes=30), draft_addr, "last chunk"),
+                (pb.PrefillItem(seq_id="st-pre-bad", token_ids=PROMPT, next_nodes=30), draft_addr, "want_hidden"),
+                (item("st-pre-bad", PROMPT, next_nodes=30), "", "draft address"),
+            ]:
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await v.prefill_many([bad], draft=addr)
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in e.value.details(), words
+        finally:
+            await v.release(["st-pre-chain", "st-pre-direct", "st-pre-bad"])
+            await d.release(["st-pre-chain", "st-pre-direct"])
+            await v.close()
+            await d.close()
+
+    asyncio.run(go())
+    assert all(stack.alive().values())

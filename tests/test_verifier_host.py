@@ -22,6 +22,7 @@ from common.engine.verifier import Verifier, VerifierConfig
 from common.errors import InvalidRequest
 from common.ipc import HiddenExport
 from common.model.llama import LlamaModel
+from common.rounds import start_shift
 from common.rpc import CHANNEL_OPTIONS, start_server
 from common.tensors import decode_inline
 from common.tree import DraftQ, Tree
@@ -396,7 +397,7 @@ class HereDraft:
     def __init__(self) -> None:
         self.calls: list[dict[str, tuple[list[int], torch.Tensor]]] = []
 
-    async def propose_here(self, items) -> tuple[list[Tree], float]:
+    async def propose_here(self, items, owner: str = "") -> tuple[list[Tree], float]:
         self.calls.append({it.seq_id: (list(it.token_ids), it.hidden.clone()) for it in items})
         trees = []
         for it in items:
@@ -438,5 +439,70 @@ def test_the_draft_here_gets_what_a_draft_service_gets() -> None:
                 for s in h:
                     assert h[s][0] == r[s][0] and torch.equal(h[s][1], r[s][1])
             assert pair.states("ipc", IDS) == pair.states("inline", IDS)
+
+    asyncio.run(go())
+
+
+class StartRecorder:
+    """A draft as a service (`propose`) or here (`propose_here`) that records each start item it gets: its
+    tokens, features (bytes read back, or the handed-over tensor), context prefix, tree shape and owner."""
+
+    def __init__(self) -> None:
+        self.items: dict[str, tuple] = {}
+
+    def _record(self, it, hidden: torch.Tensor, owner: str, sampled: bool) -> None:
+        assert it.start
+        self.items[it.seq_id] = (list(it.token_ids), hidden, list(it.context_prefix), it.max_nodes, it.max_depth)
+        self.items[it.seq_id] += (owner, sampled)
+
+    async def propose(self, items: list[pb.ProposeItem], owner: str = "") -> Batched:
+        for it in items:
+            self._record(it, decode_inline(it.hidden), owner, it.sampling.temperature > 0)
+        return Batched([draft_tree(*_count_tree(it.token_ids[-1])) for it in items], 0.0)
+
+    async def propose_here(self, items, owner: str = "") -> tuple[list[Tree], float]:
+        for it in items:
+            self._record(it, it.hidden.clone(), owner, it.sampling.temperature > 0)
+        trees = []
+        for it in items:
+            tokens, parents = _count_tree(it.token_ids[-1])
+            trees.append(Tree(np.array(tokens), np.array(parents), np.ones(len(tokens), dtype=np.float32)))
+        return trees, 0.0
+
+
+def test_a_prefills_first_tree_reaches_the_draft_here_as_it_reaches_a_draft_service() -> None:
+    """Prefills that ask for their sequences' first trees (PrefillItem.next_nodes): s0 whole, s1 (sampled) in
+    two chunks. The draft in the verifier's process gets the prompt's features as the engine's tensor, a
+    draft service gets them as bytes; each gets the same start item (common.rounds.start_shift of the whole
+    prompt, bit for bit the same features, tree shape, owner, sampling), the results say `chained` with no
+    hidden states, and the first Verify naming them chained answers the same on both."""
+    rng = np.random.default_rng(5)
+    prompts = {s: rng.integers(3, CFG.vocab_size, n).tolist() for s, n in (("s0", 6), ("s1", 9))}
+
+    def item(s: str, tokens: list[int], **kw) -> pb.PrefillItem:
+        sampling = SAMPLED if s == "s1" else GREEDY
+        return pb.PrefillItem(seq_id=s, token_ids=tokens, sampling=sampling, want_hidden=True, **kw)
+
+    async def go() -> None:
+        async with Pair() as pair:
+            here, apart = StartRecorder(), StartRecorder()
+            pair.servicers["ipc"].colocate(here)
+            pair.servicers["inline"].chain = DraftChain(lambda address: apart)
+            await pair.both("Prefill", pb.PrefillRequest(items=[item("s1", prompts["s1"][:4], more=True)]))
+            last = [item("s0", prompts["s0"], next_nodes=8, next_depth=2), item("s1", prompts["s1"][4:], next_nodes=8)]
+            a, b = await pair.both("Prefill", pb.PrefillRequest(items=last, owner="gw", draft="draft:0"))
+            for x, y in zip(a.results, b.results):
+                assert x.chained and y.chained and not x.HasField("hidden") and not y.HasField("hidden")
+                assert x.next_token == y.next_token
+            first = pb.VerifyRequest(draft="draft:0", items=[pb.VerifyItem(seq_id=s, chained=True) for s in prompts])
+            v, w = await pair.both("Verify", first)
+            assert [list(r.accepted_tokens) for r in v.results] == [list(r.accepted_tokens) for r in w.results]
+            assert not any(r.draft_error for r in v.results) and not any(r.draft_error for r in w.results)
+            for s, prompt in prompts.items():
+                token_ids, prefix = start_shift(prompt, next(r.next_token for r in a.results if r.seq_id == s))
+                h, r = here.items[s], apart.items[s]
+                assert h[0] == r[0] == token_ids and h[2] == r[2] == prefix
+                assert h[1].shape == (len(prompt), 3 * CFG.hidden_size) and torch.equal(h[1], r[1])
+                assert h[3:] == r[3:] == (8, 2 if s == "s0" else 0, "gw", s == "s1")
 
     asyncio.run(go())

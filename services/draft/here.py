@@ -15,8 +15,8 @@ class LocalDraftClient:
         self.servicer = servicer
 
     async def propose(self, items: list[ProposeInput], owner: str = "") -> Batched:
-        """Trees [len(items)] (common.tree.Tree) for sequences the draft holds (the chain never starts one
-        here: its outcomes follow a verify); the servicer's errors raised as they are (the chain answers
-        them as draft_error)."""
-        trees, compute_s = await self.servicer.propose_here(items)
+        """Trees [len(items)] (common.tree.Tree) for the verifier's outcomes: after a verify, of sequences
+        the draft holds, or after a prefill, start items that begin them (they belong to `owner`); the
+        servicer's errors raised as they are (the chain answers them as draft_error)."""
+        trees, compute_s = await self.servicer.propose_here(items, owner)
         return Batched(trees, compute_s)

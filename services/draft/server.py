@@ -69,14 +69,17 @@ class DraftServicer(pb_grpc.DraftServicer):
         async for request in request_iterator:
             yield await self.runner.answer(self._owned_propose, request, pb.ProposeResponse)
 
-    async def propose_here(self, items: list[ProposeInput]) -> tuple[list[Tree], float]:
+    async def propose_here(self, items: list[ProposeInput], owner: str = "") -> tuple[list[Tree], float]:
         """Propose for the verifier of this process (its chain, services/draft/here.py): -> (trees in item
-        order, engine seconds). The items are that verifier's outcomes of sequences this draft holds, its
-        engine's tokens and feature rows on the device: nothing to convert, and nothing to check that the
-        engine did not make itself (the drafter checks what it always checks: known sequences, row counts,
-        depth, context room). Errors are raised as they are."""
-        self.leases.touch([it.seq_id for it in items])
-        return await self.runner.run(self._propose_inputs, items, inline=self.inline)
+        order, engine seconds). The items are that verifier's outcomes (after a verify, or a prefill's: a
+        start item), its engine's tokens and feature rows on the device: nothing to convert, and nothing to
+        check that the engine did not make itself (the drafter checks what it always checks: known
+        sequences, row counts, depth, context room). Started sequences belong to `owner` (_owned). Errors
+        are raised as they are."""
+        started = [it.seq_id for it in items if it.start]
+        return await self._owned(
+            started, [it.seq_id for it in items if not it.start], owner, self._propose_inputs, items
+        )
 
     def _propose_inputs(self, items: list[ProposeInput]) -> tuple[list[Tree], float]:
         # no synchronisation before answering, unlike _propose: the rows are the verifier's own tensors,
@@ -101,17 +104,24 @@ class DraftServicer(pb_grpc.DraftServicer):
         """Ownership around the engine call: started sequences are new (refused while draining) and
         belong to request.owner once the call succeeds; a failed call leaves none of them behind."""
         started = [it.seq_id for it in request.items if it.start]
+        going = [it.seq_id for it in request.items if not it.start]
+        return await self._owned(started, going, request.owner, self._propose, request)
+
+    async def _owned(self, started: list[str], going: list[str], owner: str, fn, *args):
+        """fn(*args), the engine call of a proposal, with the ownership around it: `started` sequences are
+        new (refused while draining) and belong to `owner` once it succeeds; a failed call leaves none of
+        them behind; `going` ones are touched."""
         self.leases.admit(len(started))
-        self.leases.touch([it.seq_id for it in request.items if not it.start])
+        self.leases.touch(going)
         try:
-            resp = await self.runner.run(self._propose, request, inline=self.inline)
+            out = await self.runner.run(fn, *args, inline=self.inline)
         except BaseException:
             if started:
                 await self.runner.run(self.drafter.release, started)
                 self.leases.removed(started)
             raise
-        self.leases.added(started, request.owner)
-        return resp
+        self.leases.added(started, owner)
+        return out
 
     async def ImportBuffer(self, request, context):
         return await self.runner.unary(context, self._import, request)

@@ -10,7 +10,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 ROUND_PHASES = ("draft", "verify", "draft_wait", "verifier_host", "starved", "rpc", "orchestration", "stream", "total")
 # a request's way into the rounds, each stage observed once per request (services/gateway/scheduler.py):
 # queue (arrival -> its first prefill call sent), prefill (-> its first token), first_tree (-> its first
-# tree in: the early propose), join (-> the first Verify naming it sent), first_call (-> that Verify answered)
+# tree in: the gateway's early propose; 0 when its prefill asked the verifier for it), join (-> the first
+# Verify naming it sent), first_call (-> that Verify answered)
 REQUEST_STAGES = ("queue", "prefill", "first_tree", "join", "first_call")
 LATENCY_BUCKETS = (
     0.001,

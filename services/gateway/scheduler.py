@@ -20,9 +20,12 @@ The round protocol, one gateway hop a round (services/verifier/chain.py): a roun
 sequence, the tree of the next round to ask the draft for. The verifier sends the outcome straight to the
 draft and keeps the draft's next tree; the next round's Verify names the sequence `chained` instead of
 carrying a tree. So the draft proposes while the gateway commits, detokenizes, streams and sends the next
-round. Sequences that caught up or come from a plain round get their tree from a propose the gateway
-makes itself at the round's start; a joiner's is asked for in the background as soon as its prompt is in
-(_propose_early), and the others' rounds do not wait for it. A chained tree whose sequence finished is
+round. A joiner's first tree comes the same way: its prefill names it (PrefillItem.next_nodes, the shape its
+group's next round was given), the verifier hands the prompt's features to the draft and keeps the tree, and
+the joiner's first Verify names it `chained` (_prefill). Sequences that caught up or come from a plain round
+get their tree from a propose the gateway makes itself at the round's start; a joiner with no shape to ask
+for yet has its own asked for in the background as soon as its prompt is in (_propose_early), and the
+others' rounds do not wait for it. A chained tree whose sequence finished is
 dropped (wasted work, never a wrong token); the verifier's Release waits for the proposal naming it, and
 the draft's copy is released after that (both in the background: _retire). With no draft address for
 the verifier (SchedulerConfig.draft_address ""), every tree comes from the gateway's own propose.
@@ -840,7 +843,11 @@ class Scheduler:
 
     async def _prefill(self, work: list[tuple[Active, int]]) -> None:
         """The next n prompt tokens of each sequence, in one verifier call; a last chunk makes its sequence
-        join the rounds with its first token."""
+        join the rounds with its first token. A speculative sequence's last chunk also asks the verifier for
+        its first tree, in the shape its group's next round was given (_first_tree): the prompt's features go
+        from the verifier to the draft as a round's outcome does, and the tree waits there for the sequence's
+        first Verify (chained). Without that shape, or without a draft address for the verifier, its first
+        tree is asked for here (_propose_early)."""
         items, now = [], time.perf_counter()
         for a, n in work:
             req = a.gen.request
@@ -852,8 +859,10 @@ class Scheduler:
                 a.wants_hidden = a.speculative and not self.draft_link.degraded
             more = a.prefilled + n < len(req.prompt_ids)
             chunk = req.prompt_ids[a.prefilled : a.prefilled + n]
-            items.append(prefill_item(a.seq_id, chunk, req.sampling, a.wants_hidden, more))
-        results = await self.verifier.prefill_many(items, self.cfg.instance_id)
+            first = None if more or not a.wants_hidden else self._first_tree(a)
+            items.append(prefill_item(a.seq_id, chunk, req.sampling, a.wants_hidden, more, first))
+        draft = self.cfg.draft_address if any(it.next_nodes for it in items) else ""
+        results = await self.verifier.prefill_many(items, self.cfg.instance_id, draft)
         if results:
             m = self.metrics.prefill_call
             m.labels("call").observe(time.perf_counter() - now)
@@ -863,19 +872,29 @@ class Scheduler:
         for (a, n), it, pre in zip(work, items, results):
             a.prefilled += n
             if not it.more:
-                self._joined(a, pre.next_token, pre.hidden)
+                self._joined(a, pre.next_token, pre.hidden, pre.chained)
                 joined.append(a)
-        self._propose_early([a for a in joined if a.gen.finish is None])
+        self._propose_early([a for a in joined if a.gen.finish is None and not a.chained])
         if any(a.early is None for a in joined):  # no first tree to wait for: ready for the next call now
             self._ready_now([a for a in joined if a.early is None])
             self._joinable.set()
 
-    def _joined(self, a: Active, first_token: int, hidden: pb.TensorRef) -> None:
-        """Its prompt is in: the draft's start item (when it speculates) and its first token."""
+    def _first_tree(self, a: Active) -> tuple[int, int] | None:
+        """(depth, nodes) of the first tree the verifier asks the draft for after a's prefill, or None: no
+        chaining, a degraded draft, no shape chosen for its group yet, or a plain one."""
+        if not self.cfg.draft_address or self.draft_link.degraded:
+            return None
+        return self._next_tree(a, self._decided.get(a.group))
+
+    def _joined(self, a: Active, first_token: int, hidden: pb.TensorRef, chained: bool = False) -> None:
+        """Its prompt is in: its first token, and the draft's start item when it speculates (or, chained,
+        the draft has it and its first tree waits at the verifier)."""
         req = a.gen.request
         a.prefilling = False
         self.metrics.prompt_tokens.inc(len(req.prompt_ids))
-        if a.wants_hidden:
+        if chained:
+            a.next_propose, a.chained = pb.ProposeItem(seq_id=a.seq_id), True
+        elif a.wants_hidden:
             token_ids, prefix = start_shift(req.prompt_ids, first_token)
             a.next_propose = pb.ProposeItem(
                 seq_id=a.seq_id,

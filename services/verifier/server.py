@@ -19,6 +19,7 @@ from common.config import SamplingConfig
 from common.engine.base import PrefillInput, ProposeInput, VerifierEngine, VerifyInput
 from common.errors import CapacityExhausted, InvalidRequest, UnknownSequence
 from common.ipc import HiddenExport, gpu_uuid
+from common.rounds import start_shift
 from common.slots import check_unique
 from common.tensors import encode_inline, encode_ipc
 from common.tree import Tree
@@ -72,9 +73,9 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         if draft_here is not None:
             self.colocate(draft_here)
         self._spare_id = f"~features-{uuid.uuid4().hex}"  # no client can name it
-        # sequences whose prompt is partly prefilled (more chunks due) -> the hidden states of their chunks
-        # so far (those that want them), returned whole with the last chunk
-        self._chunks: dict[str, list[torch.Tensor]] = {}
+        # sequences whose prompt is partly prefilled (more chunks due) -> (the prompt's tokens so far, the
+        # hidden states of its chunks so far when it wants them), whole with the last chunk
+        self._chunks: dict[str, tuple[list[int], list[torch.Tensor]]] = {}
         # the engine's step times, measured once before serving, for the gateway's speculation policy
         self.step_costs = [
             pb.StepCost(kind=c.kind, batch=c.batch, size=c.size, seconds=c.seconds) for c in engine.step_costs()
@@ -138,10 +139,21 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
     # ---- ownership (on the event loop), then the engine call (on the engine thread) ----
     async def _admit_prefill(self, request: pb.PrefillRequest) -> pb.PrefillResponse:
-        """New sequences are admitted (capacity, draining); chunks that continue one are not new."""
+        """New sequences are admitted (capacity, draining); chunks that continue one are not new. Items
+        with next_nodes: their first proposes go to the draft when the call is over (DraftChain.send), and
+        their trees wait here for the sequences' first Verify, as after a round."""
         t0 = time.perf_counter()
         ids = [it.seq_id for it in request.items]
         check_unique(ids)
+        for it in request.items:
+            if it.next_nodes < 0 or it.next_depth < 0:
+                raise InvalidRequest(f"sequence {it.seq_id!r}: next_nodes and next_depth must be >= 0")
+            if it.next_nodes and (it.more or not it.want_hidden):
+                raise InvalidRequest(
+                    f"sequence {it.seq_id!r}: next_nodes is for a prompt's last chunk, with want_hidden"
+                )
+        if any(it.next_nodes for it in request.items):
+            self.chain.link(request.draft)  # a known, bounded address before anything runs
         new = [s for s in ids if s not in self._chunks]
         self.leases.admit(len(new))
         held = len(self.leases.table)
@@ -152,11 +164,12 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         continued = [s for s in ids if s in self._chunks]
         self.leases.touch(continued)
         try:
-            resp = await self.runner.run(self._prefill, request)
+            resp, first = await self.runner.run(self._prefill, request)
         except BaseException:
             self.leases.removed(continued)  # the failed call freed them (see _prefill)
             raise
         self.leases.added(new, request.owner)
+        self.chain.send(request.draft, request.owner, first)
         resp.wall_us = int((time.perf_counter() - t0) * 1e6)
         return resp
 
@@ -280,9 +293,13 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                 self.export.release(s)
         return self.engine.release(ids)
 
-    def _prefill(self, request: pb.PrefillRequest) -> pb.PrefillResponse:
+    def _prefill(self, request: pb.PrefillRequest) -> tuple[pb.PrefillResponse, list]:
         """Every item in one engine call (prompts of similar length share a forward). All or nothing: a
-        failed call frees every sequence it created or continued (the engine's rule), and nothing else."""
+        failed call frees every sequence it created or continued (the engine's rule), and nothing else.
+        Returns the response and the first proposes of the items with next_nodes (their prompt's features
+        and tokens as the draft's start item, common.rounds.start_shift): the drafter's own inputs with the
+        draft here (the features the engine's rows, not copied), else ProposeItems whose hidden states are
+        written for the draft as a round's are; their results carry none."""
         if not request.items:
             raise InvalidRequest("prefill request has no items")
         inputs = [
@@ -299,23 +316,48 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                 self._chunks.pop(it.seq_id, None)
             raise
         resp = pb.PrefillResponse(compute_us=int((time.perf_counter() - t0) * 1e6))
+        first: list = []  # ProposeInput (the draft here) or pb.ProposeItem, in item order
         try:
-            for it, out in zip(request.items, outs):
-                chunks = self._chunks.pop(it.seq_id, [])
+            for it, inp, out in zip(request.items, inputs, outs):
+                prompt, chunks = self._chunks.pop(it.seq_id, ([], []))
+                prompt += inp.token_ids
                 if it.want_hidden:
                     chunks.append(out.hidden)
                 if it.more:
-                    self._chunks[it.seq_id] = chunks
+                    self._chunks[it.seq_id] = (prompt, chunks)
                     resp.results.add(seq_id=it.seq_id)
                     continue
-                r = resp.results.add(seq_id=it.seq_id, next_token=out.next_token)
-                if it.want_hidden:
-                    self._hidden(it.seq_id, torch.cat(chunks) if len(chunks) > 1 else chunks[0], r.hidden)
+                r = resp.results.add(seq_id=it.seq_id, next_token=out.next_token, chained=it.next_nodes > 0)
+                if not it.want_hidden:
+                    continue
+                hidden = torch.cat(chunks) if len(chunks) > 1 else chunks[0]  # [prompt_len, 3H]
+                if not r.chained:
+                    self._hidden(it.seq_id, hidden, r.hidden)
+                    continue
+                token_ids, prefix = start_shift(prompt, out.next_token)
+                if self.hand_over:
+                    first.append(
+                        ProposeInput(
+                            it.seq_id, token_ids, hidden, True, prefix, it.next_nodes, it.next_depth, inp.sampling
+                        )
+                    )
+                    continue
+                msg = pb.ProposeItem(
+                    seq_id=it.seq_id,
+                    token_ids=token_ids,
+                    start=True,
+                    context_prefix=prefix,
+                    max_nodes=it.next_nodes,
+                    max_depth=it.next_depth,
+                    sampling=it.sampling,
+                )
+                self._hidden(it.seq_id, hidden, msg.hidden)
+                first.append(msg)
         except BaseException:
             self._release_ids([it.seq_id for it in request.items])  # all ours: the engine call succeeded
             raise
         self._published()
-        return resp
+        return resp, first
 
     def _features(self, request: pb.FeaturesRequest) -> pb.FeaturesResponse:
         """Each sequence's tokens prefilled in the spare slot, which is released again at once; the
