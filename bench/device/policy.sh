@@ -73,6 +73,10 @@
 #   bench/device/policy.sh stallghz the 2,000-token prompt joining 16 running streams, whole and in 512-token chunks
 #                                  (bench.prefill_stall), then ghz by reflection (GHZ: the binary) at concurrency 1,
 #                                  16, 64 (bench.ghz_load)
+#   bench/device/policy.sh loop    session 15's next experiment: the engine's closed loop, then the colocated services
+#                                  at their defaults (engine calls inline on the verifier's event loop) and with
+#                                  both engines' calls on their engine threads (--engine-thread --draft-thread),
+#                                  alternated inline, thread, thread, inline, 6x60 pinned, c=1, 16, 64, PER_WORKER (8)
 #   bench/device/policy.sh rest    one 10-minute call: the chained/unchained A/B (6x60 pinned and plain,
 #                                  concurrency 1, 16, 64), the long prompt (whole, 512-token chunks) and
 #                                  ghz by reflection (GHZ: the binary, concurrency 1 and 64)
@@ -235,6 +239,18 @@ case "$mode" in
       esac
       cp "/tmp/ab-$run/services.json" "$out/ab-$run.json" 2>/dev/null
       echo "$run"; grep -hE "tok/s total" "$out/ab-$run.log" | sed 's/.*services_bench INFO //' | cut -c1-600
+    done ;;
+  loop)
+    pw=${PER_WORKER:-8}
+    timeout 150 python3 -m bench.engine_bench --device cuda --head models/eagle3-smollm2 --prompts 32 --concurrency 1,16,64 \
+      --methods closed --requests-per-worker "$pw" --out /tmp/engine-loop > "$out/engine.log" 2>&1
+    grep -E "^speculative" "$out/engine.log"
+    lp=(--device cuda --ipc on --max-new-tokens 128 --max-context 1024 --concurrency 1,16,64 --prompts 32
+        --requests-per-worker "$pw" --modes tree:6x60 --colocate on --head models/eagle3-smollm2)
+    for run in 1-inline 2-thread 3-thread 4-inline; do
+      extra=(); [ "${run#*-}" = thread ] && extra=(--engine-thread --draft-thread)
+      timeout 110 python3 -m bench.services_bench "${lp[@]}" "${extra[@]}" --out "/tmp/loop-$run" > "$out/loop-$run.log" 2>&1
+      echo "$run"; grep -hE "tok/s total" "$out/loop-$run.log" | sed 's/.*services_bench INFO //' | cut -c1-700
     done ;;
   stallghz)
     timeout 250 python3 -m bench.prefill_stall --device cuda --concurrency 16 --prompt-tokens 2000 \

@@ -58,6 +58,7 @@ async def main(args: argparse.Namespace) -> None:
         lease_ttl=args.lease_ttl,
         draft_timeout=args.draft_timeout,
         draft_here=draft_here,
+        engine_thread=args.engine_thread,
     )
     services.insert(0, (internal_pb2_grpc.add_VerifierServicer_to_server, servicer, "specdec.v1.Verifier"))
     await serve(args.addr, services, args.port_file, args.drain_grace)
@@ -73,6 +74,13 @@ def cli() -> None:
         type=float,
         default=10.0,
         help="seconds a chained propose may take before its sequences fall back to plain decoding",
+    )
+    p.add_argument(
+        "--engine-thread",
+        action="store_true",
+        help="on a GPU, run the per-round engine calls (verify, decode) on the engine thread instead of inline on "
+        "the event loop, so that gRPC calls (prefills, releases, the stream's messages) are answered while the GPU "
+        "works; each call then pays a thread hop (an experiment: docs/benchmarks.md, session 15)",
     )
     p.add_argument(
         "--draft-here",

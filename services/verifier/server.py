@@ -51,6 +51,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         lease_ttl: float,
         draft_timeout: float = 10.0,
         draft_here: DraftServicer | None = None,  # this process's draft (--draft-here): chained proposals call it
+        engine_thread: bool = False,  # per-round engine calls on the engine thread on a GPU too (--engine-thread)
     ) -> None:
         if not 1 <= max_sequences < engine.info.max_sequences:
             raise ValueError(
@@ -62,8 +63,10 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self.gpu_uuid = gpu_uuid(self.device)
         # per-round calls inline on the event loop on a GPU (milliseconds: the thread hop costs more than it
         # saves, see services/engine_runner.py); on CPU a call takes long enough to hold up lease renewals
-        # and health checks, so it stays on the engine thread
-        self.inline = self.device.type == "cuda"
+        # and health checks, so it stays on the engine thread. engine_thread: on the engine thread on a GPU
+        # too, so that the event loop answers gRPC calls while the GPU works (inline, a Prefill call at c=16
+        # took 18 ms at the gateway against 5.4 in the verifier, H100, docs/benchmarks.md session 15)
+        self.inline = self.device.type == "cuda" and not engine_thread
         self.export: HiddenExport | None = None  # set once the draft has mapped our buffer
         self.runner = EngineRunner("verifier")
         self.leases = SequenceLeases(lease_ttl, self._release_ids, self.runner)
