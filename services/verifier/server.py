@@ -299,10 +299,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
     def _prefill(self, request: pb.PrefillRequest) -> tuple[pb.PrefillResponse, list]:
         """Every item in one engine call (prompts of similar length share a forward). All or nothing: a
         failed call frees every sequence it created or continued (the engine's rule), and nothing else.
-        Returns the response and the first proposes of the items with next_nodes (their prompt's features
-        and tokens as the draft's start item, common.rounds.start_shift): the drafter's own inputs with the
-        draft here (the features the engine's rows, not copied), else ProposeItems whose hidden states are
-        written for the draft as a round's are; their results carry none."""
+        Returns the response and the first proposes of the items with next_nodes (_start_item), whose
+        results carry no hidden states."""
         if not request.items:
             raise InvalidRequest("prefill request has no items")
         inputs = [
@@ -334,33 +332,37 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                 if not it.want_hidden:
                     continue
                 hidden = torch.cat(chunks) if len(chunks) > 1 else chunks[0]  # [prompt_len, 3H]
-                if not r.chained:
+                if r.chained:
+                    first.append(self._start_item(it, inp, prompt, hidden, out.next_token))
+                else:
                     self._hidden(it.seq_id, hidden, r.hidden)
-                    continue
-                token_ids, prefix = start_shift(prompt, out.next_token)
-                if self.hand_over:
-                    first.append(
-                        ProposeInput(
-                            it.seq_id, token_ids, hidden, True, prefix, it.next_nodes, it.next_depth, inp.sampling
-                        )
-                    )
-                    continue
-                msg = pb.ProposeItem(
-                    seq_id=it.seq_id,
-                    token_ids=token_ids,
-                    start=True,
-                    context_prefix=prefix,
-                    max_nodes=it.next_nodes,
-                    max_depth=it.next_depth,
-                    sampling=it.sampling,
-                )
-                self._hidden(it.seq_id, hidden, msg.hidden)
-                first.append(msg)
         except BaseException:
             self._release_ids([it.seq_id for it in request.items])  # all ours: the engine call succeeded
             raise
         self._published()
         return resp, first
+
+    def _start_item(
+        self, it: pb.PrefillItem, inp: PrefillInput, prompt: list[int], hidden: torch.Tensor, first_token: int
+    ) -> ProposeInput | pb.ProposeItem:
+        """The draft's first propose of a prefilled prompt (PrefillItem.next_nodes): prompt [prompt_len] all
+        its tokens, hidden [prompt_len, 3H] their features, paired by common.rounds.start_shift. The drafter's
+        own input with the draft here (the engine's rows, not copied), else a ProposeItem whose features are
+        written for the draft as a round's are."""
+        token_ids, prefix = start_shift(prompt, first_token)
+        if self.hand_over:
+            return ProposeInput(it.seq_id, token_ids, hidden, True, prefix, it.next_nodes, it.next_depth, inp.sampling)
+        msg = pb.ProposeItem(
+            seq_id=it.seq_id,
+            token_ids=token_ids,
+            start=True,
+            context_prefix=prefix,
+            max_nodes=it.next_nodes,
+            max_depth=it.next_depth,
+            sampling=it.sampling,
+        )
+        self._hidden(it.seq_id, hidden, msg.hidden)
+        return msg
 
     def _features(self, request: pb.FeaturesRequest) -> pb.FeaturesResponse:
         """Each sequence's tokens prefilled in the spare slot, which is released again at once; the
