@@ -149,7 +149,8 @@ def main() -> None:
         f"# Round profile ({args.device}, concurrency {args.concurrency}, rounds per call "
         f"{args.rounds_per_call or 'default'}{', draft in the verifier' if args.colocate else ''})",
         "",
-        "ms per round: " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()),
+        "ms per round: " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items() if not k.startswith("stage:")),
+        "ms per request stage: " + ", ".join(f"{k[6:]} {v:.2f}" for k, v in phases.items() if k.startswith("stage:")),
         "",
     ]
     text = "\n".join(lines + report(out, args.seconds))

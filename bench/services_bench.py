@@ -108,30 +108,34 @@ def per_round(before: dict, after: dict) -> dict[str, float]:
     return out
 
 
+# the gateway's histograms read per round or per request: metric -> (its label, the prefix of our keys)
+SCRAPED = {
+    "specdec_round_seconds": ("phase", ""),
+    "specdec_request_stage_seconds": ("stage", "stage:"),
+    "specdec_prefill_call_seconds": ("part", "stage:prefill_"),
+}
+
+
 def scrape_rounds(metrics_port: int) -> dict[str, tuple[float, float]]:
     """(sum of seconds, count) of each round phase, from the gateway's specdec_round_seconds histogram, of
-    each stage of a request's way into the rounds ("stage:NAME", specdec_request_stage_seconds), and
-    under "verify_calls" (calls, 0): its specdec_verify_calls_total (with the rounds' count, the rounds a
-    call ran on average)."""
+    each stage of a request's way into the rounds and each part of a Prefill call ("stage:NAME",
+    "stage:prefill_PART"; SCRAPED), and under "verify_calls" (calls, 0): its specdec_verify_calls_total
+    (with the rounds' count, the rounds a call ran on average)."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
     sums: dict[str, float] = {}
     counts: dict[str, float] = {}
     calls = 0.0
     for line in text.splitlines():
-        if line.startswith(("specdec_round_seconds_sum", "specdec_round_seconds_count")):
-            name, value = line.rsplit(" ", 1)
-            phase = name.split('phase="')[1].split('"')[0]
-            (sums if "_sum" in name else counts)[phase] = float(value)
-        elif line.startswith(("specdec_request_stage_seconds_sum", "specdec_request_stage_seconds_count")):
-            name, value = line.rsplit(" ", 1)
-            stage = "stage:" + name.split('stage="')[1].split('"')[0]
-            (sums if "_sum" in name else counts)[stage] = float(value)
-        elif line.startswith(("specdec_prefill_call_seconds_sum", "specdec_prefill_call_seconds_count")):
-            name, value = line.rsplit(" ", 1)
-            part = "stage:prefill_" + name.split('part="')[1].split('"')[0]
-            (sums if "_sum" in name else counts)[part] = float(value)
-        elif line.startswith("specdec_verify_calls_total"):
-            calls += float(line.rsplit(" ", 1)[1])
+        name, _, value = line.rpartition(" ")
+        if line.startswith("specdec_verify_calls_total"):
+            calls += float(value)
+            continue
+        metric, _, labels = name.partition("{")
+        family = metric.removesuffix("_sum").removesuffix("_count")
+        if family in SCRAPED and metric != family:
+            label, prefix = SCRAPED[family]
+            key = prefix + labels.split(f'{label}="')[1].split('"')[0]
+            (sums if metric.endswith("_sum") else counts)[key] = float(value)
     return {p: (sums[p], counts.get(p, 0.0)) for p in sums} | {"verify_calls": (calls, 0.0)}
 
 

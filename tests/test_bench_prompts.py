@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 
+from bench import services_bench
 from bench.engine_bench import filled, waves
 from bench.sampling_accept import read_prompts
 
@@ -109,3 +110,34 @@ def test_summarize_times_the_first_token_and_the_wait_for_the_next() -> None:
     b = RequestTrace(tokens=[5, 6], times=[2.0, 2.1], arrival=2.0)
     r = summarize("x", 2, [a, b], wall=2.0)
     assert r.ttft_ms == pytest.approx(250.0) and r.second_ms == pytest.approx(300.0)
+
+
+def test_the_services_bench_reads_the_gateways_histograms(monkeypatch) -> None:
+    """scrape_rounds, by hand: a round phase, a request stage and a Prefill call part (sum, count) under
+    their keys, the verify calls' total; buckets and other series are not read."""
+    text = "\n".join(
+        [
+            "# HELP specdec_round_seconds One batched round",
+            'specdec_round_seconds_sum{phase="draft"} 1.5',
+            'specdec_round_seconds_count{phase="draft"} 3.0',
+            'specdec_round_seconds_bucket{phase="draft",le="0.001"} 0.0',
+            'specdec_request_stage_seconds_sum{stage="queue"} 0.2',
+            'specdec_request_stage_seconds_count{stage="queue"} 2.0',
+            'specdec_prefill_call_seconds_sum{part="engine"} 0.4',
+            'specdec_prefill_call_seconds_count{part="engine"} 4.0',
+            "specdec_verify_calls_total 7.0",
+            "specdec_time_to_first_token_seconds_sum 9.0",
+        ]
+    )
+
+    class Page:
+        def read(self) -> bytes:
+            return text.encode()
+
+    monkeypatch.setattr(services_bench.urllib.request, "urlopen", lambda *a, **k: Page())
+    assert services_bench.scrape_rounds(1) == {
+        "draft": (1.5, 3.0),
+        "stage:queue": (0.2, 2.0),
+        "stage:prefill_engine": (0.4, 4.0),
+        "verify_calls": (7.0, 0.0),
+    }
