@@ -34,8 +34,19 @@ from services.stack import Stack
 log = logging.getLogger("bench.profile_services")
 IDLE = ("select", "epoll", "_worker", "wait", "poll", "sleep", "_bootstrap")
 RATE = 250  # py-spy samples per second
-FRAMES = ("Runner.run", "EngineRunner.run", "Verifier.verify", "Eagle3Drafter.propose")  # the main thread's
-# event loop (busy, not idle), the engine calls run inline on it, and within them the verify and the proposal
+# frames as py-spy names them ("function (file:line)"), matched by function and file: the event loop's
+# turn (busy, not idle), the engine calls (inline on it, or on the engine thread), the chain's call, and
+# within them the verify, the draft's proposal, a prefill, and the draft's calls from the gateway
+FRAMES = (
+    "_run (asyncio/events.py",
+    "run (services/engine_runner.py",
+    "verify (services/verifier/chain.py",
+    "verify (common/engine/verifier.py",
+    "propose (common/engine/draft.py",
+    "_prefill (services/verifier/server.py",
+    "ProposeStream (services/draft/server.py",
+)
+MAIN = "_run_module_as_main"  # the first frame of the main thread's stacks (the event loop's thread)
 
 
 def hottest(raw: Path, n: int = 10) -> list[tuple[int, str]]:
@@ -49,16 +60,20 @@ def hottest(raw: Path, n: int = 10) -> list[tuple[int, str]]:
     return [(c, frame) for frame, c in counts.most_common(n)]
 
 
-def inclusive(raw: Path, frames: tuple[str, ...] = FRAMES) -> dict[str, int]:
-    """Samples whose stack holds each frame (by function name, any line), idle samples being absent from the
-    raw file (py-spy records active threads only)."""
-    counts = dict.fromkeys(frames, 0)
+def inclusive(raw: Path, frames: tuple[str, ...] = FRAMES) -> dict[str, tuple[int, int]]:
+    """Samples whose stack holds each frame (FRAMES: function and file, any line), on the main thread and on
+    the others: {frame: (main, other)}; idle samples are absent from the raw file (py-spy records active
+    threads only), and "" counts every sample. Example: a stack "a (x.py:1);b (y.py:2)" of 3 samples on the
+    main thread adds 3 to "" and to "b (y.py" (main)."""
+    counts = {f: [0, 0] for f in ("", *frames)}
     for line in raw.read_text().splitlines():
         stack, _, samples = line.rpartition(" ")
-        names = {frame.split(" (")[0] for frame in stack.split(";")}
-        for f in frames:
-            counts[f] += int(samples) * (f in names)
-    return counts
+        held = stack.split(";")
+        col = 0 if held[0].startswith(MAIN) else 1
+        for f in counts:
+            if not f or any(frame.startswith(f) for frame in held):
+                counts[f][col] += int(samples)
+    return {f: (m, o) for f, (m, o) in counts.items()}
 
 
 def report(out: Path, seconds: float) -> list[str]:
@@ -68,8 +83,12 @@ def report(out: Path, seconds: float) -> list[str]:
     for raw in sorted(out.glob("spy-*.txt")):
         name = raw.stem.removeprefix("spy-")
         lines += [f"## {name}", "", f"Where the time goes ({seconds:g} s at {RATE} Hz):", ""]
-        lines += ["| frame | samples | share |", "|---|---:|---:|"]
-        lines += [f"| `{f}` | {c} | {c / (seconds * RATE):.0%} |" for f, c in inclusive(raw).items() if c]
+        lines += ["| frame | main thread samples | share | other threads |", "|---|---:|---:|---:|"]
+        lines += [
+            f"| `{f or 'any (busy)'}` | {m} | {m / (seconds * RATE):.0%} | {o} |"
+            for f, (m, o) in inclusive(raw).items()
+            if m or o
+        ]
         lines += ["", "| samples | frame |", "|---:|---|"]
         lines += [f"| {c} | `{frame[:140]}` |" for c, frame in hottest(raw)] + [""]
     return lines
