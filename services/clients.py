@@ -19,6 +19,7 @@ import grpc
 
 from common.config import SamplingConfig
 from common.errors import PeerUnavailable
+from common.rounds import start_shift
 from common.rpc import CHANNEL_OPTIONS
 from services.packed import unpack_ints
 from services.sampling import sampling_msg
@@ -54,6 +55,33 @@ def prefill_item(
         next_nodes=nodes,
         next_depth=depth,
     )
+
+
+def start_item(
+    seq_id: str,
+    prompt_ids: list[int],
+    first_token: int,
+    hidden: pb.TensorRef | None,
+    sampling: pb.SamplingParams,
+    first_tree: tuple[int, int] | None = None,
+) -> pb.ProposeItem:
+    """A sequence's first ProposeItem (start): the prompt's tokens and its first token paired with the prompt's
+    features (hidden [prompt_len, 3H]; None: the caller writes them) by common.rounds.start_shift;
+    first_tree: (depth, nodes) of its tree (None: the call's)."""
+    token_ids, prefix = start_shift(prompt_ids, first_token)
+    depth, nodes = first_tree or (0, 0)
+    msg = pb.ProposeItem(
+        seq_id=seq_id,
+        token_ids=token_ids,
+        start=True,
+        context_prefix=prefix,
+        sampling=sampling,
+        max_nodes=nodes,
+        max_depth=depth,
+    )
+    if hidden is not None:
+        msg.hidden.CopyFrom(hidden)
+    return msg
 
 
 @dataclass(frozen=True)

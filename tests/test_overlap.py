@@ -16,8 +16,7 @@ import numpy as np
 
 from common.config import SamplingConfig
 from common.policy import PLAIN, CyclePolicy, FixedPolicy, Shape
-from common.rounds import start_shift
-from services.clients import Batched, Prefilled, VerifierClient
+from services.clients import Batched, Prefilled, VerifierClient, start_item
 from services.gateway.detokenize import RoundDecoder
 from services.gateway.metrics import Metrics
 from services.gateway.scheduler import Active, Scheduler, SchedulerConfig
@@ -94,18 +93,8 @@ class FakeVerifier(VerifierClient):
             self.log.append(("prefill", it.seq_id, len(it.token_ids), it.more))
             pre = self._prefilled(list(it.token_ids), it.more)
             if it.next_nodes:
-                token_ids, prefix = start_shift(list(it.token_ids), pre.next_token)
-                first.append(
-                    pb.ProposeItem(
-                        seq_id=it.seq_id,
-                        token_ids=token_ids,
-                        hidden=pre.hidden,
-                        start=True,
-                        context_prefix=prefix,
-                        max_nodes=it.next_nodes,
-                        max_depth=it.next_depth,
-                    )
-                )
+                tree = (it.next_depth, it.next_nodes)
+                first.append(start_item(it.seq_id, list(it.token_ids), pre.next_token, pre.hidden, it.sampling, tree))
                 pre = Prefilled(pre.next_token, pb.TensorRef(), chained=True)
                 self.log.append(("first-tree", it.seq_id))
             out.append(pre)

@@ -11,9 +11,8 @@ import pytest
 import torch
 
 from common.config import SamplingConfig
-from common.rounds import start_shift
 from common.tensors import encode_inline
-from services.clients import DraftClient, RoundItem, VerifierClient
+from services.clients import DraftClient, RoundItem, VerifierClient, start_item
 from services.tree_wire import draft_tree
 from specdec.v1 import internal_pb2 as pb
 from specdec.v1 import internal_pb2_grpc as pb_grpc
@@ -34,10 +33,7 @@ async def _started(v: VerifierClient, seqs) -> dict[str, pb.ProposeItem]:
     nxt = {}
     for s in seqs:
         pre = await v.prefill(s, PROMPT, SamplingConfig(), want_hidden=True)
-        token_ids, prefix = start_shift(PROMPT, pre.next_token)
-        nxt[s] = pb.ProposeItem(
-            seq_id=s, token_ids=token_ids, hidden=pre.hidden, start=True, context_prefix=prefix, max_nodes=30
-        )
+        nxt[s] = start_item(s, PROMPT, pre.next_token, pre.hidden, pb.SamplingParams(), (0, 30))
     return nxt
 
 

@@ -104,10 +104,12 @@ class ProposeInput:
         prefilled: PrefillOutput,
         max_nodes: int,
         sampling: SamplingConfig = SamplingConfig(),
+        max_depth: int = 0,
     ) -> ProposeInput:
-        """A sequence's first propose (common.rounds.start_shift)."""
+        """A sequence's first propose (common.rounds.start_shift): prompt_ids [prompt_len] the whole prompt,
+        prefilled.hidden [prompt_len, 3H] its features."""
         token_ids, prefix = start_shift(prompt_ids, prefilled.next_token)
-        return cls(seq_id, token_ids, prefilled.hidden, True, prefix, max_nodes, sampling=sampling)
+        return cls(seq_id, token_ids, prefilled.hidden, True, prefix, max_nodes, max_depth, sampling)
 
     @classmethod
     def after_verify(cls, seq_id: str, verified: VerifyOutput, max_nodes: int) -> ProposeInput:

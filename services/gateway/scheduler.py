@@ -69,8 +69,16 @@ from dataclasses import dataclass, field
 
 from common.errors import CapacityExhausted, PeerUnavailable
 from common.policy import PLAIN, Policy, Shape
-from common.rounds import MAX_ROUNDS_PER_CALL, cut_pays, start_shift
-from services.clients import DraftClient, RoundItem, Verified, VerifiedRound, VerifierClient, prefill_item
+from common.rounds import MAX_ROUNDS_PER_CALL, cut_pays
+from services.clients import (
+    DraftClient,
+    RoundItem,
+    Verified,
+    VerifiedRound,
+    VerifierClient,
+    prefill_item,
+    start_item,
+)
 from services.gateway.health import DraftLink
 from services.gateway.metrics import Metrics
 from services.gateway.sequence import Delta, Finish, Generation, Take
@@ -713,15 +721,7 @@ class Scheduler:
             self.draft_link.failed(time.monotonic())
             return
         for a, ctx, h in zip(lost, contexts, hidden):  # as after a prefill of ctx[:-1] that chose ctx[-1]
-            token_ids, prefix = start_shift(ctx[:-1], ctx[-1])
-            a.next_propose = pb.ProposeItem(
-                seq_id=a.seq_id,
-                token_ids=token_ids,
-                hidden=h,
-                start=True,
-                context_prefix=prefix,
-                sampling=sampling_msg(a.gen.request.sampling),
-            )
+            a.next_propose = start_item(a.seq_id, ctx[:-1], ctx[-1], h, sampling_msg(a.gen.request.sampling))
         log.info("the draft catches up on %d sequence(s)", len(lost))
 
     def _count_choice(self, shape: Shape) -> None:
@@ -895,15 +895,7 @@ class Scheduler:
         if chained:
             a.next_propose, a.chained = pb.ProposeItem(seq_id=a.seq_id), True
         elif a.wants_hidden:
-            token_ids, prefix = start_shift(req.prompt_ids, first_token)
-            a.next_propose = pb.ProposeItem(
-                seq_id=a.seq_id,
-                token_ids=token_ids,
-                hidden=hidden,
-                start=True,
-                context_prefix=prefix,
-                sampling=sampling_msg(req.sampling),
-            )
+            a.next_propose = start_item(a.seq_id, req.prompt_ids, first_token, hidden, sampling_msg(req.sampling))
         self._stream([(a, a.gen.commit([first_token]))])
         if a.first_token_at is not None and a.prefill_at is not None:  # None: its first token ended it unseen
             self.metrics.stage("prefill", a.first_token_at - a.prefill_at)

@@ -16,14 +16,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from common.config import SamplingConfig
-from common.engine.base import PrefillInput, ProposeInput, VerifierEngine, VerifyInput
+from common.engine.base import PrefillInput, PrefillOutput, ProposeInput, VerifierEngine, VerifyInput
 from common.errors import CapacityExhausted, InvalidRequest, UnknownSequence
 from common.ipc import HiddenExport, gpu_uuid
-from common.rounds import start_shift
 from common.slots import check_unique
 from common.tensors import encode_inline, encode_ipc
 from common.tree import Tree
-from services.clients import DraftClient
+from services.clients import DraftClient, start_item
 from services.engine_runner import EngineRunner
 from services.leasing import SequenceLeases
 from services.sampling import sampling_config
@@ -349,18 +348,10 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         its tokens, hidden [prompt_len, 3H] their features, paired by common.rounds.start_shift. The drafter's
         own input with the draft here (the engine's rows, not copied), else a ProposeItem whose features are
         written for the draft as a round's are."""
-        token_ids, prefix = start_shift(prompt, first_token)
         if self.hand_over:
-            return ProposeInput(it.seq_id, token_ids, hidden, True, prefix, it.next_nodes, it.next_depth, inp.sampling)
-        msg = pb.ProposeItem(
-            seq_id=it.seq_id,
-            token_ids=token_ids,
-            start=True,
-            context_prefix=prefix,
-            max_nodes=it.next_nodes,
-            max_depth=it.next_depth,
-            sampling=it.sampling,
-        )
+            prefilled = PrefillOutput(first_token, hidden)
+            return ProposeInput.after_prefill(it.seq_id, prompt, prefilled, it.next_nodes, inp.sampling, it.next_depth)
+        msg = start_item(it.seq_id, prompt, first_token, None, it.sampling, (it.next_depth, it.next_nodes))
         self._hidden(it.seq_id, hidden, msg.hidden)
         return msg
 
