@@ -101,6 +101,12 @@ def _rules(it: pb.VerifyItem, last: Last | None) -> ItemRules | None:
     return ItemRules(chained=it.next_nodes > 0, rows=1 + it.next_nodes, max_new=max_new, stop_ids=stop_ids)
 
 
+def _check_next(it: pb.VerifyItem | pb.PrefillItem) -> None:
+    """An item's next tree (next_nodes, next_depth): none, or one to ask the draft for."""
+    if it.next_nodes < 0 or it.next_depth < 0:
+        raise InvalidRequest(f"sequence {it.seq_id!r}: next_nodes and next_depth must be >= 0")
+
+
 def _retrieve(task: asyncio.Task) -> None:
     """Mark a dropped call's failure as seen (asyncio logs unretrieved exceptions at exit)."""
     if not task.cancelled():
@@ -234,11 +240,21 @@ class DraftChain:
                 raise InvalidRequest(f"sequence {it.seq_id!r} follows the call before but is not chained")
             if it.chained and it.HasField("tree"):
                 raise InvalidRequest(f"sequence {it.seq_id!r} is chained and carries a tree: one or the other")
-            nodes = it.next_nodes
-            if nodes < 0 or it.next_depth < 0:
-                raise InvalidRequest(f"sequence {it.seq_id!r}: next_nodes and next_depth must be >= 0")
-            to_draft |= nodes > 0
+            _check_next(it)
+            to_draft |= it.next_nodes > 0
         if to_draft:
+            self.link(request.draft)
+
+    def check_prefill(self, request: pb.PrefillRequest) -> None:
+        """The protocol's fields of a Prefill (PrefillItem.next_nodes: the first tree, asked for on a prompt's
+        last chunk, with its features), before anything runs."""
+        for it in request.items:
+            _check_next(it)
+            if it.next_nodes and (it.more or not it.want_hidden):
+                raise InvalidRequest(
+                    f"sequence {it.seq_id!r}: next_nodes is for a prompt's last chunk, with want_hidden"
+                )
+        if any(it.next_nodes for it in request.items):
             self.link(request.draft)
 
     def link(self, address: str):

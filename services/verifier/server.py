@@ -147,15 +147,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         t0 = time.perf_counter()
         ids = [it.seq_id for it in request.items]
         check_unique(ids)
-        for it in request.items:
-            if it.next_nodes < 0 or it.next_depth < 0:
-                raise InvalidRequest(f"sequence {it.seq_id!r}: next_nodes and next_depth must be >= 0")
-            if it.next_nodes and (it.more or not it.want_hidden):
-                raise InvalidRequest(
-                    f"sequence {it.seq_id!r}: next_nodes is for a prompt's last chunk, with want_hidden"
-                )
-        if any(it.next_nodes for it in request.items):
-            self.chain.link(request.draft)  # a known, bounded address before anything runs
+        self.chain.check_prefill(request)
         new = [s for s in ids if s not in self._chunks]
         self.leases.admit(len(new))
         held = len(self.leases.table)
