@@ -133,6 +133,11 @@ class Metrics:
             self._stage = {n: self.request_stage.labels(n) for n in REQUEST_STAGES}
         self._stage[name].observe(seconds)
 
+    def prefill_timed(self, call: float, verifier: float, engine: float) -> None:
+        """One Prefill call's seconds at the gateway, at the verifier and in its engine."""
+        for part, seconds in (("call", call), ("verifier", verifier), ("engine", engine)):
+            self.prefill_call.labels(part).observe(seconds)
+
     def round_shape(self, depth: int, nodes: int) -> None:
         self.tree_nodes.observe(nodes)
         self.tree_depth.observe(depth)

@@ -628,8 +628,7 @@ class Scheduler:
                 by_shape.setdefault(shape, []).append(a)
         for shape, group in by_shape.items():
             task = self._spawn(self._propose(group, shape))
-            task.add_done_callback(lambda _, group=group: self._ready_now(group))
-            task.add_done_callback(lambda _: self._joinable.set())  # their first trees are in: _hold ends
+            task.add_done_callback(lambda _, group=group: self._ready_now(group))  # their first trees are in
             depth = self._round_shape(group, shape).depth
             for i, a in enumerate(group):
                 a.early = Early(task, i, depth)
@@ -864,10 +863,7 @@ class Scheduler:
         draft = self.cfg.draft_address if any(it.next_nodes for it in items) else ""
         results = await self.verifier.prefill_many(items, self.cfg.instance_id, draft)
         if results:
-            m = self.metrics.prefill_call
-            m.labels("call").observe(time.perf_counter() - now)
-            m.labels("verifier").observe(results[0].verifier_s)
-            m.labels("engine").observe(results[0].engine_s)
+            self.metrics.prefill_timed(time.perf_counter() - now, results[0].verifier_s, results[0].engine_s)
         joined = []
         for (a, n), it, pre in zip(work, items, results):
             a.prefilled += n
@@ -875,9 +871,7 @@ class Scheduler:
                 self._joined(a, pre.next_token, pre.hidden, pre.chained)
                 joined.append(a)
         self._propose_early([a for a in joined if a.gen.finish is None and not a.chained])
-        if any(a.early is None for a in joined):  # no first tree to wait for: ready for the next call now
-            self._ready_now([a for a in joined if a.early is None])
-            self._joinable.set()
+        self._ready_now([a for a in joined if a.early is None])  # no first tree to wait for here
 
     def _first_tree(self, a: Active) -> tuple[int, int] | None:
         """(depth, nodes) of the first tree the verifier asks the draft for after a's prefill, or None: no
@@ -901,12 +895,16 @@ class Scheduler:
             self.metrics.stage("prefill", a.first_token_at - a.prefill_at)
 
     def _ready_now(self, joined: list[Active]) -> None:
-        """Their first tree is in (or none is coming): they can join a call."""
+        """Their first tree is in (or none is coming): they can join a call, and a hold ends if they are
+        enough (_hold, _joiner_ready)."""
+        if not joined:
+            return
         now = time.perf_counter()
         for a in joined:
             if a.ready_at is None and a.first_token_at is not None:
                 a.ready_at = now
                 self.metrics.stage("first_tree", now - a.first_token_at)
+        self._joinable.set()
 
     def _stream(self, deltas: list[tuple[Active, Delta]]) -> None:
         """Send each sequence its delta (all sent at this moment: one clock reading, one counter update)."""
