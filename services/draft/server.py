@@ -76,10 +76,7 @@ class DraftServicer(pb_grpc.DraftServicer):
         check that the engine did not make itself (the drafter checks what it always checks: known
         sequences, row counts, depth, context room). Started sequences belong to `owner` (_owned). Errors
         are raised as they are."""
-        started = [it.seq_id for it in items if it.start]
-        return await self._owned(
-            started, [it.seq_id for it in items if not it.start], owner, self._propose_inputs, items
-        )
+        return await self._owned(items, owner, self._propose_inputs, items)
 
     def _propose_inputs(self, items: list[ProposeInput]) -> tuple[list[Tree], float]:
         # no synchronisation before answering, unlike _propose: the rows are the verifier's own tensors,
@@ -101,18 +98,15 @@ class DraftServicer(pb_grpc.DraftServicer):
         return pb.ReleaseResponse(released=n)
 
     async def _owned_propose(self, request: pb.ProposeRequest) -> pb.ProposeResponse:
-        """Ownership around the engine call: started sequences are new (refused while draining) and
-        belong to request.owner once the call succeeds; a failed call leaves none of them behind."""
-        started = [it.seq_id for it in request.items if it.start]
-        going = [it.seq_id for it in request.items if not it.start]
-        return await self._owned(started, going, request.owner, self._propose, request)
+        return await self._owned(request.items, request.owner, self._propose, request)
 
-    async def _owned(self, started: list[str], going: list[str], owner: str, fn, *args):
-        """fn(*args), the engine call of a proposal, with the ownership around it: `started` sequences are
-        new (refused while draining) and belong to `owner` once it succeeds; a failed call leaves none of
-        them behind; `going` ones are touched."""
+    async def _owned(self, items, owner: str, fn, *args):
+        """fn(*args), the engine call of a proposal of `items` (ProposeItems or the drafter's inputs), with the
+        ownership around it: started sequences are new (refused while draining) and belong to `owner` once it
+        succeeds; a failed call leaves none of them behind; the others are touched."""
+        started = [it.seq_id for it in items if it.start]
         self.leases.admit(len(started))
-        self.leases.touch(going)
+        self.leases.touch([it.seq_id for it in items if not it.start])
         try:
             out = await self.runner.run(fn, *args, inline=self.inline)
         except BaseException:
