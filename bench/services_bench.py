@@ -177,14 +177,14 @@ def run(args) -> list[RunResult]:
             + ([] if ipc else ["--no-ipc"])
             + ([] if chain else ["--verifier-draft", "none"])
         )
-        verifier = ["--draft-thread"] if here and args.draft_thread else []
-        verifier += ["--engine-thread"] if args.engine_thread else []
+        verifier = ["--block-on-device"] if args.block_on_device else []
+        draft = draft + verifier
         stack_args = dict(common_args=common, draft_args=draft, gateway_args=gw, verifier_args=verifier)
         with Stack(**stack_args, colocate=here) as stack:
             gw_log = (stack.log_dir / "gateway.log").read_text()
             mode = "ipc" if "CUDA IPC" in gw_log.split("hidden states between")[-1][:40] else "inline"
-            mode = f"colocated{'-thread' if args.draft_thread else ''}-{mode}" if here else mode
-            mode = f"enginethread-{mode}" if args.engine_thread else mode
+            mode = f"colocated-{mode}" if here else mode
+            mode = f"blocking-{mode}" if args.block_on_device else mode
             asyncio.run(closed_loop(stack.gateway, prompts[:2], 16, 1))  # warm-up
             # plain makes no Verify: once, on the default rounds' first stack
             modes = [m for m in args.spec_modes if m != "plain" or k == 0 and queue == args.queue_modes[0]]
@@ -251,10 +251,7 @@ def parse_args(argv=None):
     p.add_argument("--tree-size", type=int, default=60)
     p.add_argument("--ipc", default="on,off", help="comma list: on (IPC when colocated), off (inline bytes)")
     p.add_argument("--round-groups", type=int, default=1, help="the gateway's --round-groups")
-    p.add_argument(
-        "--draft-thread", action="store_true", help="colocated runs: the verifier's --draft-thread (see there)"
-    )
-    p.add_argument("--engine-thread", action="store_true", help="the verifier's --engine-thread (see there)")
+    p.add_argument("--block-on-device", action="store_true", help="the engine services' --block-on-device (see there)")
     p.add_argument(
         "--colocate",
         default="off",

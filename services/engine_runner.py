@@ -2,13 +2,15 @@
 boundary.
 
 Most calls run on the engine thread, off the event loop, so that health checks and new connections are
-answered while a long forward pass (a prefill) runs. The per-round calls (propose, verify, decode) take a
-few milliseconds on a GPU, and there the hop to the engine thread and back costs more than it saves:
-measured on an H200 (bench/profile_services.py), the services sat idle most of a 5.2 ms round while 2.4 ms
-of it went to RPC and hand-offs. So on a GPU those calls run inline on the event loop whenever the engine is free,
-and on the engine thread when it is busy (a lock keeps the engine to one caller at a time). On CPU a call
-can take a second, long enough to hold up lease renewals and health checks: there they stay on the engine
-thread."""
+answered while a long forward pass (a prefill) runs. The per-round calls (propose, verify) take a few
+milliseconds on a GPU, and there the hop to the engine thread and back costs more than it saves (session 16,
+H200: 1,050 against 1,390 tok/s per request at c=1, docs/benchmarks.md). So on a GPU they run on the event
+loop whenever the engine is free, as steps (common.engine.base.Steps): the call launches its device work,
+then the loop answers other calls, polling the call's event between them, until the device is done, and the
+call reads its results. (Before session 16 the loop blocked in the call: under load a Prefill call waited
+12 ms at c=16 for the loop's turn.) On the engine thread when the engine is busy (a lock keeps the engine to
+one caller at a time). On CPU a call can take a second, long enough to hold up lease renewals and health
+checks: there they stay on the engine thread."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from typing import TypeVar
 
 import grpc
 
+from common.engine.base import Steps, finish
 from common.errors import SpecdecError
 from common.rpc import describe, status_for
 from specdec.v1 import internal_pb2 as pb
@@ -30,9 +33,12 @@ T = TypeVar("T")
 
 
 class EngineRunner:
-    def __init__(self, name: str) -> None:
+    """poll: inline steps give the event loop back while the device works (else the loop blocks in them)."""
+
+    def __init__(self, name: str, poll: bool = True) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
         self._engine = threading.Lock()  # held by whoever runs an engine call
+        self.poll = poll
         self.log = logging.getLogger(f"services.{name}")
 
     async def run(self, fn: Callable[..., T], *args, inline: bool = False) -> T:
@@ -44,6 +50,37 @@ class EngineRunner:
             finally:
                 self._engine.release()
         return await asyncio.get_running_loop().run_in_executor(self._pool, self._locked, fn, *args)
+
+    async def steps(self, fn: Callable[..., Steps[T]], *args, inline: bool = False) -> T:
+        """The result of fn(*args)'s steps. With inline and the engine free, on the event loop: at each of
+        the call's waits for the device the loop runs other callbacks, polling the wait's event between them
+        (poll; else it blocks); the engine stays the call's until it returns. Else on the engine thread,
+        blocking at its waits, after the call in progress."""
+        if inline and self._engine.acquire(blocking=False):
+            try:
+                return await self._stepped(fn(*args)) if self.poll else finish(fn(*args))
+            finally:
+                self._engine.release()
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self._locked, _finished, fn, *args)
+
+    async def _stepped(self, steps: Steps[T]) -> T:
+        try:
+            while True:
+                event = steps.send(None)
+                try:
+                    while not event.query():
+                        await asyncio.sleep(0)  # one turn of the loop: its sockets polled, its ready callbacks run
+                except asyncio.CancelledError:
+                    # the caller is gone, but the engine's state must follow the work it launched: the call
+                    # ends here, blocking, before the engine is free again
+                    try:
+                        event.synchronize()
+                        finish(steps)
+                    except Exception:  # noqa: BLE001 - nobody is left to answer: logged
+                        self.log.exception("an engine call whose caller went away failed")
+                    raise
+        except StopIteration as done:
+            return done.value
 
     def _locked(self, fn: Callable[..., T], *args) -> T:
         with self._engine:
@@ -81,3 +118,7 @@ class EngineRunner:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _finished(fn: Callable[..., Steps[T]], *args) -> T:
+    return finish(fn(*args))

@@ -84,6 +84,13 @@ def engine_arguments(p: argparse.ArgumentParser) -> None:
         help="capture CUDA graphs at start-up (CUDA only)",
     )
     p.add_argument(
+        "--block-on-device",
+        action="store_true",
+        help="on a GPU, the per-round engine calls (verify, propose) hold the event loop until the device is "
+        "done, as before session 16, instead of giving it back while the device works (for A/B runs: "
+        "docs/benchmarks.md, session 16)",
+    )
+    p.add_argument(
         "--max-sequences",
         type=int,
         default=0,

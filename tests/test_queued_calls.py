@@ -191,18 +191,23 @@ def test_a_request_arriving_during_a_call_is_prefilled_beside_it() -> None:
     assert arrived < log.index(("prefill-call", ["gw-1"])) < answered
 
 
-def test_a_joiners_first_tree_is_asked_for_by_its_prefill_and_waits_at_the_verifier() -> None:
+@pytest.mark.parametrize("long_prompt", [False, True])
+def test_a_joiners_first_tree_is_asked_for_by_its_prefill_and_waits_at_the_verifier(long_prompt, monkeypatch) -> None:
     """gw-1 arrives 20 ms into gw-0's calls, when its group's next shape is chosen: its prefill asks the
     verifier for its first tree (PrefillItem.next_nodes; the fake verifier sends the start item through
     its chain, as the real one does), so the gateway makes no propose of its own for it, and its first
     Verify names it chained. gw-0, the first request, had no shape to ask for: its first tree came from
-    the gateway. Both exact (the draft checks every feature row against the tokens)."""
+    the gateway. A prompt longer than CHAINED_FIRST_TREE_TOKENS (here 1: the prompts have 2) gets its first
+    tree from the gateway and is not chained in its first Verify. Both exact (the draft checks every feature
+    row against the tokens)."""
+    if long_prompt:
+        monkeypatch.setattr("services.gateway.scheduler.CHAINED_FIRST_TREE_TOKENS", 1)
     outs, log, _ = _queued([(100, 60), (200, 12)], accept=2, stagger=0.02)
     assert outs == [list(range(101, 161)), list(range(201, 213))]
-    assert ("first-tree", "gw-1") in log and ("first-tree", "gw-0") not in log
+    assert (("first-tree", "gw-1") in log) != long_prompt and ("first-tree", "gw-0") not in log
     first_call = next(e for e in log if e[0] == "sent" and "gw-1" in e[1])
-    chained = next(e for e in log[log.index(first_call) :] if e[0] == "chained")
-    assert "gw-1" in chained[1]
+    chained = [e[1] for e in log[log.index(first_call) :] if e[0] == "chained"][:1]
+    assert ("gw-1" in chained[0]) != long_prompt if chained else long_prompt
 
 
 def test_a_prompt_arriving_during_a_prefill_goes_in_when_that_prefill_is_over() -> None:

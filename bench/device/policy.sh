@@ -73,10 +73,19 @@
 #   bench/device/policy.sh stallghz the 2,000-token prompt joining 16 running streams, whole and in 512-token chunks
 #                                  (bench.prefill_stall), then ghz by reflection (GHZ: the binary) at concurrency 1,
 #                                  16, 64 (bench.ghz_load)
-#   bench/device/policy.sh loop    session 15's next experiment: the engine's closed loop, then the colocated services
-#                                  at their defaults (engine calls inline on the verifier's event loop) and with
-#                                  both engines' calls on their engine threads (--engine-thread --draft-thread),
-#                                  alternated inline, thread, thread, inline, 6x60 pinned, c=1, 16, 64, PER_WORKER (8)
+#   bench/device/policy.sh loop    session 15's experiment (its flags are gone since session 16: --engine-thread
+#                                  --draft-thread, both engines' calls on their engine threads, lost at c=1 and 64)
+#   bench/device/policy.sh poll    session 16's A/B: the engine in process (plain, waves, closed loop), then the
+#                                  colocated services at their defaults (the event loop answers other calls while
+#                                  the device works) and with --block-on-device (it waits in the calls, as before),
+#                                  RUNS in order (default 1-poll 2-block 3-block 4-poll), 6x60 pinned and plain,
+#                                  c=1, 16, 64, PER_WORKER (8) requests per worker
+#   bench/device/policy.sh stallab the 2,000-token prompt joining 16 running streams (bench.prefill_stall) in 512-token
+#                                  chunks, whole, and chunked again with this tree, then chunked and whole with
+#                                  OLD's (a folder holding an older tree, unpacked as for `cut`)
+#   bench/device/policy.sh stalldiag the long prompt in 512-token chunks, speculative, on three stacks one after the
+#                                  other (bench.prefill_stall), then the warnings and errors of every stack's
+#                                  services (their logs stay in /tmp/specdec-*), then the GPU engine tests
 #   bench/device/policy.sh rest    one 10-minute call: the chained/unchained A/B (6x60 pinned and plain,
 #                                  concurrency 1, 16, 64), the long prompt (whole, 512-token chunks) and
 #                                  ghz by reflection (GHZ: the binary, concurrency 1 and 64)
@@ -240,18 +249,36 @@ case "$mode" in
       cp "/tmp/ab-$run/services.json" "$out/ab-$run.json" 2>/dev/null
       echo "$run"; grep -hE "tok/s total" "$out/ab-$run.log" | sed 's/.*services_bench INFO //' | cut -c1-600
     done ;;
-  loop)
+  poll)
     pw=${PER_WORKER:-8}
-    timeout 150 python3 -m bench.engine_bench --device cuda --head models/eagle3-smollm2 --prompts 32 --concurrency 1,16,64 \
-      --methods closed --requests-per-worker "$pw" --out /tmp/engine-loop > "$out/engine.log" 2>&1
-    grep -E "^speculative" "$out/engine.log"
+    timeout 200 python3 -m bench.engine_bench --device cuda --head models/eagle3-smollm2 --prompts 32 \
+      --concurrency 1,16,64 --methods plain,spec,closed --requests-per-worker "$pw" --out /tmp/engine-poll \
+      > "$out/engine.log" 2>&1
+    cp /tmp/engine-poll/engine_bench.json "$out/" 2>/dev/null; grep -E "^(speculative|plain)" "$out/engine.log"
     lp=(--device cuda --ipc on --max-new-tokens 128 --max-context 1024 --concurrency 1,16,64 --prompts 32
-        --requests-per-worker "$pw" --modes tree:6x60 --colocate on --head models/eagle3-smollm2)
-    for run in 1-inline 2-thread 3-thread 4-inline; do
-      extra=(); [ "${run#*-}" = thread ] && extra=(--engine-thread --draft-thread)
-      timeout 110 python3 -m bench.services_bench "${lp[@]}" "${extra[@]}" --out "/tmp/loop-$run" > "$out/loop-$run.log" 2>&1
-      echo "$run"; grep -hE "tok/s total" "$out/loop-$run.log" | sed 's/.*services_bench INFO //' | cut -c1-700
+        --requests-per-worker "$pw" --modes tree:6x60,plain --colocate on --head models/eagle3-smollm2)
+    for run in ${RUNS:-1-poll 2-block 3-block 4-poll}; do
+      extra=(); [ "${run#*-}" = block ] && extra=(--block-on-device)
+      timeout 110 python3 -m bench.services_bench "${lp[@]}" "${extra[@]}" --out "/tmp/poll-$run" > "$out/poll-$run.log" 2>&1
+      echo "$run"; grep -hE "tok/s total" "$out/poll-$run.log" | sed 's/.*services_bench INFO //' | cut -c1-700
     done ;;
+  stallab)
+    old=${OLD:-.devcarry/old}; here=$PWD
+    (cd "$old" && ln -sfn "$here/models" models && python3 -m grpc_tools.protoc -Iprotos --python_out=. \
+      --grpc_python_out=. --pyi_out=. protos/specdec/v1/*.proto)
+    st=(--device cuda --concurrency 16 --prompt-tokens 2000)
+    timeout 200 python3 -m bench.prefill_stall "${st[@]}" --prefill-chunk 512,0,512 --out /tmp/stall-new > "$out/stall-new.log" 2>&1
+    (cd "$old" && timeout 150 python3 -m bench.prefill_stall "${st[@]}" --prefill-chunk 512,0 --out /tmp/stall-old) \
+      > "$out/stall-old.log" 2>&1
+    for v in new old; do echo "$v"; grep -E "^\| (whole|512)" "$out/stall-$v.log"; done ;;
+  stalldiag)
+    find /tmp -maxdepth 1 -name 'specdec-*' ! -name specdec-model -exec rm -rf {} +  # earlier stacks' logs
+    timeout 200 python3 -m bench.prefill_stall --device cuda --concurrency 16 --prompt-tokens 2000 \
+      --prefill-chunk 512,512,512 --out /tmp/stall-diag > "$out/stall-diag.log" 2>&1
+    grep -E "^\| (whole|512)" "$out/stall-diag.log"
+    for d in $(ls -d /tmp/specdec-* | grep -v specdec-model); do echo "== $d"; grep -hE "WARNING|ERROR|Traceback|failed" "$d"/*.log | cut -c1-300 | head -20; done \
+      > "$out/stack-warnings.txt"; head -c 6000 "$out/stack-warnings.txt"
+    timeout 240 python3 -m pytest -q -m gpu tests/gpu/test_gpu_engines.py > "$out/gpu-engines.txt" 2>&1; tail -3 "$out/gpu-engines.txt" ;;
   stallghz)
     timeout 250 python3 -m bench.prefill_stall --device cuda --concurrency 16 --prompt-tokens 2000 \
       --prefill-chunk 0,512 --out "$out" > "$out/stall.log" 2>&1; tail -8 "$out/stall.log"

@@ -2,14 +2,32 @@
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 
 from common.config import SamplingConfig
 from common.rounds import start_shift
 from common.tree import Tree
+
+T = TypeVar("T")
+
+# An engine call as steps: it yields an event wherever the host would wait for the device (its work is
+# launched; what follows reads its results), and returns the call's result. `finish` runs it as one blocking
+# call; a service's event loop instead answers other calls until the event has completed
+# (services/engine_runner.py). Nothing is yielded on CPU.
+Steps = Generator[torch.cuda.Event, None, T]
+
+
+def finish(steps: Steps[T]) -> T:
+    """The result of an engine call's steps, blocking at each of its waits for the device."""
+    try:
+        while True:
+            steps.send(None).synchronize()
+    except StopIteration as done:
+        return done.value
 
 
 @dataclass(frozen=True)
@@ -77,7 +95,8 @@ class VerifierEngine(Protocol):
 
     # several sequences' prompts or chunks at once; all or nothing (see Verifier.prefill_batch)
     def prefill_batch(self, items: list[PrefillInput]) -> list[PrefillOutput]: ...
-    def verify(self, items: list[VerifyInput]) -> list[VerifyOutput]: ...
+    def verify(self, items: list[VerifyInput]) -> list[VerifyOutput]: ...  # finish(verify_steps(items))
+    def verify_steps(self, items: list[VerifyInput]) -> Steps[list[VerifyOutput]]: ...
     def room(self, seq_ids: list[str]) -> list[int]: ...  # KV rows each sequence has left (trees up to that fit)
     def decode(self, seq_ids: list[str]) -> list[int]: ...
     def decode_steps(self, seq_ids: list[str], steps: int, with_hidden: bool = False) -> Decoded: ...
@@ -122,6 +141,7 @@ class Drafter(Protocol):
 
     name: str
 
-    def propose(self, items: list[ProposeInput]) -> list[Tree]: ...
+    def propose(self, items: list[ProposeInput]) -> list[Tree]: ...  # finish(propose_steps(items))
+    def propose_steps(self, items: list[ProposeInput]) -> Steps[list[Tree]]: ...
     def release(self, seq_ids: list[str]) -> int: ...
     def step_costs(self) -> list[StepTime]: ...

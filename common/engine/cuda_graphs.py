@@ -228,6 +228,15 @@ class CudaGraphManager:
                 times.append(time.perf_counter() - t0)
         return sorted(times)[len(times) // 2]
 
+    def launched(self) -> torch.cuda.Event | None:
+        """An event recorded on the engine's stream after the work queued so far, or None on CPU: what an
+        engine call yields before it reads its results (common.engine.base.Steps)."""
+        if self.stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return event
+
     @contextlib.contextmanager
     def on_stream(self) -> Iterator[None]:
         """Run a public engine call on the engine's stream, ordered after and before the caller's stream

@@ -32,7 +32,7 @@ import torch
 
 from common import kernels, validate
 from common.config import DraftingConfig, SamplingConfig
-from common.engine.base import ProposeInput, StepTime
+from common.engine.base import ProposeInput, Steps, StepTime, finish
 from common.engine.cuda_graphs import CudaGraphManager, GraphConfig, batch_buckets_for
 from common.errors import CapacityExhausted, InvalidRequest
 from common.model.eagle3 import Eagle3Head
@@ -490,8 +490,13 @@ class Eagle3Drafter:
             if st.length + k > self.max_context:
                 raise CapacityExhausted(f"sequence {it.seq_id!r} is at the end of the draft context")
 
-    @torch.inference_mode()
     def propose(self, items: list[ProposeInput]) -> list[Tree]:
+        return finish(self.propose_steps(items))
+
+    @torch.inference_mode()  # a generator: torch enters the mode at each resume
+    def propose_steps(self, items: list[ProposeInput]) -> Steps[list[Tree]]:
+        """propose as steps: the drafting is launched, then (on a GPU) the call yields until it is done,
+        then reads the trees."""
         check_unique([it.seq_id for it in items])
         started = [it.seq_id for it in items if it.start]
         for it in items:
@@ -500,7 +505,12 @@ class Eagle3Drafter:
         try:
             self._check(items)
             with self.graphs.on_stream():
-                trees = self._run(items)
+                res, noise = self._launch(items)
+                launched = self.graphs.launched()
+            if launched is not None:
+                yield launched
+            with self.graphs.on_stream():
+                trees = self._read(items, res, noise)
         except BaseException:
             for s in started:
                 self.seqs.release(s)
@@ -509,9 +519,10 @@ class Eagle3Drafter:
             self.seqs.get(it.seq_id)[1].length += len(it.token_ids)
         return trees
 
-    def _run(self, items: list[ProposeInput]) -> list[Tree]:
-        b = len(items)
-        bb = self.graphs.bucket(b, self.batch_buckets)
+    def _launch(self, items: list[ProposeInput]) -> tuple[DraftOut, dict[str, torch.Tensor]]:
+        """The round's drafting queued on the device -> (its outputs, the sampling noise block: empty when
+        every sequence is greedy)."""
+        bb = self.graphs.bucket(len(items), self.batch_buckets)
         length = max(len(it.token_ids) for it in items)
         noise = self._noise_block(bb, items)
         depth = self.graphs.bucket(max(self._depth(it) for it in items), self.depth_buckets)
@@ -520,9 +531,12 @@ class Eagle3Drafter:
             packed, hidden = self._pack(items, bb, length)
             step = functools.partial(self._propose_step, depth=depth)
             key = ("propose", bb, length, depth, bool(noise))
-            res = self.graphs.run(key, step, {"packed": packed, "hidden": hidden, **noise})
-        else:
-            res = self._run_with_prompts(items, bb, depth, noise)
+            return self.graphs.run(key, step, {"packed": packed, "hidden": hidden, **noise}), noise
+        return self._run_with_prompts(items, bb, depth, noise), noise
+
+    def _read(self, items: list[ProposeInput], res: DraftOut, noise: dict[str, torch.Tensor]) -> list[Tree]:
+        """The trees of a launched round (its outputs on the host)."""
+        b = len(items)
         sampled = [i for i in range(b) if noise and noise["temp"][i] > 0]
         q = None
         if sampled:  # q crosses to the host for the sampling rows only

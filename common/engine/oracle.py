@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from common.engine.base import ProposeInput, StepTime
+from common.engine.base import ProposeInput, Steps, StepTime
 from common.errors import UnknownSequence
 from common.model.llama import Batch, KVCache, LlamaModel
 from common.slots import check_unique
@@ -81,6 +81,11 @@ class _OracleBase:
             ctx.extend(it.token_ids)
             trees.append(self.tree(self.greedy(ctx, min(self.steps, it.max_depth or self.steps)), it.max_nodes))
         return trees
+
+    def propose_steps(self, items: list[ProposeInput]) -> Steps[list[Tree]]:
+        """propose as steps (common.engine.base.Steps): no wait to yield, its forwards end on the host."""
+        yield from ()
+        return self.propose(items)
 
     def tree(self, greedy: list[int], max_nodes: int) -> Tree:
         raise NotImplementedError

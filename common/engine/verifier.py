@@ -27,7 +27,17 @@ import torch
 from common import kernels, validate
 from common.acceptance import Acceptance, accept_sampled, accept_sampled_q, compaction_plan
 from common.config import LlamaConfig, SamplingConfig
-from common.engine.base import Decoded, EngineInfo, PrefillInput, PrefillOutput, StepTime, VerifyInput, VerifyOutput
+from common.engine.base import (
+    Decoded,
+    EngineInfo,
+    PrefillInput,
+    PrefillOutput,
+    Steps,
+    StepTime,
+    VerifyInput,
+    VerifyOutput,
+    finish,
+)
 from common.engine.cuda_graphs import CudaGraphManager, GraphConfig, batch_buckets_for
 from common.errors import CapacityExhausted, InvalidRequest, UnknownSequence
 from common.model.llama import Batch, KVCache, LlamaModel
@@ -355,8 +365,13 @@ class Verifier:
         kept = out.aux.gather(1, src[:, :, None].expand(b, t, out.aux.shape[-1]))  # [B, T, 3H]
         return VerifyStep(result=result, kept=kept, hidden=out.hidden, aux=out.aux)
 
-    @torch.inference_mode()
     def verify(self, items: list[VerifyInput]) -> list[VerifyOutput]:
+        return finish(self.verify_steps(items))
+
+    @torch.inference_mode()  # a generator: torch enters the mode at each resume
+    def verify_steps(self, items: list[VerifyInput]) -> Steps[list[VerifyOutput]]:
+        """verify as steps: the forward and acceptance are launched, then (on a GPU) the call yields until
+        they are done, then reads its results and commits."""
         check_unique([it.seq_id for it in items])
         states = [self._ready(it.seq_id) for it in items]
         b = len(items)
@@ -384,6 +399,10 @@ class Verifier:
             if shallow:
                 step = functools.partial(self._verify_step, max_depth=SHALLOW_DEPTH)
             out = self.graphs.run(key, step, {"packed": block})
+            launched = self.graphs.launched()
+        if launched is not None:
+            yield launched
+        with self.graphs.on_stream():
             result = out.result[:b].cpu().numpy()  # [B, T + 1] the one host synchronisation of the call
             counts = np.where(greedy, result[:, 0] + 1, 0).tolist()  # [B] tokens of each greedy sequence
             kept = out.kept[:b, : max(counts)].clone() if max(counts) else None  # outlives the next replay

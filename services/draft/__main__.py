@@ -93,9 +93,9 @@ def build_drafter(args: argparse.Namespace) -> Built:
     return Built(drafter, drafting, 3 * head.cfg.target_hidden_size, ckpt.config.vocab_size)
 
 
-def draft_service(args: argparse.Namespace, local_buffers=None, own_thread: bool = False) -> tuple:
-    """The draft service to serve: (add_servicer, servicer, service name). local_buffers, own_thread: see
-    DraftServicer (when both engines share this process)."""
+def draft_service(args: argparse.Namespace, local_buffers=None) -> tuple:
+    """The draft service to serve: (add_servicer, servicer, service name). local_buffers: see DraftServicer
+    (when both engines share this process)."""
     import torch
 
     from services.draft.server import DraftServicer
@@ -111,7 +111,7 @@ def draft_service(args: argparse.Namespace, local_buffers=None, own_thread: bool
         lease_ttl=args.lease_ttl,
         max_sequences=args.max_sequences,
         local_buffers=local_buffers,
-        own_thread=own_thread,
+        poll=not args.block_on_device,
     )
     return internal_pb2_grpc.add_DraftServicer_to_server, servicer, "specdec.v1.Draft"
 

@@ -12,7 +12,7 @@ import torch
 
 from common import validate
 from common.config import DraftingConfig
-from common.engine.base import Drafter, ProposeInput
+from common.engine.base import Drafter, ProposeInput, Steps
 from common.errors import InvalidRequest
 from common.ipc import ExportedBuffer, MappedBuffers, gpu_uuid
 from common.slots import check_unique
@@ -39,22 +39,19 @@ class DraftServicer(pb_grpc.DraftServicer):
         lease_ttl: float,
         max_sequences: int = 0,
         local_buffers: Callable[[str], torch.Tensor | None] | None = None,
-        own_thread: bool = False,
+        poll: bool = True,
     ) -> None:
         self.drafter, self.drafting, self.hidden_width, self.device = drafter, drafting, hidden_width, device
         self.vocab_size = vocab_size  # the base model's: every token id we are sent must index its embeddings
         self.max_sequences = max_sequences  # 0: no fixed limit
         self.gpu_uuid = gpu_uuid(device)
-        # per-round calls inline on the event loop on a GPU (milliseconds: the thread hop costs more than it
-        # saves, see services/engine_runner.py); on CPU a call takes long enough to hold up lease renewals
-        # and health checks, so it stays on the engine thread
-        # own_thread (colocated with the verifier): proposals on the engine thread even on a GPU, so that
-        # they run while the verifier's call holds the event loop (their kernels side by side: one process)
-        self.inline = device.type == "cuda" and not own_thread
+        # per-round calls on the event loop on a GPU, giving it back while the device works (poll), and on
+        # the engine thread on CPU (services/engine_runner.py)
+        self.inline = device.type == "cuda"
         self.mapped = MappedBuffers(device)
         # colocated with the verifier: its exported buffer by id, read in place (no IPC handle to open)
         self.local_buffers = local_buffers
-        self.runner = EngineRunner("draft")
+        self.runner = EngineRunner("draft", poll)
         self.leases = SequenceLeases(lease_ttl, self.drafter.release, self.runner)
         # the engine's step times, measured once before serving, for the gateway's speculation policy
         self.step_costs = [
@@ -78,11 +75,11 @@ class DraftServicer(pb_grpc.DraftServicer):
         are raised as they are."""
         return await self._owned(items, owner, self._propose_inputs, items)
 
-    def _propose_inputs(self, items: list[ProposeInput]) -> tuple[list[Tree], float]:
+    def _propose_inputs(self, items: list[ProposeInput]) -> Steps[tuple[list[Tree], float]]:
         # no synchronisation before answering, unlike _propose: the rows are the verifier's own tensors,
         # not a region it rewrites, and the drafter's result reached the host after its reads of them
         t0 = time.perf_counter()
-        trees = self.drafter.propose(items)
+        trees = yield from self.drafter.propose_steps(items)
         return trees, time.perf_counter() - t0
 
     async def Release(self, request, context):
@@ -108,7 +105,7 @@ class DraftServicer(pb_grpc.DraftServicer):
         self.leases.admit(len(started))
         self.leases.touch([it.seq_id for it in items if not it.start])
         try:
-            out = await self.runner.run(fn, *args, inline=self.inline)
+            out = await self.runner.steps(fn, *args, inline=self.inline)
         except BaseException:
             if started:
                 await self.runner.run(self.drafter.release, started)
@@ -158,7 +155,7 @@ class DraftServicer(pb_grpc.DraftServicer):
             step_costs=self.step_costs,
         )
 
-    def _propose(self, request: pb.ProposeRequest) -> pb.ProposeResponse:
+    def _propose(self, request: pb.ProposeRequest) -> Steps[pb.ProposeResponse]:
         if not request.items:
             raise InvalidRequest("propose request has no items")
         check_unique([it.seq_id for it in request.items])
@@ -189,7 +186,7 @@ class DraftServicer(pb_grpc.DraftServicer):
         restarted = [it.seq_id for it in items if it.start]
         self.drafter.release(restarted)  # start on a sequence we hold restarts it (a gateway catching us up)
         t0 = time.perf_counter()
-        trees = self.drafter.propose(items)
+        trees = yield from self.drafter.propose_steps(items)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # IPC reads done before we answer
         compute_us = int((time.perf_counter() - t0) * 1e6)

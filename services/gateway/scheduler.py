@@ -91,6 +91,12 @@ log = logging.getLogger(__name__)
 # a queued Verify is sent this long before the call in flight is expected to start its last round (_hold):
 # the gateway's work to send it, the hop, and the estimate's error
 HOLD_MARGIN_S = 0.002
+# a joiner's first tree comes through its prefill (chained) only for prompts up to this many tokens; a longer
+# one's first tree is asked for here and the joiner sits out until it is in (_early_trees). A chained first
+# tree holds the whole call it joins, and the draft's pass over a longer prompt runs past its captured accept
+# graphs (512 tokens by default: common.engine.draft, eager beyond). Chained, a 2,038-token prompt in 512-token
+# chunks stalled its 16 neighbours' streams for 0.35-2.4 s in 4 of 7 runs (docs/benchmarks.md, session 16)
+CHAINED_FIRST_TREE_TOKENS = 512
 
 
 @dataclass(eq=False)  # identity: rounds test membership of 64-long lists (a field-wise __eq__ cost ms)
@@ -875,8 +881,11 @@ class Scheduler:
 
     def _first_tree(self, a: Active) -> tuple[int, int] | None:
         """(depth, nodes) of the first tree the verifier asks the draft for after a's prefill, or None: no
-        chaining, a degraded draft, no shape chosen for its group yet, or a plain one."""
+        chaining, a degraded draft, a long prompt (CHAINED_FIRST_TREE_TOKENS), no shape chosen for its group
+        yet, or a plain one."""
         if not self.cfg.draft_address or self.draft_link.degraded:
+            return None
+        if len(a.gen.request.prompt_ids) > CHAINED_FIRST_TREE_TOKENS:
             return None
         return self._next_tree(a, self._decided.get(a.group))
 

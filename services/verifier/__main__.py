@@ -49,7 +49,7 @@ async def main(args: argparse.Namespace) -> None:
             export = servicer.export
             return export.buffer if export is not None and export.exported.buffer_id == buffer_id else None
 
-        services.append(draft_service(args, local_buffers=exported, own_thread=args.draft_thread))
+        services.append(draft_service(args, local_buffers=exported))
         draft_here = services[0][1]
     servicer = VerifierServicer(
         engine,
@@ -58,7 +58,7 @@ async def main(args: argparse.Namespace) -> None:
         lease_ttl=args.lease_ttl,
         draft_timeout=args.draft_timeout,
         draft_here=draft_here,
-        engine_thread=args.engine_thread,
+        poll=not args.block_on_device,
     )
     services.insert(0, (internal_pb2_grpc.add_VerifierServicer_to_server, servicer, "specdec.v1.Verifier"))
     await serve(args.addr, services, args.port_file, args.drain_grace)
@@ -76,23 +76,10 @@ def cli() -> None:
         help="seconds a chained propose may take before its sequences fall back to plain decoding",
     )
     p.add_argument(
-        "--engine-thread",
-        action="store_true",
-        help="on a GPU, run the per-round engine calls (verify, decode) on the engine thread instead of inline on "
-        "the event loop, so that gRPC calls (prefills, releases, the stream's messages) are answered while the GPU "
-        "works; each call then pays a thread hop (an experiment: docs/benchmarks.md, session 15)",
-    )
-    p.add_argument(
         "--draft-here",
         action="store_true",
         help="run the draft engine in this process too and serve specdec.v1.Draft on this port (the "
         "drafter's flags below apply)",
-    )
-    p.add_argument(
-        "--draft-thread",
-        action="store_true",
-        help="with --draft-here: the draft's engine calls on a thread of their own, so that a proposal runs "
-        "while a verification does (with the gateway's --round-groups 2)",
     )
     from services.draft.__main__ import draft_arguments
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from common.config import SamplingConfig
-from common.engine.base import PrefillInput, PrefillOutput, ProposeInput, VerifierEngine, VerifyInput
+from common.engine.base import PrefillInput, PrefillOutput, ProposeInput, Steps, VerifierEngine, VerifyInput
 from common.errors import CapacityExhausted, InvalidRequest, UnknownSequence
 from common.ipc import HiddenExport, gpu_uuid
 from common.slots import check_unique
@@ -50,7 +50,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         lease_ttl: float,
         draft_timeout: float = 10.0,
         draft_here: DraftServicer | None = None,  # this process's draft (--draft-here): chained proposals call it
-        engine_thread: bool = False,  # per-round engine calls on the engine thread on a GPU too (--engine-thread)
+        poll: bool = True,  # per-round engine calls give the event loop back while the device works (EngineRunner)
     ) -> None:
         if not 1 <= max_sequences < engine.info.max_sequences:
             raise ValueError(
@@ -60,14 +60,12 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self.engine, self.hidden_width, self.max_sequences = engine, hidden_width, max_sequences
         self.device = torch.device(engine.info.device)
         self.gpu_uuid = gpu_uuid(self.device)
-        # per-round calls inline on the event loop on a GPU (milliseconds: the thread hop costs more than it
-        # saves, see services/engine_runner.py); on CPU a call takes long enough to hold up lease renewals
-        # and health checks, so it stays on the engine thread. engine_thread: on the engine thread on a GPU
-        # too, so that the event loop answers gRPC calls while the GPU works (inline, a Prefill call at c=16
-        # took 18 ms at the gateway against 5.4 in the verifier, H100, docs/benchmarks.md session 15)
-        self.inline = self.device.type == "cuda" and not engine_thread
+        # per-round calls on the event loop on a GPU, giving it back while the device works (poll), and on
+        # the engine thread on CPU, where a call takes long enough to hold up lease renewals and health checks
+        # (services/engine_runner.py)
+        self.inline = self.device.type == "cuda"
         self.export: HiddenExport | None = None  # set once the draft has mapped our buffer
-        self.runner = EngineRunner("verifier")
+        self.runner = EngineRunner("verifier", poll)
         self.leases = SequenceLeases(lease_ttl, self._release_ids, self.runner)
         # the next trees of chained sequences (a propose not answered within draft_timeout fails its items)
         self.hand_over = False  # the draft is here (colocate)
@@ -190,7 +188,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
     async def _run_verify(
         self, request: pb.VerifyRequest, failed: dict[str, str], chained: dict[str, object]
     ) -> tuple[pb.VerifyResponse, dict[str, ProposeInput]]:
-        return await self.runner.run(self._verify, request, failed, chained, inline=self.inline)
+        return await self.runner.steps(self._verify, request, failed, chained, inline=self.inline)
 
     def _check_chain(self, request: pb.VerifyRequest, ids: list[str]) -> None:
         """Known, distinct sequences (ids: the items' ids) and well-formed protocol fields, checked before
@@ -364,7 +362,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
     def _verify(
         self, request: pb.VerifyRequest, failed: dict[str, str], chained: dict[str, object]
-    ) -> tuple[pb.VerifyResponse, dict[str, ProposeInput]]:
+    ) -> Steps[tuple[pb.VerifyResponse, dict[str, ProposeInput]]]:
         """Every item but the `failed` ones (chained trees that never came: answered with draft_error), each
         with its tree in `chained` (seq id -> a message from a draft service, or the engine tree of the draft
         here, verified as it is) or else its own. With the draft here, the outcome of each item that asks
@@ -385,7 +383,9 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         if any(t.size == 0 or t.size > info.max_tree_nodes for t in trees):
             raise InvalidRequest(f"a tree has no nodes or more than {info.max_tree_nodes}")
         t0 = time.perf_counter()
-        outs = self.engine.verify([VerifyInput(seq_id=ids[i], tree=t) for i, t in zip(todo, trees)]) if todo else []
+        outs = []
+        if todo:
+            outs = yield from self.engine.verify_steps([VerifyInput(ids[i], t) for i, t in zip(todo, trees)])
         resp = pb.VerifyResponse(compute_us=int((time.perf_counter() - t0) * 1e6))
         add = resp.results.add
         results = []  # the verified items' results, in item order

@@ -138,6 +138,38 @@ def test_float32_speculative_equals_plain(f32, prompts) -> None:
     assert run_spec(verifier, oracle, prompts, 64, 8, 60).outputs == plain
 
 
+def test_steps_yield_until_the_device_is_done(f32, prompts) -> None:
+    """On a GPU, propose_steps and verify_steps yield an event once their work is launched (what the
+    services' event loop polls while it answers other calls); driven as steps, with the other engine working
+    while they wait, they give what the blocking calls give on a twin sequence with the same prompt."""
+    verifier, drafter, _ = f32
+    greedy = SamplingConfig()
+    (pa,) = verifier.prefill_batch([PrefillInput("steps-a", prompts[0], greedy)])
+    proposing = drafter.propose_steps([ProposeInput.after_prefill("steps-a", prompts[0], pa, 60)])
+    event = next(proposing)
+    assert isinstance(event, torch.cuda.Event)
+    (pb,) = verifier.prefill_batch([PrefillInput("steps-b", prompts[0], greedy)])  # while a's drafting runs
+    with pytest.raises(StopIteration) as done:
+        event.synchronize()
+        next(proposing)
+    (tree_a,) = done.value.value
+    (tree_b,) = drafter.propose([ProposeInput.after_prefill("steps-b", prompts[0], pb, 60)])
+    assert tree_a.tokens.tolist() == tree_b.tokens.tolist() and tree_a.parents.tolist() == tree_b.parents.tolist()
+    verifying = verifier.verify_steps([VerifyInput("steps-a", tree_a)])
+    event = next(verifying)
+    assert isinstance(event, torch.cuda.Event)
+    while not event.query():
+        pass
+    with pytest.raises(StopIteration) as done:
+        next(verifying)
+    (out_a,) = done.value.value
+    (out_b,) = verifier.verify([VerifyInput("steps-b", tree_b)])
+    assert out_a.tokens == out_b.tokens and len(out_a.tokens) >= 1
+    torch.testing.assert_close(out_a.hidden, out_b.hidden)
+    for eng in (verifier, drafter):
+        eng.release(["steps-a", "steps-b"])
+
+
 def test_triton_and_reference_kernels_agree_bf16(ckpt, prompts, monkeypatch) -> None:
     """One prefill and decode in bf16 with the Triton kernels and with the reference: same tokens for
     most steps (bf16 rounds differently), reported as an agreement rate."""

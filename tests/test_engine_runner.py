@@ -1,0 +1,119 @@
+"""services.engine_runner: an engine call's steps (common.engine.base.Steps) on the event loop give the loop
+back at each wait for the device, keep the engine theirs until they end, and end even when their caller
+goes away. The device is played by hand: an event that completes when the test says so."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services.engine_runner import EngineRunner
+
+
+class HandEvent:
+    """A device wait: query() is False until the test sets done; synchronize() blocks until done (here: sets it)."""
+
+    def __init__(self) -> None:
+        self.done = False
+        self.queries = 0
+        self.synchronized = False
+
+    def query(self) -> bool:
+        self.queries += 1
+        return self.done
+
+    def synchronize(self) -> None:
+        self.synchronized = self.done = True
+
+
+def two_waits(log: list[str], events: list[HandEvent]):
+    """An engine call that launches, waits, reads and launches again, waits, reads."""
+    log.append("launch 1")
+    yield events[0]
+    log.append("read 1, launch 2")
+    yield events[1]
+    log.append("read 2")
+    return "result"
+
+
+async def device(runner: EngineRunner, log: list[str], events: list[HandEvent]) -> None:
+    """Other work on the loop: it runs while the call waits (the call has polled its event), with the engine
+    still held by the call, and then completes the device's work."""
+    for i, e in enumerate(events):
+        while not e.queries:
+            await asyncio.sleep(0)
+        log.append(f"other work during wait {i + 1}, engine held: {runner._engine.locked()}")
+        e.done = True
+
+
+def test_steps_give_the_loop_back_while_the_device_works():
+    async def main():
+        runner, log, events = EngineRunner("test"), [], [HandEvent(), HandEvent()]
+        call = asyncio.create_task(runner.steps(two_waits, log, events, inline=True))
+        other = asyncio.create_task(device(runner, log, events))
+        assert await call == "result"
+        await other
+        assert not runner._engine.locked()
+        runner.close()
+        return log, events
+
+    log, events = asyncio.run(main())
+    assert log == [
+        "launch 1",
+        "other work during wait 1, engine held: True",
+        "read 1, launch 2",
+        "other work during wait 2, engine held: True",
+        "read 2",
+    ]
+    assert not any(e.synchronized for e in events)  # polled, never blocked on
+
+
+def test_blocking_runner_holds_the_loop_until_the_call_ends():
+    async def main():
+        runner, log, events = EngineRunner("test", poll=False), [], [HandEvent(), HandEvent()]
+        other = asyncio.create_task(asyncio.sleep(0))  # ready to run: it cannot before the call has ended
+        assert await runner.steps(two_waits, log, events, inline=True) == "result"
+        log.append(f"other task done: {other.done()}")
+        runner.close()
+        return log, events
+
+    log, events = asyncio.run(main())
+    assert log == ["launch 1", "read 1, launch 2", "read 2", "other task done: False"]
+    assert all(e.synchronized for e in events)
+
+
+def test_a_busy_engine_runs_the_steps_on_its_thread_after_the_call_in_progress():
+    async def main():
+        runner, log, events = EngineRunner("test"), [], [HandEvent(), HandEvent()]
+        runner._engine.acquire()  # a prefill in progress on the engine thread
+        call = asyncio.create_task(runner.steps(two_waits, log, events, inline=True))
+        await asyncio.sleep(0.05)
+        log.append("prefill over")
+        runner._engine.release()
+        assert await call == "result"
+        runner.close()
+        return log, events
+
+    log, events = asyncio.run(main())
+    assert log == ["prefill over", "launch 1", "read 1, launch 2", "read 2"]
+    assert all(e.synchronized for e in events)  # the thread blocks at its waits
+
+
+def test_a_call_whose_caller_goes_away_still_ends_before_the_engine_is_free():
+    async def main():
+        runner, log, events = EngineRunner("test"), [], [HandEvent(), HandEvent()]
+        call = asyncio.create_task(runner.steps(two_waits, log, events, inline=True))
+        while not events[0].queries:
+            await asyncio.sleep(0)
+        call.cancel()  # e.g. its gRPC call was cancelled while the device works
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        locked = runner._engine.locked()
+        runner.close()
+        return log, events, locked
+
+    log, events, locked = asyncio.run(main())
+    assert log == ["launch 1", "read 1, launch 2", "read 2"]  # the engine's state follows its launched work
+    assert all(e.synchronized for e in events)
+    assert not locked
