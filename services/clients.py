@@ -301,10 +301,27 @@ class _ServiceClient:
 
 
 class VerifierClient(_ServiceClient):
+    """Verify calls go on one stream per lane (the gateway's round groups): the verifier answers a stream's
+    calls one after the other and different streams' side by side, so that one group's call never waits for
+    another's rounds (its draft's proposals then run while the other group is verified)."""
+
     service = "verifier"
 
     def __init__(self, address: str, timeout: float = 120.0) -> None:
         super().__init__(address, timeout, pb_grpc.VerifierStub, "VerifyStream", "Verify")
+        self._lanes: dict[int, StreamedCall] = {}  # lanes after the first (`streamed`), made on first use
+
+    def lane(self, i: int) -> StreamedCall:
+        if i == 0:
+            return self.streamed
+        if i not in self._lanes:
+            self._lanes[i] = StreamedCall(self.stub.VerifyStream, self.stub.Verify, self.timeout)
+        return self._lanes[i]
+
+    async def close(self) -> None:
+        for lane in self._lanes.values():
+            lane.close()
+        await super().close()
 
     @property
     def _verify(self) -> StreamedCall:  # the name bench/rpc_bench.py uses
@@ -339,10 +356,11 @@ class VerifierClient(_ServiceClient):
         stream: bool = True,
         rounds: int = 1,
         cut: bool = False,
+        lane: int = 0,
     ) -> VerifiedRound:
         """draft: the draft's address as the verifier reaches it (for items with `next`); rounds: at most
         this many rounds in the call (VerifyRequest.rounds); cut: the call before it on the stream stops
-        after its current round (VerifyRequest.cut)."""
+        after its current round (VerifyRequest.cut); lane: the stream it goes on (a round group's)."""
         req = pb.VerifyRequest(draft=draft, owner=owner, rounds=rounds if rounds > 1 else 0, cut=cut)
         add = req.items.add
         for it in items:  # one copy of each tree (a VerifyItem list would copy twice)
@@ -352,7 +370,7 @@ class VerifierClient(_ServiceClient):
                 add(seq_id=it.seq_id, chained=True, next_depth=depth, next_nodes=nodes, follows=it.follows, **rules)
             else:
                 add(seq_id=it.seq_id, tree=it.tree, next_depth=depth, next_nodes=nodes, **rules)
-        resp = await (self.streamed(req) if stream else _call(self.stub.Verify, req, self.timeout))
+        resp = await (self.lane(lane)(req) if stream else _call(self.stub.Verify, req, self.timeout))
         results = [
             Verified(
                 tokens=list(r.accepted_tokens),

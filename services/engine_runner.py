@@ -9,7 +9,8 @@ loop whenever the engine is free, as steps (common.engine.base.Steps): the call 
 then the loop answers other calls, polling the call's event between them, until the device is done, and the
 call reads its results. (Before session 16 the loop blocked in the call: under load a Prefill call waited
 12 ms at c=16 for the loop's turn.) On the engine thread when the engine is busy (a lock keeps the engine to
-one caller at a time). On CPU a call can take a second, long enough to hold up lease renewals and health
+one caller at a time). Plain decoding's multi-step call (Decode) still holds the loop until it is done: it
+is not split into steps yet. On CPU a call can take a second, long enough to hold up lease renewals and health
 checks: there they stay on the engine thread."""
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class EngineRunner:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
         self._engine = threading.Lock()  # held by whoever runs an engine call
         self.poll = poll
+        self._stepping: asyncio.Event | None = None  # set when the inline call holding the engine ends
         self.log = logging.getLogger(f"services.{name}")
 
     async def run(self, fn: Callable[..., T], *args, inline: bool = False) -> T:
@@ -54,13 +56,21 @@ class EngineRunner:
     async def steps(self, fn: Callable[..., Steps[T]], *args, inline: bool = False) -> T:
         """The result of fn(*args)'s steps. With inline and the engine free, on the event loop: at each of
         the call's waits for the device the loop runs other callbacks, polling the wait's event between them
-        (poll; else it blocks); the engine stays the call's until it returns. Else on the engine thread,
-        blocking at its waits, after the call in progress."""
-        if inline and self._engine.acquire(blocking=False):
-            try:
-                return await self._stepped(fn(*args)) if self.poll else finish(fn(*args))
-            finally:
-                self._engine.release()
+        (poll; else it blocks); the engine stays the call's until it returns. An inline call that finds
+        another inline call's steps holding the engine (two round groups' calls) waits for them on the loop
+        and then runs inline. Else on the engine thread, blocking at its waits, after the call in progress
+        (a prefill there)."""
+        if inline:
+            while self._stepping is not None:
+                await self._stepping.wait()
+            if self._engine.acquire(blocking=False):
+                self._stepping = asyncio.Event()
+                try:
+                    return await self._stepped(fn(*args)) if self.poll else finish(fn(*args))
+                finally:
+                    self._engine.release()
+                    self._stepping, ended = None, self._stepping
+                    ended.set()
         return await asyncio.get_running_loop().run_in_executor(self._pool, self._locked, _finished, fn, *args)
 
     async def _stepped(self, steps: Steps[T]) -> T:

@@ -117,3 +117,28 @@ def test_a_call_whose_caller_goes_away_still_ends_before_the_engine_is_free():
     assert log == ["launch 1", "read 1, launch 2", "read 2"]  # the engine's state follows its launched work
     assert all(e.synchronized for e in events)
     assert not locked
+
+
+def test_a_second_inline_call_waits_on_the_loop_and_runs_inline_after_the_first():
+    """Two round groups' verifies: the second finds the first's steps holding the engine, waits for them on
+    the loop (not on the engine thread) and then runs inline too: its waits are polled, not blocked on."""
+
+    async def main():
+        runner, log, log_a, log_b = EngineRunner("test"), [], [], []
+        first, second = [HandEvent(), HandEvent()], [HandEvent(), HandEvent()]
+        a = asyncio.create_task(runner.steps(two_waits, log_a, first, inline=True))
+        b = asyncio.create_task(runner.steps(two_waits, log_b, second, inline=True))
+        for e in first + second:  # the device completes each wait once it is polled
+            async with asyncio.timeout(2):  # never polled: blocked on (the engine thread's way)
+                while not e.queries and not e.synchronized:
+                    await asyncio.sleep(0)
+            log.append(("a" if e in first else "b", len(log_a), len(log_b)))
+            e.done = True
+        assert await a == await b == "result"
+        runner.close()
+        return log, first + second
+
+    log, events = asyncio.run(main())
+    # (whose wait completed, a's progress, b's progress): b starts only after a has read its results
+    assert log == [("a", 1, 0), ("a", 2, 0), ("b", 3, 1), ("b", 3, 2)]
+    assert not any(e.synchronized for e in events)

@@ -181,7 +181,7 @@ def test_pinned_trees_run_several_rounds_a_call() -> None:
     [
         ({}, "cuda:0", 4),  # auto on a GPU
         ({}, "cpu", 1),  # auto on a CPU
-        ({"groups": 2}, "cuda:0", 1),  # auto with two round groups: they share the Verify stream
+        ({"groups": 2}, "cuda:0", 4),  # auto with two round groups: a Verify stream each
         ({"rounds_per_call": 3, "groups": 2}, "cuda:0", 3),  # asked for: kept
         ({"rounds_per_call": 2}, "cpu", 2),
     ],

@@ -78,6 +78,13 @@ class FakeVerifier(VerifierClient):
         self.chain = DraftChain(lambda address: draft if address == DRAFT else None)
         self.streamed = self._verify_call
 
+    def lane(self, i: int):  # every round group's stream: the same fake transport (`streamed`), the lane logged
+        async def call(request: pb.VerifyRequest) -> pb.VerifyResponse:
+            self.log.append(("lane", i, [it.seq_id for it in request.items]))
+            return await self.streamed(request)
+
+        return call
+
     def _hidden(self, tokens: list[int]) -> pb.TensorRef:
         return pb.TensorRef()
 
@@ -322,6 +329,8 @@ def test_two_groups_run_their_rounds_concurrently() -> None:
     assert outs == [list(range(f + 1, f + 11)) for f in (100, 200, 300, 400)]
     verified = [set(e[1]) for e in log if e[0] == "verify"]
     assert {"gw-0", "gw-2"} in verified and {"gw-1", "gw-3"} in verified  # two groups, alternating admission
+    lanes = {(e[1], s) for e in log if e[0] == "lane" for s in e[2]}  # each group's calls on its own stream
+    assert lanes == {(0, "gw-0"), (0, "gw-2"), (1, "gw-1"), (1, "gw-3")}
     # a verify of one group lies between the propose and the answer of the other group's call
     interleaved = any(
         log[i][0] == "propose"

@@ -210,6 +210,16 @@ def test_a_joiners_first_tree_is_asked_for_by_its_prefill_and_waits_at_the_verif
     assert ("gw-1" in chained[0]) != long_prompt if chained else long_prompt
 
 
+def test_a_request_that_ends_with_its_first_token_asks_for_no_first_tree() -> None:
+    """gw-1 (max_tokens 1) arrives when its group's next shape is chosen, as in the test above: its first
+    token ends it, so its prefill asks the draft for nothing (a pass over its prompt would be wasted, and the
+    draft's other work would wait for it) and no Verify names it."""
+    outs, log, _ = _queued([(100, 60), (200, 1)], accept=2, stagger=0.02)
+    assert outs == [list(range(101, 161)), [201]]
+    assert ("first-tree", "gw-1") not in log
+    assert not [e for e in log if e[0] == "sent" and "gw-1" in e[1]]
+
+
 def test_a_prompt_arriving_during_a_prefill_goes_in_when_that_prefill_is_over() -> None:
     """4 rounds a call, 30 ms a round, prefills of 10 ms: gw-1 arrives 3 ms into call 2 and is prefilled at
     once; gw-2 arrives 3 ms later, while gw-1's prefill runs. gw-2's prefill call goes out when gw-1's is

@@ -83,6 +83,9 @@
 #   bench/device/policy.sh stallab the 2,000-token prompt joining 16 running streams (bench.prefill_stall) in 512-token
 #                                  chunks, whole, and chunked again with this tree, then chunked and whole with
 #                                  OLD's (a folder holding an older tree, unpacked as for `cut`)
+#   bench/device/policy.sh lanes   session 16's round groups on a Verify stream each: the engine's closed loop, then the
+#                                  colocated services (defaults) with --round-groups 1 and 2, alternated one, two,
+#                                  two, one, 6x60 pinned and the policy, c=16 and 64, PER_WORKER (8)
 #   bench/device/policy.sh stalldiag the long prompt in 512-token chunks, speculative, on three stacks one after the
 #                                  other (bench.prefill_stall), then the warnings and errors of every stack's
 #                                  services (their logs stay in /tmp/specdec-*), then the GPU engine tests
@@ -271,6 +274,19 @@ case "$mode" in
     (cd "$old" && timeout 150 python3 -m bench.prefill_stall "${st[@]}" --prefill-chunk 512,0 --out /tmp/stall-old) \
       > "$out/stall-old.log" 2>&1
     for v in new old; do echo "$v"; grep -E "^\| (whole|512)" "$out/stall-$v.log"; done ;;
+  lanes)
+    pw=${PER_WORKER:-8}
+    timeout 150 python3 -m bench.engine_bench --device cuda --head models/eagle3-smollm2 --prompts 32 --concurrency 16,64 \
+      --methods closed --requests-per-worker "$pw" --out /tmp/engine-lanes > "$out/engine.log" 2>&1
+    grep -E "^speculative" "$out/engine.log"
+    lp=(--device cuda --ipc on --max-new-tokens 128 --max-context 1024 --concurrency 16,64 --prompts 32
+        --requests-per-worker "$pw" --modes tree:6x60,spec --colocate on --head models/eagle3-smollm2)
+    for run in 1-one 2-two 3-two 4-one; do
+      groups=1; [ "${run#*-}" = two ] && groups=2
+      timeout 110 python3 -m bench.services_bench "${lp[@]}" --round-groups "$groups" --out "/tmp/lanes-$run" \
+        > "$out/lanes-$run.log" 2>&1
+      echo "$run"; grep -hE "tok/s total" "$out/lanes-$run.log" | sed 's/.*services_bench INFO //' | cut -c1-700
+    done ;;
   stalldiag)
     find /tmp -maxdepth 1 -name 'specdec-*' ! -name specdec-model -exec rm -rf {} +  # earlier stacks' logs
     timeout 200 python3 -m bench.prefill_stall --device cuda --concurrency 16 --prompt-tokens 2000 \

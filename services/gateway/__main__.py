@@ -89,12 +89,11 @@ class GatewayConfig:
         return tree, menu
 
     def rounds_for(self, device: str) -> int:
-        """rounds_per_call, with auto resolved for a verifier on `device` (its InfoResponse.device). Auto is 1
-        with several round groups: the groups share one Verify stream, so one group's call of k rounds
-        would hold the others' rounds back for all k."""
+        """rounds_per_call, with auto resolved for a verifier on `device` (its InfoResponse.device); each round
+        group's calls go on a Verify stream of their own (VerifierClient.lane)."""
         if self.rounds_per_call:
             return self.rounds_per_call
-        return GPU_ROUNDS_PER_CALL if device.startswith("cuda") and self.groups == 1 else 1
+        return GPU_ROUNDS_PER_CALL if device.startswith("cuda") else 1
 
 
 async def main(cfg: GatewayConfig, port_file: str | None) -> None:

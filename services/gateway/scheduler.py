@@ -341,7 +341,7 @@ class Scheduler:
             # instead of running its other rounds without them (VerifyRequest.cut), when they are enough
             cut = prev is not None and prev.k > 1 and cut_pays(len(spec) - len(follow), len(follow))
             task = asyncio.ensure_future(
-                self.verifier.verify(items, self.cfg.draft_address, self.cfg.instance_id, rounds=k, cut=cut)
+                self.verifier.verify(items, self.cfg.draft_address, self.cfg.instance_id, rounds=k, cut=cut, lane=group)
             )
             call = Call(task, spec, set(trees), shape, nxt, t0, t1, draft_s, k)
             for a in spec:
@@ -881,11 +881,13 @@ class Scheduler:
 
     def _first_tree(self, a: Active) -> tuple[int, int] | None:
         """(depth, nodes) of the first tree the verifier asks the draft for after a's prefill, or None: no
-        chaining, a degraded draft, a long prompt (CHAINED_FIRST_TREE_TOKENS), no shape chosen for its group
-        yet, or a plain one."""
-        if not self.cfg.draft_address or self.draft_link.degraded:
+        chaining, a degraded draft, a request that ends with its first token (no tree would be verified: the
+        draft's pass over the prompt would be wasted), a long prompt (CHAINED_FIRST_TREE_TOKENS), no shape
+        chosen for its group yet, or a plain one."""
+        req = a.gen.request
+        if not self.cfg.draft_address or self.draft_link.degraded or req.max_tokens <= 1:
             return None
-        if len(a.gen.request.prompt_ids) > CHAINED_FIRST_TREE_TOKENS:
+        if len(req.prompt_ids) > CHAINED_FIRST_TREE_TOKENS:
             return None
         return self._next_tree(a, self._decided.get(a.group))
 

@@ -386,6 +386,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         outs = []
         if todo:
             outs = yield from self.engine.verify_steps([VerifyInput(ids[i], t) for i, t in zip(todo, trees)])
+        # the engine call's wall: with the loop polling (EngineRunner.steps) it holds what the loop did meanwhile
         resp = pb.VerifyResponse(compute_us=int((time.perf_counter() - t0) * 1e6))
         add = resp.results.add
         results = []  # the verified items' results, in item order
