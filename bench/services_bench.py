@@ -177,9 +177,8 @@ def run(args) -> list[RunResult]:
             + ([] if ipc else ["--no-ipc"])
             + ([] if chain else ["--verifier-draft", "none"])
         )
-        verifier = ["--block-on-device"] if args.block_on_device else []
-        draft = draft + verifier
-        stack_args = dict(common_args=common, draft_args=draft, gateway_args=gw, verifier_args=verifier)
+        engines = ["--block-on-device"] if args.block_on_device else []  # the draft's and the verifier's flags
+        stack_args = dict(common_args=common, draft_args=draft + engines, gateway_args=gw, verifier_args=engines)
         with Stack(**stack_args, colocate=here) as stack:
             gw_log = (stack.log_dir / "gateway.log").read_text()
             mode = "ipc" if "CUDA IPC" in gw_log.split("hidden states between")[-1][:40] else "inline"

@@ -302,8 +302,8 @@ class _ServiceClient:
 
 class VerifierClient(_ServiceClient):
     """Verify calls go on one stream per lane (the gateway's round groups): the verifier answers a stream's
-    calls one after the other and different streams' side by side, so that one group's call never waits for
-    another's rounds (its draft's proposals then run while the other group is verified)."""
+    calls one after the other and different streams' side by side, so that one group's call does not wait
+    for all of another's rounds."""
 
     service = "verifier"
 

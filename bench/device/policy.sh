@@ -23,8 +23,6 @@
 #   bench/device/policy.sh colocate the GPU services test, then the draft in the verifier's process (--draft-here)
 #                                  against two processes, 6x60 pinned, the policy and plain at concurrency 1,
 #                                  16, 64, in the order off, on, off
-#   bench/device/policy.sh overlap the draft in the verifier's process, inline with one round group against on its
-#                                  own thread with two (--draft-thread), 6x60 and the policy at c=16, 64
 #   bench/device/policy.sh groups  services 6x60 pinned and the policy at concurrency 16 and 64 with one round
 #                                  group and with two, alternated twice (one stack per run)
 #   bench/device/policy.sh magpie  issue 11's Magpie prompts (training.pipeline prompts --magpie), resumed from
@@ -37,9 +35,6 @@
 #   bench/device/policy.sh split2  py-spy round profiles at concurrency 1, 6x60: two processes at 4 rounds per
 #                                  Verify, the draft in the verifier's process at 4 and at 1, then the engine
 #                                  in process (the baseline); the profiles back as spy.tgz
-#   bench/device/policy.sh split3  the engine in process, then the draft in the verifier's process, its proposals
-#                                  inline on the event loop against on its own thread (--draft-thread), 1 and 4
-#                                  rounds per Verify, 6x60 and the policy at concurrency 1, 16, 64
 #   bench/device/policy.sh fixcheck session 10's K/V offset fix on the GPU (its test in tests/gpu), then the long
 #                                  prompt under load at --max-context 4096 (bench.prefill_stall, whole and 512)
 #   bench/device/policy.sh handover session 11's hand-over to the draft in the verifier's process: the engine in
@@ -73,8 +68,8 @@
 #   bench/device/policy.sh stallghz the 2,000-token prompt joining 16 running streams, whole and in 512-token chunks
 #                                  (bench.prefill_stall), then ghz by reflection (GHZ: the binary) at concurrency 1,
 #                                  16, 64 (bench.ghz_load)
-#   bench/device/policy.sh loop    session 15's experiment (its flags are gone since session 16: --engine-thread
-#                                  --draft-thread, both engines' calls on their engine threads, lost at c=1 and 64)
+#   (split3, overlap and loop, the modes of the --draft-thread and --engine-thread experiments, went with those
+#   flags in session 16; their results stay in docs/benchmarks.md)
 #   bench/device/policy.sh poll    session 16's A/B: the engine in process (plain, waves, closed loop), then the
 #                                  colocated services at their defaults (the event loop answers other calls while
 #                                  the device works) and with --block-on-device (it waits in the calls, as before),
@@ -165,14 +160,6 @@ case "$mode" in
     done
     tar czf "$out/spy.tgz" -C /tmp prof-off-4 prof-on-4 prof-on-1
     engine ;;
-  split3)
-    engine
-    for t in inline thread; do
-      extra=(); [ "$t" = thread ] && extra=(--draft-thread)
-      timeout 170 "${load[@]}" --head models/eagle3-smollm2 --concurrency 1,16,64 --prompts 32 --requests-per-worker 2 --modes tree:6x60,spec \
-        --colocate on --rounds-per-call 1,4 "${extra[@]}" --out "$out/split3-$t" > "$out/split3-$t.log" 2>&1
-      echo "draft $t:"; grep -hE "tok/s total" "$out/split3-$t.log" | sed 's/.*services_bench INFO //' | cut -c1-90
-    done ;;
   handover)
     engine
     timeout 300 "${load[@]}" --head models/eagle3-smollm2 --concurrency 1,16,64 --prompts 32 --requests-per-worker 2 \
@@ -334,14 +321,6 @@ case "$mode" in
         --modes tree:6x60,spec,plain --colocate $c --out "$out/colocate-$c" > "$out/colocate-$c.log" 2>&1
       echo "colocate $c:"; grep -E "tok/s total" "$out/colocate-$c.log" | sed 's/.*services_bench INFO //' | cut -c1-200
     done ;;
-  overlap)
-    for run in "on 1 240" "thread 2 130" "on 1 130"; do  # the first colocated start fills the kernel cache
-      set -- $run
-      extra=(); [ "$1" = thread ] && extra=(--draft-thread)
-      timeout "$3" "${load[@]}" --concurrency 16,64 --prompts 32 --requests-per-worker 2 --modes tree:6x60,spec \
-        --colocate on --round-groups "$2" "${extra[@]}" --out "$out/overlap-$1" > "$out/overlap-$1.log" 2>&1
-      echo "colocated, draft $1, groups $2:"; grep -E "tok/s total" "$out/overlap-$1.log" | sed 's/.*services_bench INFO //' | cut -c1-110
-    done ;;
   groups)
     for g in 1 2 1 2; do
       timeout 140 "${load[@]}" --concurrency 16,64 --prompts 32 --requests-per-worker 2 --modes tree:6x60,spec \
@@ -353,5 +332,5 @@ case "$mode" in
     timeout 560 python3 -m training.pipeline prompts --workdir "$w" --device cuda --magpie "${MAGPIE:-120000}" \
       --magpie-batch "${MAGPIE_BATCH:-1024}" --magpie-shard 2048 --minutes "${MINUTES:-8.5}" > "$out/magpie.log" 2>&1
     tar czf "$out/magpie.tgz" -C "$w" magpie; ls "$w/magpie" | wc -l; tail -4 "$out/magpie.log" ;;
-  *) echo "usage: $0 load|order|rpc|tests|chain|stall|kernels|bench|split|split2|split3|fixcheck|rest|profile|sampling|groups|magpie" >&2; exit 2 ;;
+  *) echo "usage: $0 load|order|rpc|tests|chain|stall|kernels|bench|split|split2|fixcheck|rest|profile|sampling|groups|magpie" >&2; exit 2 ;;
 esac
