@@ -63,9 +63,9 @@ def main() -> None:
         for m in (1, 2):
             x = torch.randn(m, 576)
             res[f"matmul_{m}_row_us"] = 1e3 * median_ms(lambda x=x: F.linear(x, w), n=21)
-        v.decode_steps(["p"], 8)  # warm
+        v.decode_many(["p"], 8)  # warm
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            v.decode_steps(["p"], 8)
+            v.decode_many(["p"], 8)
     ops = prof.key_averages()
     total = sum(e.self_cpu_time_total for e in ops)
     top = sorted(ops, key=lambda e: -e.self_cpu_time_total)[:5]

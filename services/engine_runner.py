@@ -2,15 +2,14 @@
 boundary.
 
 Most calls run on the engine thread, off the event loop, so that health checks and new connections are
-answered while a long forward pass (a prefill) runs. The per-round calls (propose, verify) take a few
+answered while a long forward pass (a prefill) runs. The per-round calls (propose, verify, decode) take a few
 milliseconds on a GPU, and there the hop to the engine thread and back costs more than it saves (session 16,
 H200: 1,050 against 1,390 tok/s per request at c=1, docs/benchmarks.md). So on a GPU they run on the event
 loop whenever the engine is free, as steps (common.engine.base.Steps): the call launches its device work,
 then the loop answers other calls, polling the call's event between them, until the device is done, and the
 call reads its results. (Before session 16 the loop blocked in the call: under load a Prefill call waited
 12 ms at c=16 for the loop's turn.) On the engine thread when the engine is busy (a lock keeps the engine to
-one caller at a time). Plain decoding's multi-step call (Decode) still holds the loop until it is done: it
-is not split into steps yet. On CPU a call can take a second, long enough to hold up lease renewals and health
+one caller at a time). On CPU a call can take a second, long enough to hold up lease renewals and health
 checks: there they stay on the engine thread."""
 
 from __future__ import annotations
@@ -43,14 +42,8 @@ class EngineRunner:
         self._stepping: asyncio.Event | None = None  # set when the inline call holding the engine ends
         self.log = logging.getLogger(f"services.{name}")
 
-    async def run(self, fn: Callable[..., T], *args, inline: bool = False) -> T:
-        """fn(*args) on the engine thread; with inline, on the event loop when the engine is free (a short
-        per-round call: no thread hop), else on the engine thread after the call in progress."""
-        if inline and self._engine.acquire(blocking=False):
-            try:
-                return fn(*args)
-            finally:
-                self._engine.release()
+    async def run(self, fn: Callable[..., T], *args) -> T:
+        """fn(*args) on the engine thread, after the call in progress."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, self._locked, fn, *args)
 
     async def steps(self, fn: Callable[..., Steps[T]], *args, inline: bool = False) -> T:

@@ -359,7 +359,7 @@ def test_a_shallow_item_gets_the_tree_of_a_shallow_drafter(drafters, ckpt) -> No
 
 
 def test_multi_step_decode_equals_single_steps(verifiers) -> None:
-    """decode_steps chains the step on the device: the same tokens as one call per token, for a batch
+    """decode_many chains the step on the device: the same tokens as one call per token, for a batch
     padded to its bucket, and a sampling sequence in the batch falls back to one step."""
     exact, padded = verifiers
     ids = ["m0", "m1", "m2"]
@@ -370,13 +370,13 @@ def test_multi_step_decode_equals_single_steps(verifiers) -> None:
     for _ in range(7):
         for w, t in zip(want, exact.decode(ids)):
             w.append(t)
-    assert padded.decode_steps(ids, 7).tokens == want
+    assert padded.decode_many(ids, 7).tokens == want
     assert [padded.seqs.get(s)[1].length for s in ids] == [exact.seqs.get(s)[1].length for s in ids]
     assert padded.decode(ids) == exact.decode(ids)  # the state after the chained steps is consistent
     padded.prefill(PrefillInput("m3", PROMPTS[0], SamplingConfig(temperature=0.7, seed=1)))
-    assert [len(t) for t in padded.decode_steps(["m0", "m3"], 5).tokens] == [1, 1]
+    assert [len(t) for t in padded.decode_many(["m0", "m3"], 5).tokens] == [1, 1]
     with pytest.raises(InvalidRequest, match="steps must be >= 1"):
-        padded.decode_steps(["m0"], 0)
+        padded.decode_many(["m0"], 0)
     exact.release(ids)
     padded.release(ids + ["m3"])
 
@@ -388,12 +388,12 @@ def test_decode_features_equal_a_prefill_of_the_same_tokens(verifiers) -> None:
     _, padded = verifiers
     pre = padded.prefill(PrefillInput("f", PROMPTS[0], SamplingConfig()))
     padded.prefill(PrefillInput("g", PROMPTS[1], SamplingConfig()))
-    out = padded.decode_steps(["f", "g"], 4, with_hidden=True)
+    out = padded.decode_many(["f", "g"], 4, with_hidden=True)
     assert out.hidden.shape == (2, 4, padded.model.cfg.hidden_size * 3)
     fed = PROMPTS[0] + [pre.next_token] + out.tokens[0][:3]  # the context whose last 4 rows were decoded
     ref = padded.prefill(PrefillInput("ref", fed, SamplingConfig())).hidden[-4:]
     torch.testing.assert_close(out.hidden[0], ref, rtol=1e-4, atol=1e-4)
-    assert padded.decode_steps(["f"], 2).hidden is None
+    assert padded.decode_many(["f"], 2).hidden is None
     padded.release(["f", "g", "ref"])
 
 
@@ -409,18 +409,18 @@ def test_chunked_prefill_equals_one_prefill(verifiers) -> None:
     outs = [padded.prefill(PrefillInput("c", p, SamplingConfig(), more=i < 2)) for i, p in enumerate(parts)]
     assert [o.next_token for o in outs[:2]] == [None, None] and outs[2].next_token == whole.next_token
     torch.testing.assert_close(torch.cat([o.hidden for o in outs]), whole.hidden, rtol=1e-4, atol=1e-4)
-    assert padded.decode_steps(["c"], 6).tokens == padded.decode_steps(["w"], 6).tokens
+    assert padded.decode_many(["c"], 6).tokens == padded.decode_many(["w"], 6).tokens
     with pytest.raises(InvalidRequest, match="already exists"):
         padded.prefill(PrefillInput("c", [1, 2], SamplingConfig()))
     padded.prefill(PrefillInput("p", prompt[:4], SamplingConfig(), more=True))
     with pytest.raises(InvalidRequest, match="still being prefilled"):
-        padded.decode_steps(["p"], 1)
+        padded.decode_many(["p"], 1)
     with pytest.raises(InvalidRequest, match="still being prefilled"):
         padded.verify([VerifyInput("p", Tree(np.array([5]), np.array([-1]), np.ones(1, np.float32)))])
     with pytest.raises(InvalidRequest, match="the context holds 256"):
         padded.prefill(PrefillInput("p", [1] * 252, SamplingConfig(), more=True))
     with pytest.raises(UnknownSequence):  # the failed chunk freed it
-        padded.decode_steps(["p"], 1)
+        padded.decode_many(["p"], 1)
     padded.release(["w", "c"])
 
 
@@ -448,7 +448,7 @@ def test_batched_prefill_equals_one_prefill_each(verifiers) -> None:
     # 1e-4 one element of 25,920 failed by 2.7e-5 on one CI CPU, 2026-11-25); the tokens above are exact
     torch.testing.assert_close(outs[0].hidden, want["a"].hidden, rtol=1e-4, atol=1e-3)
     torch.testing.assert_close(outs[1].hidden, want["b"].hidden[4:], rtol=1e-4, atol=1e-3)
-    assert padded.decode_steps(["a", "b"], 4).tokens == padded.decode_steps(["a-ref", "b-ref"], 4).tokens
+    assert padded.decode_many(["a", "b"], 4).tokens == padded.decode_many(["a-ref", "b-ref"], 4).tokens
     padded.release(["b", "a-ref", "b-ref"])  # 4 slots
     padded.prefill(PrefillInput("c", a[:3], SamplingConfig(), more=True))
     bad = [
@@ -460,8 +460,8 @@ def test_batched_prefill_equals_one_prefill_each(verifiers) -> None:
         padded.prefill_batch(bad)
     for gone in ("c", "d"):
         with pytest.raises(UnknownSequence):
-            padded.decode_steps([gone], 1)
-    assert len(padded.decode_steps(["a"], 1).tokens[0]) == 1  # the existing sequence it named is untouched
+            padded.decode_many([gone], 1)
+    assert len(padded.decode_many(["a"], 1).tokens[0]) == 1  # the existing sequence it named is untouched
     padded.release(["a"])
 
 

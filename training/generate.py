@@ -171,7 +171,7 @@ def engine_generate(verifier, prompts: list[list[int]], max_new_tokens: int, eos
             return out
         ids = list(active)
         n = min(steps, min(max_new_tokens - len(active[s][1]) for s in ids))
-        for s, tokens in zip(ids, verifier.decode_steps(ids, n).tokens):
+        for s, tokens in zip(ids, verifier.decode_many(ids, n).tokens):
             active[s][1].extend(tokens)
 
 

@@ -476,10 +476,13 @@ class Verifier:
     @torch.inference_mode()
     def decode(self, seq_ids: list[str]) -> list[int]:
         """One plain decoding step for each sequence: its next token."""
-        return [t[0] for t in self.decode_steps(seq_ids, 1).tokens]
+        return [t[0] for t in self.decode_many(seq_ids, 1).tokens]
 
-    @torch.inference_mode()
-    def decode_steps(self, seq_ids: list[str], steps: int, with_hidden: bool = False) -> Decoded:
+    def decode_many(self, seq_ids: list[str], steps: int, with_hidden: bool = False) -> Decoded:
+        return finish(self.decode_many_steps(seq_ids, steps, with_hidden))
+
+    @torch.inference_mode()  # a generator: torch enters the mode at each resume
+    def decode_many_steps(self, seq_ids: list[str], steps: int, with_hidden: bool = False) -> Steps[Decoded]:
         """Up to `steps` plain decoding steps for each sequence with one host synchronisation: the step
         writes its token and length back into its input block on the device, and the graph is replayed
         again. The caller applies stop rules to the tokens (steps past a stop are wasted, not wrong).
@@ -516,6 +519,10 @@ class Verifier:
                 if j + 1 < steps:  # the next step's input: this token at the next position
                     fed["packed"][:, 0] = step.greedy
                     fed["packed"][:, 1] += 1
+            launched = self.graphs.launched()
+        if launched is not None:
+            yield launched  # as steps: the replays are queued, the host reads them once they are done
+        with self.graphs.on_stream():
             out = tokens[:b].cpu().numpy()
             for i, (_, st) in enumerate(states):
                 if not st.sampling.greedy:  # steps == 1 here

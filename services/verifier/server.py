@@ -209,7 +209,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         ids = [it.seq_id for it in request.items]
         self.leases.touch(ids)
         await self.chain.settle(ids)
-        return await self.runner.run(self._decode, request, inline=self.inline)
+        return await self.runner.steps(self._decode, request, inline=self.inline)
 
     async def _release_owned(self, request: pb.ReleaseRequest) -> pb.ReleaseResponse:
         ids = list(request.seq_ids)
@@ -414,7 +414,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self._published()
         return resp, handed
 
-    def _decode(self, request: pb.DecodeRequest) -> pb.DecodeResponse:
+    def _decode(self, request: pb.DecodeRequest) -> Steps[pb.DecodeResponse]:
         if not request.items:
             raise InvalidRequest("decode request has no items")
         if not 0 <= request.steps <= MAX_DECODE_STEPS:
@@ -423,7 +423,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         ids = [it.seq_id for it in items]
         want = [i for i, it in enumerate(items) if it.want_hidden]  # the items that want their features
         t0 = time.perf_counter()
-        out = self.engine.decode_steps(ids, max(request.steps, 1), with_hidden=bool(want))
+        out = yield from self.engine.decode_many_steps(ids, max(request.steps, 1), with_hidden=bool(want))
         resp = pb.DecodeResponse(compute_us=int((time.perf_counter() - t0) * 1e6))
         add = resp.results.add
         results = [add(seq_id=s, next_token=tokens[0], tokens=tokens) for s, tokens in zip(ids, out.tokens)]

@@ -139,9 +139,9 @@ def test_float32_speculative_equals_plain(f32, prompts) -> None:
 
 
 def test_steps_yield_until_the_device_is_done(f32, prompts) -> None:
-    """On a GPU, propose_steps and verify_steps yield an event once their work is launched (what the
-    services' event loop polls while it answers other calls); driven as steps, with the other engine working
-    while they wait, they give what the blocking calls give on a twin sequence with the same prompt."""
+    """On a GPU, propose_steps, verify_steps and decode_many_steps yield an event once their work is launched
+    (the services' event loop polls it while it answers other calls); driven as steps, with the other engine
+    working while they wait, they give what the blocking calls give on a twin sequence with the same prompt."""
     verifier, drafter, _ = f32
     greedy = SamplingConfig()
     (pa,) = verifier.prefill_batch([PrefillInput("steps-a", prompts[0], greedy)])
@@ -166,6 +166,15 @@ def test_steps_yield_until_the_device_is_done(f32, prompts) -> None:
     (out_b,) = verifier.verify([VerifyInput("steps-b", tree_b)])
     assert out_a.tokens == out_b.tokens and len(out_a.tokens) >= 1
     torch.testing.assert_close(out_a.hidden, out_b.hidden)
+    decoding = verifier.decode_many_steps(["steps-a"], 4, with_hidden=True)
+    event = next(decoding)
+    assert isinstance(event, torch.cuda.Event)
+    event.synchronize()
+    with pytest.raises(StopIteration) as done:
+        next(decoding)
+    dec_a, dec_b = done.value.value, verifier.decode_many(["steps-b"], 4, with_hidden=True)
+    assert dec_a.tokens == dec_b.tokens
+    torch.testing.assert_close(dec_a.hidden, dec_b.hidden)
     for eng in (verifier, drafter):
         eng.release(["steps-a", "steps-b"])
 
