@@ -216,7 +216,7 @@ def build(max_items: int, hidden: str, hidden_size: int = 576) -> tuple[Verifier
     mcfg = model_config(hidden_size)
     engine = HostOnlyVerifier(Checkpoint("bench", mcfg, {}, Path(".")), cfg, graphs=True)  # pads as a GPU
     servicer = VerifierServicer(engine, 3 * hidden_size, max_items, lease_ttl=3600.0)
-    servicer.inline = True  # on the event loop, as on a GPU (no engine-thread hop)
+    servicer.runner.inline = True  # on the event loop, as on a GPU (no engine-thread hop)
     if hidden == "ipc":
         i = engine.info
         servicer.export = HiddenExport(i.max_sequences, i.max_context, 3 * hidden_size, torch.float32, "cpu")
@@ -270,7 +270,7 @@ def colocate(servicer: VerifierServicer, max_items: int, hidden_size: int, messa
         graph_cfg=GraphConfig(capture=False),
     )
     draft = DraftServicer(drafter, drafting, 3 * hidden_size, VOCAB, torch.device("cpu"), lease_ttl=3600.0)
-    draft.inline = True
+    draft.runner.inline = True
     if servicer.export is not None:
         draft.mapped.add_local(servicer.export.exported.buffer_id, servicer.export.buffer)
     if messages:

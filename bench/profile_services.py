@@ -35,14 +35,15 @@ log = logging.getLogger("bench.profile_services")
 IDLE = ("select", "epoll", "_worker", "wait", "poll", "sleep", "_bootstrap")
 RATE = 250  # py-spy samples per second
 # frames as py-spy names them ("function (file:line)"), matched by function and file: the event loop's
-# turn (busy, not idle), the engine calls (inline on it, or on the engine thread), the chain's call, and
-# within them the verify, the draft's proposal, a prefill, and the draft's calls from the gateway
+# turn (busy, not idle), the engine calls (steps inline on it, or calls on the engine thread), the chain's
+# call, and within them the verify, the draft's proposal, a prefill, and the draft's calls from the gateway
 FRAMES = (
     "_run (asyncio/events.py",
-    "run (services/engine_runner.py",
+    "_stepped (services/engine_runner.py",
+    "_locked (services/engine_runner.py",
     "verify (services/verifier/chain.py",
-    "verify (common/engine/verifier.py",
-    "propose (common/engine/draft.py",
+    "verify_steps (common/engine/verifier.py",
+    "propose_steps (common/engine/draft.py",
     "_prefill (services/verifier/server.py",
     "ProposeStream (services/draft/server.py",
 )

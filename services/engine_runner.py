@@ -33,12 +33,14 @@ T = TypeVar("T")
 
 
 class EngineRunner:
-    """poll: inline steps give the event loop back while the device works (else the loop blocks in them)."""
+    """inline: per-round calls (`steps`) run on the event loop when the engine is free (a GPU engine's; a CPU
+    engine's stay on the engine thread). poll: inline steps give the event loop back while the device works
+    (else the loop blocks in them)."""
 
-    def __init__(self, name: str, poll: bool = True) -> None:
+    def __init__(self, name: str, inline: bool = False, poll: bool = True) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
         self._engine = threading.Lock()  # held by whoever runs an engine call
-        self.poll = poll
+        self.inline, self.poll = inline, poll
         self._stepping: asyncio.Event | None = None  # set when the inline call holding the engine ends
         self.log = logging.getLogger(f"services.{name}")
 
@@ -46,14 +48,14 @@ class EngineRunner:
         """fn(*args) on the engine thread, after the call in progress."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, self._locked, fn, *args)
 
-    async def steps(self, fn: Callable[..., Steps[T]], *args, inline: bool = False) -> T:
-        """The result of fn(*args)'s steps. With inline and the engine free, on the event loop: at each of
+    async def steps(self, fn: Callable[..., Steps[T]], *args) -> T:
+        """The result of fn(*args)'s steps. Inline and with the engine free, on the event loop: at each of
         the call's waits for the device the loop runs other callbacks, polling the wait's event between them
         (poll; else it blocks); the engine stays the call's until it returns. An inline call that finds
         another inline call's steps holding the engine (two round groups' calls) waits for them on the loop
         and then runs inline. Else on the engine thread, blocking at its waits, after the call in progress
         (a prefill there)."""
-        if inline:
+        if self.inline:
             while self._stepping is not None:
                 await self._stepping.wait()
             if self._engine.acquire(blocking=False):

@@ -145,16 +145,20 @@ def test_the_services_bench_reads_the_gateways_histograms(monkeypatch) -> None:
 
 def test_the_profile_report_counts_frames_by_function_and_file_per_thread(tmp_path) -> None:
     """bench.profile_services.inclusive, by hand: a main-thread stack of 3 samples through the chain's verify
-    and the engine's, an engine-thread stack of 2 through a prefill; a frame counts once per stack."""
+    and the engine's steps, an engine-thread stack of 2 through a prefill; a frame counts once per stack."""
     raw = tmp_path / "spy-verifier.txt"
     raw.write_text(
         "_run_module_as_main (<frozen runpy>:198);_run (asyncio/events.py:88);verify (services/verifier/chain.py:9);"
-        "verify (common/engine/verifier.py:387);verify (common/engine/verifier.py:389) 3\n"
-        "_bootstrap (threading.py:1030);run (services/engine_runner.py:50);_prefill (services/verifier/server.py:7) 2\n"
+        "_stepped (services/engine_runner.py:72);verify_steps (common/engine/verifier.py:387);"
+        "verify_steps (common/engine/verifier.py:389) 3\n"
+        "_bootstrap (threading.py:1030);_locked (services/engine_runner.py:96);"
+        "_prefill (services/verifier/server.py:7) 2\n"
     )
     counts = profile_services.inclusive(raw)
     assert counts[""] == (3, 2)
     assert counts["verify (services/verifier/chain.py"] == (3, 0)
-    assert counts["verify (common/engine/verifier.py"] == (3, 0)
+    assert counts["verify_steps (common/engine/verifier.py"] == (3, 0)
+    assert counts["_stepped (services/engine_runner.py"] == (3, 0)
+    assert counts["_locked (services/engine_runner.py"] == (0, 2)
     assert counts["_prefill (services/verifier/server.py"] == (0, 2)
-    assert counts["propose (common/engine/draft.py"] == (0, 0)
+    assert counts["propose_steps (common/engine/draft.py"] == (0, 0)

@@ -49,8 +49,8 @@ async def device(runner: EngineRunner, log: list[str], events: list[HandEvent]) 
 
 def test_steps_give_the_loop_back_while_the_device_works():
     async def main():
-        runner, log, events = EngineRunner("test"), [], [HandEvent(), HandEvent()]
-        call = asyncio.create_task(runner.steps(two_waits, log, events, inline=True))
+        runner, log, events = EngineRunner("test", inline=True), [], [HandEvent(), HandEvent()]
+        call = asyncio.create_task(runner.steps(two_waits, log, events))
         other = asyncio.create_task(device(runner, log, events))
         assert await call == "result"
         await other
@@ -71,9 +71,9 @@ def test_steps_give_the_loop_back_while_the_device_works():
 
 def test_blocking_runner_holds_the_loop_until_the_call_ends():
     async def main():
-        runner, log, events = EngineRunner("test", poll=False), [], [HandEvent(), HandEvent()]
+        runner, log, events = EngineRunner("test", inline=True, poll=False), [], [HandEvent(), HandEvent()]
         other = asyncio.create_task(asyncio.sleep(0))  # ready to run: it cannot before the call has ended
-        assert await runner.steps(two_waits, log, events, inline=True) == "result"
+        assert await runner.steps(two_waits, log, events) == "result"
         log.append(f"other task done: {other.done()}")
         runner.close()
         return log, events
@@ -85,9 +85,9 @@ def test_blocking_runner_holds_the_loop_until_the_call_ends():
 
 def test_a_busy_engine_runs_the_steps_on_its_thread_after_the_call_in_progress():
     async def main():
-        runner, log, events = EngineRunner("test"), [], [HandEvent(), HandEvent()]
+        runner, log, events = EngineRunner("test", inline=True), [], [HandEvent(), HandEvent()]
         runner._engine.acquire()  # a prefill in progress on the engine thread
-        call = asyncio.create_task(runner.steps(two_waits, log, events, inline=True))
+        call = asyncio.create_task(runner.steps(two_waits, log, events))
         await asyncio.sleep(0.05)
         log.append("prefill over")
         runner._engine.release()
@@ -102,8 +102,8 @@ def test_a_busy_engine_runs_the_steps_on_its_thread_after_the_call_in_progress()
 
 def test_a_call_whose_caller_goes_away_still_ends_before_the_engine_is_free():
     async def main():
-        runner, log, events = EngineRunner("test"), [], [HandEvent(), HandEvent()]
-        call = asyncio.create_task(runner.steps(two_waits, log, events, inline=True))
+        runner, log, events = EngineRunner("test", inline=True), [], [HandEvent(), HandEvent()]
+        call = asyncio.create_task(runner.steps(two_waits, log, events))
         while not events[0].queries:
             await asyncio.sleep(0)
         call.cancel()  # e.g. its gRPC call was cancelled while the device works
@@ -124,10 +124,10 @@ def test_a_second_inline_call_waits_on_the_loop_and_runs_inline_after_the_first(
     the loop (not on the engine thread) and then runs inline too: its waits are polled, not blocked on."""
 
     async def main():
-        runner, log, log_a, log_b = EngineRunner("test"), [], [], []
+        runner, log, log_a, log_b = EngineRunner("test", inline=True), [], [], []
         first, second = [HandEvent(), HandEvent()], [HandEvent(), HandEvent()]
-        a = asyncio.create_task(runner.steps(two_waits, log_a, first, inline=True))
-        b = asyncio.create_task(runner.steps(two_waits, log_b, second, inline=True))
+        a = asyncio.create_task(runner.steps(two_waits, log_a, first))
+        b = asyncio.create_task(runner.steps(two_waits, log_b, second))
         for e in first + second:  # the device completes each wait once it is polled
             async with asyncio.timeout(2):  # never polled: blocked on (the engine thread's way)
                 while not e.queries and not e.synchronized:

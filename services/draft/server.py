@@ -45,13 +45,12 @@ class DraftServicer(pb_grpc.DraftServicer):
         self.vocab_size = vocab_size  # the base model's: every token id we are sent must index its embeddings
         self.max_sequences = max_sequences  # 0: no fixed limit
         self.gpu_uuid = gpu_uuid(device)
-        # per-round calls on the event loop on a GPU, giving it back while the device works (poll), and on
-        # the engine thread on CPU (services/engine_runner.py)
-        self.inline = device.type == "cuda"
         self.mapped = MappedBuffers(device)
         # colocated with the verifier: its exported buffer by id, read in place (no IPC handle to open)
         self.local_buffers = local_buffers
-        self.runner = EngineRunner("draft", poll)
+        # per-round calls on the event loop on a GPU, giving it back while the device works (poll), and on
+        # the engine thread on CPU (services/engine_runner.py)
+        self.runner = EngineRunner("draft", inline=device.type == "cuda", poll=poll)
         self.leases = SequenceLeases(lease_ttl, self.drafter.release, self.runner)
         # the engine's step times, measured once before serving, for the gateway's speculation policy
         self.step_costs = [
@@ -105,7 +104,7 @@ class DraftServicer(pb_grpc.DraftServicer):
         self.leases.admit(len(started))
         self.leases.touch([it.seq_id for it in items if not it.start])
         try:
-            out = await self.runner.steps(fn, *args, inline=self.inline)
+            out = await self.runner.steps(fn, *args)
         except BaseException:
             if started:
                 await self.runner.run(self.drafter.release, started)

@@ -886,9 +886,9 @@ class Scheduler:
         draft's pass over the prompt would be wasted), a long prompt (CHAINED_FIRST_TREE_TOKENS), no shape
         chosen for its group yet, or a plain one."""
         req = a.gen.request
-        if not self.cfg.draft_address or self.draft_link.degraded or req.max_tokens <= 1:
+        if not self.cfg.draft_address or self.draft_link.degraded:
             return None
-        if len(req.prompt_ids) > CHAINED_FIRST_TREE_TOKENS:
+        if req.max_tokens <= 1 or len(req.prompt_ids) > CHAINED_FIRST_TREE_TOKENS:
             return None
         return self._next_tree(a, self._decided.get(a.group))
 

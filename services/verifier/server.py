@@ -60,12 +60,11 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self.engine, self.hidden_width, self.max_sequences = engine, hidden_width, max_sequences
         self.device = torch.device(engine.info.device)
         self.gpu_uuid = gpu_uuid(self.device)
+        self.export: HiddenExport | None = None  # set once the draft has mapped our buffer
         # per-round calls on the event loop on a GPU, giving it back while the device works (poll), and on
         # the engine thread on CPU, where a call takes long enough to hold up lease renewals and health checks
         # (services/engine_runner.py)
-        self.inline = self.device.type == "cuda"
-        self.export: HiddenExport | None = None  # set once the draft has mapped our buffer
-        self.runner = EngineRunner("verifier", poll)
+        self.runner = EngineRunner("verifier", inline=self.device.type == "cuda", poll=poll)
         self.leases = SequenceLeases(lease_ttl, self._release_ids, self.runner)
         # the next trees of chained sequences (a propose not answered within draft_timeout fails its items)
         self.hand_over = False  # the draft is here (colocate)
@@ -188,7 +187,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
     async def _run_verify(
         self, request: pb.VerifyRequest, failed: dict[str, str], chained: dict[str, object]
     ) -> tuple[pb.VerifyResponse, dict[str, ProposeInput]]:
-        return await self.runner.steps(self._verify, request, failed, chained, inline=self.inline)
+        return await self.runner.steps(self._verify, request, failed, chained)
 
     def _check_chain(self, request: pb.VerifyRequest, ids: list[str]) -> None:
         """Known, distinct sequences (ids: the items' ids) and well-formed protocol fields, checked before
@@ -209,7 +208,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         ids = [it.seq_id for it in request.items]
         self.leases.touch(ids)
         await self.chain.settle(ids)
-        return await self.runner.steps(self._decode, request, inline=self.inline)
+        return await self.runner.steps(self._decode, request)
 
     async def _release_owned(self, request: pb.ReleaseRequest) -> pb.ReleaseResponse:
         ids = list(request.seq_ids)
