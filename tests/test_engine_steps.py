@@ -333,6 +333,44 @@ def test_padded_drafter_matches_exact(drafters, ckpt) -> None:
         assert d.release(ids + ["w"]) == 4
 
 
+def test_a_long_accept_pass_runs_in_captured_passes(drafters, ckpt, monkeypatch) -> None:
+    """Prompts (starts) and catch-ups longer than a captured accept pass takes at their rows go in several
+    passes of a captured size, each after the ones before it in the cache: the trees are the exact drafter's
+    (one pass over everything). Here a captured pass takes 64 rows x tokens: 2 rows -> 32 tokens a pass."""
+    exact, _ = drafters
+    monkeypatch.setattr("common.engine.draft.ACCEPT_TOKENS", 64)
+    padded = Eagle3Drafter(
+        exact.head,
+        exact.embed,
+        exact.drafting,
+        4,
+        256,
+        CPU,
+        graphs=True,
+        graph_cfg=GraphConfig(batch_buckets=(1, 2, 4)),
+    )
+    keys = _count_runs(padded)
+    width = 3 * ckpt.config.hidden_size
+    gen = torch.Generator().manual_seed(11)
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(0, 5000, size=n).tolist() for n in (40, 71)]  # 40 -> 2 passes, 71 -> 3
+    starts = [
+        ProposeInput(s, p[1:] + [42], torch.randn(len(p), width, generator=gen), True, p[:1], 20)
+        for s, p in zip("ab", prompts)
+    ]
+    _same_trees(exact.propose(starts), padded.propose(starts))
+    assert [k for k in keys if k[0] == "accept"] == [("accept", 2, 32, 4)] * 3
+    keys.clear()
+    # a catch-up of both (more new tokens than a propose graph takes): 33 and 9 -> passes of 32, then 1 and 0
+    more = [
+        ProposeInput(s, rng.integers(0, 5000, size=k).tolist(), torch.randn(k, width, generator=gen), False, [], 20)
+        for s, k in zip("ab", (33, 9))
+    ]
+    _same_trees(exact.propose(more), padded.propose(more))
+    assert [k for k in keys if k[0] == "accept"] == [("accept", 2, 32, 4), ("accept", 2, 32, 4)]
+    assert exact.release(["a", "b"]) == padded.release(["a", "b"]) == 2
+
+
 def test_a_shallow_item_gets_the_tree_of_a_shallow_drafter(drafters, ckpt) -> None:
     """max_depth 2 in a call that expands 4 levels keeps exactly the tree a 2-step drafter proposes
     (deeper candidates are masked out of the selection); the graph runs at the depth bucket 2 when the

@@ -75,9 +75,13 @@
 #                                  the device works) and with --block-on-device (it waits in the calls, as before),
 #                                  RUNS in order (default 1-poll 2-block 3-block 4-poll), 6x60 pinned and plain,
 #                                  c=1, 16, 64, PER_WORKER (8) requests per worker
-#   bench/device/policy.sh stallab the 2,000-token prompt joining 16 running streams (bench.prefill_stall) in 512-token
-#                                  chunks, whole, and chunked again with this tree, then chunked and whole with
-#                                  OLD's (a folder holding an older tree, unpacked as for `cut`)
+#   bench/device/policy.sh stallab the 2,000-token prompt joining 16 running streams (bench.prefill_stall) with this
+#                                  tree, STALL_RUNS (--prefill-chunk: 512,0,512 = in 512-token chunks, whole, chunked
+#                                  again), then, when OLD names a folder holding an older tree (unpacked as for
+#                                  `cut`), chunked and whole with that tree
+#   bench/device/policy.sh stallwhy the long prompt in 512-token chunks (STALL_RUNS), a stack each, three processes
+#                                  then the draft in the verifier's process, with the gateway's metrics read every
+#                                  50 ms around it (bench.prefill_stall's trace: where the stall's time goes)
 #   bench/device/policy.sh lanes   session 16's round groups on a Verify stream each: the engine's closed loop, then the
 #                                  colocated services (defaults) with --round-groups 1 and 2, alternated one, two,
 #                                  two, one, 6x60 pinned and the policy, c=16 and 64, PER_WORKER (8)
@@ -253,14 +257,29 @@ case "$mode" in
       echo "$run"; grep -hE "tok/s total" "$out/poll-$run.log" | sed 's/.*services_bench INFO //' | cut -c1-700
     done ;;
   stallab)
-    old=${OLD:-.devcarry/old}; here=$PWD
-    (cd "$old" && ln -sfn "$here/models" models && python3 -m grpc_tools.protoc -Iprotos --python_out=. \
-      --grpc_python_out=. --pyi_out=. protos/specdec/v1/*.proto)
     st=(--device cuda --concurrency 16 --prompt-tokens 2000)
-    timeout 200 python3 -m bench.prefill_stall "${st[@]}" --prefill-chunk 512,0,512 --out /tmp/stall-new > "$out/stall-new.log" 2>&1
-    (cd "$old" && timeout 150 python3 -m bench.prefill_stall "${st[@]}" --prefill-chunk 512,0 --out /tmp/stall-old) \
-      > "$out/stall-old.log" 2>&1
-    for v in new old; do echo "$v"; grep -E "^\| (whole|512)" "$out/stall-$v.log"; done ;;
+    timeout 300 python3 -m bench.prefill_stall "${st[@]}" --prefill-chunk "${STALL_RUNS:-512,0,512}" --out /tmp/stall-new \
+      > "$out/stall-new.log" 2>&1
+    echo new; grep -E "^\| (whole|512)" "$out/stall-new.log"
+    if [ -n "${OLD:-}" ]; then  # an older tree to compare with, unpacked as for `cut`
+      here=$PWD
+      (cd "$OLD" && ln -sfn "$here/models" models && python3 -m grpc_tools.protoc -Iprotos --python_out=. \
+        --grpc_python_out=. --pyi_out=. protos/specdec/v1/*.proto)
+      (cd "$OLD" && timeout 150 python3 -m bench.prefill_stall "${st[@]}" --prefill-chunk 512,0 --out /tmp/stall-old) \
+        > "$out/stall-old.log" 2>&1
+      echo old; grep -E "^\| (whole|512)" "$out/stall-old.log"
+    fi ;;
+  stallwhy)
+    st=(--device cuda --concurrency 16 --prompt-tokens 2000 --scrape-ms 50)
+    timeout 250 python3 -m bench.prefill_stall "${st[@]}" --prefill-chunk "${STALL_RUNS:-512,512,512}" --out "$out/3p" \
+      > "$out/stall-3p.log" 2>&1
+    echo three processes; grep -E "^\| (whole|512)" "$out/stall-3p.log"
+    timeout 200 python3 -m bench.prefill_stall "${st[@]}" --prefill-chunk "${STALL_RUNS:-512,512,512}" --colocate \
+      --out "$out/co" > "$out/stall-co.log" 2>&1
+    echo colocated; grep -E "^\| (whole|512)" "$out/stall-co.log"
+    for d in $(ls -dt /tmp/specdec-* | grep -v specdec-model | head -6); do  # the stacks' catch-ups and warnings
+      echo "== $d"; grep -hE "catches up|WARNING|ERROR|Traceback" "$d"/*.log | cut -c1-200 | tail -40; done > "$out/stack-events.txt"
+    grep -hE "sent_at" "$out"/stall-*.log | grep -oE "'(speculative|sent_at|ratio)': [^,]*" | paste - - - ;;
   lanes)
     pw=${PER_WORKER:-8}
     timeout 150 python3 -m bench.engine_bench --device cuda --head models/eagle3-smollm2 --prompts 32 --concurrency 16,64 \

@@ -13,8 +13,8 @@ free). A depth-d node sits at RoPE position m + d - 1 and in scratch entry (d - 
 Step functions of static-shape tensors (_accept_step, _expand_step, and _propose_step = both) run
 eagerly on CPU at exact sizes; on a GPU the same functions are captured per batch bucket (and per count
 of new tokens, 1..steps + 1, and depth bucket) and replayed. A round with a new sequence (or more new
-tokens than steps + 1) runs its accept passes per rows x tokens bucket (captured up to ACCEPT_TOKENS,
-eager beyond), then the captured expansion.
+tokens than steps + 1) runs its accept passes per rows x tokens bucket (captured up to ACCEPT_TOKENS; more
+tokens than a captured pass takes go in several passes, _accept_span), then the captured expansion.
 
 Data flow of one propose call without new sequences:
 from common.config import DraftingConfig, SamplingConfig
@@ -458,27 +458,48 @@ class Eagle3Drafter:
         k, d = self.drafting.top_k, self._depth(it)
         return min(it.max_nodes or self.tree_size, self.tree_size, k + (d - 1) * k * k)
 
-    def _pack(self, items: list[ProposeInput], bb: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The accept inputs of items padded to bb rows and L new tokens: packed [bb, L + 4] (host) and
-        hidden [bb, L, 3H] (on the device, one gather of the items' rows).
+    def _pack(
+        self, items: list[ProposeInput], bb: int, length: int, start: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The accept inputs of items padded to bb rows and L new tokens: packed [bb, L + 5] (host) and
+        hidden [bb, L, 3H] (on the device, one gather of the items' rows). start: the pass takes each item's
+        new tokens from there on (an accept pass in several, _run_with_prompts), after the start it wrote
+        before; an item with none left there is all padding.
         Example: items with 2 and 1 new tokens, L = 3 -> hidden rows [[h0, h1, 0], [h2, 0, 0], ...]."""
         block = self._accept_block(bb, length)
         a = block.numpy()
+        counts = []  # new tokens of each item in this pass
         for i, it in enumerate(items):
             slot, st = self.seqs.get(it.seq_id)
-            k = len(it.token_ids)
-            a[i, :k] = it.token_ids
-            a[i, length:] = (st.length, k, slot, self._keep(it), self._depth(it))
-        rows = torch.cat([it.hidden.to(device=self.device, dtype=self.cache.kv.dtype) for it in items])
+            k = max(0, min(length, len(it.token_ids) - start))
+            a[i, :k] = it.token_ids[start : start + k]
+            a[i, length:] = (st.length + start, k, slot, self._keep(it), self._depth(it))
+            counts.append(k)
+        dtype = self.cache.kv.dtype
+        parts = [it.hidden[start : start + k].to(device=self.device, dtype=dtype) for it, k in zip(items, counts)]
+        rows = torch.cat(parts)
         rows = torch.cat((rows, rows.new_zeros(1, rows.shape[1])))  # [sum k + 1, 3H]
         src = np.full((bb, length), rows.shape[0] - 1, dtype=np.int64)  # padding: the zero row
         offset = 0
-        for i, it in enumerate(items):
-            k = len(it.token_ids)
+        for i, k in enumerate(counts):
             src[i, :k] = offset + np.arange(k)
             offset += k
         hidden = rows.index_select(0, torch.from_numpy(src).to(self.device).view(-1)).view(bb, length, -1)
         return block, hidden
+
+    def _accept_span(self, rows: int, longest: int) -> int:
+        """New tokens a row takes per accept pass of `rows` (a batch bucket) when the longest item brings
+        `longest`: all of them when their rows x tokens bucket has a graph (or nothing is padded to buckets),
+        else the largest tokens bucket that has one at these rows, in as many passes as it takes. An eager
+        pass costs about 16 ms of launches on an H100 and allocates its logits at full size (16 rows x 512
+        tokens: 0.8 GB), and its first run in a process may compile kernels; several replays cost what their
+        matmuls cost.
+        Example: buckets (32, ..., 512), ACCEPT_TOKENS 4096: 16 rows, 300 tokens -> 256 (passes of 256 and
+        44); 8 rows, 300 tokens -> 300 (one pass, bucket 512)."""
+        fitting = [t for t in self.accept_buckets if rows * t <= ACCEPT_TOKENS]
+        if not self.graphs.pad or not fitting or self.graphs.bucket(longest, self.accept_buckets) in fitting:
+            return longest
+        return fitting[-1]
 
     def _check(self, items: list[ProposeInput]) -> None:
         for it in items:
@@ -549,8 +570,9 @@ class Eagle3Drafter:
     ) -> DraftOut:
         """A round where sequences start or bring more new tokens than a propose graph takes: accept passes
         in two groups (new sequences over their prompts; the others over their new tokens), each padded to
-        a rows and tokens bucket and replayed where captured (eager beyond), then the expansion for
-        everyone. Padded positions are written past a row's tokens (clamped inside the slot) and never
+        a rows and tokens bucket and replayed where captured, in several passes of _accept_span tokens when
+        one captured pass cannot take them all (a catch-up of 16 sequences' whole contexts), then the
+        expansion for everyone. Padded positions are written past a row's tokens (clamped inside the slot) and never
         read before they are rewritten."""
         roots: dict[int, Root] = {}
         width = self._width(bool(noise))
@@ -559,12 +581,19 @@ class Eagle3Drafter:
             if group:
                 sub = [items[i] for i in group]
                 gb = self.graphs.bucket(len(sub), self.batch_buckets)
-                lb = self.graphs.bucket(max(len(it.token_ids) for it in sub), self.accept_buckets)
-                packed, hidden = self._pack(sub, gb, lb)
-                out = self.graphs.run(("accept", gb, lb, width), step, {"packed": packed, "hidden": hidden})
-                root = Root(*(t[: len(sub)].clone() for t in (out.hidden, out.logp, out.ids)))  # outlive a replay
-                for j, i in enumerate(group):
-                    roots[i] = Root(hidden=root.hidden[j], logp=root.logp[j], ids=root.ids[j])
+                longest = max(len(it.token_ids) for it in sub)
+                span = self._accept_span(gb, longest)
+                for start in range(0, longest, span):  # each pass attends to the ones before it in the cache
+                    lb = self.graphs.bucket(min(span, longest - start), self.accept_buckets)
+                    packed, hidden = self._pack(sub, gb, lb, start)
+                    out = self.graphs.run(("accept", gb, lb, width), step, {"packed": packed, "hidden": hidden})
+                    ends = [j for j, it in enumerate(sub) if start < len(it.token_ids) <= start + span]
+                    if not ends:
+                        continue
+                    pick = torch.tensor(ends, device=out.hidden.device)  # the rows whose last token was here
+                    root = Root(*(t.index_select(0, pick) for t in (out.hidden, out.logp, out.ids)))  # outlive a replay
+                    for r, j in enumerate(ends):
+                        roots[group[j]] = Root(hidden=root.hidden[r], logp=root.logp[r], ids=root.ids[r])
         pad = bb - len(items)
         expand = self._expand_block(bb)
         a = expand.numpy()
