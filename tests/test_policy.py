@@ -15,6 +15,8 @@ from common.policy import (
     Shape,
     StepCost,
 )
+from services.gateway.speculation import append_plain_round
+from specdec.v1 import internal_pb2 as pb
 
 MS = 1e-3
 CHAIN1, CHAIN4 = Shape(1, 1), Shape(4, 4)
@@ -182,3 +184,32 @@ def test_shape_text_round_trips():
         PolicyConfig(menu=(PLAIN,))
     with pytest.raises(ValueError):
         StepCost("prefill", 1, 1, 0.1)
+
+
+def _ipc(offset: int, rows: int, round_: int) -> pb.TensorRef:
+    """Features [rows, 4] bf16 (8 bytes a row) at offset in buffer b."""
+    ref = pb.TensorRef(shape=[rows, 4], dtype="bfloat16")
+    ref.ipc.buffer_id, ref.ipc.offset_bytes, ref.ipc.round = "b", offset, round_
+    return ref
+
+
+def test_a_plain_rounds_features_follow_the_pending_ones() -> None:
+    """Pending [5, 6] (2 rows at offset 0), a plain round's [7, 8, 9] written after them (offset 16): one
+    item of 5 tokens and 5 rows, the plain round's write round; rows elsewhere are refused."""
+    item = pb.ProposeItem(seq_id="s", token_ids=[5, 6], hidden=_ipc(0, 2, 3))
+    append_plain_round(item, [7, 8, 9], _ipc(16, 3, 7))
+    assert list(item.token_ids) == [5, 6, 7, 8, 9]
+    assert list(item.hidden.shape) == [5, 4] and item.hidden.ipc.offset_bytes == 0 and item.hidden.ipc.round == 7
+    with pytest.raises(ValueError, match="do not follow"):
+        append_plain_round(item, [10], _ipc(48, 1, 8))  # row 5 is at 40
+
+
+def test_a_plain_round_after_a_chained_one_starts_the_pending_item() -> None:
+    """Chained: the draft took the last outcome from the verifier and nothing is pending here (an item of
+    its id alone); the plain round's tokens and features (written from row 0) become the pending item.
+    (On the GPU this was an IndexError that failed every stream of the colocated stack.)"""
+    item = pb.ProposeItem(seq_id="s")
+    append_plain_round(item, [7, 8], _ipc(0, 2, 4))
+    assert list(item.token_ids) == [7, 8] and item.hidden == _ipc(0, 2, 4)
+    append_plain_round(item, [9], _ipc(16, 1, 5))  # then as any pending item
+    assert list(item.token_ids) == [7, 8, 9] and list(item.hidden.shape) == [3, 4] and item.hidden.ipc.round == 5

@@ -51,11 +51,14 @@ plain rounds are as before.
 Speculation policy (common/policy.py): each group round has a shape, chosen when the round before was sent
 (its trees are drafted from there) or at the round's start: a tree (depth, nodes) or plain decoding. A request may pin
 its own tree. Speculative sequences in a plain round bring their features back from the verifier, so
-the draft stays in step without a catch-up (services/gateway/speculation.py). After `park_after` plain
-rounds in a row they are parked instead: no features are fetched while the policy keeps choosing plain
-(following costs each sequence some work every round), and when it chooses a tree again they catch up
-as after a draft failure (Verifier.Features). An exploring choice never unparks: a catch-up costs more
-than what exploring one round learns.
+the draft stays in step without a catch-up (services/gateway/speculation.py); the next tree's accept pass takes
+every token since (in several captured passes when they are many). With `park_after` set, after that many plain
+rounds in a row they are parked instead: no features are fetched while the policy keeps choosing plain, and when
+it chooses a tree again they catch up as after a draft failure (Verifier.Features: the base model over each
+whole context again, one sequence at a time, while the rounds wait). An exploring choice never unparks. Off by
+default (session 17, H100, bench.prefill_stall): following costs a copy of a few feature rows per sequence and
+round; with parking after 4 plain rounds, 16 streams at about 700 tokens caught up three times within a second
+and their longest gap (1.3 s) began with the first catch-up.
 """
 
 from __future__ import annotations
@@ -162,7 +165,7 @@ class SchedulerConfig:
     draft_retry_s: float = 0.5  # after a draft failure, speculation is retried no sooner than this
     plain_steps: int = 8  # plain decoding tokens per verifier call (one RPC and one host sync for all)
     groups: int = 1  # round groups run concurrently (2: one verifies while the other drafts)
-    park_after: int = 4  # plain rounds in a row after which the draft stops following a sequence
+    park_after: int = 0  # plain rounds in a row after which the draft stops following a sequence (0: never)
     draft_address: str = ""  # the draft as the verifier reaches it: chained rounds ("" = the gateway proposes)
     prefill_chunk: int = 512  # prompt tokens prefilled between two rounds (0 = every prompt whole)
     # rounds one Verify may run for chained sequences (the verifier goes on with the draft's trees by itself:
@@ -181,8 +184,8 @@ class SchedulerConfig:
             raise ValueError(f"groups must be in [1, 4], got {self.groups}")
         if self.prefill_chunk < 0:
             raise ValueError(f"prefill_chunk must be >= 0 (0 = whole prompts), got {self.prefill_chunk}")
-        if self.park_after < 1:
-            raise ValueError(f"park_after must be >= 1, got {self.park_after}")
+        if self.park_after < 0:
+            raise ValueError(f"park_after must be >= 0 (0: never), got {self.park_after}")
         if not 1 <= self.plain_steps <= 64:
             raise ValueError(f"plain_steps must be in [1, 64], got {self.plain_steps}")
         if not self.instance_id or self.draft_retry_s <= 0:
@@ -591,7 +594,7 @@ class Scheduler:
             if a.seq_id in follow:
                 append_plain_round(a.next_propose, tokens, r.hidden)
                 a.plain_streak += 1
-                if a.plain_streak >= self.cfg.park_after and a.pin is None:
+                if self.cfg.park_after and a.plain_streak >= self.cfg.park_after and a.pin is None:
                     a.next_propose, a.parked = None, True  # see Speculation policy: parked
             deltas.append((a, a.gen.commit(tokens)))
         self._stream(deltas)

@@ -93,7 +93,13 @@ def build_policy(
 
 
 def append_plain_round(item: pb.ProposeItem, tokens: Sequence[int], hidden: pb.TensorRef) -> None:
-    """Add a plain round's tokens and features to a sequence's pending ProposeItem (module docstring)."""
+    """Add a plain round's tokens and features to a sequence's pending ProposeItem (module docstring). An item
+    with nothing pending (chained: the draft took the last round's outcome from the verifier; the Decode
+    dropped its tree) takes the plain round's as they are (the verifier wrote them from row 0)."""
+    if not item.token_ids and item.hidden.WhichOneof("payload") is None:
+        item.hidden.CopyFrom(hidden)
+        item.token_ids.extend(tokens)
+        return
     rows = len(item.token_ids)
     if item.hidden.WhichOneof("payload") == "ipc":
         if hidden.WhichOneof("payload") != "ipc" or hidden.ipc.buffer_id != item.hidden.ipc.buffer_id:
