@@ -79,6 +79,9 @@
 #                                  tree, STALL_RUNS (--prefill-chunk: 512,0,512 = in 512-token chunks, whole, chunked
 #                                  again), then, when OLD names a folder holding an older tree (unpacked as for
 #                                  `cut`), chunked and whole with that tree
+#   bench/device/policy.sh final   session 17's figures for issue 8, one call: the engine in process (plain, waves, closed
+#                                  loop), then the colocated services at their defaults twice, 6x60 pinned, plain and the
+#                                  policy, c=1, 16, 64, PER_WORKER (8) requests per worker
 #   bench/device/policy.sh stallwhy the long prompt in 512-token chunks (STALL_RUNS), a stack each, three processes
 #                                  then the draft in the verifier's process, with the gateway's metrics read every
 #                                  50 ms around it (bench.prefill_stall's trace: where the stall's time goes)
@@ -183,6 +186,17 @@ case "$mode" in
       --requests-per-worker "${PER_WORKER:-4}" --modes tree:6x60 --colocate on --rounds-per-call 2,0 \
       --queue-calls off,on --out "$out/closed" > "$out/closed.log" 2>&1
     grep -hE "tok/s total" "$out/closed.log" | sed 's/.*services_bench INFO //' | cut -c1-150 ;;
+  final)
+    pw=${PER_WORKER:-8}
+    timeout 240 python3 -m bench.engine_bench --device cuda --head models/eagle3-smollm2 --prompts 32 \
+      --concurrency 1,16,64 --methods plain,spec,closed --requests-per-worker "$pw" --out /tmp/engine-final \
+      > "$out/engine.log" 2>&1
+    cp /tmp/engine-final/engine_bench.json "$out/"; grep -E "^(speculative|plain)" "$out/engine.log"
+    for run in 1 2; do
+      timeout 170 "${load[@]}" --head models/eagle3-smollm2 --concurrency 1,16,64 --prompts 32 --requests-per-worker "$pw" \
+        --modes tree:6x60,plain,spec --colocate on --out "/tmp/final-$run" > "$out/final-$run.log" 2>&1
+      cp "/tmp/final-$run/services.json" "$out/final-$run.json"; echo "run $run"; grep -hE "tok/s total" "$out/final-$run.log" | sed 's/.*services_bench INFO //' | cut -c1-420
+    done ;;
   join)
     timeout 270 python3 -m bench.engine_bench --device cuda --head models/eagle3-smollm2 --prompts 32 \
       --concurrency 1,16,64 --methods plain,spec,closed --requests-per-worker "${PER_WORKER:-4}" --out /tmp/engine-join \
