@@ -178,12 +178,14 @@ def run(args) -> list[RunResult]:
             + ([] if chain else ["--verifier-draft", "none"])
         )
         engines = ["--block-on-device"] if args.block_on_device else []  # the draft's and the verifier's flags
+        engines += ["--cpu-affinity", args.engine_cpus] if args.engine_cpus else []
         stack_args = dict(common_args=common, draft_args=draft + engines, gateway_args=gw, verifier_args=engines)
         with Stack(**stack_args, colocate=here) as stack:
             gw_log = (stack.log_dir / "gateway.log").read_text()
             mode = "ipc" if "CUDA IPC" in gw_log.split("hidden states between")[-1][:40] else "inline"
             mode = f"colocated-{mode}" if here else mode
             mode = f"blocking-{mode}" if args.block_on_device else mode
+            mode = f"cpus{args.engine_cpus}-{mode}" if args.engine_cpus else mode
             asyncio.run(closed_loop(stack.gateway, prompts[:2], 16, 1))  # warm-up
             # plain makes no Verify: once, on the default rounds' first stack
             modes = [m for m in args.spec_modes if m != "plain" or k == 0 and queue == args.queue_modes[0]]
@@ -251,6 +253,7 @@ def parse_args(argv=None):
     p.add_argument("--ipc", default="on,off", help="comma list: on (IPC when colocated), off (inline bytes)")
     p.add_argument("--round-groups", type=int, default=1, help="the gateway's --round-groups")
     p.add_argument("--block-on-device", action="store_true", help="the engine services' --block-on-device (see there)")
+    p.add_argument("--engine-cpus", default="", help="the engine services' --cpu-affinity (see there)")
     p.add_argument(
         "--colocate",
         default="off",

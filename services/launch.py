@@ -65,8 +65,25 @@ def common_arguments(p: argparse.ArgumentParser, addr_env: str, default_addr: st
     )
 
 
+def parse_cpus(spec: str) -> set[int]:
+    """A CPU list as taskset takes it: "3" -> {3}; "2-4,8" -> {2, 3, 4, 8}. ValueError when malformed."""
+    cpus: set[int] = set()
+    for part in spec.split(","):
+        lo, dash, hi = part.strip().partition("-")
+        if not lo.isdigit() or (dash and (not hi.isdigit() or int(hi) < int(lo))):
+            raise ValueError(f"a CPU list is like 3 or 2-4,8, got {spec!r}")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
 def engine_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of the two engine services (draft and verifier)."""
+    p.add_argument(
+        "--cpu-affinity",
+        default="",
+        help="CPUs this process runs on, as taskset takes them (3, 2-4,8; default: the OS's choice). The thread "
+        "that launches the engine's graphs stays on warm caches",
+    )
     p.add_argument(
         "--model", default=None, help="GGUF file or HF folder (default: $SPECDEC_GGUF or the embedded SmolLM2)"
     )
@@ -116,6 +133,11 @@ def engine_arguments(p: argparse.ArgumentParser) -> None:
 def parse_and_log(p: argparse.ArgumentParser) -> argparse.Namespace:
     a = p.parse_args()
     logging.basicConfig(level=a.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if getattr(a, "cpu_affinity", ""):  # threads started from here on inherit it
+        try:
+            os.sched_setaffinity(0, parse_cpus(a.cpu_affinity))
+        except ValueError as e:
+            p.error(str(e))
     return a
 
 

@@ -82,6 +82,8 @@
 #   bench/device/policy.sh final   session 17's figures for issue 8, one call: the engine in process (plain, waves, closed
 #                                  loop), then the colocated services at their defaults twice, 6x60 pinned, plain and the
 #                                  policy, c=1, 16, 64, PER_WORKER (8) requests per worker
+#   bench/device/policy.sh pin     the colocated services (defaults) with the engine process on the OS's CPUs and pinned to
+#                                  CPUS (3: --engine-cpus), alternated free, pin, pin, free, 6x60 pinned, c=1 and 16
 #   bench/device/policy.sh stallwhy the long prompt in 512-token chunks (STALL_RUNS), a stack each, three processes
 #                                  then the draft in the verifier's process, with the gateway's metrics read every
 #                                  50 ms around it (bench.prefill_stall's trace: where the stall's time goes)
@@ -196,6 +198,13 @@ case "$mode" in
       timeout 170 "${load[@]}" --head models/eagle3-smollm2 --concurrency 1,16,64 --prompts 32 --requests-per-worker "$pw" \
         --modes tree:6x60,plain,spec --colocate on --out "/tmp/final-$run" > "$out/final-$run.log" 2>&1
       cp "/tmp/final-$run/services.json" "$out/final-$run.json"; echo "run $run"; grep -hE "tok/s total" "$out/final-$run.log" | sed 's/.*services_bench INFO //' | cut -c1-420
+    done ;;
+  pin)
+    for run in 1-free 2-pin 3-pin 4-free; do
+      cpus=(); [ "${run#*-}" = pin ] && cpus=(--engine-cpus "${CPUS:-3}")
+      timeout 120 "${load[@]}" --head models/eagle3-smollm2 --concurrency 1,16 --prompts 32 --requests-per-worker 8 \
+        --modes tree:6x60 --colocate on "${cpus[@]}" --out "/tmp/pin-$run" > "$out/pin-$run.log" 2>&1
+      echo "$run"; grep -hE "tok/s total" "$out/pin-$run.log" | sed 's/.*services_bench INFO //' | cut -c1-400
     done ;;
   join)
     timeout 270 python3 -m bench.engine_bench --device cuda --head models/eagle3-smollm2 --prompts 32 \
