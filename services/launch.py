@@ -81,8 +81,8 @@ def engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--cpu-affinity",
         default="",
-        help="CPUs this process runs on, as taskset takes them (3, 2-4,8; default: the OS's choice). The thread "
-        "that launches the engine's graphs stays on warm caches",
+        help="CPUs this process runs on, as taskset takes them (3, 2-4,8; default: the OS's choice), e.g. those "
+        "near the GPU (nvidia-smi topo -m). One CPU made no difference on an H100 (docs/benchmarks.md, session 17)",
     )
     p.add_argument(
         "--model", default=None, help="GGUF file or HF folder (default: $SPECDEC_GGUF or the embedded SmolLM2)"
@@ -136,8 +136,8 @@ def parse_and_log(p: argparse.ArgumentParser) -> argparse.Namespace:
     if getattr(a, "cpu_affinity", ""):  # threads started from here on inherit it
         try:
             os.sched_setaffinity(0, parse_cpus(a.cpu_affinity))
-        except ValueError as e:
-            p.error(str(e))
+        except (ValueError, OSError) as e:  # malformed, or CPUs this machine does not have
+            p.error(f"--cpu-affinity {a.cpu_affinity}: {e}")
     return a
 
 

@@ -33,7 +33,8 @@ def test_cpu_affinity_pins_the_process(monkeypatch) -> None:
         assert os.sched_getaffinity(0) == {cpu}
     finally:
         os.sched_setaffinity(0, before)
-    monkeypatch.setattr(sys, "argv", ["verifier", "--cpu-affinity", "x"])
-    with pytest.raises(SystemExit):  # argparse's error: exit status 2 with the message
-        parse_and_log(p)
-    assert os.sched_getaffinity(0) == before
+    for bad in ("x", "100000"):  # malformed; a CPU the machine does not have
+        monkeypatch.setattr(sys, "argv", ["verifier", "--cpu-affinity", bad])
+        with pytest.raises(SystemExit):  # argparse's error: exit status 2 with the message
+            parse_and_log(p)
+        assert os.sched_getaffinity(0) == before
