@@ -102,6 +102,7 @@ out=${OUT:-device-out}; mkdir -p "$out"
 python3 -m grpc_tools.protoc -Iprotos --python_out=. --grpc_python_out=. --pyi_out=. protos/specdec/v1/*.proto
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name --format=csv,noheader > "$out/gpu.txt"
+{ nvidia-smi topo -m; lscpu | grep -E "Model name|^CPU\(s\)|NUMA|MHz"; } >> "$out/gpu.txt" 2>&1  # which machine (session 17: machines differ)
 load=(python3 -m bench.services_bench --device cuda --ipc on --max-new-tokens 128 --max-context 1024 --out "$out")
 engine() {  # the in-process baseline (plain, speculative) of the split modes; first on a fresh machine, it fills the
             # kernel cache that a colocated start would fill one engine at a time (150 s was not enough there)
