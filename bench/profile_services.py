@@ -2,7 +2,7 @@
 (sampling, no instrumentation), with the gateway's round breakdown from its metrics.
 
     python -m bench.profile_services --out DIR [--device cuda] [--concurrency 1] [--seconds 6]
-                                     [--rounds-per-call K] [--colocate]
+                                     [--rounds-per-call K] [--colocate] [--block-on-device]
     python -m bench.profile_services --report DIR     # the tables again from DIR's spy-*.txt
 
 The "where the time goes" table counts, per service, the samples whose stack holds each of a few frames (the
@@ -108,6 +108,12 @@ def main() -> None:
     )
     ap.add_argument("--rounds-per-call", type=int, default=0, help="the gateway's --rounds-per-call (0: its default)")
     ap.add_argument("--colocate", action="store_true", help="the draft in the verifier's process (--draft-here)")
+    ap.add_argument(
+        "--block-on-device",
+        action="store_true",
+        help="the engine services' --block-on-device: a wait for the device shows as the engine call's own frame "
+        "(synchronize), not as the event loop's turns polling it",
+    )
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if args.report:
@@ -127,6 +133,8 @@ def main() -> None:
         gateway_args=["--metrics-port", str(mport), "--policy", args.policy]
         + (["--rounds-per-call", str(args.rounds_per_call)] if args.rounds_per_call else []),
         colocate=args.colocate,
+        verifier_args=["--block-on-device"] if args.block_on_device else [],
+        draft_args=["--block-on-device"] if args.block_on_device else [],
     ) as stack:
         asyncio.run(closed_loop(stack.gateway, prompts[:2], 16, 1))  # warm-up
         before = scrape_rounds(mport)
