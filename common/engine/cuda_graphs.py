@@ -228,14 +228,14 @@ class CudaGraphManager:
                 times.append(time.perf_counter() - t0)
         return sorted(times)[len(times) // 2]
 
-    def launched(self) -> torch.cuda.Event | None:
-        """An event recorded on the engine's stream after the work queued so far, or None on CPU: what an
-        engine call yields before it reads its results (common.engine.base.Steps)."""
-        if self.stream is None:
-            return None
-        event = torch.cuda.Event()
-        event.record(self.stream)
-        return event
+    def launched(self) -> Iterator[torch.cuda.Event]:
+        """An engine call's wait for its device work (common.engine.base.Steps), as `yield from`: yields an event
+        recorded on the engine's stream after the work queued so far, then the call reads its results; nothing
+        on CPU."""
+        if self.stream is not None:
+            event = torch.cuda.Event()
+            event.record(self.stream)
+            yield event
 
     @contextlib.contextmanager
     def on_stream(self) -> Iterator[None]:

@@ -527,9 +527,7 @@ class Eagle3Drafter:
             self._check(items)
             with self.graphs.on_stream():
                 res, noise = self._launch(items)
-                launched = self.graphs.launched()
-            if launched is not None:
-                yield launched
+            yield from self.graphs.launched()
             with self.graphs.on_stream():
                 trees = self._read(items, res, noise)
         except BaseException:

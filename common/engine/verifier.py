@@ -399,9 +399,7 @@ class Verifier:
             if shallow:
                 step = functools.partial(self._verify_step, max_depth=SHALLOW_DEPTH)
             out = self.graphs.run(key, step, {"packed": block})
-            launched = self.graphs.launched()
-        if launched is not None:
-            yield launched
+        yield from self.graphs.launched()
         with self.graphs.on_stream():
             result = out.result[:b].cpu().numpy()  # [B, T + 1] the one host synchronisation of the call
             counts = np.where(greedy, result[:, 0] + 1, 0).tolist()  # [B] tokens of each greedy sequence
@@ -519,9 +517,7 @@ class Verifier:
                 if j + 1 < steps:  # the next step's input: this token at the next position
                     fed["packed"][:, 0] = step.greedy
                     fed["packed"][:, 1] += 1
-            launched = self.graphs.launched()
-        if launched is not None:
-            yield launched  # as steps: the replays are queued, the host reads them once they are done
+        yield from self.graphs.launched()  # as steps: the replays are queued, the host reads them once done
         with self.graphs.on_stream():
             out = tokens[:b].cpu().numpy()
             for i, (_, st) in enumerate(states):
