@@ -588,8 +588,10 @@ class Eagle3Drafter:
                     ends = [j for j, it in enumerate(sub) if start < len(it.token_ids) <= start + span]
                     if not ends:
                         continue
-                    pick = torch.tensor(ends, device=out.hidden.device)  # the rows whose last token was here
-                    root = Root(*(t.index_select(0, pick) for t in (out.hidden, out.logp, out.ids)))  # outlive a replay
+                    # the rows whose last token was here, copied to outlive the next replay: a slice when they are
+                    # all of them (one pass, the common case: no indices to send to the device), else a gather
+                    rows = slice(None, len(sub)) if len(ends) == len(sub) else torch.tensor(ends, device=self.device)
+                    root = Root(*(t[rows].clone() for t in (out.hidden, out.logp, out.ids)))
                     for r, j in enumerate(ends):
                         roots[group[j]] = Root(hidden=root.hidden[r], logp=root.logp[r], ids=root.ids[r])
         pad = bb - len(items)
