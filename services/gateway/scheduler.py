@@ -96,10 +96,9 @@ log = logging.getLogger(__name__)
 HOLD_MARGIN_S = 0.002
 # a joiner's first tree comes through its prefill (chained) only for prompts up to this many tokens; a longer
 # one's first tree is asked for here and the joiner sits out until it is in (_early_trees). A chained first
-# tree is drafted in line with the running sequences' chained proposals and the call it joins waits for it,
-# and the draft's pass over a longer prompt runs past its captured accept graphs (512 tokens by default:
-# common.engine.draft, eager beyond). Chained, a 2,038-token prompt in 512-token chunks stalled its 16
-# neighbours' streams for 0.35-2.4 s in 4 of 7 runs (docs/benchmarks.md, session 16)
+# tree is drafted in line with the running sequences' chained proposals and the call it joins waits for it, so
+# a long prompt's pass would hold that call. Added in session 16 for a stall it did not cause (session 17 traced
+# that to catch-ups of parked sequences, docs/benchmarks.md); kept, not measured since
 CHAINED_FIRST_TREE_TOKENS = 512
 
 
