@@ -189,3 +189,12 @@ def test_pinned_trees_run_several_rounds_a_call() -> None:
 def test_gateway_rounds_per_call_auto(kw, device, k):
     cfg = GatewayConfig(address="127.0.0.1:0", verifier="v", draft="d", model=Path("m"), **kw)
     assert cfg.rounds_for(device) == k
+
+
+def test_gateway_park_after_defaults_to_never_and_is_checked():
+    """--park-after (0 = the draft follows plain rounds for ever) is a typed config value: negative is refused."""
+    assert GatewayConfig(address="127.0.0.1:0", verifier="v", draft="d", model=Path("m")).park_after == 0
+    with pytest.raises(ValueError, match="park_after"):
+        GatewayConfig(address="127.0.0.1:0", verifier="v", draft="d", model=Path("m"), park_after=-1)
+    with pytest.raises(ValueError, match="park_after"):
+        SchedulerConfig(max_active=4, park_after=-1)
