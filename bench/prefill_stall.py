@@ -120,7 +120,8 @@ async def measure(
     during_max = max(gaps_during) * 1e3 if gaps_during else (done - sent) * 1e3
     widest = max(((b - a, a, b) for a, b in pairs if b >= sent and a <= done), default=(0.0, sent, done))
     at = next((i for i, (t, _) in enumerate(snaps) if t >= sent), len(snaps) - 1)
-    window = per_round(snaps[max(at - 1, 0)][1], snaps[-1][1])
+    base, last = snaps[max(at - 1, 0)][1], snaps[-1][1]  # the scrape before the sending, the final one
+    window = per_round(base, last)
     return {
         "speculative": speculative,
         "sent_at": sent_at,
@@ -133,7 +134,7 @@ async def measure(
         "ratio": during_mean / before,
         "max_gap_at_ms": [round(1e3 * (widest[1] - sent), 1), round(1e3 * (widest[2] - sent), 1)],
         "window_ms_per_round": {k: round(v, 3) for k, v in window.items()},
-        "window_rounds": snaps[-1][1].get("total", (0, 0))[1] - snaps[max(at - 1, 0)][1].get("total", (0, 0))[1],
+        "window_rounds": last.get("total", (0, 0))[1] - base.get("total", (0, 0))[1],
         "trace": trace(snaps, sent),
     }
 

@@ -125,6 +125,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     mport = free_port()
+    engines = ["--block-on-device"] if args.block_on_device else []  # the verifier's and the draft's flags
     # requests to last the recording at any concurrency: the load stops starting new ones when it ends (a
     # fixed 64 ran out after one wave at c=64, leaving most of session 11's c=64 profile idle)
     prompts = [QUESTIONS[i % len(QUESTIONS)] for i in range(64 * max(args.concurrency, 1) * args.seconds)]
@@ -133,8 +134,8 @@ def main() -> None:
         gateway_args=["--metrics-port", str(mport), "--policy", args.policy]
         + (["--rounds-per-call", str(args.rounds_per_call)] if args.rounds_per_call else []),
         colocate=args.colocate,
-        verifier_args=["--block-on-device"] if args.block_on_device else [],
-        draft_args=["--block-on-device"] if args.block_on_device else [],
+        verifier_args=engines,
+        draft_args=engines,
     ) as stack:
         asyncio.run(closed_loop(stack.gateway, prompts[:2], 16, 1))  # warm-up
         before = scrape_rounds(mport)
