@@ -143,8 +143,8 @@ def run(args) -> list[RunResult]:
     prompts = [QUESTIONS[i % len(QUESTIONS)] for i in range(args.prompts)]
     results = []
     stacks = [(i, c, h) for i in args.ipc_modes for c in args.chain_modes for h in args.colocate_modes]
-    runs = [(st, k, q) for st in stacks for k in args.rounds_per_call for q in args.queue_modes]
-    for (ipc, chain, here), k, queue in runs:
+    runs = [(st, k, q, e) for st in stacks for k in args.rounds_per_call for q in args.queue_modes for e in args.early]
+    for (ipc, chain, here), k, queue, early in runs:
         mport = free_port()
         common = [
             "--device",
@@ -173,6 +173,8 @@ def run(args) -> list[RunResult]:
                 str(k),
                 "--queue-calls",
                 queue,
+                "--early-answers",
+                early,
             ]
             + ([] if ipc else ["--no-ipc"])
             + ([] if chain else ["--verifier-draft", "none"])
@@ -188,7 +190,8 @@ def run(args) -> list[RunResult]:
             mode = f"cpus{args.engine_cpus}-{mode}" if args.engine_cpus else mode
             asyncio.run(closed_loop(stack.gateway, prompts[:2], 16, 1))  # warm-up
             # plain makes no Verify: once, on the default rounds' first stack
-            modes = [m for m in args.spec_modes if m != "plain" or k == 0 and queue == args.queue_modes[0]]
+            first = k == 0 and queue == args.queue_modes[0] and early == args.early[0]
+            modes = [m for m in args.spec_modes if m != "plain" or first]
             for c, m in [(c, m) for c in args.concurrency for m in modes]:
                 n = closed_loop_requests(len(prompts), args.requests_per_worker, c)
                 load = [prompts[i % len(prompts)] for i in range(n)]
@@ -201,6 +204,7 @@ def run(args) -> list[RunResult]:
                 suffix += "" if chain or m == "plain" else "-unchained"
                 suffix += f"-k{k}" if k else ""
                 suffix += "-queued" if queue == "on" and m != "plain" else ""
+                suffix += "-late" if early == "off" and m != "plain" else ""
                 r = summarize(f"services-{mode}{suffix}", c, traces, wall, rounds=rounds)
                 accepted = sum(f.speculation.accepted_tokens for f in finals)  # tokens per round, bonus included
                 r.acceptance_length = (accepted + rounds) / rounds if speculative and rounds else None
@@ -284,6 +288,12 @@ def parse_args(argv=None):
         help="comma list of the gateway's --queue-calls, one stack each: on (a Verify sent before the last is "
         "answered; runs named -queued) or off (one call at a time), e.g. off,on for the A/B",
     )
+    p.add_argument(
+        "--early-answers",
+        default="on",
+        help="comma list of the gateway's --early-answers, one stack each: on, or off (runs named -late: a "
+        "finished sequence's last tokens wait for its Verify's last round), e.g. off,on for the A/B",
+    )
     p.add_argument("--requests-per-worker", type=int, default=2, help="requests = max(prompts, this x concurrency)")
     p.add_argument("--out", default="bench_out")
     a = p.parse_args(argv)
@@ -296,6 +306,9 @@ def parse_args(argv=None):
     a.queue_modes = a.queue_calls.split(",")
     if not set(a.queue_modes) <= {"on", "off"}:
         p.error(f"--queue-calls takes on and off, got {a.queue_calls!r}")
+    a.early = a.early_answers.split(",")
+    if not set(a.early) <= {"on", "off"}:
+        p.error(f"--early-answers takes on and off, got {a.early_answers!r}")
     return a
 
 

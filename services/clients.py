@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -97,6 +98,18 @@ class Verified:
     round_nodes: list[int] = field(default_factory=list)  # [rounds run] nodes of each round's tree
 
 
+def _verified(r: pb.VerifyResult) -> Verified:
+    return Verified(
+        tokens=list(r.accepted_tokens),
+        hidden=r.hidden,
+        nodes=r.tree_nodes,
+        chained=r.chained,
+        draft_error=r.draft_error,
+        accepted=unpack_ints(r.round_accepted, "round_accepted"),
+        round_nodes=unpack_ints(r.round_nodes, "round_nodes"),
+    )
+
+
 @dataclass(frozen=True)
 class RoundItem:
     """One sequence of a Verify (see VerifyItem): its tree, or None when the verifier holds it (chained);
@@ -167,24 +180,28 @@ class StreamedCall:
     in that order, and its late answer is dropped when it comes, so it can never reach another call. A
     timeout (the service does not answer), a transport failure or the end of the stream fails every call
     waiting on it and drops the stream; the next call opens a new one. A service without the streaming
-    method (UNIMPLEMENTED) gets the unary method from then on."""
+    method (UNIMPLEMENTED) gets the unary method from then on. A call may take early answers (a response
+    marked `early`, VerifyRequest.early): each goes to the call's `early` callback as it comes, and the call's
+    own response, which follows them, ends it; a callback that raises fails its call (not the stream)."""
 
     def __init__(self, stream_method, unary_method, timeout: float) -> None:
         self._open, self._unary, self.timeout = stream_method, unary_method, timeout
         self._name = _method_name(stream_method)
         self._label = self._name.lstrip("/")  # in errors
         self._stream: grpc.aio.StreamStreamCall | None = None
-        self._waiting: collections.deque[asyncio.Future] = collections.deque()  # the stream's calls, in order
+        # the stream's calls, in order: (the future of its answer, its early answers' callback or None)
+        self._waiting: collections.deque[tuple[asyncio.Future, Callable | None]] = collections.deque()
         self._reader: asyncio.Task | None = None
         self._write = asyncio.Lock()  # one request written at a time: the order of the writes is the order
         self.streaming = True  # False once the service said UNIMPLEMENTED
 
-    async def __call__(self, request):
+    async def __call__(self, request, early: Callable | None = None):
+        """The call's response; early(response) for each early answer before it (on the stream only)."""
         if not self.streaming:
             return await _call(self._unary, request, self.timeout)
         try:
             async with asyncio.timeout(self.timeout):
-                answer = await self._send(request)
+                answer = await self._send(request, early)
                 resp = await asyncio.shield(answer)  # a cancelled caller leaves the answer to the reader
         except TimeoutError as e:
             err = PeerUnavailable(f"{self._label}: no answer within {self.timeout:g} s")
@@ -210,7 +227,7 @@ class StreamedCall:
             )
         return resp
 
-    async def _send(self, request) -> asyncio.Future:
+    async def _send(self, request, early: Callable | None) -> asyncio.Future:
         """Write the request on the stream (opened on first use, or after a failure) and return the future
         its answer will resolve: its place in the stream's order."""
         async with self._write:
@@ -220,7 +237,7 @@ class StreamedCall:
                 self._stream = self._open()
                 self._reader = asyncio.get_running_loop().create_task(self._read(self._stream))
             answer = asyncio.get_running_loop().create_future()
-            self._waiting.append(answer)
+            self._waiting.append((answer, early))
             try:
                 await self._stream.write(request)
             except BaseException as e:
@@ -229,7 +246,8 @@ class StreamedCall:
             return answer
 
     async def _read(self, stream: grpc.aio.StreamStreamCall) -> None:
-        """Each response to the oldest call waiting (one whose caller left drops it)."""
+        """Each response to the oldest call waiting (one whose caller left drops it); an early answer to
+        that call's callback, the call still waiting."""
         try:
             while True:
                 resp = await stream.read()
@@ -237,7 +255,15 @@ class StreamedCall:
                     raise PeerUnavailable(f"{self._label}: the service ended the stream")
                 if not self._waiting:  # an answer nobody asked for: the pairing is lost
                     raise PeerUnavailable(f"{self._label}: an answer with no call waiting")
-                answer = self._waiting.popleft()
+                if getattr(resp, "early", False):
+                    answer, early = self._waiting[0]
+                    if early is not None and not answer.done():
+                        try:
+                            early(resp)
+                        except Exception as e:  # noqa: BLE001 - the caller's failure is its call's, not the stream's
+                            answer.set_exception(e)
+                    continue
+                answer, _ = self._waiting.popleft()
                 if not answer.done():
                     answer.set_result(resp)
         except asyncio.CancelledError:
@@ -249,7 +275,7 @@ class StreamedCall:
     def _fail_all(self, e: BaseException) -> None:
         """Every call waiting on the stream fails with e; the stream is dropped (the next call opens one)."""
         waiting, self._waiting = self._waiting, collections.deque()
-        for answer in waiting:
+        for answer, _ in waiting:
             if not answer.done():
                 answer.set_exception(e)
                 answer.exception()  # a caller that left never reads it: seen here
@@ -357,11 +383,17 @@ class VerifierClient(_ServiceClient):
         rounds: int = 1,
         cut: bool = False,
         lane: int = 0,
+        early: Callable[[list[tuple[str, Verified]]], None] | None = None,
     ) -> VerifiedRound:
         """draft: the draft's address as the verifier reaches it (for items with `next`); rounds: at most
         this many rounds in the call (VerifyRequest.rounds); cut: the call before it on the stream stops
-        after its current round (VerifyRequest.cut); lane: the stream it goes on (a round group's)."""
-        req = pb.VerifyRequest(draft=draft, owner=owner, rounds=rounds if rounds > 1 else 0, cut=cut)
+        after its current round (VerifyRequest.cut); lane: the stream it goes on (a round group's); early:
+        takes each early answer's (seq id, result) pairs while the call runs (VerifyRequest.early; the
+        results come again in the call's own answer)."""
+        early = early if stream and rounds > 1 else None
+        req = pb.VerifyRequest(
+            draft=draft, owner=owner, rounds=rounds if rounds > 1 else 0, cut=cut, early=early is not None
+        )
         add = req.items.add
         for it in items:  # one copy of each tree (a VerifyItem list would copy twice)
             depth, nodes = it.next or (0, 0)
@@ -370,19 +402,15 @@ class VerifierClient(_ServiceClient):
                 add(seq_id=it.seq_id, chained=True, next_depth=depth, next_nodes=nodes, follows=it.follows, **rules)
             else:
                 add(seq_id=it.seq_id, tree=it.tree, next_depth=depth, next_nodes=nodes, **rules)
-        resp = await (self.lane(lane)(req) if stream else _call(self.stub.Verify, req, self.timeout))
-        results = [
-            Verified(
-                tokens=list(r.accepted_tokens),
-                hidden=r.hidden,
-                nodes=r.tree_nodes,
-                chained=r.chained,
-                draft_error=r.draft_error,
-                accepted=unpack_ints(r.round_accepted, "round_accepted"),
-                round_nodes=unpack_ints(r.round_nodes, "round_nodes"),
-            )
-            for r in resp.results
-        ]
+        if early is None:
+            said = None
+        else:
+
+            def said(resp: pb.VerifyResponse) -> None:
+                early([(r.seq_id, _verified(r)) for r in resp.results])
+
+        resp = await (self.lane(lane)(req, said) if stream else _call(self.stub.Verify, req, self.timeout))
+        results = [_verified(r) for r in resp.results]
         return VerifiedRound(
             results,
             resp.compute_us / 1e6,

@@ -182,7 +182,9 @@ def test_draft_in_the_verifiers_process_equals_plain_greedy(stack):
 def test_four_rounds_per_verify_equal_plain_greedy(stack):
     """--rounds-per-call 4: the verifier runs up to four rounds per Verify, taking each next tree from the
     draft itself. Greedy output equals plain decoding token for token, for requests whose max_tokens (29)
-    ends inside a call and for one that ends at a stop string (tokens past it discarded); the gateway made
+    ends inside a call, for one that ends at a stop string (tokens past it discarded), and for one (7 tokens)
+    that stops in an early round of a call the other (29) runs on in (answered early: VerifyRequest.early,
+    the gateway's default); the gateway made
     fewer Verify calls than batched rounds ran. A seeded sampled request on a pinned tree commits the same
     tokens as on the default stack (one round per Verify on a CPU): each round draws from the sequence's
     own generators exactly as a Verify of its own would."""
@@ -197,6 +199,10 @@ def test_four_rounds_per_verify_equal_plain_greedy(stack):
     args = ["--rounds-per-call", "4", "--policy", "fixed", "--metrics-port", str(port)]
     with Stack(common_args=COMMON, gateway_args=args) as s:
         spec, plain = speculative_vs_plain(s.gateway, prompts, 29)
+        short = complete_many(
+            s.gateway,
+            [chat(prompts[0], max_tokens=7, ignore_eos=True), chat(prompts[1], max_tokens=29, ignore_eos=True)],
+        )
         word = plain[0].text.split()[6]
         stop = complete_many(s.gateway, [chat(prompts[0], max_tokens=29, ignore_eos=True, stop=[word])])[0]
         sampled = chat(prompts[1], max_tokens=12, ignore_eos=True, temperature=0.8, top_p=0.9, seed=11)
@@ -206,6 +212,8 @@ def test_four_rounds_per_verify_equal_plain_greedy(stack):
     for p, a, b in zip(prompts, spec, plain):
         assert list(a.token_ids) == list(b.token_ids) and len(a.token_ids) == 29, p
         assert a.text == b.text and a.finish_reason == gpb.FINISH_REASON_LENGTH
+    assert list(short[0].token_ids) == list(plain[0].token_ids[:7]) and plain[0].text.startswith(short[0].text)
+    assert list(short[1].token_ids) == list(plain[1].token_ids)
     assert word not in stop.text and plain[0].text.startswith(stop.text)
     assert stop.finish_reason == gpb.FINISH_REASON_STOP
     assert list(plain[0].token_ids[: len(stop.token_ids)]) == list(stop.token_ids)
@@ -219,8 +227,8 @@ def test_four_rounds_per_verify_equal_plain_greedy(stack):
         _sample(metrics, f'specdec_prefill_call_seconds_sum{{part="{p}"}}') for p in ("engine", "verifier", "call")
     )
     assert 0 < engine <= verifier <= call, (engine, verifier, call)
-    # each of its 6 requests (2 speculative, 2 plain, the stop, the sampled) was prefilled once
-    assert _sample(metrics, 'specdec_request_stage_seconds_count{stage="prefill"}') == 6
+    # each of its 8 requests (2 speculative, 2 plain, the 7 and 29, the stop, the sampled) was prefilled once
+    assert _sample(metrics, 'specdec_request_stage_seconds_count{stage="prefill"}') == 8
 
 
 def _sample(metrics: str, name: str) -> float:

@@ -129,9 +129,9 @@ def counting(verifier: FakeVerifier) -> list[int]:
     asked: list[int] = []
     call = verifier.streamed
 
-    async def counted(request: pb.VerifyRequest) -> pb.VerifyResponse:
+    async def counted(request: pb.VerifyRequest, early=None) -> pb.VerifyResponse:
         asked.append(request.rounds)
-        return await call(request)
+        return await call(request, early)
 
     verifier.streamed = counted
     return asked

@@ -79,9 +79,9 @@ class FakeVerifier(VerifierClient):
         self.streamed = self._verify_call
 
     def lane(self, i: int):  # every round group's stream: the same fake transport (`streamed`), the lane logged
-        async def call(request: pb.VerifyRequest) -> pb.VerifyResponse:
+        async def call(request: pb.VerifyRequest, early=None) -> pb.VerifyResponse:
             self.log.append(("lane", i, [it.seq_id for it in request.items]))
-            return await self.streamed(request)
+            return await self.streamed(request, early)
 
         return call
 
@@ -111,11 +111,12 @@ class FakeVerifier(VerifierClient):
     def _prefilled(self, token_ids: list[int], more: bool) -> Prefilled:
         return Prefilled(next_token=0 if more else token_ids[-1] + 1, hidden=pb.TensorRef())
 
-    async def _verify_call(self, request: pb.VerifyRequest) -> pb.VerifyResponse:
+    async def _verify_call(self, request: pb.VerifyRequest, early=None) -> pb.VerifyResponse:
+        """As on a stream: early answers (VerifyRequest.early) go to `early` as the chain makes them."""
         self.chain.check(request)
         if any(it.chained for it in request.items):
             self.log.append(("chained", [it.seq_id for it in request.items if it.chained]))
-        return await self.chain.verify(request, self._engine_verify, self.room)
+        return await self.chain.verify(request, self._engine_verify, self.room, early=early)
 
     def room(self, seq_ids: list[str]) -> list[int]:
         return [1 << 20] * len(seq_ids)  # the fakes have no KV cache to fill

@@ -16,11 +16,11 @@ import pytest
 from common.config import SamplingConfig
 from common.policy import FixedPolicy, Shape
 from common.rpc import start_server
-from services.clients import VerifiedRound, VerifierClient
+from services.clients import Verified, VerifiedRound, VerifierClient
 from services.gateway.detokenize import RoundDecoder
 from services.gateway.metrics import REQUEST_STAGES, Metrics
-from services.gateway.scheduler import Scheduler, SchedulerConfig
-from services.gateway.sequence import Generation, GenRequest
+from services.gateway.scheduler import Active, Call, Said, Scheduler, SchedulerConfig
+from services.gateway.sequence import Finish, Generation, GenRequest
 from services.verifier.server import answers_in_order
 from specdec.v1 import internal_pb2 as pb
 from specdec.v1 import internal_pb2_grpc as pb_grpc
@@ -52,13 +52,13 @@ class InOrderVerifier(FollowingVerifier):
         await asyncio.sleep(self.round_s)
         return await super()._engine_verify(request, failed, chained)
 
-    async def _verify_call(self, request):
+    async def _verify_call(self, request, early=None):
         ids = [it.seq_id for it in request.items]
         self.log.append(("sent", ids, [it.follows for it in request.items]))
         if self._stream is None:
             self._stream = asyncio.ensure_future(self._serve())
         answer = asyncio.get_running_loop().create_future()
-        self._sent.put_nowait((request, answer))
+        self._sent.put_nowait((request, answer, early))
         resp = await answer
         self.log.append(("answered", ids, [list(r.accepted_tokens) for r in resp.results]))
         return resp
@@ -66,12 +66,18 @@ class InOrderVerifier(FollowingVerifier):
     async def _serve(self) -> None:
         async def requests():
             while True:
-                request, answer = await self._sent.get()
-                self._answering.append(answer)
+                request, answer, early = await self._sent.get()
+                self._answering.append((answer, early))
                 yield request
 
         async for outcome in answers_in_order(requests(), self._answer):
-            answer = self._answering.popleft()
+            if not isinstance(outcome, BaseException) and outcome.early:  # to the call's callback, as the client
+                answer, early = self._answering[0]
+                self.log.append(("early", [r.seq_id for r in outcome.results]))
+                if early is not None and not answer.done():
+                    early(outcome)
+                continue
+            answer, _ = self._answering.popleft()
             if answer.done():  # its caller left
                 continue
             if isinstance(outcome, BaseException):
@@ -79,7 +85,7 @@ class InOrderVerifier(FollowingVerifier):
             else:
                 answer.set_result(outcome)
 
-    async def _answer(self, request, cut: asyncio.Event):
+    async def _answer(self, request, cut: asyncio.Event, early):
         """One call, as the verifier's _touched_verify: the call's outcome, or the exception it raised."""
         try:
             self.begun += 1
@@ -90,7 +96,7 @@ class InOrderVerifier(FollowingVerifier):
             # as the verifier's _gone: a follows item whose sequence was released is not verified
             gone = frozenset(it.seq_id for it in request.items if it.follows and it.seq_id in self.released)
             resp = await self.chain.verify(
-                request, self._engine_verify, self.room, gone, cut if self.honour_cut else None
+                request, self._engine_verify, self.room, gone, cut if self.honour_cut else None, early
             )
             self.log.append(("ran", resp.rounds_run))
             await asyncio.sleep(0.005)  # a call takes time on the GPU (the gateway's work overlaps it)
@@ -129,6 +135,7 @@ def _queued(
     honour_cut: bool = True,
     delays: list[float] | None = None,
     prefill_s: float = 0.0,
+    early: bool = True,
 ):
     """Requests (last prompt token, max_tokens), prompts [first - 1, first], the i-th sent after i x stagger
     seconds, or after delays[i] (after_call: the requests with a delay are sent that long after the
@@ -141,7 +148,12 @@ def _queued(
         draft = FollowingDraft(log, fail_call)
         metrics = Metrics()
         cfg = SchedulerConfig(
-            max_active=max_active, draft_address=DRAFT, rounds_per_call=k, queue_calls=queue, draft_retry_s=0.01
+            max_active=max_active,
+            draft_address=DRAFT,
+            rounds_per_call=k,
+            queue_calls=queue,
+            draft_retry_s=0.01,
+            early_answers=early,
         )
         verifier = InOrderVerifier(log, accept, draft, round_s)
         verifier.release_s, verifier.honour_cut, verifier.prefill_s = release_s, honour_cut, prefill_s
@@ -179,6 +191,56 @@ def test_a_finished_requests_last_delta_goes_out_when_its_call_is_taken() -> Non
     assert outs == [list(range(101, 105)), list(range(201, 231))]
     sent = [i for i, e in enumerate(log) if e[0] == "sent"]
     assert sent[1] < log.index(("final", 100)) < sent[2]
+
+
+@pytest.mark.parametrize("early", [True, False])
+def test_a_sequence_a_round_stops_gets_its_last_tokens_before_its_call_ends(early: bool) -> None:
+    """4 rounds a call, 2 of 3 drafted tokens accepted (3 committed a round). gw-0 (max_tokens 7): 101 from
+    its prefill, 102-104 in round 1 and 105-107 in round 2, where its budget stops it while gw-1 runs rounds
+    3 and 4. With early answers its last delta reaches its client after round 2, before call 1 is answered;
+    without, after. Either way every token exact and every round counted once: gw-0 2, gw-1 10 (29 tokens
+    after its first, 3 a round, the last cut to 2)."""
+    outs, log, metrics = _queued([(100, 7), (200, 30)], accept=2, k=4, early=early)
+    assert outs == [list(range(101, 108)), list(range(201, 231))]
+    first = next(i for i, e in enumerate(log) if e[0] == "answered")
+    assert log[first][2] == [list(range(102, 108)), list(range(202, 214))]  # the call's answer has both
+    assert (log.index(("final", 100)) < first) == early
+    assert [e[1] for e in log if e[0] == "early"] == ([["gw-0"]] if early else [])
+    assert metrics.registry.get_sample_value("specdec_spec_decode_num_drafts_total") == 12
+
+
+def test_an_early_answer_waits_for_the_call_before_it_to_be_taken() -> None:
+    """Call 2's early answer (gw-0's 105 106) comes while call 1's answer (102-104) is not taken yet: it
+    is kept, and taken right after call 1's, so the tokens stay in order; call 2's own answer then skips
+    gw-0 (its rounds counted once: 1 + 1)."""
+
+    async def run():
+        sched = Scheduler(None, None, SchedulerConfig(rounds_per_call=4, queue_calls=True), CHAIN, Metrics())
+        req = GenRequest(prompt_ids=[99, 100], max_tokens=6, sampling=SamplingConfig())
+        a = Active("gw-0", Generation(request=req, decoder=RoundDecoder(Ids()), eos_token_id=EOS), asyncio.Queue())
+        a.gen.commit([101])  # its first token, from the prefill
+        a.calls, a.first_call_at = 2, 0.0
+        loop = asyncio.get_running_loop()
+        calls = []
+        for _ in range(2):
+            call = Call(loop.create_future(), [a], set(), Shape(1, 3), Shape(1, 3), 0.0, 0.0, 0.0, 4, Said())
+            calls.append(call)
+        sched._untaken[0] = collections.deque(calls)
+        two = Verified(tokens=[105, 106], hidden=pb.TensorRef(), nodes=3, accepted=[1], round_nodes=[3])
+        sched._took_early(0, calls[1].said, [("gw-0", two)])
+        kept = list(a.gen.token_ids)
+        one = Verified(tokens=[102, 103, 104], hidden=pb.TensorRef(), nodes=3, accepted=[2], round_nodes=[3])
+        calls[0].task.set_result(VerifiedRound([one], compute_s=0.001))
+        await sched._answered(0, calls[0], 0.0, True)
+        after_one = list(a.gen.token_ids)
+        calls[1].task.set_result(VerifiedRound([two], compute_s=0.001, rounds=1))
+        await sched._answered(0, calls[1], 0.0, False)
+        return kept, after_one, list(a.gen.token_ids), a.gen.finish, a.gen.stats.rounds, a.rule_stopped
+
+    kept, after_one, tokens, finish, rounds, stopped = asyncio.run(run())
+    assert kept == [101]  # not taken before call 1's answer
+    assert after_one == tokens == [101, 102, 103, 104, 105, 106]
+    assert (finish, rounds, stopped) == (Finish.LENGTH, 2, True)
 
 
 def test_a_request_arriving_during_a_call_is_prefilled_beside_it() -> None:
@@ -410,7 +472,7 @@ class CutStream(pb_grpc.VerifierServicer):
     rounds of 20 ms each that end early when their cut signal is set before a round, as chain.py's do."""
 
     async def VerifyStream(self, request_iterator, context):
-        async def answer(request: pb.VerifyRequest, cut: asyncio.Event) -> pb.VerifyResponse:
+        async def answer(request: pb.VerifyRequest, cut: asyncio.Event, early) -> pb.VerifyResponse:
             ran = 0
             while ran < request.rounds and not cut.is_set():
                 await asyncio.sleep(0.02)
@@ -517,3 +579,48 @@ def test_the_round_breakdown_splits_the_call_wall_into_the_verifiers_work_its_id
     assert per_round == pytest.approx(
         {"verify": 0.002, "draft_wait": 0.001, "verifier_host": 0.001, "starved": starved, "rpc": rpc}
     )
+
+
+class EarlyStream(pb_grpc.VerifierServicer):
+    """The verifier's VerifyStream loop over calls of `rounds` rounds of 10 ms, each round but the last
+    answering early (as chain.py does for the items it stopped) with a result named after the round."""
+
+    async def VerifyStream(self, request_iterator, context):
+        async def answer(request: pb.VerifyRequest, cut: asyncio.Event, early) -> pb.VerifyResponse:
+            for r in range(request.rounds):
+                await asyncio.sleep(0.01)
+                if early is not None and r < request.rounds - 1:
+                    early(pb.VerifyResponse(early=True, results=[pb.VerifyResult(seq_id=f"r{r}")]))
+            return pb.VerifyResponse(rounds_run=request.rounds)
+
+        async for response in answers_in_order(request_iterator, answer):
+            yield response
+
+
+def test_early_answers_reach_their_own_call_on_a_real_stream() -> None:
+    """Four overlapping calls on one stream: the first (3 rounds, early) gets its two early answers, in
+    order, and then its own answer; the second asks for none and gets none; the third's callback raises,
+    which fails that call only; the fourth (one round) is answered on the same stream."""
+
+    async def test(call):
+        got: list[list[str]] = []
+        opened = []
+
+        def boom(resp: pb.VerifyResponse) -> None:
+            raise ValueError("the caller's callback failed")
+
+        first = asyncio.ensure_future(
+            call(pb.VerifyRequest(rounds=3, early=True), lambda r: got.append([x.seq_id for x in r.results]))
+        )
+        second = asyncio.ensure_future(call(pb.VerifyRequest(rounds=2)))
+        third = asyncio.ensure_future(call(pb.VerifyRequest(rounds=3, early=True), boom))
+        fourth = asyncio.ensure_future(call(pb.VerifyRequest(rounds=1)))
+        await asyncio.sleep(0)
+        opened.append(call._stream)
+        outs = await asyncio.gather(first, second, third, fourth, return_exceptions=True)
+        kinds = [o.rounds_run if isinstance(o, pb.VerifyResponse) else type(o).__name__ for o in outs]
+        return got, kinds, call._stream is opened[0]
+
+    got, kinds, same = asyncio.run(_served(EarlyStream(), test))
+    assert got == [["r0"], ["r1"]]
+    assert kinds == [3, 2, "ValueError", 1] and same

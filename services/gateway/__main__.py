@@ -55,6 +55,9 @@ class GatewayConfig:
     # a Verify is sent before the last one is answered (the verifier goes from one to the next without the
     # gateway's hop and host work in between: services/gateway/scheduler.py, Scheduler._round)
     queue_calls: bool = True
+    # a sequence that a Verify of several rounds stops by its token rules is answered after that round, not
+    # the call's last (VerifyRequest.early)
+    early_answers: bool = True
 
     @property
     def chain_address(self) -> str:
@@ -164,6 +167,7 @@ async def main(cfg: GatewayConfig, port_file: str | None) -> None:
             prefill_chunk=cfg.prefill_chunk,
             rounds_per_call=cfg.rounds_for(vinfo.device),
             queue_calls=cfg.queue_calls,
+            early_answers=cfg.early_answers,
         ),
         policy,
         metrics,
@@ -314,6 +318,13 @@ def cli() -> None:
         help="send each Verify before the last one is answered, while the verifier chains the trees: it goes "
         "from one call to the next without waiting for this gateway (on), or one call at a time (off)",
     )
+    p.add_argument(
+        "--early-answers",
+        choices=("on", "off"),
+        default=os.environ.get("EARLY_ANSWERS", "on"),
+        help="a sequence that a Verify of several rounds stops (a stop token, its max_tokens) streams its last "
+        "tokens after that round (on), or when the call's last round is over (off)",
+    )
     a = parse_and_log(p)
     cfg = GatewayConfig(
         address=a.addr,
@@ -340,6 +351,7 @@ def cli() -> None:
         verifier_draft=a.verifier_draft,
         rounds_per_call=a.rounds_per_call,
         queue_calls=a.queue_calls == "on",
+        early_answers=a.early_answers == "on",
     )
     asyncio.run(main(cfg, a.port_file))
 

@@ -46,7 +46,10 @@ call; the request statistics, the metrics, the policy and the round breakdown st
 for one round, not k (_rounds_per_call); a prompt being prefilled does not lower it (its chunks run beside
 the call; the sequence joins at the next call, which the gateway sends as soon as the joiners are ready and
 enough, marked `cut`: the call in flight ends before its next round, _hold, common.rounds.cut_pays), and
-plain rounds are as before.
+plain rounds are as before. A sequence that a round stops by its token rules while the others run on comes
+back at once in an early answer (SchedulerConfig.early_answers, VerifyRequest.early): its tokens are taken
+and its last delta streamed then (_took_early: after the tokens of the calls before it, which may not be taken
+yet), not after the call's last round.
 
 Speculation policy (common/policy.py): each group round has a shape, chosen when the round before was sent
 (its trees are drafted from there) or at the round's start: a tree (depth, nodes) or plain decoding. A request may pin
@@ -64,6 +67,8 @@ and their longest gap (1.3 s) began with the first catch-up.
 from __future__ import annotations
 
 import asyncio
+import collections
+import functools
 import itertools
 import logging
 import time
@@ -154,6 +159,15 @@ class Call:
     t1: float  # it was sent
     draft_s: float  # the draft's engine seconds for the trees the gateway gave
     k: int  # the rounds it asked for
+    said: Said  # its early answers
+
+
+@dataclass(eq=False)
+class Said:
+    """A call's early answers (VerifyRequest.early), from the stream's reader while it runs."""
+
+    taken: set[str] = field(default_factory=set)  # seq ids taken from one (the call's own answer skips them)
+    stash: list[tuple[str, Verified]] = field(default_factory=list)  # not taken yet (_take_early)
 
 
 @dataclass(frozen=True)
@@ -173,6 +187,9 @@ class SchedulerConfig:
     # a group's next Verify is sent before its last one is answered, while the trees are chained: the verifier
     # goes on without waiting for the gateway (see Scheduler._round)
     queue_calls: bool = False
+    # a sequence that a call of several rounds stops by its token rules is answered after that round, not the
+    # call's last (VerifyRequest.early): its last tokens stream then (see Scheduler._take_early)
+    early_answers: bool = True
 
     def __post_init__(self) -> None:
         if not 1 <= self.rounds_per_call <= MAX_ROUNDS_PER_CALL:
@@ -212,6 +229,8 @@ class Scheduler:
         self._background: set[asyncio.Task] = set()  # work stop() waits for (releases, early proposes): _spawn
         self._prefilling: asyncio.Task | None = None  # the prefill call in flight beside the rounds (_start_prefill)
         self._queued: dict[int, Call] = {}  # per group: its Verify in flight, answered at its next round
+        # per group: its Verify calls whose answers are not taken yet, oldest first (early answers: _take_early)
+        self._untaken: dict[int, collections.deque[Call]] = {}
         self._answered_at: dict[int, float] = {}  # per group: when its last Verify was answered
         self._round_s: dict[int, float] = {}  # per group: seconds a round of its calls takes at the verifier (mean)
         self._releasing = 0  # sequences whose release (_release) is in flight: their slots are not free yet
@@ -343,10 +362,15 @@ class Scheduler:
             # sequences that were not in the call in flight (joiners): it ends after its current round
             # instead of running its other rounds without them (VerifyRequest.cut), when they are enough
             cut = prev is not None and prev.k > 1 and cut_pays(len(spec) - len(follow), len(follow))
+            said = Said()
+            tell = functools.partial(self._took_early, group, said) if self.cfg.early_answers else None
             task = asyncio.ensure_future(
-                self.verifier.verify(items, self.cfg.draft_address, self.cfg.instance_id, rounds=k, cut=cut, lane=group)
+                self.verifier.verify(
+                    items, self.cfg.draft_address, self.cfg.instance_id, rounds=k, cut=cut, lane=group, early=tell
+                )
             )
-            call = Call(task, spec, set(trees), shape, nxt, t0, t1, draft_s, k)
+            call = Call(task, spec, set(trees), shape, nxt, t0, t1, draft_s, k, said)
+            self._untaken.setdefault(group, collections.deque()).append(call)
             for a in spec:
                 a.calls += 1
                 if a.first_call_at is None:
@@ -441,10 +465,14 @@ class Scheduler:
         group's next call is in flight); returns the sequences to decode plainly (their chained tree never
         came and the call gave them no token)."""
         try:
+            self._take_early(call)  # early answers that came before the calls ahead of it were taken
             verified = await call.task
+            self._take_early(call)  # (an early answer's callback that raised failed the call above)
         finally:
             for a in call.spec:
                 a.calls -= 1
+            untaken = self._untaken[group]
+            untaken.remove(call)  # the oldest (or one that failed)
         t2 = time.perf_counter()
         for a in call.spec:
             if not a.first_answered:  # its first Verify: the call in flight's rest, then this one
@@ -465,7 +493,7 @@ class Scheduler:
         if news:  # their chained trees never came: caught up later, plain this round if it got no tokens
             self._draft_failed([a for a, _ in news], news[0][1].draft_error)
         plain = [a for a, r in lost if not r.tokens]
-        takes = self._take_rounds(spec, verified, call.shape, call.nxt)
+        takes = self._take_rounds(spec, verified, call.shape, call.nxt, call.said.taken)
         # the text is streamed during the next call, but a finished request's at once: its client sends its
         # next request on it (a closed loop's replacement would wait a call for it)
         ends = [(a, t) for a, t in takes if t.finish is not None]
@@ -473,6 +501,8 @@ class Scheduler:
             self._speak()  # the takes before them first (a sequence's own earlier take may be among them)
             self._stream([(a, a.gen.speak(t)) for a, t in ends])
         self._unspoken += [(a, t) for a, t in takes if t.finish is None]
+        if untaken:  # the next call's early answers that came meanwhile: after this call's tokens
+            self._take_early(untaken[0])
         if verified.draft_batch:  # the chained trees' calls: the draft's engine time at its batch and depth
             chained = [a for a in spec if a.seq_id not in call.given] if verified.rounds == 1 else spec
             depth = self._round_shape(chained, call.shape if verified.rounds == 1 else call.nxt or call.shape).depth
@@ -521,32 +551,80 @@ class Scheduler:
         return RoundItem(a.seq_id, None if follows else tree, nxt_tree, *rules, follows)
 
     def _take_rounds(
-        self, spec: list[Active], verified: VerifiedRound, shape: Shape, nxt: Shape | None
+        self,
+        spec: list[Active],
+        verified: VerifiedRound,
+        shape: Shape,
+        nxt: Shape | None,
+        early: set[str] | frozenset[str] = frozenset(),
     ) -> list[tuple[Active, Take]]:
         """Each sequence's tokens of the call, taken at once by the token rules (Generation.take: its budget
         and finish are right for the next call), and its rounds counted one by one: the request's
         statistics, the metrics and the policy learn per round (round 1 drafted `shape`, later ones `nxt`).
         Returns the takes to speak (_speak: their text, stop strings, the stream), which the next call
         overlaps. A sequence that had finished (a stop string found by the last speak, a cancelled request)
-        takes nothing: rounds run past a stop string are wasted, never wrong."""
+        takes nothing: rounds run past a stop string are wasted, never wrong. Those in `early` (seq ids) were
+        taken from an early answer (_take_early): only now that the call is over may they leave at once."""
         takes, accepted, nodes = [], [], 0
         for a, r in zip(spec, verified.results):
+            if a.seq_id in early:
+                # the verifier stopped it by the same rules: a call queued behind answers it with nothing
+                a.rule_stopped = a.gen.finish is not None
+                continue
             if not r.tokens:  # a round-1 draft_error: nothing verified
                 continue
             if not r.draft_error:
                 self._follow(a, r)
-            for j, (n, m) in enumerate(zip(r.accepted, r.round_nodes)):
-                a.gen.stats.count_round(m, n)
-                self.policy.observe(a.seq_id, self._tree(a, shape if j == 0 or nxt is None else nxt), n)
             accepted += r.accepted
             nodes += r.nodes
-            taken = a.gen.take(r.tokens)
+            taken = self._take(a, r, shape, nxt)
             if taken is not None:
                 takes.append((a, taken))
-                # the verifier stopped it by the same rules: a call queued behind answers it with nothing
-                a.rule_stopped = taken.finish is not None
+                a.rule_stopped = taken.finish is not None  # as above
         self.metrics.verified(accepted, nodes)
         return takes
+
+    def _take(self, a: Active, r: Verified, shape: Shape, nxt: Shape | None) -> Take | None:
+        """A sequence's rounds of a call counted (round 1 drafted `shape`, later ones `nxt`) and its tokens
+        taken (None: it had finished)."""
+        for j, (n, m) in enumerate(zip(r.accepted, r.round_nodes)):
+            a.gen.stats.count_round(m, n)
+            self.policy.observe(a.seq_id, self._tree(a, shape if j == 0 or nxt is None else nxt), n)
+        return a.gen.take(r.tokens)
+
+    def _took_early(self, group: int, said: Said, results: list[tuple[str, Verified]]) -> None:
+        """An early answer of a call in flight (VerifyRequest.early: sequences a round stopped by their token
+        rules while the others run on), from the stream's reader: kept, and taken now if no call before it
+        waits to be taken (its sequences' earlier tokens come first: _answered takes it then)."""
+        said.stash.extend(results)
+        untaken = self._untaken.get(group)
+        if untaken and untaken[0].said is said:
+            self._take_early(untaken[0])
+
+    def _take_early(self, call: Call) -> None:
+        """The early answers of `call` not taken yet: each sequence's rounds counted and its tokens taken,
+        and, as it finished, its text streamed at once (the takes of earlier calls first). It leaves the
+        rounds when the call is answered (whose own answer skips it: Said.taken)."""
+        said = call.said
+        if not said.stash:
+            return
+        results, said.stash = said.stash, []
+        by_id = {a.seq_id: a for a in call.spec}
+        takes, accepted, nodes = [], [], 0
+        for seq_id, r in results:
+            a = by_id.get(seq_id)
+            if a is None or seq_id in said.taken:
+                continue
+            said.taken.add(seq_id)
+            accepted += r.accepted
+            nodes += r.nodes
+            taken = self._take(a, r, call.shape, call.nxt)
+            if taken is not None:
+                takes.append((a, taken))
+        self.metrics.verified(accepted, nodes)
+        if takes:
+            self._speak()
+            self._stream([(a, a.gen.speak(t)) for a, t in takes])
 
     def _speak(self) -> float:
         """Stream the text of the takes not yet spoken (detokenizing them, checking stop strings); called

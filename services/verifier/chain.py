@@ -20,6 +20,9 @@ keeps that bookkeeping) or k rounds ran, and answers once: every committed token
 accepted count and tree size. The same example, k = 2:
   Verify([s: chained, next 4x8], rounds 2) -> take T2, verify, send; take T3, verify, send;
                                               answers [t4 t5 t6 t7 t8], round_accepted [2, 1]; T4 waits here
+With VerifyRequest.early (on a stream), an item that a round stops by its stop rules while others run on is
+answered at once (`early`: a response with only its result, before the call's own): its sequence has
+finished, and its last tokens need not wait for the other sequences' rounds.
 A call that arrives on the stream with VerifyRequest.cut while the one before it runs ends that one
 before its next round (`cut`, set by the stream's reader in services/verifier/server.py): the gateway
 sends it when it brings enough sequences that were not in the call in flight (joiners; common.rounds.
@@ -47,7 +50,7 @@ from dataclasses import dataclass, field
 from common.errors import InvalidRequest
 from common.rounds import MAX_ROUNDS_PER_CALL
 from services.packed import pack_ints, unpack_ints
-from services.verifier.rounds import CallRounds, ItemRules, Stop
+from services.verifier.rounds import CallRounds, ItemRounds, ItemRules, Stop
 from specdec.v1 import internal_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -107,6 +110,31 @@ def _check_next(it: pb.VerifyItem | pb.PrefillItem) -> None:
         raise InvalidRequest(f"sequence {it.seq_id!r}: next_nodes and next_depth must be >= 0")
 
 
+def _fill(r: pb.VerifyResult, it: ItemRounds) -> None:
+    """An item's result of the call from its rounds (r: round 1's result, edited in place, or a new one)."""
+    del r.accepted_tokens[:]
+    r.accepted_tokens.extend(it.tokens)
+    r.round_accepted, r.round_nodes = pack_ints(it.accepted), pack_ints(it.nodes)
+    r.tree_nodes, r.draft_error = sum(it.nodes), it.draft_error
+
+
+def _early_answer(call: CallRounds, ids: list[str], answered: set[int]) -> pb.VerifyResponse | None:
+    """After a round, while items run on: an early answer (VerifyRequest.early) of the items stopped by their
+    stop rules and not answered yet (`answered`, updated), or None. Their results are those the call's own
+    response gives them, without hidden states (a finished sequence's features are nobody's).
+    Example: rounds 4, s1 commits its stop id in round 2, s2 runs on -> after round 2: [s1: round 1's and 2's
+    tokens, round_accepted [a1, a2]]; after rounds 3 and 4: nothing (round 4: s2 stops, the call answers)."""
+    if not call.running():
+        return None
+    out = None
+    for i, it in enumerate(call.items):
+        if it.stop in _STOPPED and i not in answered:
+            answered.add(i)
+            out = out or pb.VerifyResponse(early=True)
+            _fill(out.results.add(seq_id=ids[i]), it)
+    return out
+
+
 def _retrieve(task: asyncio.Task) -> None:
     """Mark a dropped call's failure as seen (asyncio logs unretrieved exceptions at exit)."""
     if not task.cancelled():
@@ -127,6 +155,7 @@ class DraftChain:
         room: Callable[[list[str]], list[int]],
         gone: frozenset[str] = frozenset(),
         cut: asyncio.Event | None = None,
+        early: Callable[[pb.VerifyResponse], None] | None = None,
     ) -> pb.VerifyResponse:
         """A Verify under the protocol, of one round or several (VerifyRequest.rounds). Each round: the
         chained items' trees (waiting for calls still running), `run(request, failed, trees)` verifies every
@@ -136,7 +165,9 @@ class DraftChain:
         the KV rows each sequence has left, read before every round after the first (services/verifier/rounds.py).
         `gone`: `follows` items whose sequence was released since the call before stopped it: not verified.
         `cut`: set while the call runs (a call queued behind it with VerifyRequest.cut arrived): no round
-        begins after it is set; the items still running end as after the call's last round."""
+        begins after it is set; the items still running end as after the call's last round. `early`: where
+        early answers go (VerifyRequest.early, on a stream): after a round that stopped items by their stop
+        rules while others run on, a response of those items' results."""
         items = request.items
         ids = [it.seq_id for it in items]
         last = {s: self._last.pop(s) for s in ids if s in self._last}  # the call before's, used once
@@ -152,6 +183,10 @@ class DraftChain:
         resp, handed = await run(request, trees.failed | before if before else trees.failed, trees.trees)
         first, sent = resp.results, set()  # round 1's results become the call's (edited in place below)
         self._close_round(request, call, ids, todo, trees, first, handed, sent)
+        early = early if request.early else None
+        answered: set[int] = set()  # items answered early
+        if early is not None and (said := _early_answer(call, ids, answered)) is not None:
+            early(said)
         resp.draft_compute_us = int(trees.compute_s * 1e6)
         resp.draft_batch, resp.draft_wait_us = trees.batch, int(trees.wait_s * 1e6)
         while todo := call.running():
@@ -176,16 +211,15 @@ class DraftChain:
             out, handed = await run(more, {}, trees.trees)
             resp.compute_us += out.compute_us
             self._close_round(request, call, ids, todo, trees, out.results, handed, sent)
+            if early is not None and (said := _early_answer(call, ids, answered)) is not None:
+                early(said)
         resp.rounds_run = call.ran
         for s, it in zip(ids, call.items):  # for a call queued behind this one (VerifyItem.follows)
             if it.stop is not Stop.BEFORE:  # its gateway sends no third call (and may have released it)
                 self._last[s] = Last(it.stop in _STOPPED, len(it.tokens))
         for i, (r, it) in enumerate(zip(first, call.items)):
-            del r.accepted_tokens[:]
-            r.accepted_tokens.extend(it.tokens)
-            r.round_accepted, r.round_nodes = pack_ints(it.accepted), pack_ints(it.nodes)
-            r.tree_nodes, r.chained = sum(it.nodes), i in sent
-            r.draft_error = it.draft_error
+            _fill(r, it)
+            r.chained = i in sent
             if r.chained or r.draft_error or len(it.accepted) > 1:
                 r.ClearField("hidden")  # the draft has it, nobody needs it, or it is round 1's
         return resp

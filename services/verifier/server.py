@@ -32,6 +32,8 @@ from specdec.v1 import internal_pb2 as pb
 from specdec.v1 import internal_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from services.draft.server import DraftServicer
 
 log = logging.getLogger(__name__)
@@ -97,8 +99,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
     async def VerifyStream(self, request_iterator, context):
         """One response per request, in order; the stream outlives failed calls (answers_in_order)."""
 
-        def answer(request: pb.VerifyRequest, cut: asyncio.Event):
-            verify = functools.partial(self._touched_verify, cut=cut)
+        def answer(request: pb.VerifyRequest, cut: asyncio.Event, early: Callable[[pb.VerifyResponse], None]):
+            verify = functools.partial(self._touched_verify, cut=cut, early=early)
             return self.runner.answer(verify, request, pb.VerifyResponse)
 
         async for response in answers_in_order(request_iterator, answer):
@@ -164,16 +166,21 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         resp.wall_us = int((time.perf_counter() - t0) * 1e6)
         return resp
 
-    async def _touched_verify(self, request: pb.VerifyRequest, cut: asyncio.Event | None = None) -> pb.VerifyResponse:
+    async def _touched_verify(
+        self,
+        request: pb.VerifyRequest,
+        cut: asyncio.Event | None = None,
+        early: Callable[[pb.VerifyResponse], None] | None = None,
+    ) -> pb.VerifyResponse:
         """The chained items' trees from the draft (waiting for what is not done yet), the verify, then the
         outcome of every item with next_nodes to the draft for its next tree; round after round when the
-        request asks for several (see chain.py)."""
+        request asks for several (see chain.py). On a stream, `cut` and `early` (answers_in_order)."""
         t0 = time.perf_counter()
         ids = [it.seq_id for it in request.items]
         self._check_chain(request, ids)
         self.leases.touch(ids)
         gone = self._gone(request)
-        resp = await self.chain.verify(request, self._run_verify, self.engine.room, gone, cut)
+        resp = await self.chain.verify(request, self._run_verify, self.engine.room, gone, cut, early)
         resp.wall_us = int((time.perf_counter() - t0) * 1e6)
         return resp
 
@@ -438,11 +445,13 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
 
 async def answers_in_order(requests, answer):
-    """A VerifyStream's answers: `answer(request, cut)` (awaitable) for each request, one after the other, in
-    order. The requests are read ahead of the answers, so that one with VerifyRequest.cut that arrives
-    while the call before it runs sets that call's `cut` (asyncio.Event; chain.py ends the call before its
-    next round); one that arrives between calls cuts nothing. Each answer says how long the loop waited
-    for its request after answering the one before (idle_us; 0 when it was there already: queued)."""
+    """A VerifyStream's answers: `answer(request, cut, early)` (awaitable) for each request, one after the
+    other, in order. The requests are read ahead of the answers, so that one with VerifyRequest.cut that
+    arrives while the call before it runs sets that call's `cut` (asyncio.Event; chain.py ends the call
+    before its next round); one that arrives between calls cuts nothing. A call's early answers
+    (VerifyRequest.early: `early(response)` while it runs) go out as they come, before its own. Each answer
+    says how long the loop waited for its request after answering the one before (idle_us; 0 when it was
+    there already: queued)."""
     calls: asyncio.Queue = asyncio.Queue()  # requests read and not begun; None: the stream ended
     running: asyncio.Event | None = None  # the cut signal of the call in flight, while one is
 
@@ -464,7 +473,18 @@ async def answers_in_order(requests, answer):
                 break
             idle = time.perf_counter() - t0 if waited else 0.0
             running = cut = asyncio.Event()
-            response = await answer(request, cut)
+            if request.early and request.rounds > 1:
+                said: asyncio.Queue = asyncio.Queue()  # the call's early answers, then None
+                call = asyncio.ensure_future(answer(request, cut, said.put_nowait))
+                call.add_done_callback(lambda _, said=said: said.put_nowait(None))
+                try:
+                    while (early := await said.get()) is not None:
+                        yield early
+                finally:
+                    call.cancel()  # the stream ended (no-op when the call is over)
+                response = call.result()
+            else:
+                response = await answer(request, cut, None)
             running = None
             response.idle_us = int(idle * 1e6)
             yield response
