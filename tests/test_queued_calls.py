@@ -598,9 +598,10 @@ class EarlyStream(pb_grpc.VerifierServicer):
 
 
 def test_early_answers_reach_their_own_call_on_a_real_stream() -> None:
-    """Four overlapping calls on one stream: the first (3 rounds, early) gets its two early answers, in
-    order, and then its own answer; the second asks for none and gets none; the third's callback raises,
-    which fails that call only; the fourth (one round) is answered on the same stream."""
+    """Five overlapping calls on one stream: the first (2 items, 3 rounds, early) gets its two early answers,
+    in order, and then its own answer; the second asks for none and gets none; the third's callback raises,
+    which fails that call only; the fourth (one item: nothing to answer early, so not asked) gets none; the
+    fifth (one round) is answered on the same stream."""
 
     async def test(call):
         got: list[list[str]] = []
@@ -609,18 +610,21 @@ def test_early_answers_reach_their_own_call_on_a_real_stream() -> None:
         def boom(resp: pb.VerifyResponse) -> None:
             raise ValueError("the caller's callback failed")
 
+        two = [pb.VerifyItem(seq_id="a"), pb.VerifyItem(seq_id="b")]
         first = asyncio.ensure_future(
-            call(pb.VerifyRequest(rounds=3, early=True), lambda r: got.append([x.seq_id for x in r.results]))
+            call(pb.VerifyRequest(items=two, rounds=3, early=True), lambda r: got.append([x.seq_id for x in r.results]))
         )
-        second = asyncio.ensure_future(call(pb.VerifyRequest(rounds=2)))
-        third = asyncio.ensure_future(call(pb.VerifyRequest(rounds=3, early=True), boom))
-        fourth = asyncio.ensure_future(call(pb.VerifyRequest(rounds=1)))
+        second = asyncio.ensure_future(call(pb.VerifyRequest(items=two, rounds=2)))
+        third = asyncio.ensure_future(call(pb.VerifyRequest(items=two, rounds=3, early=True), boom))
+        one = pb.VerifyRequest(items=two[:1], rounds=3, early=True)
+        fourth = asyncio.ensure_future(call(one, lambda r: got.append(["one item"])))
+        fifth = asyncio.ensure_future(call(pb.VerifyRequest(rounds=1)))
         await asyncio.sleep(0)
         opened.append(call._stream)
-        outs = await asyncio.gather(first, second, third, fourth, return_exceptions=True)
+        outs = await asyncio.gather(first, second, third, fourth, fifth, return_exceptions=True)
         kinds = [o.rounds_run if isinstance(o, pb.VerifyResponse) else type(o).__name__ for o in outs]
         return got, kinds, call._stream is opened[0]
 
     got, kinds, same = asyncio.run(_served(EarlyStream(), test))
     assert got == [["r0"], ["r1"]]
-    assert kinds == [3, 2, "ValueError", 1] and same
+    assert kinds == [3, 2, "ValueError", 3, 1] and same

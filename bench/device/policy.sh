@@ -96,6 +96,13 @@
 #   bench/device/policy.sh rest    one 10-minute call: the chained/unchained A/B (6x60 pinned and plain,
 #                                  concurrency 1, 16, 64), the long prompt (whole, 512-token chunks) and
 #                                  ghz by reflection (GHZ: the binary, concurrency 1 and 64)
+#   bench/device/policy.sh early   session 18's early answers (--early-answers): the engine in process (plain, closed
+#                                  loop), then the colocated services (defaults) with early answers off and on, a
+#                                  stack each, 6x60 pinned and the policy, c=1, 16, 64, PER_WORKER (8)
+#   bench/device/policy.sh early2  the same A/B in the other order (on, off), then the colocated services with early
+#                                  answers and 8 rounds per Verify (--rounds-per-call 8), 6x60 pinned, c=1, 16, 64
+#   bench/device/policy.sh early3  early answers off and on alternated on four stacks (off, on, on, off), the colocated
+#                                  services (defaults), 6x60 pinned, c=1, 16, 64, PER_WORKER (8)
 set -uo pipefail
 mode=${1:-load}
 out=${OUT:-device-out}; mkdir -p "$out"
@@ -200,6 +207,36 @@ case "$mode" in
         --modes tree:6x60,plain,spec --colocate on --out "/tmp/final-$run" > "$out/final-$run.log" 2>&1
       cp "/tmp/final-$run/services.json" "$out/final-$run.json"; echo "run $run"; grep -hE "tok/s total" "$out/final-$run.log" | sed 's/.*services_bench INFO //' | cut -c1-420
     done ;;
+  early3)
+    timeout 450 "${load[@]}" --head models/eagle3-smollm2 --concurrency 1,16,64 --prompts 32 \
+      --requests-per-worker "${PER_WORKER:-8}" --colocate on --modes tree:6x60 --early-answers off,on,on,off \
+      --out /tmp/early3 > "$out/early3.log" 2>&1
+    cp /tmp/early3/services.json "$out/early3.json"
+    grep -hE "tok/s total" "$out/early3.log" | sed 's/.*services_bench INFO //' | cut -c1-300 ;;
+  early|early2)
+    pw=${PER_WORKER:-8}
+    if [ "$mode" = early ]; then
+      timeout 200 python3 -m bench.engine_bench --device cuda --head models/eagle3-smollm2 --prompts 32 \
+        --concurrency 1,16,64 --methods plain,closed --requests-per-worker "$pw" --out /tmp/engine-early \
+        > "$out/engine.log" 2>&1
+      cp /tmp/engine-early/engine_bench.json "$out/"; grep -E "^(speculative|plain)" "$out/engine.log"
+      orders=(off,on)
+    else
+      orders=(on,off)
+    fi
+    ab=(--head models/eagle3-smollm2 --concurrency 1,16,64 --prompts 32 --requests-per-worker "$pw" --colocate on)
+    for order in "${orders[@]}"; do
+      timeout 250 "${load[@]}" "${ab[@]}" --modes tree:6x60,spec --early-answers "$order" --out "/tmp/early-$order" \
+        > "$out/early-${order/,/-}.log" 2>&1
+      cp "/tmp/early-$order/services.json" "$out/early-${order/,/-}.json"; echo "$order"
+      grep -hE "tok/s total" "$out/early-${order/,/-}.log" | sed 's/.*services_bench INFO //' | cut -c1-300
+    done
+    if [ "$mode" = early2 ]; then
+      timeout 150 "${load[@]}" "${ab[@]}" --modes tree:6x60 --rounds-per-call 8 --out /tmp/early-k8 \
+        > "$out/early-k8.log" 2>&1
+      cp /tmp/early-k8/services.json "$out/early-k8.json"; echo k8
+      grep -hE "tok/s total" "$out/early-k8.log" | sed 's/.*services_bench INFO //' | cut -c1-300
+    fi ;;
   pin)
     for run in 1-free 2-pin 3-pin 4-free; do
       cpus=(); [ "${run#*-}" = pin ] && cpus=(--engine-cpus "${CPUS:-3}")
