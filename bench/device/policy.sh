@@ -110,6 +110,11 @@ python3 -m grpc_tools.protoc -Iprotos --python_out=. --grpc_python_out=. --pyi_o
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name --format=csv,noheader > "$out/gpu.txt"
 { nvidia-smi topo -m; lscpu | grep -E "Model name|^CPU\(s\)|NUMA|MHz"; } >> "$out/gpu.txt" 2>&1  # which machine (session 17: machines differ)
+# the GPU's clocks, temperature, power and throttle reasons every 2 s while the mode runs (session 18: successive
+# stacks in one call ran slower and slower; is it the GPU?)
+nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,temperature.gpu,power.draw,clocks_throttle_reasons.active \
+  --format=csv -l 2 > "$out/clocks.csv" 2>&1 &
+sampler=$!; trap 'kill $sampler 2>/dev/null' EXIT
 load=(python3 -m bench.services_bench --device cuda --ipc on --max-new-tokens 128 --max-context 1024 --out "$out")
 engine() {  # the in-process baseline (plain, speculative) of the split modes; first on a fresh machine, it fills the
             # kernel cache that a colocated start would fill one engine at a time (150 s was not enough there)
