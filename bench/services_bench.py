@@ -204,7 +204,7 @@ def run(args) -> list[RunResult]:
                 suffix += "" if chain or m == "plain" else "-unchained"
                 suffix += f"-k{k}" if k else ""
                 suffix += "-queued" if queue == "on" and m != "plain" else ""
-                suffix += "-late" if early == "off" and m != "plain" else ""
+                suffix += "-early" if early == "on" and m != "plain" else ""
                 r = summarize(f"services-{mode}{suffix}", c, traces, wall, rounds=rounds)
                 accepted = sum(f.speculation.accepted_tokens for f in finals)  # tokens per round, bonus included
                 r.acceptance_length = (accepted + rounds) / rounds if speculative and rounds else None
@@ -290,9 +290,9 @@ def parse_args(argv=None):
     )
     p.add_argument(
         "--early-answers",
-        default="on",
-        help="comma list of the gateway's --early-answers, one stack each: on, or off (runs named -late: a "
-        "finished sequence's last tokens wait for its Verify's last round), e.g. off,on for the A/B",
+        default="off",
+        help="comma list of the gateway's --early-answers, one stack each: on (runs named -early) or off (the "
+        "default: a finished sequence's last tokens wait for its Verify's last round), e.g. off,on for the A/B",
     )
     p.add_argument("--requests-per-worker", type=int, default=2, help="requests = max(prompts, this x concurrency)")
     p.add_argument("--out", default="bench_out")

@@ -183,8 +183,8 @@ def test_four_rounds_per_verify_equal_plain_greedy(stack):
     """--rounds-per-call 4: the verifier runs up to four rounds per Verify, taking each next tree from the
     draft itself. Greedy output equals plain decoding token for token, for requests whose max_tokens (29)
     ends inside a call, for one that ends at a stop string (tokens past it discarded), and for one (7 tokens)
-    that stops in an early round of a call the other (29) runs on in (answered early: VerifyRequest.early,
-    the gateway's default); the gateway made
+    that stops in an early round of a call the other (29) runs on in (answered early: --early-answers on,
+    VerifyRequest.early); the gateway made
     fewer Verify calls than batched rounds ran. A seeded sampled request on a pinned tree commits the same
     tokens as on the default stack (one round per Verify on a CPU): each round draws from the sequence's
     own generators exactly as a Verify of its own would."""
@@ -196,7 +196,7 @@ def test_four_rounds_per_verify_equal_plain_greedy(stack):
 
     prompts = CHAT_PROMPTS[:2]
     port = free_port()
-    args = ["--rounds-per-call", "4", "--policy", "fixed", "--metrics-port", str(port)]
+    args = ["--rounds-per-call", "4", "--policy", "fixed", "--metrics-port", str(port), "--early-answers", "on"]
     with Stack(common_args=COMMON, gateway_args=args) as s:
         spec, plain = speculative_vs_plain(s.gateway, prompts, 29)
         short = complete_many(

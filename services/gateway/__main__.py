@@ -56,8 +56,8 @@ class GatewayConfig:
     # gateway's hop and host work in between: services/gateway/scheduler.py, Scheduler._round)
     queue_calls: bool = True
     # a sequence that a Verify of several rounds stops by its token rules is answered after that round, not
-    # the call's last (VerifyRequest.early)
-    early_answers: bool = True
+    # the call's last (VerifyRequest.early). Off by default: no gain measured (docs/benchmarks.md, session 18)
+    early_answers: bool = False
 
     @property
     def chain_address(self) -> str:
@@ -321,9 +321,10 @@ def cli() -> None:
     p.add_argument(
         "--early-answers",
         choices=("on", "off"),
-        default=os.environ.get("EARLY_ANSWERS", "on"),
+        default=os.environ.get("EARLY_ANSWERS", "off"),
         help="a sequence that a Verify of several rounds stops (a stop token, its max_tokens) streams its last "
-        "tokens after that round (on), or when the call's last round is over (off)",
+        "tokens after that round (on), or when the call's last round is over (off; session 18's H100 runs "
+        "measured no gain in tokens/s per request and a longer queue at full slots with on)",
     )
     a = parse_and_log(p)
     cfg = GatewayConfig(

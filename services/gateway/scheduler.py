@@ -46,8 +46,9 @@ call; the request statistics, the metrics, the policy and the round breakdown st
 for one round, not k (_rounds_per_call); a prompt being prefilled does not lower it (its chunks run beside
 the call; the sequence joins at the next call, which the gateway sends as soon as the joiners are ready and
 enough, marked `cut`: the call in flight ends before its next round, _hold, common.rounds.cut_pays), and
-plain rounds are as before. A sequence that a round stops by its token rules while the others run on comes
-back at once in an early answer (SchedulerConfig.early_answers, VerifyRequest.early): its tokens are taken
+plain rounds are as before. With SchedulerConfig.early_answers (off by default: no gain measured), a sequence
+that a round stops by its token rules while the others run on comes back at once in an early answer
+(VerifyRequest.early): its tokens are taken
 and its last delta streamed then (_took_early: after the tokens of the calls before it, which may not be taken
 yet), not after the call's last round.
 
@@ -189,7 +190,7 @@ class SchedulerConfig:
     queue_calls: bool = False
     # a sequence that a call of several rounds stops by its token rules is answered after that round, not the
     # call's last (VerifyRequest.early): its last tokens stream then (see Scheduler._take_early)
-    early_answers: bool = True
+    early_answers: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.rounds_per_call <= MAX_ROUNDS_PER_CALL:
