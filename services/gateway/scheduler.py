@@ -48,9 +48,8 @@ the call; the sequence joins at the next call, which the gateway sends as soon a
 enough, marked `cut`: the call in flight ends before its next round, _hold, common.rounds.cut_pays), and
 plain rounds are as before. With SchedulerConfig.early_answers (off by default: no gain measured), a sequence
 that a round stops by its token rules while the others run on comes back at once in an early answer
-(VerifyRequest.early): its tokens are taken
-and its last delta streamed then (_took_early: after the tokens of the calls before it, which may not be taken
-yet), not after the call's last round.
+(VerifyRequest.early): its tokens are taken and its last delta streamed then (_took_early: after the tokens
+of the calls before it, which may not be taken yet), not after the call's last round.
 
 Speculation policy (common/policy.py): each group round has a shape, chosen when the round before was sent
 (its trees are drafted from there) or at the round's start: a tree (depth, nodes) or plain decoding. A request may pin

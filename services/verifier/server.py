@@ -473,9 +473,8 @@ async def answers_in_order(requests, answer):
                 break
             idle = time.perf_counter() - t0 if waited else 0.0
             running = cut = asyncio.Event()
-            # a call that may answer early runs in a task of its own (its answers go out while it runs). Only a
-            # call of several items and rounds can: on an H100 (session 18) every call of one item at 4 rounds
-            # taking this path ran 15-20% slower at c=1 than on the inline one, cause not found
+            # a call that may answer early runs in a task of its own (its answers go out while it runs); only a
+            # call of several items and rounds can, the others stay inline (no task and queue hop a call)
             if request.early and request.rounds > 1 and len(request.items) > 1:
                 said: asyncio.Queue = asyncio.Queue()  # the call's early answers, then None
                 call = asyncio.ensure_future(answer(request, cut, said.put_nowait))
