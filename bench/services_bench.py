@@ -143,8 +143,15 @@ def run(args) -> list[RunResult]:
     prompts = [QUESTIONS[i % len(QUESTIONS)] for i in range(args.prompts)]
     results = []
     stacks = [(i, c, h) for i in args.ipc_modes for c in args.chain_modes for h in args.colocate_modes]
-    runs = [(st, k, q, e) for st in stacks for k in args.rounds_per_call for q in args.queue_modes for e in args.early]
-    for (ipc, chain, here), k, queue, early in runs:
+    runs = [
+        (st, k, q, e, b)
+        for st in stacks
+        for k in args.rounds_per_call
+        for q in args.queue_modes
+        for e in args.early
+        for b in args.between
+    ]
+    for (ipc, chain, here), k, queue, early, between in runs:
         mport = free_port()
         common = [
             "--device",
@@ -181,7 +188,8 @@ def run(args) -> list[RunResult]:
         )
         engines = ["--block-on-device"] if args.block_on_device else []  # the draft's and the verifier's flags
         engines += ["--cpu-affinity", args.engine_cpus] if args.engine_cpus else []
-        stack_args = dict(common_args=common, draft_args=draft + engines, gateway_args=gw, verifier_args=engines)
+        verifier = engines + (["--prefill-between"] if between == "on" else [])
+        stack_args = dict(common_args=common, draft_args=draft + engines, gateway_args=gw, verifier_args=verifier)
         with Stack(**stack_args, colocate=here) as stack:
             gw_log = (stack.log_dir / "gateway.log").read_text()
             mode = "ipc" if "CUDA IPC" in gw_log.split("hidden states between")[-1][:40] else "inline"
@@ -190,7 +198,7 @@ def run(args) -> list[RunResult]:
             mode = f"cpus{args.engine_cpus}-{mode}" if args.engine_cpus else mode
             asyncio.run(closed_loop(stack.gateway, prompts[:2], 16, 1))  # warm-up
             # plain makes no Verify: once, on the default rounds' first stack
-            first = k == 0 and queue == args.queue_modes[0] and early == args.early[0]
+            first = k == 0 and queue == args.queue_modes[0] and early == args.early[0] and between == args.between[0]
             modes = [m for m in args.spec_modes if m != "plain" or first]
             for c, m in [(c, m) for c in args.concurrency for m in modes]:
                 n = closed_loop_requests(len(prompts), args.requests_per_worker, c)
@@ -205,6 +213,7 @@ def run(args) -> list[RunResult]:
                 suffix += f"-k{k}" if k else ""
                 suffix += "-queued" if queue == "on" and m != "plain" else ""
                 suffix += "-early" if early == "on" and m != "plain" else ""
+                suffix += "-pb" if between == "on" else ""
                 r = summarize(f"services-{mode}{suffix}", c, traces, wall, rounds=rounds)
                 accepted = sum(f.speculation.accepted_tokens for f in finals)  # tokens per round, bonus included
                 r.acceptance_length = (accepted + rounds) / rounds if speculative and rounds else None
@@ -294,6 +303,12 @@ def parse_args(argv=None):
         help="comma list of the gateway's --early-answers, one stack each: on (runs named -early) or off (the "
         "default: a finished sequence's last tokens wait for its Verify's last round), e.g. off,on for the A/B",
     )
+    p.add_argument(
+        "--prefill-between",
+        default="off",
+        help="comma list, one stack each: on (the verifier's --prefill-between: Prefill between the rounds' "
+        "calls on its event loop; runs named -pb) or off (beside them on its engine thread), e.g. off,on",
+    )
     p.add_argument("--requests-per-worker", type=int, default=2, help="requests = max(prompts, this x concurrency)")
     p.add_argument("--out", default="bench_out")
     a = p.parse_args(argv)
@@ -306,6 +321,9 @@ def parse_args(argv=None):
     a.queue_modes = a.queue_calls.split(",")
     if not set(a.queue_modes) <= {"on", "off"}:
         p.error(f"--queue-calls takes on and off, got {a.queue_calls!r}")
+    a.between = a.prefill_between.split(",")
+    if not set(a.between) <= {"on", "off"}:
+        p.error(f"--prefill-between takes on and off, got {a.prefill_between!r}")
     a.early = a.early_answers.split(",")
     if not set(a.early) <= {"on", "off"}:
         p.error(f"--early-answers takes on and off, got {a.early_answers!r}")

@@ -68,6 +68,20 @@ class EngineRunner:
                     ended.set()
         return await asyncio.get_running_loop().run_in_executor(self._pool, self._locked, _finished, fn, *args)
 
+    async def between(self, fn: Callable[..., T], *args) -> T:
+        """fn(*args) between the per-round calls: inline (a GPU engine's), once the inline call holding the
+        engine is over, on the event loop, which it holds until it returns (nothing runs beside it, as in a
+        process that runs its prefills between its rounds); else on the engine thread (`run`)."""
+        if self.inline:
+            while self._stepping is not None:
+                await self._stepping.wait()
+            if self._engine.acquire(blocking=False):
+                try:
+                    return fn(*args)
+                finally:
+                    self._engine.release()
+        return await self.run(fn, *args)
+
     async def _stepped(self, steps: Steps[T]) -> T:
         try:
             while True:

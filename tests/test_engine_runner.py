@@ -142,3 +142,35 @@ def test_a_second_inline_call_waits_on_the_loop_and_runs_inline_after_the_first(
     # (whose wait completed, a's progress, b's progress): b starts only after a has read its results
     assert log == [("a", 1, 0), ("a", 2, 0), ("b", 3, 1), ("b", 3, 2)]
     assert not any(e.synchronized for e in events)
+
+
+def test_between_runs_on_the_loop_after_the_inline_call_holding_the_engine():
+    """A prefill `between` the rounds' calls (--prefill-between): it waits for the inline steps call holding
+    the engine, then runs on the event loop's thread with the engine held; the same call on a runner that is
+    not inline (CPU) runs on the engine thread."""
+    import threading
+
+    def prefill(log: list[str], runner: EngineRunner) -> str:
+        log.append(
+            f"prefill on the loop: {threading.current_thread() is threading.main_thread()}, engine held: "
+            f"{runner._engine.locked()}"
+        )
+        return "prefilled"
+
+    async def main():
+        runner, log, events = EngineRunner("test", inline=True), [], [HandEvent(), HandEvent()]
+        call = asyncio.create_task(runner.steps(two_waits, log, events))
+        await asyncio.sleep(0)  # the call holds the engine, waiting for the device
+        between = asyncio.create_task(runner.between(prefill, log, runner))
+        other = asyncio.create_task(device(runner, log, events))
+        assert await call == "result" and await between == "prefilled"
+        await other
+        thread = EngineRunner("cpu", inline=False)
+        assert await thread.between(prefill, log, thread) == "prefilled"
+        runner.close()
+        thread.close()
+        return log
+
+    log = asyncio.run(main())
+    assert log.index("read 2") < log.index("prefill on the loop: True, engine held: True")
+    assert log[-1] == "prefill on the loop: False, engine held: True"

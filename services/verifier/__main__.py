@@ -59,6 +59,7 @@ async def main(args: argparse.Namespace) -> None:
         draft_timeout=args.draft_timeout,
         draft_here=draft_here,
         poll=not args.block_on_device,
+        prefill_between=args.prefill_between,
     )
     services.insert(0, (internal_pb2_grpc.add_VerifierServicer_to_server, servicer, "specdec.v1.Verifier"))
     await serve(args.addr, services, args.port_file, args.drain_grace)
@@ -80,6 +81,13 @@ def cli() -> None:
         action="store_true",
         help="run the draft engine in this process too and serve specdec.v1.Draft on this port (the "
         "drafter's flags below apply)",
+    )
+    p.add_argument(
+        "--prefill-between",
+        action="store_true",
+        help="on a GPU, run each Prefill on the event loop between the per-round calls (holding the loop while "
+        "it runs, as a process that prefills between its rounds does) instead of on the engine thread beside "
+        "them (for A/B runs: bench.services_bench --prefill-between off,on)",
     )
     from services.draft.__main__ import draft_arguments
 
