@@ -105,7 +105,7 @@
 #                                  services (defaults), 6x60 pinned, c=1, 16, 64, PER_WORKER (8)
 #   bench/device/policy.sh between the engine's closed loop, then the colocated services (defaults) with the verifier's
 #                                  Prefill beside the rounds (off) and between their calls (on: --prefill-between),
-#                                  alternated off, on, on, off, 6x60 pinned, c=1, 16, 64, PER_WORKER (8)
+#                                  alternated ORDER (off, on, on, off), 6x60 pinned, c=1, 16, 64, PER_WORKER (8)
 set -uo pipefail
 mode=${1:-load}
 out=${OUT:-device-out}; mkdir -p "$out"
@@ -216,12 +216,12 @@ case "$mode" in
       cp "/tmp/final-$run/services.json" "$out/final-$run.json"; echo "run $run"; grep -hE "tok/s total" "$out/final-$run.log" | sed 's/.*services_bench INFO //' | cut -c1-420
     done ;;
   between)
-    timeout 150 python3 -m bench.engine_bench --device cuda --head models/eagle3-smollm2 --prompts 32 \
+    timeout 220 python3 -m bench.engine_bench --device cuda --head models/eagle3-smollm2 --prompts 32 \
       --concurrency 1,16,64 --methods closed --requests-per-worker "${PER_WORKER:-8}" --out /tmp/engine-between \
       > "$out/engine.log" 2>&1
     cp /tmp/engine-between/engine_bench.json "$out/"; grep -E "^(speculative|plain)" "$out/engine.log"
     timeout 420 "${load[@]}" --head models/eagle3-smollm2 --concurrency 1,16,64 --prompts 32 \
-      --requests-per-worker "${PER_WORKER:-8}" --colocate on --modes tree:6x60 --prefill-between off,on,on,off \
+      --requests-per-worker "${PER_WORKER:-8}" --colocate on --modes tree:6x60 --prefill-between "${ORDER:-off,on,on,off}" \
       --out /tmp/between > "$out/between.log" 2>&1
     cp /tmp/between/services.json "$out/between.json"
     grep -hE "tok/s total" "$out/between.log" | sed 's/.*services_bench INFO //' | cut -c1-300 ;;
