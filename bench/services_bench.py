@@ -188,7 +188,7 @@ def run(args) -> list[RunResult]:
         )
         engines = ["--block-on-device"] if args.block_on_device else []  # the draft's and the verifier's flags
         engines += ["--cpu-affinity", args.engine_cpus] if args.engine_cpus else []
-        verifier = engines + (["--prefill-between"] if between == "on" else [])
+        verifier = engines + (["--prefill-between"] if between == "on" else ["--no-prefill-between"])
         stack_args = dict(common_args=common, draft_args=draft + engines, gateway_args=gw, verifier_args=verifier)
         with Stack(**stack_args, colocate=here) as stack:
             gw_log = (stack.log_dir / "gateway.log").read_text()
@@ -213,7 +213,7 @@ def run(args) -> list[RunResult]:
                 suffix += f"-k{k}" if k else ""
                 suffix += "-queued" if queue == "on" and m != "plain" else ""
                 suffix += "-early" if early == "on" and m != "plain" else ""
-                suffix += "-pb" if between == "on" else ""
+                suffix += "-beside" if between == "off" else ""
                 r = summarize(f"services-{mode}{suffix}", c, traces, wall, rounds=rounds)
                 accepted = sum(f.speculation.accepted_tokens for f in finals)  # tokens per round, bonus included
                 r.acceptance_length = (accepted + rounds) / rounds if speculative and rounds else None
@@ -305,9 +305,9 @@ def parse_args(argv=None):
     )
     p.add_argument(
         "--prefill-between",
-        default="off",
-        help="comma list, one stack each: on (the verifier's --prefill-between: Prefill between the rounds' "
-        "calls on its event loop; runs named -pb) or off (beside them on its engine thread), e.g. off,on",
+        default="on",
+        help="comma list, one stack each: on (the verifier's default: Prefill between the rounds' calls on its "
+        "event loop) or off (--no-prefill-between: beside them on its engine thread; runs named -beside)",
     )
     p.add_argument("--requests-per-worker", type=int, default=2, help="requests = max(prompts, this x concurrency)")
     p.add_argument("--out", default="bench_out")

@@ -10,7 +10,9 @@ then the loop answers other calls, polling the call's event between them, until 
 call reads its results. (Before session 16 the loop blocked in the call: under load a Prefill call waited
 12 ms at c=16 for the loop's turn.) On the engine thread when the engine is busy (a lock keeps the engine to
 one caller at a time). On CPU a call can take a second, long enough to hold up lease renewals and health
-checks: there they stay on the engine thread."""
+checks: there they stay on the engine thread. A GPU verifier's Prefill runs `between` the per-round calls on
+the loop (a few milliseconds, holding it): on the engine thread beside them it contended with their inline
+steps for the interpreter lock and the GPU (session 18, H100: the rounds, the prefills and TTFT all faster)."""
 
 from __future__ import annotations
 

@@ -53,7 +53,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         draft_timeout: float = 10.0,
         draft_here: DraftServicer | None = None,  # this process's draft (--draft-here): chained proposals call it
         poll: bool = True,  # per-round engine calls give the event loop back while the device works (EngineRunner)
-        prefill_between: bool = False,  # a GPU's Prefill runs on the event loop between the rounds' calls
+        prefill_between: bool = True,  # a GPU's Prefill runs on the event loop between the rounds' calls
     ) -> None:
         if not 1 <= max_sequences < engine.info.max_sequences:
             raise ValueError(
@@ -68,8 +68,9 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         # the engine thread on CPU, where a call takes long enough to hold up lease renewals and health checks
         # (services/engine_runner.py)
         self.runner = EngineRunner("verifier", inline=self.device.type == "cuda", poll=poll)
-        # Prefill beside the rounds on the engine thread (default), or between their calls on the event loop
-        # (EngineRunner.between: no thread contending for the interpreter lock and the GPU with the rounds)
+        # Prefill between the rounds' calls on the event loop (EngineRunner.between: no thread contending with
+        # the rounds' inline calls for the interpreter lock and the GPU; session 18, H100: faster rounds and
+        # prefills at c=1, 16 and 64), or beside them on the engine thread (prefill_between False)
         self._prefill_runs = self.runner.between if prefill_between else self.runner.run
         self.leases = SequenceLeases(lease_ttl, self._release_ids, self.runner)
         # the next trees of chained sequences (a propose not answered within draft_timeout fails its items)
