@@ -506,3 +506,33 @@ def test_a_prefills_first_tree_reaches_the_draft_here_as_it_reaches_a_draft_serv
                 assert h[3:] == r[3:] == (8, 2 if s == "s0" else 0, "gw", s == "s1")
 
     asyncio.run(go())
+
+
+def test_a_prefill_runs_between_the_rounds_calls_on_the_loop_unless_it_is_long():
+    """With prefill_between (the default) and an inline runner (a GPU's; set by hand here), a Prefill of at most
+    `between_tokens` prompt tokens runs on the event loop's thread, a longer one on the engine thread (it would
+    hold the loop for its whole pass); both answer the same first tokens as on a servicer without it."""
+    import threading
+
+    pair = Pair()
+    s = pair.servicers["ipc"]
+    s.runner.inline, s.between_tokens = True, 8
+    threads: list[bool] = []
+    prefill = s._prefill
+
+    def recorded(request):
+        threads.append(threading.current_thread() is threading.main_thread())
+        return prefill(request)
+
+    s._prefill = recorded
+
+    async def main():
+        async with pair:
+            short = pb.PrefillRequest(items=[pb.PrefillItem(seq_id="a", token_ids=[3, 4, 5, 6, 7, 8], sampling=GREEDY)])
+            long = pb.PrefillRequest(items=[pb.PrefillItem(seq_id="b", token_ids=list(range(3, 13)), sampling=GREEDY)])
+            return [await pair.both("Prefill", r) for r in (short, long)]
+
+    (a, a_inline), (b, b_inline) = asyncio.run(main())
+    assert threads == [True, False]
+    assert a.results[0].next_token == a_inline.results[0].next_token
+    assert b.results[0].next_token == b_inline.results[0].next_token

@@ -38,6 +38,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 MAX_DECODE_STEPS = 64  # per Decode call: bounds one call's time and the tokens wasted past a stop
+# a Prefill call of more prompt tokens than this runs on the engine thread even with prefill_between: on the
+# event loop it would hold the rounds (and everything else the process answers) for its whole pass. The
+# gateway's chunks (--prefill-chunk, 512 by default) keep its calls within it
+PREFILL_BETWEEN_TOKENS = 512
 
 
 class VerifierServicer(pb_grpc.VerifierServicer):
@@ -72,6 +76,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         # the rounds' inline calls for the interpreter lock and the GPU; session 18, H100: faster rounds and
         # prefills at c=1, 16 and 64), or beside them on the engine thread (prefill_between False)
         self._prefill_runs = self.runner.between if prefill_between else self.runner.run
+        self.between_tokens = PREFILL_BETWEEN_TOKENS
         self.leases = SequenceLeases(lease_ttl, self._release_ids, self.runner)
         # the next trees of chained sequences (a propose not answered within draft_timeout fails its items)
         self.hand_over = False  # the draft is here (colocate)
@@ -162,7 +167,9 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         continued = [s for s in ids if s in self._chunks]
         self.leases.touch(continued)
         try:
-            resp, first = await self._prefill_runs(self._prefill, request)
+            tokens = sum(len(it.token_ids) for it in request.items)
+            runs = self._prefill_runs if tokens <= self.between_tokens else self.runner.run
+            resp, first = await runs(self._prefill, request)
         except BaseException:
             self.leases.removed(continued)  # the failed call freed them (see _prefill)
             raise
