@@ -255,15 +255,15 @@ class StreamedCall:
                     raise PeerUnavailable(f"{self._label}: the service ended the stream")
                 if not self._waiting:  # an answer nobody asked for: the pairing is lost
                     raise PeerUnavailable(f"{self._label}: an answer with no call waiting")
-                if getattr(resp, "early", False):
-                    answer, early = self._waiting[0]
-                    if early is not None and not answer.done():
+                answer, early = self._waiting[0]
+                if early is not None and resp.early:  # only a call that asked for early answers gets them
+                    if not answer.done():
                         try:
                             early(resp)
                         except Exception as e:  # noqa: BLE001 - the caller's failure is its call's, not the stream's
                             answer.set_exception(e)
                     continue
-                answer, _ = self._waiting.popleft()
+                self._waiting.popleft()
                 if not answer.done():
                     answer.set_result(resp)
         except asyncio.CancelledError:

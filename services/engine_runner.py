@@ -71,18 +71,11 @@ class EngineRunner:
         return await asyncio.get_running_loop().run_in_executor(self._pool, self._locked, _finished, fn, *args)
 
     async def between(self, fn: Callable[..., T], *args) -> T:
-        """fn(*args) between the per-round calls: inline (a GPU engine's), once the inline call holding the
-        engine is over, on the event loop, which it holds until it returns (nothing runs beside it, as in a
-        process that runs its prefills between its rounds); else on the engine thread (`run`)."""
-        if self.inline:
-            while self._stepping is not None:
-                await self._stepping.wait()
-            if self._engine.acquire(blocking=False):
-                try:
-                    return fn(*args)
-                finally:
-                    self._engine.release()
-        return await self.run(fn, *args)
+        """fn(*args) between the per-round calls: as `steps` of a call with no wait for the device, so inline
+        (a GPU engine's) it runs once the inline call holding the engine is over, on the event loop, which it
+        holds until it returns (nothing runs beside it, as in a process that prefills between its rounds);
+        else on the engine thread after the call in progress."""
+        return await self.steps(_whole, fn, *args)
 
     async def _stepped(self, steps: Steps[T]) -> T:
         try:
@@ -139,6 +132,12 @@ class EngineRunner:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _whole(fn: Callable[..., T], *args) -> Steps[T]:
+    """fn(*args) as an engine call's steps with no wait for the device: all of it runs at the first step."""
+    yield from ()
+    return fn(*args)
 
 
 def _finished(fn: Callable[..., Steps[T]], *args) -> T:

@@ -510,13 +510,13 @@ def test_a_prefills_first_tree_reaches_the_draft_here_as_it_reaches_a_draft_serv
 
 def test_a_prefill_runs_between_the_rounds_calls_on_the_loop_unless_it_is_long():
     """With prefill_between (the default) and an inline runner (a GPU's; set by hand here), a Prefill of at most
-    `between_tokens` prompt tokens runs on the event loop's thread, a longer one on the engine thread (it would
+    `prefill_between_tokens` prompt tokens runs on the event loop's thread, a longer one on the engine thread (it would
     hold the loop for its whole pass); both answer the same first tokens as on a servicer without it."""
     import threading
 
     pair = Pair()
     s = pair.servicers["ipc"]
-    s.runner.inline, s.between_tokens = True, 8
+    s.runner.inline, s.prefill_between_tokens = True, 8
     threads: list[bool] = []
     prefill = s._prefill
 

@@ -465,9 +465,8 @@ class Scheduler:
         group's next call is in flight); returns the sequences to decode plainly (their chained tree never
         came and the call gave them no token)."""
         try:
-            self._take_early(call)  # early answers that came before the calls ahead of it were taken
+            self._take_early(call)  # early answers kept because the call ahead of it failed (nothing took them)
             verified = await call.task
-            self._take_early(call)  # (an early answer's callback that raised failed the call above)
         finally:
             for a in call.spec:
                 a.calls -= 1

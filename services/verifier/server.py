@@ -75,8 +75,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         # Prefill between the rounds' calls on the event loop (EngineRunner.between: no thread contending with
         # the rounds' inline calls for the interpreter lock and the GPU; session 18, H100: faster rounds and
         # prefills at c=1, 16 and 64), or beside them on the engine thread (prefill_between False)
-        self._prefill_runs = self.runner.between if prefill_between else self.runner.run
-        self.between_tokens = PREFILL_BETWEEN_TOKENS
+        self.prefill_between_tokens = PREFILL_BETWEEN_TOKENS if prefill_between else 0  # larger: engine thread
         self.leases = SequenceLeases(lease_ttl, self._release_ids, self.runner)
         # the next trees of chained sequences (a propose not answered within draft_timeout fails its items)
         self.hand_over = False  # the draft is here (colocate)
@@ -168,7 +167,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self.leases.touch(continued)
         try:
             tokens = sum(len(it.token_ids) for it in request.items)
-            runs = self._prefill_runs if tokens <= self.between_tokens else self.runner.run
+            runs = self.runner.between if tokens <= self.prefill_between_tokens else self.runner.run
             resp, first = await runs(self._prefill, request)
         except BaseException:
             self.leases.removed(continued)  # the failed call freed them (see _prefill)
