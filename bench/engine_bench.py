@@ -22,6 +22,7 @@ bench.services_bench loads the gateway (max(prompts, --requests-per-worker x con
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import sys
@@ -451,6 +452,8 @@ def bench(args, ckpt) -> int:
     eng = build_engines(ckpt, args, dtype, max(conc))
     run_plain(eng.verifier, prompts[:1], 8, 1)  # warm-up (graphs were captured at construction)
     run_spec(eng.verifier, eng.drafter, prompts[:1], 8, 1, args.tree_size)
+    gc.collect()  # services/launch.py freeze_heap, as the services do before serving: the same collector's
+    gc.freeze()  # work per round on both sides
     for c in conc:
         ps = filled(prompts, c)
         if "plain" in args.methods:

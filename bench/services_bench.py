@@ -151,7 +151,7 @@ def run(args) -> list[RunResult]:
         for e in args.early
         for b in args.between
     ]
-    for (ipc, chain, here), k, queue, early, between in runs:
+    for n, ((ipc, chain, here), k, queue, early, between) in enumerate(runs, 1):
         mport = free_port()
         common = [
             "--device",
@@ -189,7 +189,11 @@ def run(args) -> list[RunResult]:
         engines = ["--block-on-device"] if args.block_on_device else []  # the draft's and the verifier's flags
         engines += ["--cpu-affinity", args.engine_cpus] if args.engine_cpus else []
         verifier = engines + (["--prefill-between"] if between == "on" else ["--no-prefill-between"])
-        stack_args = dict(common_args=common, draft_args=draft + engines, gateway_args=gw, verifier_args=verifier)
+        logs = Path(args.out) / "logs" / f"stack-{n}"  # the services' logs, kept
+        logs.mkdir(parents=True, exist_ok=True)
+        stack_args = dict(
+            common_args=common, draft_args=draft + engines, gateway_args=gw, verifier_args=verifier, log_dir=logs
+        )
         with Stack(**stack_args, colocate=here) as stack:
             gw_log = (stack.log_dir / "gateway.log").read_text()
             mode = "ipc" if "CUDA IPC" in gw_log.split("hidden states between")[-1][:40] else "inline"
@@ -203,6 +207,7 @@ def run(args) -> list[RunResult]:
             for c, m in [(c, m) for c in args.concurrency for m in modes]:
                 n = closed_loop_requests(len(prompts), args.requests_per_worker, c)
                 load = [prompts[i % len(prompts)] for i in range(n)]
+                log.info("%s c=%d: load starts", mode, c)  # bench.gcprobe.summary's windows
                 before, chosen = scrape_rounds(mport), policy_choices(stack.gateway)
                 traces, finals, wall = asyncio.run(closed_loop(stack.gateway, load, args.max_new_tokens, c, m))
                 speculative = m != "plain"

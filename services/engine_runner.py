@@ -12,7 +12,10 @@ call reads its results. (Before session 16 the loop blocked in the call: under l
 one caller at a time). On CPU a call can take a second, long enough to hold up lease renewals and health
 checks: there they stay on the engine thread. A GPU verifier's Prefill runs `between` the per-round calls on
 the loop (a few milliseconds, holding it): on the engine thread beside them it contended with their inline
-steps for the interpreter lock and the GPU (session 18, H100: the rounds, the prefills and TTFT all faster)."""
+steps for the interpreter lock and the GPU (session 18, H100: the rounds, the prefills and TTFT all faster).
+Releases (bookkeeping only, no device work) run `between` the calls too: on the engine thread a release holds
+the engine's lock while it waits there for the interpreter lock, and the per-round call that finds the lock
+taken runs whole on the engine thread, blocking at its waits (`thread_calls` counts those)."""
 
 from __future__ import annotations
 
@@ -44,6 +47,7 @@ class EngineRunner:
         self._engine = threading.Lock()  # held by whoever runs an engine call
         self.inline, self.poll = inline, poll
         self._stepping: asyncio.Event | None = None  # set when the inline call holding the engine ends
+        self.inline_calls = self.thread_calls = 0  # `steps` calls of an inline runner: on the loop / the thread
         self.log = logging.getLogger(f"services.{name}")
 
     async def run(self, fn: Callable[..., T], *args) -> T:
@@ -61,6 +65,7 @@ class EngineRunner:
             while self._stepping is not None:
                 await self._stepping.wait()
             if self._engine.acquire(blocking=False):
+                self.inline_calls += 1
                 self._stepping = asyncio.Event()
                 try:
                     return await self._stepped(fn(*args)) if self.poll else finish(fn(*args))
@@ -68,6 +73,7 @@ class EngineRunner:
                     self._engine.release()
                     self._stepping, ended = None, self._stepping
                     ended.set()
+            self.thread_calls += 1  # the engine is the engine thread's (a long Prefill, Features)
         return await asyncio.get_running_loop().run_in_executor(self._pool, self._locked, _finished, fn, *args)
 
     async def between(self, fn: Callable[..., T], *args) -> T:
@@ -131,6 +137,12 @@ class EngineRunner:
         return resp
 
     def close(self) -> None:
+        if self.inline:
+            self.log.info(
+                "inline engine calls: %d on the event loop, %d on the engine thread (the engine was busy there)",
+                self.inline_calls,
+                self.thread_calls,
+            )
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 

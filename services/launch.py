@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -49,6 +50,15 @@ async def serve_forever(server: Server, drain: Callable[[], Awaitable[None]], gr
     except (TimeoutError, asyncio.CancelledError):
         log.warning("stopping with work still in flight")
     await server.stop(1.0)
+
+
+def freeze_heap() -> None:
+    """Once a service is built, before it serves: collect once, then move every object alive (the model, the
+    engines and their graphs, the libraries: ~200,000 objects in the verifier) to the collector's permanent
+    generation. A full collection traverses only what serving created since, instead of pausing the process
+    for 100-270 ms as the start-up's did (on this project's CPU); vLLM freezes its heap after warm-up alike."""
+    gc.collect()
+    gc.freeze()
 
 
 def common_arguments(p: argparse.ArgumentParser, addr_env: str, default_addr: str) -> None:
@@ -147,6 +157,7 @@ async def serve(address: str, services: list[tuple], port_file: str | None, grac
     sequences, wait until the held ones are released (by every service)."""
     from common.rpc import start_server
 
+    freeze_heap()
     server = await start_server(address, [(add, servicer) for add, servicer, _ in services], [n for *_, n in services])
     for _, servicer, _ in services:
         servicer.leases.start()
@@ -160,3 +171,4 @@ async def serve(address: str, services: list[tuple], port_file: str | None, grac
     finally:
         for _, servicer, _ in services:
             servicer.leases.stop()
+            servicer.runner.close()

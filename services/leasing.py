@@ -18,8 +18,8 @@ log = logging.getLogger(__name__)
 
 
 class SequenceLeases:
-    """`free(seq_ids)` releases sequences in the engine; it runs on the engine thread, in turn with the
-    engine's other calls. Every method here runs on the event loop, so the table needs no lock."""
+    """`free(seq_ids)` releases sequences in the engine; it runs between the engine's other calls
+    (EngineRunner.between). Every method here runs on the event loop, so the table needs no lock."""
 
     def __init__(
         self,
@@ -46,7 +46,7 @@ class SequenceLeases:
                     request.name,
                     len(freed),
                 )
-                await self._runner.run(self._free, freed)
+                await self._runner.between(self._free, freed)
         else:
             self.table.renew(request.instance_id, now, request.name)
             freed = []
@@ -78,7 +78,7 @@ class SequenceLeases:
             if freed:
                 log.warning("freeing %d sequence(s) whose owner's lease ran out: %s", len(freed), freed[:8])
                 try:
-                    await self._runner.run(self._free, freed)
+                    await self._runner.between(self._free, freed)
                 except Exception:  # noqa: BLE001 - the reaper must outlive one failed release
                     log.exception("releasing expired sequences failed")
 

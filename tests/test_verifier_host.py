@@ -536,3 +536,52 @@ def test_a_prefill_runs_between_the_rounds_calls_on_the_loop_unless_it_is_long()
     assert threads == [True, False]
     assert a.results[0].next_token == a_inline.results[0].next_token
     assert b.results[0].next_token == b_inline.results[0].next_token
+
+
+def test_releases_run_between_the_rounds_calls_on_the_loop() -> None:
+    """With an inline runner (a GPU's; set by hand here) the verifier's and the draft's Release run on the event
+    loop's thread between the per-round calls, not on the engine thread: there a release held the engine's lock
+    while it waited for the interpreter lock, and a per-round call arriving then ran whole on the engine thread.
+    The released sequence is gone afterwards."""
+    import threading
+
+    from common.config import DraftingConfig
+    from services.draft.server import DraftServicer
+
+    class Drafter:
+        def __init__(self) -> None:
+            self.threads: list[bool] = []
+
+        def step_costs(self) -> list:
+            return []
+
+        def release(self, seq_ids: list[str]) -> int:
+            self.threads.append(threading.current_thread() is threading.main_thread())
+            return len(seq_ids)
+
+    pair = Pair()
+    v = pair.servicers["ipc"]
+    v.runner.inline = True
+    threads: list[bool] = []
+    release_ids = v._release_ids
+
+    def recorded(ids: list[str]) -> int:
+        threads.append(threading.current_thread() is threading.main_thread())
+        return release_ids(ids)
+
+    v._release_ids = recorded
+    drafter = Drafter()
+    d = DraftServicer(drafter, DraftingConfig(), 3 * CFG.hidden_size, CFG.vocab_size, torch.device("cpu"), 600.0)
+    d.runner.inline = True
+
+    async def main():
+        async with pair:
+            await pair.both("Prefill", pb.PrefillRequest(items=[pb.PrefillItem(seq_id="a", token_ids=[3, 4, 5])]))
+            released = await pair.stubs["ipc"].Release(pb.ReleaseRequest(seq_ids=["a"]))
+            drafted = await d._release_owned(pb.ReleaseRequest(seq_ids=["a", "b"]))
+            d.runner.close()
+            return released.released, drafted.released, len(v.engine.seqs), v.leases.table.owner_of("a")
+
+    assert asyncio.run(main()) == (1, 2, 0, None)
+    assert threads == [True] and drafter.threads == [True]
+    assert v.runner.thread_calls == d.runner.thread_calls == 0

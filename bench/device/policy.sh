@@ -64,7 +64,13 @@
 #                                  colocated services (defaults; RUNS NAME-new8: 8 rounds per Verify), OLD's and MID's
 #                                  (NAME-old, NAME-mid: two older trees unpacked as OLD is), RUNS
 #                                  in order (default new, old, old, new), 6x60 pinned, concurrency 1, 16, 64,
-#                                  PER_WORKER (8) requests per worker
+#                                  PER_WORKER (8) requests per worker; GCPROBE=1: bench/gcprobe in every stack (the
+#                                  collector's pauses per load window, gc-RUN.txt); ENGINE_AFTER=1: the engine's
+#                                  closed loop again after the stacks (engine-after.log: its own spread)
+#   bench/device/policy.sh place   session 19: the colocated services with the engine process on CPUs of its own
+#                                  (ENGINE_CPUS, default 2,4; the gateway and the client off them and off their
+#                                  measured siblings: bench.cpu_siblings) against the OS's placement, alternated,
+#                                  then the engine's closed loop both ways
 #   bench/device/policy.sh stallghz the 2,000-token prompt joining 16 running streams, whole and in 512-token chunks
 #                                  (bench.prefill_stall), then ghz by reflection (GHZ: the binary) at concurrency 1,
 #                                  16, 64 (bench.ghz_load)
@@ -112,7 +118,9 @@ out=${OUT:-device-out}; mkdir -p "$out"
 python3 -m grpc_tools.protoc -Iprotos --python_out=. --grpc_python_out=. --pyi_out=. protos/specdec/v1/*.proto
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name --format=csv,noheader > "$out/gpu.txt"
-{ nvidia-smi topo -m; lscpu | grep -E "Model name|^CPU\(s\)|NUMA|MHz"; } >> "$out/gpu.txt" 2>&1  # which machine (session 17: machines differ)
+{ nvidia-smi topo -m; lscpu | grep -E "Model name|^CPU\(s\)|NUMA|MHz|per core|per socket"
+  echo "thread siblings: $(cat /sys/devices/system/cpu/cpu*/topology/thread_siblings_list 2>/dev/null | tr '\n' ' ')"
+} >> "$out/gpu.txt" 2>&1  # which machine (session 17: machines differ)
 # the GPU's clocks, temperature, power and throttle reasons every 2 s while the mode runs (session 18: successive
 # stacks in one call ran slower and slower; is it the GPU?)
 nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,temperature.gpu,power.draw,clocks_throttle_reasons.active \
@@ -304,13 +312,14 @@ case "$mode" in
       [ -d "$d" ] && (cd "$d" && python3 -m grpc_tools.protoc -Iprotos --python_out=. --grpc_python_out=. --pyi_out=. protos/specdec/v1/*.proto)
     done
     if [ -z "${SKIP_ENGINE:-}" ]; then
-      timeout 150 python3 -m bench.engine_bench --device cuda --head models/eagle3-smollm2 --prompts 32 --concurrency 1,16,64 \
+      timeout 240 python3 -m bench.engine_bench --device cuda --head models/eagle3-smollm2 --prompts 32 --concurrency 1,16,64 \
         --methods closed --requests-per-worker "$pw" --out /tmp/engine-ab > "$out/engine.log" 2>&1
       cp /tmp/engine-ab/engine_bench.json "$out/" 2>/dev/null; grep -E "^speculative" "$out/engine.log"
     fi
     ab=(--device cuda --ipc on --max-new-tokens 128 --max-context 1024 --concurrency 1,16,64 --prompts 32
         --requests-per-worker "$pw" --modes tree:6x60 --colocate on --head "$here/models/eagle3-smollm2")
     for run in ${RUNS:-1-new 2-old 3-old 4-new}; do  # NAME-new: this tree, NAME-new8: at 8 rounds, NAME-old: OLD
+      if [ -n "${GCPROBE:-}" ]; then export GC_PROBE_OUT="/tmp/gc-$run" PYTHONPATH="$here/bench/gcprobe:$PYTHONPATH"; fi
       case "${run#*-}" in
         new) timeout 110 python3 -m bench.services_bench "${ab[@]}" --out "/tmp/ab-$run" > "$out/ab-$run.log" 2>&1 ;;
         new8) timeout 110 python3 -m bench.services_bench "${ab[@]}" --rounds-per-call 8 --out "/tmp/ab-$run" \
@@ -321,6 +330,45 @@ case "$mode" in
       esac
       cp "/tmp/ab-$run/services.json" "$out/ab-$run.json" 2>/dev/null
       echo "$run"; grep -hE "tok/s total" "$out/ab-$run.log" | sed 's/.*services_bench INFO //' | cut -c1-600
+      if [ -n "${GCPROBE:-}" ]; then
+        export PYTHONPATH="${PYTHONPATH#"$here/bench/gcprobe:"}"; unset GC_PROBE_OUT
+        python3 -m bench.gcprobe.summary "/tmp/gc-$run" --log "$out/ab-$run.log" > "$out/gc-$run.txt" 2>&1
+        grep -E "verifier|c=" "$out/gc-$run.txt"
+      fi
+      grep -h "inline engine calls" "/tmp/ab-$run"/logs/*/*.log 2>/dev/null | sed 's/^[^ ]* [^ ]* //'
+    done
+    if [ -n "${ENGINE_AFTER:-}" ]; then
+      timeout 150 python3 -m bench.engine_bench --device cuda --head models/eagle3-smollm2 --prompts 32 --concurrency 1,16,64 \
+        --methods closed --requests-per-worker "$pw" --out /tmp/engine-after > "$out/engine-after.log" 2>&1
+      grep -E "^speculative" "$out/engine-after.log"
+    fi ;;
+  place)
+    # session 19: does a core of its own steady the services' engine calls? The engine process on ENGINE_CPUS (2,4) with
+    # every other process (gateway, client) off those CPUs and off their measured siblings (bench.cpu_siblings),
+    # against the OS's placement, RUNS in order (default 1-free 2-own 3-own 4-free), then the engine's closed loop
+    # with the OS's placement and on ENGINE_CPUS; 6x60 pinned, c=1, 16, 64, PER_WORKER (8) requests per worker
+    ecpus=${ENGINE_CPUS:-2,4}; pw=${PER_WORKER:-8}; : > "$out/siblings.json"
+    for c in ${ecpus//,/ }; do timeout 60 python3 -m bench.cpu_siblings --cpu "$c" | tee -a "$out/siblings.json"; done
+    rest=$(python3 -c "import json, os, sys
+taken = set().union(*({d['cpu'], *d['siblings']} for d in map(json.loads, open(sys.argv[1]))))
+print(','.join(str(c) for c in sorted(os.sched_getaffinity(0) - taken)))" "$out/siblings.json")
+    echo "engine process on $ecpus, the others on $rest"
+    ab=(--device cuda --ipc on --max-new-tokens 128 --max-context 1024 --concurrency 1,16,64 --prompts 32
+        --requests-per-worker "$pw" --modes tree:6x60 --colocate on --head models/eagle3-smollm2)
+    for run in ${RUNS:-1-free 2-own 3-own 4-free}; do
+      case "${run#*-}" in
+        free) timeout 110 python3 -m bench.services_bench "${ab[@]}" --out "/tmp/place-$run" > "$out/place-$run.log" 2>&1 ;;
+        own) taskset -c "$rest" timeout 110 python3 -m bench.services_bench "${ab[@]}" --engine-cpus "$ecpus" \
+          --out "/tmp/place-$run" > "$out/place-$run.log" 2>&1 ;;
+      esac
+      cp "/tmp/place-$run/services.json" "$out/place-$run.json" 2>/dev/null
+      echo "$run"; grep -hE "tok/s total" "$out/place-$run.log" | sed 's/.*services_bench INFO //' | cut -c1-330
+    done
+    for run in ${ENGINES-free own}; do  # ENGINES="": none
+      pin=(); [ $run = own ] && pin=(taskset -c "$ecpus")
+      timeout 150 "${pin[@]}" python3 -m bench.engine_bench --device cuda --head models/eagle3-smollm2 --prompts 32 \
+        --concurrency 1,16,64 --methods closed --requests-per-worker "$pw" --out "/tmp/engine-$run" > "$out/engine-$run.log" 2>&1
+      echo "engine $run"; grep -E "^speculative" "$out/engine-$run.log"
     done ;;
   poll)
     pw=${PER_WORKER:-8}

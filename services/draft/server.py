@@ -89,7 +89,7 @@ class DraftServicer(pb_grpc.DraftServicer):
 
     async def _release_owned(self, request: pb.ReleaseRequest) -> pb.ReleaseResponse:
         ids = list(request.seq_ids)
-        n = await self.runner.run(self.drafter.release, ids)
+        n = await self.runner.between(self.drafter.release, ids)
         self.leases.removed(ids)
         return pb.ReleaseResponse(released=n)
 
@@ -107,7 +107,7 @@ class DraftServicer(pb_grpc.DraftServicer):
             out = await self.runner.steps(fn, *args)
         except BaseException:
             if started:
-                await self.runner.run(self.drafter.release, started)
+                await self.runner.between(self.drafter.release, started)
                 self.leases.removed(started)
             raise
         self.leases.added(started, owner)

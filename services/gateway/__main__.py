@@ -16,7 +16,7 @@ from common.policy import DEFAULT_MENU, Shape
 from common.rounds import MAX_ROUNDS_PER_CALL
 from services.gateway.health import HealthConfig
 from services.gateway.speculation import POLICIES
-from services.launch import common_arguments, parse_and_log, serve_forever, write_port_file
+from services.launch import common_arguments, freeze_heap, parse_and_log, serve_forever, write_port_file
 
 log = logging.getLogger("services.gateway")
 GPU_ROUNDS_PER_CALL = 4  # the default on a GPU: the gateway's hop (about 1.2 ms on an H100) paid once per 4 rounds
@@ -174,6 +174,7 @@ async def main(cfg: GatewayConfig, port_file: str | None) -> None:
     )
     sched.start()
     servicer = GenerationServicer(sched, tok, vinfo, dinfo)
+    freeze_heap()
     server = await start_server(
         cfg.address,
         [(generation_pb2_grpc.add_GenerationServicer_to_server, servicer)],
