@@ -67,6 +67,8 @@
 #                                  PER_WORKER (8) requests per worker; GCPROBE=1: bench/gcprobe in every stack (the
 #                                  collector's pauses per load window, gc-RUN.txt); ENGINE_AFTER=1: the engine's
 #                                  closed loop again after the stacks (engine-after.log: its own spread)
+#   bench/device/policy.sh ratio   session 19: issue 8's headline ratio with the engine in process and the colocated
+#                                  services taking turns in one run (bench.split_ratio), REPS windows each
 #   bench/device/policy.sh place   session 19: the colocated services with the engine process on CPUs of its own
 #                                  (ENGINE_CPUS, default 2,4; the gateway and the client off them and off their
 #                                  measured siblings: bench.cpu_siblings) against the OS's placement, alternated,
@@ -342,6 +344,12 @@ case "$mode" in
         --methods closed --requests-per-worker "$pw" --out /tmp/engine-after > "$out/engine-after.log" 2>&1
       grep -E "^speculative" "$out/engine-after.log"
     fi ;;
+  ratio)
+    # session 19: the services against the engine in process, turn by turn in one run (bench.split_ratio): REPS (6)
+    # windows each per concurrency, the orders alternating, PER_WORKER (8) requests per worker
+    timeout 570 python3 -m bench.split_ratio --device cuda --head models/eagle3-smollm2 --concurrency 1,16,64 \
+      --reps "${REPS:-6}" --requests-per-worker "${PER_WORKER:-8}" --out /tmp/ratio > "$out/ratio.log" 2>&1
+    cp /tmp/ratio/split_ratio.json "$out/" 2>/dev/null; grep -E "split_ratio INFO" "$out/ratio.log" | sed 's/.*INFO //' ;;
   place)
     # session 19: does a core of its own steady the services' engine calls? The engine process on ENGINE_CPUS (2,4) with
     # every other process (gateway, client) off those CPUs and off their measured siblings (bench.cpu_siblings),
