@@ -452,8 +452,10 @@ def bench(args, ckpt) -> int:
     eng = build_engines(ckpt, args, dtype, max(conc))
     run_plain(eng.verifier, prompts[:1], 8, 1)  # warm-up (graphs were captured at construction)
     run_spec(eng.verifier, eng.drafter, prompts[:1], 8, 1, args.tree_size)
-    gc.collect()  # services/launch.py freeze_heap, as the services do before serving: the same collector's
-    gc.freeze()  # work per round on both sides
+    # services/launch.py freeze_heap, as the services do before serving (the same collector's work per round on
+    # both sides); not imported: the A/B runs put this bench beside older services without it (policy.sh ab15)
+    gc.collect()
+    gc.freeze()
     for c in conc:
         ps = filled(prompts, c)
         if "plain" in args.methods:
