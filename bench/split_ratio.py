@@ -4,7 +4,7 @@ falls on both: the two take turns on one machine, window after window, in one ru
     python -m bench.split_ratio --device cuda --head models/eagle3-smollm2 --concurrency 1,16,64 \
         --reps 4 --requests-per-worker 8 --out DIR
 
-Why: on the H100 VMs the host's speed drifts by 15-25% between runs seconds apart (session 19: in one
+Why: on the H100 VMs the host's speed drifts by 15-40% within minutes (session 19: in one
 process, the engine's closed loop at concurrency 1 ran 1,185 tok/s per request right after 1,598 in waves on
 the same workload), so a ratio of one services run to one engine run taken minutes apart says more about
 the drift than about the split.
