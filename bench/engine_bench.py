@@ -366,6 +366,16 @@ def build_engines(ckpt, args, dtype: str, max_sequences: int) -> Engines:
     return Engines(verifier, drafter, drafting)
 
 
+def warm_up(eng: Engines, prompts: list[list[int]], tree_size: int) -> None:
+    """The engines' first calls (their graphs were captured at construction), then the heap frozen as
+    services/launch.py freeze_heap does before a service serves (the same collector's work per round on both
+    sides; not imported: the A/B runs put this bench beside older services without it, policy.sh ab15)."""
+    run_plain(eng.verifier, prompts[:1], 8, 1)
+    run_spec(eng.verifier, eng.drafter, prompts[:1], 8, 1, tree_size)
+    gc.collect()
+    gc.freeze()
+
+
 def encode_prompts(ckpt, n: int) -> list[list[int]]:
     from common.tokenizer import Tokenizer
 
@@ -450,12 +460,7 @@ def bench(args, ckpt) -> int:
         results.append(run_hf(ckpt.path, torch.device(args.device), dtype, hf_prompts, args.max_new_tokens))
         print(f"hf-generate: {results[-1].tok_s_per_request:.1f} tok/s per request", flush=True)
     eng = build_engines(ckpt, args, dtype, max(conc))
-    run_plain(eng.verifier, prompts[:1], 8, 1)  # warm-up (graphs were captured at construction)
-    run_spec(eng.verifier, eng.drafter, prompts[:1], 8, 1, args.tree_size)
-    # services/launch.py freeze_heap, as the services do before serving (the same collector's work per round on
-    # both sides); not imported: the A/B runs put this bench beside older services without it (policy.sh ab15)
-    gc.collect()
-    gc.freeze()
+    warm_up(eng, prompts, args.tree_size)
     for c in conc:
         ps = filled(prompts, c)
         if "plain" in args.methods:

@@ -139,6 +139,15 @@ def scrape_rounds(metrics_port: int) -> dict[str, tuple[float, float]]:
     return {p: (sums[p], counts.get(p, 0.0)) for p in sums} | {"verify_calls": (calls, 0.0)}
 
 
+def engine_flags(args, max_sequences: int) -> tuple[list[str], list[str]]:
+    """(the flags both engine services take, the draft's own) from the bench's arguments (device, dtype,
+    max_context, top_k, steps, tree_size, head)."""
+    common = ["--device", args.device, "--dtype", args.dtype, "--max-context", str(args.max_context)]
+    common += ["--max-sequences", str(max_sequences)]
+    draft = ["--top-k", str(args.top_k), "--steps", str(args.steps), "--verify-tree-size", str(args.tree_size)]
+    return common, draft + (["--head", args.head] if args.head else [])
+
+
 def run(args) -> list[RunResult]:
     prompts = [QUESTIONS[i % len(QUESTIONS)] for i in range(args.prompts)]
     results = []
@@ -153,19 +162,7 @@ def run(args) -> list[RunResult]:
     ]
     for n, ((ipc, chain, here), k, queue, early, between) in enumerate(runs, 1):
         mport = free_port()
-        common = [
-            "--device",
-            args.device,
-            "--dtype",
-            args.dtype,
-            "--max-context",
-            str(args.max_context),
-            "--max-sequences",
-            str(max(args.concurrency)),
-        ]
-        draft = ["--top-k", str(args.top_k), "--steps", str(args.steps), "--verify-tree-size", str(args.tree_size)]
-        if args.head:
-            draft += ["--head", args.head]
+        common, draft = engine_flags(args, max(args.concurrency))
         gw = (
             [
                 "--metrics-port",

@@ -35,8 +35,9 @@ from bench.engine_bench import (
     encode_prompts,
     run_spec_closed,
     summarize,
+    warm_up,
 )
-from bench.services_bench import closed_loop
+from bench.services_bench import closed_loop, engine_flags
 from common.engine.factory import pick_dtype
 from common.weights import load_checkpoint
 from services.draft.__main__ import DEFAULT_HEAD
@@ -46,10 +47,7 @@ log = logging.getLogger("bench.split_ratio")
 
 
 def stack_for(args, max_sequences: int) -> Stack:
-    common = ["--device", args.device, "--dtype", args.dtype, "--max-context", str(args.max_context)]
-    common += ["--max-sequences", str(max_sequences)]
-    draft = ["--top-k", str(args.top_k), "--steps", str(args.steps), "--verify-tree-size", str(args.tree_size)]
-    draft += ["--head", args.head]
+    common, draft = engine_flags(args, max_sequences)
     gateway = ["--max-active", str(max_sequences)]
     return Stack(common_args=common, draft_args=draft, gateway_args=gateway, colocate=True)
 
@@ -75,9 +73,9 @@ def run(args) -> dict:
         traces, _, wall = asyncio.run(closed_loop(gateway, load, args.max_new_tokens, c, mode))
         return summarize("services", c, traces, wall).tok_s_per_request
 
+    warm_up(eng, tokens, args.tree_size)
     with stack_for(args, max(conc)) as stack:
-        engine(1)  # warm-ups: the engines' first calls, the services' streams
-        asyncio.run(closed_loop(stack.gateway, texts[:2], 16, 1, mode))
+        asyncio.run(closed_loop(stack.gateway, texts[:2], 16, 1, mode))  # the services' warm-up (their streams)
         for rep in range(args.reps):
             for c in conc:
                 order = ("engine", "services") if rep % 2 == 0 else ("services", "engine")

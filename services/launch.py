@@ -55,8 +55,9 @@ async def serve_forever(server: Server, drain: Callable[[], Awaitable[None]], gr
 def freeze_heap() -> None:
     """Once a service is built, before it serves: collect once, then move every object alive (the model, the
     engines and their graphs, the libraries: ~200,000 objects in the verifier) to the collector's permanent
-    generation. A full collection traverses only what serving created since, instead of pausing the process
-    for 100-270 ms as the start-up's did (on this project's CPU); vLLM freezes its heap after warm-up alike."""
+    generation. A full collection traverses only what serving created since, instead of pausing the process for
+    up to 270 ms as the verifier's start-up's did on this project's CPU (bench/gcprobe: its summary's start-up
+    line); vLLM freezes its heap after warm-up alike."""
     gc.collect()
     gc.freeze()
 

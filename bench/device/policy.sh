@@ -135,6 +135,13 @@ engine() {  # the in-process baseline (plain, speculative) of the split modes; f
     --methods plain,spec --out /tmp/engine-bench > "$out/engine.log" 2>&1
   cp /tmp/engine-bench/engine_bench.json "$out/" 2>/dev/null; tail -10 "$out/engine.log" | head -8
 }
+closed_engine() {  # closed_engine NAME SECONDS [PREFIX...]: the engine's closed loop (6x60, c=1, 16, 64, PER_WORKER
+                  # requests per worker) into $out/NAME.log and $out/NAME.json, under an optional command prefix
+  local name=$1 seconds=$2; shift 2
+  timeout "$seconds" "$@" python3 -m bench.engine_bench --device cuda --head "$PWD/models/eagle3-smollm2" --prompts 32 \
+    --concurrency 1,16,64 --methods closed --requests-per-worker "${PER_WORKER:-8}" --out "/tmp/$name" > "$out/$name.log" 2>&1
+  cp "/tmp/$name/engine_bench.json" "$out/$name.json" 2>/dev/null; grep -E "^speculative" "$out/$name.log"
+}
 case "$mode" in
   load)
     timeout 330 "${load[@]}" --concurrency 1,4,16,64 --prompts "${PROMPTS:-24}" \
@@ -313,11 +320,7 @@ case "$mode" in
     for d in "$old" ${MID:-.devcarry/mid}; do
       [ -d "$d" ] && (cd "$d" && python3 -m grpc_tools.protoc -Iprotos --python_out=. --grpc_python_out=. --pyi_out=. protos/specdec/v1/*.proto)
     done
-    if [ -z "${SKIP_ENGINE:-}" ]; then
-      timeout 240 python3 -m bench.engine_bench --device cuda --head models/eagle3-smollm2 --prompts 32 --concurrency 1,16,64 \
-        --methods closed --requests-per-worker "$pw" --out /tmp/engine-ab > "$out/engine.log" 2>&1
-      cp /tmp/engine-ab/engine_bench.json "$out/" 2>/dev/null; grep -E "^speculative" "$out/engine.log"
-    fi
+    [ -z "${SKIP_ENGINE:-}" ] && closed_engine engine 240  # first on a fresh machine: it compiles the kernels
     ab=(--device cuda --ipc on --max-new-tokens 128 --max-context 1024 --concurrency 1,16,64 --prompts 32
         --requests-per-worker "$pw" --modes tree:6x60 --colocate on --head "$here/models/eagle3-smollm2")
     for run in ${RUNS:-1-new 2-old 3-old 4-new}; do  # NAME-new: this tree, NAME-new8: at 8 rounds, NAME-old: OLD
@@ -339,11 +342,7 @@ case "$mode" in
       fi
       grep -h "inline engine calls" "/tmp/ab-$run"/logs/*/*.log 2>/dev/null | sed 's/^[^ ]* [^ ]* //'
     done
-    if [ -n "${ENGINE_AFTER:-}" ]; then
-      timeout 150 python3 -m bench.engine_bench --device cuda --head models/eagle3-smollm2 --prompts 32 --concurrency 1,16,64 \
-        --methods closed --requests-per-worker "$pw" --out /tmp/engine-after > "$out/engine-after.log" 2>&1
-      grep -E "^speculative" "$out/engine-after.log"
-    fi ;;
+    if [ -n "${ENGINE_AFTER:-}" ]; then closed_engine engine-after 150; fi ;;
   ratio)
     # session 19: the services against the engine in process, turn by turn in one run (bench.split_ratio): REPS (6)
     # windows each per concurrency, the orders alternating, PER_WORKER (8) requests per worker
@@ -374,9 +373,7 @@ print(','.join(str(c) for c in sorted(os.sched_getaffinity(0) - taken)))" "$out/
     done
     for run in ${ENGINES-free own}; do  # ENGINES="": none
       pin=(); [ $run = own ] && pin=(taskset -c "$ecpus")
-      timeout 150 "${pin[@]}" python3 -m bench.engine_bench --device cuda --head models/eagle3-smollm2 --prompts 32 \
-        --concurrency 1,16,64 --methods closed --requests-per-worker "$pw" --out "/tmp/engine-$run" > "$out/engine-$run.log" 2>&1
-      echo "engine $run"; grep -E "^speculative" "$out/engine-$run.log"
+      echo "engine $run"; closed_engine "engine-$run" 150 "${pin[@]}"
     done ;;
   poll)
     pw=${PER_WORKER:-8}

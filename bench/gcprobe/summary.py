@@ -4,7 +4,8 @@
 
 A window runs from a "c=N: load starts" line to the next "c=N: ... tok/s total" line of the log. For each
 window and process (gateway, verifier, draft, the bench's client): collections of each generation, their
-total and largest pause, and the pause per second of the window."""
+total and largest pause, and the pause per second of the window; first, the same of each process before the
+first window (its start-up: loading, graph capture, the warm-up)."""
 
 from __future__ import annotations
 
@@ -46,7 +47,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--log", required=True)
     a = p.parse_args(argv)
     procs = [json.loads(f.read_text()) for f in sorted(Path(a.gc_dir).glob("gc.*.json"))]
-    for name, t0, t1 in windows(Path(a.log).read_text()):
+    spans = windows(Path(a.log).read_text())
+    first = spans[0][1] if spans else float("inf")
+    start = min((e[0] for p in procs for e in p["events"]), default=first)
+    for name, t0, t1 in [("start-up, before the first window", start, first), *spans]:
         print(f"{name} ({t1 - t0:.1f} s)")
         for proc in procs:
             inside = [e for e in proc["events"] if t0 <= e[0] <= t1]
@@ -56,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
             total = sum(e[2] for e in inside)
             print(
                 f"  {role(proc['argv']):>15}: collections gen0/1/2 {'/'.join(str(len(g)) for g in gens)}, "
-                f"{total * 1e3:.1f} ms in all ({total / (t1 - t0) * 1e3:.2f} ms a second), "
+                f"{total * 1e3:.1f} ms in all ({total / max(t1 - t0, 1e-9) * 1e3:.2f} ms a second), "
                 f"largest {max(e[2] for e in inside) * 1e3:.2f} ms, frozen objects {proc['frozen']}"
             )
 

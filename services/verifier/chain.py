@@ -166,8 +166,9 @@ class DraftChain:
         `gone`: `follows` items whose sequence was released since the call before stopped it: not verified.
         `cut`: set while the call runs (a call queued behind it with VerifyRequest.cut arrived): no round
         begins after it is set; the items still running end as after the call's last round. `early`: where
-        early answers go (VerifyRequest.early, on a stream): after a round that stopped items by their stop
-        rules while others run on, a response of those items' results."""
+        early answers go (given by answers_in_order for a call on a stream that asked, VerifyRequest.early):
+        after a round that stopped items by their stop rules while others run on, a response of those items'
+        results."""
         items = request.items
         ids = [it.seq_id for it in items]
         last = {s: self._last.pop(s) for s in ids if s in self._last}  # the call before's, used once
@@ -183,7 +184,6 @@ class DraftChain:
         resp, handed = await run(request, trees.failed | before if before else trees.failed, trees.trees)
         first, sent = resp.results, set()  # round 1's results become the call's (edited in place below)
         self._close_round(request, call, ids, todo, trees, first, handed, sent)
-        early = early if request.early else None
         answered: set[int] = set()  # items answered early
         if early is not None and (said := _early_answer(call, ids, answered)) is not None:
             early(said)
