@@ -2,6 +2,7 @@
 plain greedy decoding token for token, with the shipped head and with both oracle drafters."""
 
 import logging
+import re
 
 import pytest
 
@@ -166,7 +167,12 @@ def test_draft_in_the_verifiers_process_equals_plain_greedy(stack):
             info = pb_grpc.DraftStub(ch).Info(pb.InfoRequest(), timeout=10)
         spec, plain = speculative_vs_plain(s.gateway, prompts, 32, tree=(6, 60))
         gateway_log = (s.log_dir / "gateway.log").read_text()
+    verifier_log = (s.log_dir / "verifier.log").read_text()
     assert "draft failed" not in gateway_log  # every chained tree came from the verifier's own draft
+    # the device chain: the verifier's rounds launched the draft's next trees behind their verification
+    # (Drafter.launch_after, eagerly on a CPU), read without the draft engine's lock (draft.server's read_here)
+    launches = re.search(r"services\.draft INFO (\d+) engine calls without the engine's lock", verifier_log)
+    assert launches and int(launches.group(1)) >= 8, verifier_log[-2000:]
     assert "rounds per Verify: 4" in gateway_log
     whole = complete_many(stack.gateway, [chat(p, max_tokens=32, ignore_eos=True, speculative=False) for p in prompts])
     apart, _ = speculative_vs_plain(stack.gateway, prompts, 32, tree=(6, 60))

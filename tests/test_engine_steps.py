@@ -14,7 +14,7 @@ import torch
 
 from common.acceptance import accept_greedy
 from common.config import DraftingConfig, SamplingConfig
-from common.engine.base import PrefillInput, ProposeInput, VerifyInput
+from common.engine.base import PrefillInput, ProposeAfter, ProposeInput, VerifyInput, finish
 from common.engine.cuda_graphs import CudaGraphManager, GraphConfig, batch_buckets_for, pick_bucket
 from common.engine.draft import Eagle3Drafter
 from common.engine.factory import make_drafter, make_verifier, pick_dtype
@@ -394,6 +394,60 @@ def test_a_shallow_item_gets_the_tree_of_a_shallow_drafter(drafters, ckpt) -> No
     with pytest.raises(InvalidRequest, match="max_depth"):
         padded.propose([ProposeInput("a", [5], torch.randn(1, width), False, [], 12, max_depth=5)])
     assert padded.release(["a", "b"]) == 2 and shallow.release(["a"]) == 1 and exact.release(["b"]) == 1
+
+
+def test_drafting_after_a_verify_equals_a_propose_of_its_outcome(verifiers, drafters, ckpt) -> None:
+    """The device chain (Drafter.launch_after): trees drafted from a verify's acceptance on the device, read
+    for the rows that go on, equal the trees of a propose of the verify's outputs (the exact drafter, and the
+    padded one: batch padding, the accept pass padded to steps + 1 tokens). Rounds: the oracle's trees (the
+    whole path accepted: steps + 1 new tokens), random trees (rejections, 1-3 new tokens) in a round where
+    one sequence stops (its row not read: its draft state stays as before the round), then the oracle's
+    trees again for the others."""
+    v, _ = verifiers
+    exact, padded = drafters
+    chained = Eagle3Drafter(exact.head, exact.embed, exact.drafting, 4, 256, CPU)
+    oracle = GreedyOracleDrafter(v.model, 4, CPU)
+    ids = ["p", "q", "r"]
+    outs = [v.prefill(PrefillInput(s, p, SamplingConfig())) for s, p in zip(ids, PROMPTS)]
+    starts = [ProposeInput.after_prefill(s, p, o, 20) for s, p, o in zip(ids, PROMPTS, outs)]
+    for d in (exact, padded, chained):
+        d.propose(starts)
+    trees = oracle.propose(starts)  # round 0 verifies the oracle's trees, and so does round 2
+    rng = np.random.default_rng(11)
+    live = ids
+    for rnd in range(3):
+        if rnd == 1:  # random trees of 2-7 nodes: mostly rejected
+            trees = [
+                Tree(rng.integers(0, 1000, size=n), random_tree(rng, n), np.ones(n, np.float32)) for n in (7, 2, 5)
+            ]
+        handles = []
+
+        def then(acc, live=live, handles=handles):
+            handles.extend(d.launch_after([ProposeAfter(s, 20) for s in live], acc) for d in (padded, chained))
+
+        results = finish(v.verify_steps([VerifyInput(s, t) for s, t in zip(live, trees)], then))
+        if rnd != 1:
+            assert [len(r.tokens) for r in results] == [5] * len(live)  # steps + 1: the padded accept's width
+        rows = [0, 2] if rnd == 1 else list(range(len(live)))  # round 1: q stops
+        items = [ProposeInput.after_verify(live[i], results[i], 20) for i in rows]
+        want = exact.propose(items)
+        for d, h in zip((padded, chained), handles):
+            _same_trees(want, d.read_after(h, rows))
+        trees = oracle.propose(items)
+        live = [live[i] for i in rows]
+    for s in ids:
+        assert chained.seqs.get(s)[1].length == padded.seqs.get(s)[1].length == exact.seqs.get(s)[1].length
+    # no device chain for a sampling sequence (the verifier accepts it on the host), nor an unknown one
+    v.prefill(PrefillInput("t", PROMPTS[2], SamplingConfig(temperature=0.7, seed=1)))
+    called = []
+    tree = Tree(np.array([5]), np.array([-1]), np.ones(1, np.float32))
+    finish(v.verify_steps([VerifyInput("p", tree), VerifyInput("t", tree)], called.append))
+    assert not called
+    finish(v.verify_steps([VerifyInput("p", tree)], called.append))
+    assert chained.launch_after([ProposeAfter("nobody", 20)], called[0]) is None
+    for d in (exact, padded, chained):
+        assert d.release(ids) == 3
+    v.release(ids + ["t"])
 
 
 def test_multi_step_decode_equals_single_steps(verifiers) -> None:

@@ -397,6 +397,9 @@ class HereDraft:
     def __init__(self) -> None:
         self.calls: list[dict[str, tuple[list[int], torch.Tensor]]] = []
 
+    def launch_after(self, items, accepted) -> None:
+        return None  # no device chain: the outcomes come as the drafter's inputs
+
     async def propose_here(self, items, owner: str = "") -> tuple[list[Tree], float]:
         self.calls.append({it.seq_id: (list(it.token_ids), it.hidden.clone()) for it in items})
         trees = []

@@ -69,6 +69,8 @@
 #                                  closed loop again after the stacks (engine-after.log: its own spread)
 #   bench/device/policy.sh ratio   session 19: issue 8's headline ratio with the engine in process and the colocated
 #                                  services taking turns in one run (bench.split_ratio), REPS windows each
+#   bench/device/policy.sh chainab session 20: the engine's closed loop with the device chain (this tree) and without
+#                                  (OLD, default .devcarry/old), alternated new, old, old, new (RUNS)
 #   bench/device/policy.sh place   session 19: the colocated services with the engine process on CPUs of its own
 #                                  (ENGINE_CPUS, default 2,4; the gateway and the client off them and off their
 #                                  measured siblings: bench.cpu_siblings) against the OS's placement, alternated,
@@ -115,7 +117,7 @@
 #                                  Prefill beside the rounds (off) and between their calls (on: --prefill-between),
 #                                  alternated ORDER (off, on, on, off), 6x60 pinned, c=1, 16, 64, PER_WORKER (8)
 set -uo pipefail
-mode=${1:-load}
+mode=${1:-load}; root=$PWD
 out=${OUT:-device-out}; mkdir -p "$out"
 python3 -m grpc_tools.protoc -Iprotos --python_out=. --grpc_python_out=. --pyi_out=. protos/specdec/v1/*.proto
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
@@ -138,7 +140,7 @@ engine() {  # the in-process baseline (plain, speculative) of the split modes; f
 closed_engine() {  # closed_engine NAME SECONDS [PREFIX...]: the engine's closed loop (6x60, c=1, 16, 64, PER_WORKER
                   # requests per worker) into $out/NAME.log and $out/NAME.json, under an optional command prefix
   local name=$1 seconds=$2; shift 2
-  timeout "$seconds" "$@" python3 -m bench.engine_bench --device cuda --head "$PWD/models/eagle3-smollm2" --prompts 32 \
+  timeout "$seconds" "$@" python3 -m bench.engine_bench --device cuda --head "$root/models/eagle3-smollm2" --prompts 32 \
     --concurrency 1,16,64 --methods closed --requests-per-worker "${PER_WORKER:-8}" --out "/tmp/$name" > "$out/$name.log" 2>&1
   cp "/tmp/$name/engine_bench.json" "$out/$name.json" 2>/dev/null; grep -E "^speculative" "$out/$name.log"
 }
@@ -343,6 +345,16 @@ case "$mode" in
       grep -h "inline engine calls" "/tmp/ab-$run"/logs/*/*.log 2>/dev/null | sed 's/^[^ ]* [^ ]* //'
     done
     if [ -n "${ENGINE_AFTER:-}" ]; then closed_engine engine-after 150; fi ;;
+  chainab)
+    # session 20: the device chain (the draft launched behind the verify on the device) against the code before it
+    # (OLD, default .devcarry/old: 3221481's services, common, protos and bench): the engine's closed loop alternated
+    # new, old, old, new (6x60, c=1, 16, 64, PER_WORKER 4 requests per worker)
+    old=${OLD:-.devcarry/old}; export PER_WORKER=${PER_WORKER:-4}
+    (cd "$old" && python3 -m grpc_tools.protoc -Iprotos --python_out=. --grpc_python_out=. --pyi_out=. protos/specdec/v1/*.proto)
+    for run in ${RUNS:-1-new 2-old 3-old 4-new}; do
+      case "${run#*-}" in new) d=.;; *) d=$old;; esac
+      echo "$run"; (cd "$d" && closed_engine "engine-$run" 140)
+    done ;;
   ratio)
     # session 19: the services against the engine in process, turn by turn in one run (bench.split_ratio): REPS (6)
     # windows each per concurrency, the orders alternating, PER_WORKER (8) requests per worker

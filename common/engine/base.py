@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
@@ -65,6 +65,15 @@ class VerifyInput:
 
 
 @dataclass(frozen=True)
+class Accepted:
+    """A verify's greedy acceptance still on the device, for a drafter that drafts the next trees there
+    (Drafter.launch_after) before the host has read it. Copies, valid past the verifier's next call."""
+
+    result: torch.Tensor  # [B, T + 1] int64: accepted count c, then the c accepted tokens and the bonus, then filler
+    kept: torch.Tensor  # [B, R, 3H] features of the root and the accepted nodes in path order (R >= every c + 1)
+
+
+@dataclass(frozen=True)
 class VerifyOutput:
     tokens: list[int]  # [num_accepted + 1] accepted drafted tokens, then the bonus token
     hidden: torch.Tensor  # [num_accepted + 1, 3H] features of the root and each accepted node
@@ -96,7 +105,11 @@ class VerifierEngine(Protocol):
     # several sequences' prompts or chunks at once; all or nothing (see Verifier.prefill_batch)
     def prefill_batch(self, items: list[PrefillInput]) -> list[PrefillOutput]: ...
     def verify(self, items: list[VerifyInput]) -> list[VerifyOutput]: ...  # finish(verify_steps(items))
-    def verify_steps(self, items: list[VerifyInput]) -> Steps[list[VerifyOutput]]: ...
+    # then(accepted): called once the verification is launched, before its wait, when every item is greedy (a
+    # drafter launching the next trees after it on the device: Drafter.launch_after)
+    def verify_steps(
+        self, items: list[VerifyInput], then: Callable[[Accepted], None] | None = None
+    ) -> Steps[list[VerifyOutput]]: ...
     def room(self, seq_ids: list[str]) -> list[int]: ...  # KV rows each sequence has left (trees up to that fit)
     def decode(self, seq_ids: list[str]) -> list[int]: ...
     def decode_many(self, seq_ids: list[str], steps: int, with_hidden: bool = False) -> Decoded: ...  # finish(...)
@@ -137,12 +150,48 @@ class ProposeInput:
         return cls(seq_id, verified.tokens, verified.hidden, False, [], max_nodes)
 
 
+@dataclass(frozen=True)
+class ProposeAfter:
+    """A sequence whose next tree is drafted on the device right after the verify of its current one, from
+    that verify's acceptance (Accepted): its new tokens and features never pass through the host."""
+
+    seq_id: str
+    max_nodes: int
+    max_depth: int = 0  # as ProposeInput's
+
+
+@dataclass
+class LaunchAfter:
+    """A verify's `then` (VerifierEngine.verify_steps) that launches the items' next trees behind it on the
+    device: `handle` is the launch (Drafter.launch_after), None while not called or when the drafter declined."""
+
+    drafter: object  # anything with launch_after(items, accepted): a Drafter, or the draft service of the process
+    items: list[ProposeAfter]
+    handle: object | None = None
+
+    def __call__(self, accepted: Accepted) -> None:
+        self.handle = self.drafter.launch_after(self.items, accepted)
+
+
 class Drafter(Protocol):
-    """Proposes a token tree per sequence. Implementations: the EAGLE-3 head, and test oracles."""
+    """Proposes a token tree per sequence. Implementations: the EAGLE-3 head, and test oracles.
+
+    The device chain (one host synchronisation a round instead of two): a verify's `then` calls
+    launch_after(items, accepted), which queues the drafting of the items' next trees (items[i] is row i of
+    the verify) after the verification on the device and returns a handle, or None when it cannot (the
+    caller then proposes from the verify's outputs as usual); read_after(handle, rows) later gives the trees
+    of those rows, and only those rows' sequences count the verify's tokens as theirs (a row not read is as
+    if never proposed: its sequence stopped). Example, one round:
+        outs = finish(verifier.verify_steps(inputs, then=lambda acc: handles.append(drafter.launch_after(after, acc))))
+        ... commit outs (the drafting runs on the device meanwhile) ...
+        trees = drafter.read_after(handles[0], rows of the sequences that go on)"""
 
     name: str
 
     def propose(self, items: list[ProposeInput]) -> list[Tree]: ...  # finish(propose_steps(items))
     def propose_steps(self, items: list[ProposeInput]) -> Steps[list[Tree]]: ...
+    def launch_after(self, items: list[ProposeAfter], accepted: Accepted) -> object | None: ...
+    def read_after(self, launched: object, rows: list[int]) -> list[Tree]: ...  # finish(read_after_steps(...))
+    def read_after_steps(self, launched: object, rows: list[int]) -> Steps[list[Tree]]: ...
     def release(self, seq_ids: list[str]) -> int: ...
     def step_costs(self) -> list[StepTime]: ...

@@ -237,6 +237,26 @@ class CudaGraphManager:
             event.record(self.stream)
             yield event
 
+    def event(self) -> torch.cuda.Event | None:
+        """A timing event recorded on the engine's stream after the work queued so far; None on CPU."""
+        if self.stream is None:
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(self.stream)
+        return event
+
+    @contextlib.contextmanager
+    def after_caller(self) -> Iterator[torch.cuda.Stream | None]:
+        """Work queued on the engine's stream after the work queued on the caller's stream, without the caller's
+        stream waiting for it (unlike on_stream): one engine's work chained behind another's on the device,
+        read once an event recorded after it has completed. Yields the engine's stream (None on CPU)."""
+        if self.stream is None:
+            yield None
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            yield self.stream
+
     @contextlib.contextmanager
     def on_stream(self) -> Iterator[None]:
         """Run a public engine call on the engine's stream, ordered after and before the caller's stream

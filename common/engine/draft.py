@@ -16,15 +16,18 @@ of new tokens, 1..steps + 1, and depth bucket) and replayed. A round with a new 
 tokens than steps + 1) runs its accept passes per rows x tokens bucket (captured up to ACCEPT_TOKENS; more
 tokens than a captured pass takes go in several passes, _accept_span), then the captured expansion.
 
-Data flow of one propose call without new sequences:
-from common.config import DraftingConfig, SamplingConfig
-from common.engine.base import ProposeInput
+One propose call without new sequences: the host packs one int64 block [B, L + 5] (new tokens, length,
+count, slot, keep, depth) and gathers the new tokens' features into [B, L, 3H] on the device; one replay; the
+host reads the [B, 4, N] tree block. After a verify, launch_after instead builds those two inputs on the
+device from the verify's acceptance (common.engine.base.Accepted), padded to L = steps + 1 new tokens, and
+queues the replay behind the verification: the host reads the trees once (read_after), not the tokens first.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,9 +35,9 @@ import torch
 
 from common import kernels, validate
 from common.config import DraftingConfig, SamplingConfig
-from common.engine.base import ProposeInput, Steps, StepTime, finish
+from common.engine.base import Accepted, ProposeAfter, ProposeInput, Steps, StepTime, finish
 from common.engine.cuda_graphs import CudaGraphManager, GraphConfig, batch_buckets_for
-from common.errors import CapacityExhausted, InvalidRequest
+from common.errors import CapacityExhausted, InvalidRequest, UnknownSequence
 from common.model.eagle3 import Eagle3Head
 from common.model.llama import Batch, KVCache
 from common.slots import SlotTable, check_unique
@@ -67,6 +70,22 @@ class DraftOut:
     tree: torch.Tensor  # [B, 4, N] float64: base ids, parents (-1 = root), probs, q row (-1: none)
     q_ids: torch.Tensor  # [B, Q, W] int64 base ids of q at the root (row 0) and each expanded node
     q_probs: torch.Tensor  # [B, Q, W] float32 their probabilities
+
+
+@dataclass(frozen=True)
+class AfterVerify:
+    """Trees launched on the device after a verify (Eagle3Drafter.launch_after), until read_after reads them."""
+
+    items: list[ProposeAfter]  # row i: the verify's item i
+    tree: torch.Tensor  # [B, 4, N] _expand_step's tree block, copied out of the graph's buffer
+    took: torch.Tensor  # [B] new tokens each row took (the verify's accepted count + 1)
+    start: torch.cuda.Event | None  # timing events around the drafting on the drafter's stream (None on CPU)
+    done: torch.cuda.Event | None
+    eager_s: float  # the launch's wall (on CPU: the whole drafting)
+
+    def seconds(self) -> float:
+        """The drafting's device time (once done): between the events on a GPU, the eager wall on CPU."""
+        return self.start.elapsed_time(self.done) / 1e3 if self.start is not None else self.eager_s
 
 
 ACCEPT_TOKENS = 4096  # rows x tokens of the largest captured accept pass (its hidden input: 14 MB in bf16)
@@ -513,6 +532,74 @@ class Eagle3Drafter:
 
     def propose(self, items: list[ProposeInput]) -> list[Tree]:
         return finish(self.propose_steps(items))
+
+    @torch.inference_mode()
+    def launch_after(self, items: list[ProposeAfter], accepted: Accepted) -> AfterVerify | None:
+        """The items' next trees queued on the device behind the verify whose acceptance this is (row i of
+        accepted: items[i]), without the host reading it: its tokens and features become the accept pass's
+        inputs there (padded to steps + 1 new tokens: the rows past a row's count are padding, as in any
+        pass), and the propose step's replay follows (common.engine.base.Drafter explains the chain). None,
+        with nothing queued, when a sequence is unknown, samples, or is too near the end of the draft
+        context for steps + 1 more tokens: the caller then proposes from the verify's outputs as usual.
+        Called on a GPU from the verifier's call on the caller's stream: the drafting waits for the work
+        queued there, and the caller does not wait for the drafting."""
+        states = []
+        for it in items:
+            try:
+                slot, st = self.seqs.get(it.seq_id)
+            except UnknownSequence:
+                return None
+            if not st.sampling.greedy or st.length + self.max_new > self.max_context:
+                return None
+            if not 0 <= it.max_depth <= self.drafting.steps:
+                raise InvalidRequest(f"max_depth must be in [0, {self.drafting.steps}], got {it.max_depth}")
+            states.append((slot, st))
+        b, length = len(items), self.max_new
+        if accepted.kept.shape[1] > length:  # trees deeper than this drafter drafts (not its own): more new tokens
+            return None
+        bb = self.graphs.bucket(b, self.batch_buckets)
+        depth = self.graphs.bucket(max(self._depth(it) for it in items), self.depth_buckets)
+        block = self._accept_block(bb, length)
+        a = block.numpy()  # [bb, L + 5]: the host's columns; the tokens and their count come from the device
+        for i, (it, (slot, st)) in enumerate(zip(items, states)):
+            a[i, length:] = (st.length, 0, slot, self._keep(it), self._depth(it))
+        t0 = time.perf_counter()
+        with self.graphs.after_caller() as stream:
+            for t in (accepted.result, accepted.kept):  # made on the verifier's stream, read on this one
+                if stream is not None:
+                    t.record_stream(stream)
+            start = self.graphs.event()
+            # pinned memory from torch's caching host allocator: not reused before this copy has run (the
+            # graphs' staging buffers could be rewritten by the next launch before it has)
+            packed = (block.pin_memory() if stream is not None else block).to(self.device, non_blocking=True)
+            took = accepted.result[:, 0] + 1  # [b] new tokens: the accepted ones and the bonus
+            n = accepted.kept.shape[1]  # token columns that may be real (the deepest path's + 1)
+            cols = self._arange[None, :n]
+            packed[:b, :n] = torch.where(cols < took[:, None], accepted.result[:, 1 : 1 + n], 0)  # filler -> 0
+            packed[:b, length + 1] = took
+            pad = (0, 0, 0, length - n, 0, bb - b)  # [b, n, 3H] -> [bb, L, 3H]
+            hidden = torch.nn.functional.pad(accepted.kept[:, :n].to(self.cache.kv.dtype), pad)
+            step = functools.partial(self._propose_step, depth=depth)
+            out = self.graphs.run(("propose", bb, length, depth, False), step, {"packed": packed, "hidden": hidden})
+            tree = out.tree[:b].clone()  # outlives the next replay
+            done = self.graphs.event()
+        return AfterVerify(list(items), tree, took, start, done, time.perf_counter() - t0)
+
+    def read_after(self, launched: AfterVerify, rows: list[int]) -> list[Tree]:
+        return finish(self.read_after_steps(launched, rows))
+
+    def read_after_steps(self, launched: AfterVerify, rows: list[int]) -> Steps[list[Tree]]:
+        """The trees of `rows` of a launch_after (in that order) once the device is done: those rows' sequences
+        now hold the verify's tokens (a row not read is as if never proposed: its sequence stopped). Each
+        launch is read once."""
+        if launched.done is not None:
+            yield launched.done
+        tree, took = launched.tree.cpu().numpy(), launched.took.tolist()
+        states = [self.seqs.get(launched.items[r].seq_id)[1] for r in rows]
+        trees = self._trees(tree[rows], [self._keep(launched.items[r]) for r in rows], [], None)
+        for r, st in zip(rows, states):
+            st.length += took[r]
+        return trees
 
     @torch.inference_mode()  # a generator: torch enters the mode at each resume
     def propose_steps(self, items: list[ProposeInput]) -> Steps[list[Tree]]:

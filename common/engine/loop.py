@@ -1,7 +1,9 @@
 """The in-process speculative loop, once: prefill, then rounds of propose and verify for a batch of
 sequences, each leaving when its caller says it is done. The benchmarks and the training evaluation drive
 it; the gateway runs the same steps over gRPC (services/gateway/scheduler.py), with the same one-token
-shift (common.rounds)."""
+shift (common.rounds). A round's drafting is launched on the device behind the verify before it
+(common.engine.base.Drafter's device chain) when the drafter can: the host then waits for the device once
+for the verify's outcome and once for the trees, with the commits in between overlapping the drafting."""
 
 from __future__ import annotations
 
@@ -10,15 +12,24 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from common.config import SamplingConfig
-from common.engine.base import Drafter, PrefillInput, ProposeInput, VerifierEngine, VerifyInput
+from common.engine.base import (
+    Drafter,
+    LaunchAfter,
+    PrefillInput,
+    ProposeAfter,
+    ProposeInput,
+    VerifierEngine,
+    VerifyInput,
+    finish,
+)
 
 
 @dataclass(frozen=True)
 class Round:
     """One round of the loop."""
 
-    draft_s: float  # wall seconds of the propose call
-    verify_s: float  # wall seconds of the verify call
+    draft_s: float  # wall seconds of the trees' reading (launched after the last verify) and any propose call
+    verify_s: float  # wall seconds of the verify call (launching the next drafting after it)
     host_s: float  # wall seconds of the bookkeeping after it (commits, releases)
     committed: list[int]  # [sequences in the round] tokens committed per sequence (accepted + the bonus)
     prefill_s: float = 0.0  # wall seconds of the prefill of the sequences that joined after it (`more`)
@@ -54,24 +65,33 @@ def speculative_loop(
                 verifier.release([sid])
         return going
 
-    items = start(prompts)
-    while items:
+    # the next round's drafting: proposes from inputs (after a prefill, or a verify the drafter could not
+    # follow on the device), and trees launched after the last verify (its handle and the rows that go on)
+    inputs = start(prompts)
+    after: tuple[object, dict[str, int]] | None = None
+    while inputs or after:
         t_a = time.perf_counter()
-        trees = drafter.propose(list(items.values()))
+        trees = dict(zip(after[1], drafter.read_after(after[0], list(after[1].values())))) if after else {}
+        if inputs:
+            trees.update(zip(inputs, drafter.propose(list(inputs.values()))))
         t_b = time.perf_counter()
-        results = verifier.verify([VerifyInput(sid, tree) for sid, tree in zip(items, trees)])
+        ids = list(trees)
+        launch = LaunchAfter(drafter, [ProposeAfter(sid, tree_size) for sid in ids])  # the next trees' drafting
+        results = finish(verifier.verify_steps([VerifyInput(sid, trees[sid]) for sid in ids], launch))
         t_c = time.perf_counter()
-        going: dict[str, ProposeInput] = {}
-        for sid, res in zip(items, results):
-            if commit(sid, res.tokens):
-                going[sid] = ProposeInput.after_verify(sid, res, tree_size)
-        done = [sid for sid in items if sid not in going]
+        going = {sid: row for row, (sid, res) in enumerate(zip(ids, results)) if commit(sid, res.tokens)}
+        done = [sid for sid in ids if sid not in going]
         verifier.release(done)
         drafter.release(done)
         t_d = time.perf_counter()
+        if launch.handle is not None:
+            after, inputs = ((launch.handle, going) if going else None), {}
+        else:  # sampling sequences, or the drafter could not follow on the device
+            after = None
+            inputs = {sid: ProposeInput.after_verify(sid, results[row], tree_size) for sid, row in going.items()}
         joining = more(len(done)) if more is not None and done else {}
         if joining:
-            going.update(start(joining))
+            inputs.update(start(joining))
         if on_round is not None:
             on_round(
                 Round(
@@ -82,4 +102,3 @@ def speculative_loop(
                     prefill_s=time.perf_counter() - t_d,
                 )
             )
-        items = going

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,6 +29,7 @@ from common import kernels, validate
 from common.acceptance import Acceptance, accept_sampled, accept_sampled_q, compaction_plan
 from common.config import LlamaConfig, SamplingConfig
 from common.engine.base import (
+    Accepted,
     Decoded,
     EngineInfo,
     PrefillInput,
@@ -369,9 +371,12 @@ class Verifier:
         return finish(self.verify_steps(items))
 
     @torch.inference_mode()  # a generator: torch enters the mode at each resume
-    def verify_steps(self, items: list[VerifyInput]) -> Steps[list[VerifyOutput]]:
+    def verify_steps(
+        self, items: list[VerifyInput], then: Callable[[Accepted], None] | None = None
+    ) -> Steps[list[VerifyOutput]]:
         """verify as steps: the forward and acceptance are launched, then (on a GPU) the call yields until
-        they are done, then reads its results and commits."""
+        they are done, then reads its results and commits. then(accepted): called after the launch when
+        every sequence is greedy, with copies of the acceptance on the device (its rows those of items)."""
         check_unique([it.seq_id for it in items])
         states = [self._ready(it.seq_id) for it in items]
         b = len(items)
@@ -393,22 +398,32 @@ class Verifier:
         a[:b, 2 * tb + 1] = [slot for slot, _ in states]
         greedy = np.fromiter((st.sampling.greedy for _, st in states), dtype=bool, count=b)  # [B]
         a[:b, 2 * tb + 2] = greedy
+        accepted = None
         with self.graphs.on_stream():
-            shallow = tree_depth(a[:b, tb : 2 * tb]) <= SHALLOW_DEPTH
+            deepest = tree_depth(a[:b, tb : 2 * tb])
+            shallow = deepest <= SHALLOW_DEPTH
             key, step = ("verify", bb, tb, shallow), self._verify_step
             if shallow:
                 step = functools.partial(self._verify_step, max_depth=SHALLOW_DEPTH)
             out = self.graphs.run(key, step, {"packed": block})
+            if then is not None and greedy.all():
+                # copies on this stream: the next call's replay may rewrite the graph's buffers before the
+                # drafter has read them. A path holds at most the deepest tree's depth + 1 rows
+                accepted = Accepted(result=out.result[:b].clone(), kept=out.kept[:b, : deepest + 1].clone())
+        if accepted is not None:
+            then(accepted)
         yield from self.graphs.launched()
         with self.graphs.on_stream():
             result = out.result[:b].cpu().numpy()  # [B, T + 1] the one host synchronisation of the call
             counts = np.where(greedy, result[:, 0] + 1, 0).tolist()  # [B] tokens of each greedy sequence
-            kept = out.kept[:b, : max(counts)].clone() if max(counts) else None  # outlives the next replay
-            accepted = result[:, 1 : max(counts) + 1].tolist()  # [B][max(counts)] accepted tokens, the bonus
+            kept = None  # [B, >= max(counts), 3H] outliving the next replay (the copy made for `then` does)
+            if max(counts):
+                kept = accepted.kept if accepted is not None else out.kept[:b, : max(counts)].clone()
+            chosen = result[:, 1 : max(counts) + 1].tolist()  # [B][max(counts)] accepted tokens, the bonus
             outputs = []
             for i, (it, (slot, st)) in enumerate(zip(items, states)):
                 if st.sampling.greedy:
-                    tokens, hidden = accepted[i][: counts[i]], kept[i, : counts[i]]
+                    tokens, hidden = chosen[i][: counts[i]], kept[i, : counts[i]]
                 else:
                     tokens, hidden = self._verify_sampled(it, slot, st, out.hidden[i], out.aux[i])
                 st.length += len(tokens)

@@ -12,12 +12,13 @@ import torch
 
 from common import validate
 from common.config import DraftingConfig
-from common.engine.base import Drafter, ProposeInput, Steps
+from common.engine.base import Accepted, Drafter, ProposeAfter, ProposeInput, Steps
 from common.errors import InvalidRequest
 from common.ipc import ExportedBuffer, MappedBuffers, gpu_uuid
 from common.slots import check_unique
 from common.tensors import decode
 from common.tree import Tree
+from services.draft.follow import Follow
 from services.engine_runner import EngineRunner
 from services.leasing import SequenceLeases
 from services.sampling import sampling_config
@@ -73,6 +74,29 @@ class DraftServicer(pb_grpc.DraftServicer):
         sequences, row counts, depth, context room). Started sequences belong to `owner` (_owned). Errors
         are raised as they are."""
         return await self._owned(items, owner, self._propose_inputs, items)
+
+    def launch_after(self, items: list[ProposeAfter], accepted: Accepted) -> object | None:
+        """The verifier of this process, from its verify's `then` (the device chain, common.engine.base.Drafter):
+        the items' next trees launched behind its verification, or None when the drafter cannot follow them
+        or is busy with a call of its own (its graphs' buffers are that call's until it has read them: never
+        waited for, the verifier then hands the outcomes over as the drafter's inputs)."""
+        with self.runner.free() as free:
+            return self.drafter.launch_after(items, accepted) if free else None
+
+    async def read_here(self, follows: list[Follow], owner: str = "") -> tuple[list[Tree], float]:
+        """The trees of launches after verifies (launch_after), for the verifier's chain: -> (trees in item
+        order, the drafting's device seconds). Reading takes no engine lock (what it reads was copied out of
+        the graphs' buffers at the launch): it waits for the device like a call's steps, on the event loop."""
+        self.leases.touch([f.seq_id for f in follows])
+        trees: list[Tree | None] = [None] * len(follows)
+        seconds = 0.0
+        for launched in {id(f.launched): f.launched for f in follows}.values():  # one a round, in practice
+            mine = [i for i, f in enumerate(follows) if f.launched is launched]
+            got = await self.runner.unlocked(self.drafter.read_after_steps, launched, [follows[i].row for i in mine])
+            for i, tree in zip(mine, got):
+                trees[i] = tree
+            seconds += launched.seconds()
+        return trees, seconds
 
     def _propose_inputs(self, items: list[ProposeInput]) -> Steps[tuple[list[Tree], float]]:
         # no synchronisation before answering, unlike _propose: the rows are the verifier's own tensors,

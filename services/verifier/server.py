@@ -16,13 +16,23 @@ from typing import TYPE_CHECKING
 import torch
 
 from common.config import SamplingConfig
-from common.engine.base import PrefillInput, PrefillOutput, ProposeInput, Steps, VerifierEngine, VerifyInput
+from common.engine.base import (
+    LaunchAfter,
+    PrefillInput,
+    PrefillOutput,
+    ProposeAfter,
+    ProposeInput,
+    Steps,
+    VerifierEngine,
+    VerifyInput,
+)
 from common.errors import CapacityExhausted, InvalidRequest, UnknownSequence
 from common.ipc import HiddenExport, gpu_uuid
 from common.slots import check_unique
 from common.tensors import encode_inline, encode_ipc
 from common.tree import Tree
 from services.clients import DraftClient, start_item
+from services.draft.follow import Follow
 from services.engine_runner import EngineRunner
 from services.leasing import SequenceLeases
 from services.sampling import sampling_config
@@ -79,6 +89,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self.leases = SequenceLeases(lease_ttl, self._release_ids, self.runner)
         # the next trees of chained sequences (a propose not answered within draft_timeout fails its items)
         self.hand_over = False  # the draft is here (colocate)
+        self._draft_here: DraftServicer | None = None
         self.chain = DraftChain(lambda address: DraftClient(address, timeout=draft_timeout))
         if draft_here is not None:
             self.colocate(draft_here)
@@ -93,10 +104,12 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
     def colocate(self, draft: DraftServicer) -> None:
         """Chained proposals go to this process's draft, whatever address a Verify names: outcomes handed
-        over as its engine's inputs, its trees verified as they come (services/verifier/chain.py)."""
+        over as its engine's inputs (or its trees launched behind the verify on the device), its trees
+        verified as they come (services/verifier/chain.py)."""
         from services.draft.here import LocalDraftClient
 
         self.hand_over = True
+        self._draft_here = draft
         self.chain = DraftChain(lambda address: LocalDraftClient(draft))
 
     async def Prefill(self, request, context):
@@ -204,7 +217,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
     async def _run_verify(
         self, request: pb.VerifyRequest, failed: dict[str, str], chained: dict[str, object]
-    ) -> tuple[pb.VerifyResponse, dict[str, ProposeInput]]:
+    ) -> tuple[pb.VerifyResponse, dict[str, ProposeInput | Follow]]:
         return await self.runner.steps(self._verify, request, failed, chained)
 
     def _check_chain(self, request: pb.VerifyRequest, ids: list[str]) -> None:
@@ -379,14 +392,16 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
     def _verify(
         self, request: pb.VerifyRequest, failed: dict[str, str], chained: dict[str, object]
-    ) -> Steps[tuple[pb.VerifyResponse, dict[str, ProposeInput]]]:
+    ) -> Steps[tuple[pb.VerifyResponse, dict[str, ProposeInput | Follow]]]:
         """Every item but the `failed` ones (chained trees that never came: answered with draft_error), each
         with its tree in `chained` (seq id -> a message from a draft service, or the engine tree of the draft
         here, verified as it is) or else its own. With the draft here, the outcome of each item that asks
-        for a next tree is handed over as the drafter's input ({seq id: ProposeInput}, its features the
-        engine's rows, not copied) and its result carries no hidden states: the draft gets them, or the item
-        stopped (a sequence whose commit does not stop it, if there were one, would catch up: the gateway's
-        propose of it fails for want of features)."""
+        for a next tree is handed over and its result carries no hidden states: the draft gets them, or the
+        item stopped (a sequence whose commit does not stop it, if there were one, would catch up: the
+        gateway's propose of it fails for want of features). Handed over as a Follow when every verified
+        item asks for a next tree and the draft launched them behind the verification on the device (the
+        device chain: the draft's `launch_after`, called by the engine once the verify is launched), else as
+        the drafter's input ({seq id: ProposeInput}, its features the engine's rows, not copied)."""
         info = self.engine.info
         items = request.items
         ids = [it.seq_id for it in items]
@@ -401,8 +416,12 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             raise InvalidRequest(f"a tree has no nodes or more than {info.max_tree_nodes}")
         t0 = time.perf_counter()
         outs = []
+        launch = None  # the draft's launch behind the verification (the device chain)
+        if self.hand_over and todo and all(items[i].next_nodes > 0 for i in todo):
+            after = [ProposeAfter(ids[i], items[i].next_nodes, items[i].next_depth) for i in todo]
+            launch = LaunchAfter(self._draft_here, after)
         if todo:
-            outs = yield from self.engine.verify_steps([VerifyInput(ids[i], t) for i, t in zip(todo, trees)])
+            outs = yield from self.engine.verify_steps([VerifyInput(ids[i], t) for i, t in zip(todo, trees)], launch)
         # the engine call's wall: with the loop polling (EngineRunner.steps) it holds what the loop did meanwhile
         resp = pb.VerifyResponse(compute_us=int((time.perf_counter() - t0) * 1e6))
         add = resp.results.add
@@ -414,8 +433,10 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                 continue
             tree, out = next(verified)
             results.append(add(seq_id=s, accepted_tokens=out.tokens, tree_nodes=tree.size))
-        handed: dict[str, ProposeInput] = {}
-        if self.hand_over:
+        handed: dict[str, ProposeInput | Follow] = {}
+        if launch is not None and launch.handle is not None:  # every item's next tree is on its way
+            handed = {ids[i]: Follow(ids[i], launch.handle, row) for row, i in enumerate(todo)}
+        elif self.hand_over:
             for i, out in zip(todo, outs):
                 it = items[i]
                 if it.next_nodes > 0:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from common.config import DraftingConfig, SamplingConfig
-from common.engine.base import PrefillInput, ProposeInput, VerifyInput
+from common.engine.base import LaunchAfter, PrefillInput, ProposeAfter, ProposeInput, VerifyInput, finish
 from common.engine.cuda_graphs import GraphConfig
 from common.engine.draft import ACCEPT_TOKENS, Eagle3Drafter
 from common.engine.oracle import GreedyOracleDrafter
@@ -124,6 +124,43 @@ def test_outputs_equal_eager(ckpt, f32, prompts, monkeypatch) -> None:
     for sub in (ids, ids[:1]):
         assert ev.decode(sub) == gv.decode(sub)
     for eng in (ev, gv, ed, gd, oracle):
+        eng.release(ids)
+
+
+def test_drafting_after_a_verify_on_graphs(f32, prompts) -> None:
+    """The device chain on captured graphs, each engine on its own stream: the trees launched behind each
+    verify (Drafter.launch_after, read once the verify's outcome has been read) equal an eager drafter's
+    propose of the verify's outputs. Four rounds of 3 sequences, the oracle's trees every other round (the
+    whole path accepted: 7 new tokens, the padded accept's width), and one sequence stopping in round 2
+    (its row not read: its draft state stays as it was)."""
+    gv, gd, head = f32
+    ed = Eagle3Drafter(head, gv.model.embed_tokens, DRAFTING, 8, 512, DEV)  # eager, exact sizes
+    oracle = GreedyOracleDrafter(gv.model, DRAFTING.steps, DEV)
+    ids = ["c0", "c1", "c2"]
+    outs = gv.prefill_batch([PrefillInput(s, p, SamplingConfig()) for s, p in zip(ids, prompts)])
+    starts = [ProposeInput.after_prefill(s, p, o, 60) for s, p, o in zip(ids, prompts, outs)]
+    trees, _, oracle_trees = gd.propose(starts), ed.propose(starts), oracle.propose(starts)
+    live = ids
+    for rnd in range(4):
+        launch = LaunchAfter(gd, [ProposeAfter(s, 60) for s in live])
+        results = finish(
+            gv.verify_steps([VerifyInput(s, t) for s, t in zip(live, oracle_trees if rnd % 2 else trees)], launch)
+        )
+        assert launch.handle is not None
+        if rnd % 2:
+            assert all(len(r.tokens) == DRAFTING.steps + 1 for r in results)
+        rows = [0, 2] if rnd == 2 else list(range(len(live)))
+        items = [ProposeInput.after_verify(live[i], results[i], 60) for i in rows]
+        want, trees = ed.propose(items), gd.read_after(launch.handle, rows)
+        for w, g in zip(want, trees):
+            assert w.tokens.tolist() == g.tokens.tolist() and w.parents.tolist() == g.parents.tolist()
+            np.testing.assert_allclose(g.probs, w.probs, rtol=1e-3, atol=1e-5)
+        assert launch.handle.seconds() > 0
+        oracle_trees = oracle.propose(items)
+        live = [live[i] for i in rows]
+    for s in ids:
+        assert gd.seqs.get(s)[1].length == ed.seqs.get(s)[1].length
+    for eng in (gv, gd, ed, oracle):
         eng.release(ids)
 
 
