@@ -80,6 +80,10 @@ class _CountingEngines:
             outs.append(VerifyOutput(tokens=[t + 1, t + 2], hidden=torch.zeros(2, 1)))
         return outs
 
+    def verify_steps(self, items, then=None):  # accepts on the host: never calls `then` (no device chain)
+        yield from ()
+        return self.verify(items)
+
     def release(self, seq_ids):
         return len(seq_ids)
 

@@ -485,8 +485,9 @@ class CutStream(pb_grpc.VerifierServicer):
 
 def test_a_call_with_cut_ends_the_call_in_flight_after_its_round_and_only_that_one() -> None:
     """On a real stream: a call of 10 rounds (20 ms each), and 30 ms later one of 3 with `cut`: the first
-    ends after its second round (its third when the cut comes in late), the second runs its 3. A call with
-    `cut` that arrives while nothing runs cuts nothing: the next call behind it still runs all its rounds."""
+    ends after its second round (its first when the stream's set-up delayed its start past 10 ms, as on a
+    loaded 2-core machine; its third when the cut comes in late), not its tenth; the second runs its 3. A call
+    with `cut` that arrives while nothing runs cuts nothing: the next call behind it still runs all its rounds."""
 
     async def test(call):
         first = asyncio.ensure_future(call(pb.VerifyRequest(rounds=10)))
@@ -496,7 +497,7 @@ def test_a_call_with_cut_ends_the_call_in_flight_after_its_round_and_only_that_o
         return (await first).rounds_run, second.rounds_run, alone.rounds_run
 
     first, second, alone = asyncio.run(_served(CutStream(), test))
-    assert first in (2, 3) and (second, alone) == (3, 2), (first, second, alone)  # 3: the cut came in late
+    assert first in (1, 2, 3) and (second, alone) == (3, 2), (first, second, alone)
 
 
 def test_calls_on_one_stream_overlap_and_each_gets_its_own_answer() -> None:
