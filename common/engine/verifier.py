@@ -465,18 +465,14 @@ class Verifier:
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         for block in {id(tr.block): tr.block for tr in trees}.values():  # one drafting a round, in practice
             mine = [(r, tr) for r, tr in zip(rows, trees) if tr.block is block]
-            meta = torch.tensor([[r, tr.row, tr.size] for r, tr in mine])  # [m, 3] block row, tree row, size
             if stream is not None:
-                # copied before the stream waits for the drafting: a copy from pageable memory would hold the host
-                # until the stream reaches it, i.e. until the drafting is done (the wait the chain removes)
-                meta = meta.pin_memory().to(self.device, non_blocking=True)
                 stream.wait_event(mine[0][1].ready)
                 block.record_stream(stream)  # made on the drafter's stream, read on this one
-            at, tree_rows, size = meta.unbind(1)  # [m] each
             n = min(block.shape[2], t - 1)
-            src = block[tree_rows, :2, :n]  # [m, 2, n]
+            at = self._t(np.array([r for r, _ in mine]))  # [m] block rows
+            src = block[self._t(np.array([tr.row for _, tr in mine])), :2, :n]  # [m, 2, n]
             cols = torch.arange(n, device=packed.device)
-            real = cols[None, :] < size[:, None]  # [m, n]
+            real = cols[None, :] < self._t(np.array([tr.size for _, tr in mine]))[:, None]  # [m, n]
             packed[at, 1 : n + 1] = torch.where(real, src[:, 0].long(), 0)
             packed[at, t + 1 : t + n + 1] = torch.where(real, src[:, 1].long() + 1, cols[None, :] + 1)
 
