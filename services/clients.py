@@ -145,8 +145,6 @@ class Batched:
 
     results: list
     compute_s: float
-    # engine seconds known only once the results were used (trees left on the device: once they were verified)
-    later_s: Callable[[], float] | None = None
 
 
 def _method_name(method) -> str:

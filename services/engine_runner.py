@@ -49,7 +49,7 @@ class EngineRunner:
         self.inline, self.poll = inline, poll
         self._stepping: asyncio.Event | None = None  # set when the inline call holding the engine ends
         self.inline_calls = self.thread_calls = 0  # `steps` calls of an inline runner: on the loop / the thread
-        self.held_for_others = 0  # `free` blocks that found the engine free
+        self.unlocked_calls = 0
         self.log = logging.getLogger(f"services.{name}")
 
     async def run(self, fn: Callable[..., T], *args) -> T:
@@ -85,12 +85,18 @@ class EngineRunner:
         else on the engine thread after the call in progress."""
         return await self.steps(_whole, fn, *args)
 
+    async def unlocked(self, fn: Callable[..., Steps[T]], *args) -> T:
+        """The result of fn(*args)'s steps on the event loop, without the engine (its waits polled as `steps`
+        polls them): for a call that touches nothing the lock guards, such as reading what a launch copied out
+        of the graphs' buffers (services/draft/server.py, read_here)."""
+        self.unlocked_calls += 1
+        return await self._stepped(fn(*args))
+
     @contextlib.contextmanager
     def free(self) -> Iterator[bool]:
         """Whether the engine is free now, never waiting; when it is, it stays this block's: for work that
         another engine's call queues on this one (the verifier's device chain into the draft of its process)."""
         got = self._engine.acquire(blocking=False)
-        self.held_for_others += got
         try:
             yield got
         finally:
@@ -157,9 +163,10 @@ class EngineRunner:
                 self.inline_calls,
                 self.thread_calls,
             )
-        if self.held_for_others:
-            calls = self.held_for_others
-            self.log.info("%d engine calls queued by another engine's call (the verifier's device chain)", calls)
+        if self.unlocked_calls:
+            self.log.info(
+                "%d engine calls without the engine's lock (reads of launches behind a verify)", self.unlocked_calls
+            )
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 

@@ -170,8 +170,8 @@ def test_draft_in_the_verifiers_process_equals_plain_greedy(stack):
     verifier_log = (s.log_dir / "verifier.log").read_text()
     assert "draft failed" not in gateway_log  # every chained tree came from the verifier's own draft
     # the device chain: the verifier's rounds launched the draft's next trees behind their verification
-    # (Drafter.launch_after, eagerly on a CPU; the next verify reads them where they lie)
-    launches = re.search(r"services\.draft INFO (\d+) engine calls queued by another engine's call", verifier_log)
+    # (Drafter.launch_after, eagerly on a CPU), read without the draft engine's lock (draft.server's read_here)
+    launches = re.search(r"services\.draft INFO (\d+) engine calls without the engine's lock", verifier_log)
     assert launches and int(launches.group(1)) >= 8, verifier_log[-2000:]
     assert "rounds per Verify: 4" in gateway_log
     whole = complete_many(stack.gateway, [chat(p, max_tokens=32, ignore_eos=True, speculative=False) for p in prompts])

@@ -59,21 +59,9 @@ class PrefillOutput:
 
 
 @dataclass(frozen=True)
-class DeviceTree:
-    """A greedy tree left on the device by a drafting launched behind a verify (Drafter.trees_after): the next
-    verify reads its tokens and parents there, and the host never does (it knows the size and depth)."""
-
-    block: torch.Tensor  # [B, 4, N] float64 the drafting's tree block: base ids, parents (-1: the root), ...
-    row: int  # this tree's row in it; its nodes are columns [0, size)
-    size: int  # nodes
-    depth: int  # levels, at most
-    ready: torch.cuda.Event | None  # recorded on the drafter's stream once the block is written (None on CPU)
-
-
-@dataclass(frozen=True)
 class VerifyInput:
     seq_id: str
-    tree: Tree | DeviceTree
+    tree: Tree
 
 
 @dataclass(frozen=True)
@@ -188,27 +176,22 @@ class LaunchAfter:
 class Drafter(Protocol):
     """Proposes a token tree per sequence. Implementations: the EAGLE-3 head, and test oracles.
 
-    The device chain (the host off the rounds' critical path): a verify's `then` calls
+    The device chain (one host synchronisation a round instead of two): a verify's `then` calls
     launch_after(items, accepted), which queues the drafting of the items' next trees (items[i] is row i of
-    the verify) behind the verification on the device and returns a handle, or None when it cannot (the
-    caller then proposes from the verify's outputs as usual). Once the host has read the verify's outcome,
-    trees_after(handle, rows, took) gives those rows' trees as DeviceTrees (the next verify reads them on the
-    device, waiting there for the drafting) and those rows' sequences now hold the verify's tokens (took:
-    how many each got); a row not taken is as if never proposed (its sequence stopped). The host then
-    waits for the device once a round, for the verify's outcome. Example, one round:
-        launch = LaunchAfter(drafter, [ProposeAfter(s, nodes) for s in ids])
-        outs = finish(verifier.verify_steps(inputs, then=launch))  # the drafting runs behind it
-        ... commit outs ...
-        trees = drafter.trees_after(launch.handle, rows that go on, [len(outs[r].tokens) for r in rows])
-        outs = finish(verifier.verify_steps([VerifyInput(s, t) for s, t in zip(going, trees)], then=...))
-    """
+    the verify) after the verification on the device and returns a handle, or None when it cannot (the
+    caller then proposes from the verify's outputs as usual); read_after(handle, rows) later gives the trees
+    of those rows, and only those rows' sequences count the verify's tokens as theirs (a row not read is as
+    if never proposed: its sequence stopped). Example, one round:
+        outs = finish(verifier.verify_steps(inputs, then=lambda acc: handles.append(drafter.launch_after(after, acc))))
+        ... commit outs (the drafting runs on the device meanwhile) ...
+        trees = drafter.read_after(handles[0], rows of the sequences that go on)"""
 
     name: str
 
     def propose(self, items: list[ProposeInput]) -> list[Tree]: ...  # finish(propose_steps(items))
     def propose_steps(self, items: list[ProposeInput]) -> Steps[list[Tree]]: ...
     def launch_after(self, items: list[ProposeAfter], accepted: Accepted) -> object | None: ...
-    def trees_after(self, launched: object, rows: list[int], took: list[int]) -> list[DeviceTree]: ...
-    def seconds_after(self, launched: object) -> float: ...  # a launch's drafting time, once its trees were verified
+    def read_after(self, launched: object, rows: list[int]) -> list[Tree]: ...  # finish(read_after_steps(...))
+    def read_after_steps(self, launched: object, rows: list[int]) -> Steps[list[Tree]]: ...
     def release(self, seq_ids: list[str]) -> int: ...
     def step_costs(self) -> list[StepTime]: ...

@@ -20,7 +20,7 @@ One propose call without new sequences: the host packs one int64 block [B, L + 5
 count, slot, keep, depth) and gathers the new tokens' features into [B, L, 3H] on the device; one replay; the
 host reads the [B, 4, N] tree block. After a verify, launch_after instead builds those two inputs on the
 device from the verify's acceptance (common.engine.base.Accepted), padded to L = steps + 1 new tokens, and
-queues the replay behind the verification; the trees stay there (trees_after) for the next verify to read.
+queues the replay behind the verification: the host reads the trees once (read_after), not the tokens first.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import torch
 
 from common import kernels, validate
 from common.config import DraftingConfig, SamplingConfig
-from common.engine.base import Accepted, DeviceTree, ProposeAfter, ProposeInput, Steps, StepTime, finish
+from common.engine.base import Accepted, ProposeAfter, ProposeInput, Steps, StepTime, finish
 from common.engine.cuda_graphs import CudaGraphManager, GraphConfig, batch_buckets_for
 from common.errors import CapacityExhausted, InvalidRequest, UnknownSequence
 from common.model.eagle3 import Eagle3Head
@@ -74,7 +74,7 @@ class DraftOut:
 
 @dataclass(frozen=True)
 class AfterVerify:
-    """Trees launched on the device after a verify (Eagle3Drafter.launch_after), taken by trees_after."""
+    """Trees launched on the device after a verify (Eagle3Drafter.launch_after), until read_after reads them."""
 
     items: list[ProposeAfter]  # row i: the verify's item i
     tree: torch.Tensor  # [B, 4, N] _expand_step's tree block, copied out of the graph's buffer
@@ -585,21 +585,21 @@ class Eagle3Drafter:
             done = self.graphs.event()
         return AfterVerify(list(items), tree, took, start, done, time.perf_counter() - t0)
 
-    def trees_after(self, launched: AfterVerify, rows: list[int], took: list[int]) -> list[DeviceTree]:
-        """The trees of `rows` of a launch_after (in that order), left on the device for the next verify; took[i]:
-        the tokens the verify gave row rows[i]'s sequence (its accepted ones and the bonus), which it now holds
-        (a row not taken is as if never proposed: its sequence stopped). A greedy tree keeps exactly _keep
-        nodes. Each launch is taken once."""
-        trees = []
-        for r, k in zip(rows, took):
-            it = launched.items[r]
-            self.seqs.get(it.seq_id)[1].length += k
-            trees.append(DeviceTree(launched.tree, r, self._keep(it), self._depth(it), launched.done))
-        return trees
+    def read_after(self, launched: AfterVerify, rows: list[int]) -> list[Tree]:
+        return finish(self.read_after_steps(launched, rows))
 
-    def seconds_after(self, launched: AfterVerify) -> float:
-        """A launch's drafting time, valid once a verify of its trees has been read (the drafting was done then)."""
-        return launched.seconds()
+    def read_after_steps(self, launched: AfterVerify, rows: list[int]) -> Steps[list[Tree]]:
+        """The trees of `rows` of a launch_after (in that order) once the device is done: those rows' sequences
+        now hold the verify's tokens (a row not read is as if never proposed: its sequence stopped). Each
+        launch is read once."""
+        if launched.done is not None:
+            yield launched.done
+        tree, took = launched.tree.cpu().numpy(), launched.took.tolist()
+        states = [self.seqs.get(launched.items[r].seq_id)[1] for r in rows]
+        trees = self._trees(tree[rows], [self._keep(launched.items[r]) for r in rows], [], None)
+        for r, st in zip(rows, states):
+            st.length += took[r]
+        return trees
 
     @torch.inference_mode()  # a generator: torch enters the mode at each resume
     def propose_steps(self, items: list[ProposeInput]) -> Steps[list[Tree]]:

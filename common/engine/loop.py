@@ -2,8 +2,8 @@
 sequences, each leaving when its caller says it is done. The benchmarks and the training evaluation drive
 it; the gateway runs the same steps over gRPC (services/gateway/scheduler.py), with the same one-token
 shift (common.rounds). A round's drafting is launched on the device behind the verify before it
-(common.engine.base.Drafter's device chain) when the drafter can, and the next verify reads its trees there:
-the host waits for the device once a round, for the verify's outcome, and its commits overlap the drafting."""
+(common.engine.base.Drafter's device chain) when the drafter can: the host then waits for the device once
+for the verify's outcome and once for the trees, with the commits in between overlapping the drafting."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 from common.config import SamplingConfig
 from common.engine.base import (
-    DeviceTree,
     Drafter,
     LaunchAfter,
     PrefillInput,
@@ -23,14 +22,13 @@ from common.engine.base import (
     VerifyInput,
     finish,
 )
-from common.tree import Tree
 
 
 @dataclass(frozen=True)
 class Round:
     """One round of the loop."""
 
-    draft_s: float  # wall seconds of taking the trees launched after the last verify and of any propose call
+    draft_s: float  # wall seconds of the trees' reading (launched after the last verify) and any propose call
     verify_s: float  # wall seconds of the verify call (launching the next drafting after it)
     host_s: float  # wall seconds of the bookkeeping after it (commits, releases)
     committed: list[int]  # [sequences in the round] tokens committed per sequence (accepted + the bonus)
@@ -68,15 +66,12 @@ def speculative_loop(
         return going
 
     # the next round's drafting: proposes from inputs (after a prefill, or a verify the drafter could not
-    # follow on the device), and trees launched after the last verify (its handle, the rows that go on and
-    # the tokens each got), which stay on the device for the next verify
+    # follow on the device), and trees launched after the last verify (its handle and the rows that go on)
     inputs = start(prompts)
-    after: tuple[object, dict[str, int], list[int]] | None = None
+    after: tuple[object, dict[str, int]] | None = None
     while inputs or after:
         t_a = time.perf_counter()
-        trees: dict[str, Tree | DeviceTree] = {}
-        if after is not None:
-            trees.update(zip(after[1], drafter.trees_after(after[0], list(after[1].values()), after[2])))
+        trees = dict(zip(after[1], drafter.read_after(after[0], list(after[1].values())))) if after else {}
         if inputs:
             trees.update(zip(inputs, drafter.propose(list(inputs.values()))))
         t_b = time.perf_counter()
@@ -90,8 +85,7 @@ def speculative_loop(
         drafter.release(done)
         t_d = time.perf_counter()
         if launch.handle is not None:
-            took = [len(results[row].tokens) for row in going.values()]
-            after, inputs = ((launch.handle, going, took) if going else None), {}
+            after, inputs = ((launch.handle, going) if going else None), {}
         else:  # sampling sequences, or the drafter could not follow on the device
             after = None
             inputs = {sid: ProposeInput.after_verify(sid, results[row], tree_size) for sid, row in going.items()}

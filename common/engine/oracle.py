@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from common.engine.base import Accepted, DeviceTree, ProposeAfter, ProposeInput, Steps, StepTime
+from common.engine.base import Accepted, ProposeAfter, ProposeInput, Steps, StepTime
 from common.errors import UnknownSequence
 from common.model.llama import Batch, KVCache, LlamaModel
 from common.slots import check_unique
@@ -91,10 +91,10 @@ class _OracleBase:
         """No drafting on the device after a verify: the callers propose from the verify's outputs."""
         return None
 
-    def trees_after(self, launched: object, rows: list[int], took: list[int]) -> list[DeviceTree]:
+    def read_after(self, launched: object, rows: list[int]) -> list[Tree]:
         raise NotImplementedError("test oracles launch nothing after a verify (launch_after gives None)")
 
-    def seconds_after(self, launched: object) -> float:
+    def read_after_steps(self, launched: object, rows: list[int]) -> Steps[list[Tree]]:
         raise NotImplementedError("test oracles launch nothing after a verify (launch_after gives None)")
 
     def tree(self, greedy: list[int], max_nodes: int) -> Tree:

@@ -31,7 +31,6 @@ from common.config import LlamaConfig, SamplingConfig
 from common.engine.base import (
     Accepted,
     Decoded,
-    DeviceTree,
     EngineInfo,
     PrefillInput,
     PrefillOutput,
@@ -393,28 +392,20 @@ class Verifier:
         bb, tb = self.graphs.bucket(b, self.batch_buckets), self.graphs.bucket(t, self.tree_buckets)
         block = self._verify_block(bb, tb)
         a = block.numpy()  # [bb, 2 tb + 3]
-        on_device = [i for i, it in enumerate(items) if isinstance(it.tree, DeviceTree)]  # filled in on the device
-        here = [i for i, it in enumerate(items) if not isinstance(it.tree, DeviceTree)]
-        if here:
-            self._pack_trees(a, [items[i] for i in here], sizes[here], here)
+        self._pack_trees(a, items, sizes)
         a[:b, 0] = [st.pending for _, st in states]
         a[:b, 2 * tb] = lengths
         a[:b, 2 * tb + 1] = [slot for slot, _ in states]
         greedy = np.fromiter((st.sampling.greedy for _, st in states), dtype=bool, count=b)  # [B]
         a[:b, 2 * tb + 2] = greedy
-        if not greedy[on_device].all():
-            raise InvalidRequest("a tree left on the device is for a greedy sequence only (it accepts there)")
         accepted = None
         with self.graphs.on_stream():
-            deepest = max([tree_depth(a[:b, tb : 2 * tb])] + [items[i].tree.depth for i in on_device])
+            deepest = tree_depth(a[:b, tb : 2 * tb])
             shallow = deepest <= SHALLOW_DEPTH
             key, step = ("verify", bb, tb, shallow), self._verify_step
             if shallow:
                 step = functools.partial(self._verify_step, max_depth=SHALLOW_DEPTH)
-            fed = self.graphs.feed(key, {"packed": block})
-            if on_device:
-                self._fill_device_trees(fed["packed"], [items[i].tree for i in on_device], on_device)
-            out = self.graphs.replay(key, step, fed)
+            out = self.graphs.run(key, step, {"packed": block})
             if then is not None and greedy.all():
                 # copies on this stream: the next call's replay may rewrite the graph's buffers before the
                 # drafter has read them. A path holds at most the deepest tree's depth + 1 rows
@@ -441,40 +432,15 @@ class Verifier:
             return outputs
 
     @staticmethod
-    def _pack_trees(a: np.ndarray, items: list[VerifyInput], sizes: np.ndarray, rows: list[int] | None = None) -> None:
+    def _pack_trees(a: np.ndarray, items: list[VerifyInput], sizes: np.ndarray) -> None:
         """The trees' tokens and parent rows into a verify block a [bb, 2 tb + 3], all at once: node j of item
         i is row j + 1 (columns j + 1 and tb + j + 1), its parent row parents[j] + 1 (-1, the root: row 0).
-        rows: the block row of each item (None: item i in row i).
         Example: trees [a, b] (parents [-1, 0]) and [c] ([-1]) -> items [0, 0, 1], rows [1, 2, 1]:
                  a[0, 1:3] = [a, b], a[0, tb + 1 : tb + 3] = [0, 1], a[1, 1] = c, a[1, tb + 1] = 0"""
         tb = (a.shape[1] - 3) // 2
         item, node = node_positions(sizes)  # [N] each
-        if rows is not None:
-            item = np.asarray(rows, dtype=np.int64)[item]
         a[item, node + 1] = np.concatenate([it.tree.tokens for it in items])
         a[item, tb + node + 1] = np.concatenate([it.tree.parents for it in items]) + 1
-
-    def _fill_device_trees(self, packed: torch.Tensor, trees: list[DeviceTree], rows: list[int]) -> None:
-        """Trees left on the device into a verify block on the device, packed [bb, 2T + 3] (its rows `rows`
-        hold padding trees), as _pack_trees lays out a host tree: node j of the tree at row r goes to column
-        j + 1, its parent row to T + j + 1; columns past its size stay padding (each row its own parent). The
-        block's stream first waits for each drafting that wrote a tree block (DeviceTree.ready).
-        Example: T 4, a tree of 2 nodes [a, b] with parents [-1, 0] -> columns 1..3 [a, b, 0], T + 1..T + 3
-        [0, 1, 3]."""
-        t = (packed.shape[1] - 3) // 2
-        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-        for block in {id(tr.block): tr.block for tr in trees}.values():  # one drafting a round, in practice
-            mine = [(r, tr) for r, tr in zip(rows, trees) if tr.block is block]
-            if stream is not None:
-                stream.wait_event(mine[0][1].ready)
-                block.record_stream(stream)  # made on the drafter's stream, read on this one
-            n = min(block.shape[2], t - 1)
-            at = self._t(np.array([r for r, _ in mine]))  # [m] block rows
-            src = block[self._t(np.array([tr.row for _, tr in mine])), :2, :n]  # [m, 2, n]
-            cols = torch.arange(n, device=packed.device)
-            real = cols[None, :] < self._t(np.array([tr.size for _, tr in mine]))[:, None]  # [m, n]
-            packed[at, 1 : n + 1] = torch.where(real, src[:, 0].long(), 0)
-            packed[at, t + 1 : t + n + 1] = torch.where(real, src[:, 1].long() + 1, cols[None, :] + 1)
 
     def _verify_sampled(
         self, it: VerifyInput, slot: int, st: VerifierSeq, hidden: torch.Tensor, aux: torch.Tensor

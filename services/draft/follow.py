@@ -12,4 +12,3 @@ class Follow:
     seq_id: str
     launched: object  # the drafter's handle (Drafter.launch_after), shared by the rows of one verify
     row: int  # this sequence's row in it (its item's place in the verify)
-    took: int  # the tokens that verify gave it (accepted + the bonus): what the draft's sequence now holds

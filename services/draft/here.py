@@ -18,11 +18,10 @@ class LocalDraftClient:
     async def propose(self, items: list[ProposeInput] | list[Follow], owner: str = "") -> Batched:
         """Trees [len(items)] (common.tree.Tree) for the verifier's outcomes: after a verify, of sequences
         the draft holds, or after a prefill, start items that begin them (they belong to `owner`); or, for
-        Follows, the trees launched behind a verify, left on the device (their drafting's seconds come later:
-        Batched.later_s). The servicer's errors are raised as they
+        Follows, the trees launched behind a verify on the device. The servicer's errors are raised as they
         are (the chain answers them as draft_error)."""
         if items and isinstance(items[0], Follow):  # a round's outcomes are all of one kind (VerifierServicer._verify)
-            trees, later_s = self.servicer.take_here(items)
-            return Batched(trees, 0.0, later_s)
-        trees, compute_s = await self.servicer.propose_here(items, owner)
+            trees, compute_s = await self.servicer.read_here(items, owner)
+        else:
+            trees, compute_s = await self.servicer.propose_here(items, owner)
         return Batched(trees, compute_s)

@@ -3,7 +3,6 @@ message conversion in this file only."""
 
 from __future__ import annotations
 
-import functools
 import logging
 import socket
 import time
@@ -13,7 +12,7 @@ import torch
 
 from common import validate
 from common.config import DraftingConfig
-from common.engine.base import Accepted, DeviceTree, Drafter, ProposeAfter, ProposeInput, Steps
+from common.engine.base import Accepted, Drafter, ProposeAfter, ProposeInput, Steps
 from common.errors import InvalidRequest
 from common.ipc import ExportedBuffer, MappedBuffers, gpu_uuid
 from common.slots import check_unique
@@ -84,19 +83,20 @@ class DraftServicer(pb_grpc.DraftServicer):
         with self.runner.free() as free:
             return self.drafter.launch_after(items, accepted) if free else None
 
-    def take_here(self, follows: list[Follow]) -> tuple[list[DeviceTree], Callable[[], float]]:
-        """The trees of launches behind verifies (launch_after), for the verifier's chain, left on the device for
-        its next verify: -> (trees in item order, the draftings' device seconds, to read once those trees have
-        been verified). No engine lock and no wait: the drafter's bookkeeping of the verify's tokens only."""
+    async def read_here(self, follows: list[Follow], owner: str = "") -> tuple[list[Tree], float]:
+        """The trees of launches after verifies (launch_after), for the verifier's chain: -> (trees in item
+        order, the drafting's device seconds). Reading takes no engine lock (what it reads was copied out of
+        the graphs' buffers at the launch): it waits for the device like a call's steps, on the event loop."""
         self.leases.touch([f.seq_id for f in follows])
-        trees: list[DeviceTree | None] = [None] * len(follows)
-        launches = {id(f.launched): f.launched for f in follows}.values()  # one a round, in practice
-        for launched in launches:
+        trees: list[Tree | None] = [None] * len(follows)
+        seconds = 0.0
+        for launched in {id(f.launched): f.launched for f in follows}.values():  # one a round, in practice
             mine = [i for i, f in enumerate(follows) if f.launched is launched]
-            got = self.drafter.trees_after(launched, [follows[i].row for i in mine], [follows[i].took for i in mine])
+            got = await self.runner.unlocked(self.drafter.read_after_steps, launched, [follows[i].row for i in mine])
             for i, tree in zip(mine, got):
                 trees[i] = tree
-        return trees, functools.partial(_seconds, self.drafter, list(launches))
+            seconds += launched.seconds()
+        return trees, seconds
 
     def _propose_inputs(self, items: list[ProposeInput]) -> Steps[tuple[list[Tree], float]]:
         # no synchronisation before answering, unlike _propose: the rows are the verifier's own tensors,
@@ -217,7 +217,3 @@ class DraftServicer(pb_grpc.DraftServicer):
         for it, t in zip(items, trees):  # built in place, no copies of nested messages
             tree_msg(t, resp.results.add(seq_id=it.seq_id).tree)
         return resp
-
-
-def _seconds(drafter: Drafter, launches: list) -> float:
-    return sum(drafter.seconds_after(launched) for launched in launches)

@@ -69,18 +69,12 @@ class Pending:
 class Taken:
     """The chained trees of a Verify, and what was missing."""
 
-    # seq id -> its next tree: a pb.DraftTree from a draft service, the engine's tree (a Tree, or a DeviceTree
-    # left on the device by the device chain) from the draft here
+    # seq id -> its next tree: a pb.DraftTree from a draft service, the engine's tree from the draft here
     trees: dict[str, object] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)  # seq id -> why there is no tree
     compute_s: float = 0.0  # the draft's engine time in the calls that made them
     batch: int = 0  # the largest of those calls
     wait_s: float = 0.0  # how long the Verify waited for them
-    later: list[Callable[[], float]] = field(default_factory=list)  # engine time known once they were verified
-
-    def seconds(self) -> float:
-        """The draft's engine time for these trees: call once the round that verified them is over."""
-        return self.compute_s + sum(f() for f in self.later)
 
 
 # run(request, failed, trees) -> (the round's response, {seq id: its outcome as the draft here takes it})
@@ -193,7 +187,7 @@ class DraftChain:
         answered: set[int] = set()  # items answered early
         if early is not None and (said := _early_answer(call, ids, answered)) is not None:
             early(said)
-        resp.draft_compute_us = int(trees.seconds() * 1e6)
+        resp.draft_compute_us = int(trees.compute_s * 1e6)
         resp.draft_batch, resp.draft_wait_us = trees.batch, int(trees.wait_s * 1e6)
         while todo := call.running():
             if cut is not None and cut.is_set():
@@ -206,16 +200,15 @@ class DraftChain:
                     call.failed(i, trees.failed[ids[i]])
             call.fit(dict(zip(todo, room([ids[i] for i in todo]))))
             todo = call.running()
+            resp.draft_compute_us += int(trees.compute_s * 1e6)
             resp.draft_batch = max(resp.draft_batch, trees.batch)
             resp.draft_wait_us += int(trees.wait_s * 1e6)
             if not todo:
-                resp.draft_compute_us += int(trees.compute_s * 1e6)  # trees left unverified: their time unknown
                 break
             more = pb.VerifyRequest()
             for i in todo:  # what run reads of an item (its tree comes from trees)
                 more.items.add(seq_id=ids[i], next_nodes=items[i].next_nodes, next_depth=items[i].next_depth)
             out, handed = await run(more, {}, trees.trees)
-            resp.draft_compute_us += int(trees.seconds() * 1e6)
             resp.compute_us += out.compute_us
             self._close_round(request, call, ids, todo, trees, out.results, handed, sent)
             if early is not None and (said := _early_answer(call, ids, answered)) is not None:
@@ -339,8 +332,6 @@ class DraftChain:
                 if p.task not in counted:
                     counted.add(p.task)
                     out.compute_s += done.compute_s
-                    if done.later_s is not None:
-                        out.later.append(done.later_s)
                     out.batch = max(out.batch, p.batch)
         return out
 

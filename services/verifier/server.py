@@ -17,7 +17,6 @@ import torch
 
 from common.config import SamplingConfig
 from common.engine.base import (
-    DeviceTree,
     LaunchAfter,
     PrefillInput,
     PrefillOutput,
@@ -408,7 +407,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         ids = [it.seq_id for it in items]
         todo = [i for i, s in enumerate(ids) if s not in failed]  # the items verified
         given = [chained.get(ids[i]) for i in todo]  # [len(todo)] None: the item's own tree
-        wire = [j for j, t in enumerate(given) if not isinstance(t, Tree | DeviceTree)]  # trees to read and check
+        wire = [j for j, t in enumerate(given) if not isinstance(t, Tree)]  # trees to read and check
         msgs = [given[j] if given[j] is not None else items[todo[j]].tree for j in wire]
         trees = given
         for j, t in zip(wire, trees_of(msgs, info.max_tree_nodes, info.vocab_size)):
@@ -436,7 +435,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             results.append(add(seq_id=s, accepted_tokens=out.tokens, tree_nodes=tree.size))
         handed: dict[str, ProposeInput | Follow] = {}
         if launch is not None and launch.handle is not None:  # every item's next tree is on its way
-            handed = {ids[i]: Follow(ids[i], launch.handle, row, len(outs[row].tokens)) for row, i in enumerate(todo)}
+            handed = {ids[i]: Follow(ids[i], launch.handle, row) for row, i in enumerate(todo)}
         elif self.hand_over:
             for i, out in zip(todo, outs):
                 it = items[i]

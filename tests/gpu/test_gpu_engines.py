@@ -127,53 +127,40 @@ def test_outputs_equal_eager(ckpt, f32, prompts, monkeypatch) -> None:
         eng.release(ids)
 
 
-def test_drafting_after_a_verify_on_graphs(ckpt, f32, prompts) -> None:
+def test_drafting_after_a_verify_on_graphs(f32, prompts) -> None:
     """The device chain on captured graphs, each engine on its own stream: the trees launched behind each
-    verify (Drafter.launch_after, taken by trees_after once the verify's outcome has been read) equal an eager
-    drafter's propose of the verify's outputs, and verified where they lie (DeviceTree: the verify waits for
-    the drafting on the device) they commit what an eager verifier commits from the eager drafter's trees.
-    Four rounds of 3 sequences, the oracle's trees every other round (the whole path accepted: 7 new tokens,
-    the padded accept's width), one sequence stopping in round 2 (its row not taken)."""
+    verify (Drafter.launch_after, read once the verify's outcome has been read) equal an eager drafter's
+    propose of the verify's outputs. Four rounds of 3 sequences, the oracle's trees every other round (the
+    whole path accepted: 7 new tokens, the padded accept's width), and one sequence stopping in round 2
+    (its row not read: its draft state stays as it was)."""
     gv, gd, head = f32
-    cfg = VerifierConfig(max_sequences=8, max_context=512, max_tree_nodes=64, dtype="float32", device="cuda")
-    ev = Verifier(ckpt, cfg)
     ed = Eagle3Drafter(head, gv.model.embed_tokens, DRAFTING, 8, 512, DEV)  # eager, exact sizes
     oracle = GreedyOracleDrafter(gv.model, DRAFTING.steps, DEV)
     ids = ["c0", "c1", "c2"]
     outs = gv.prefill_batch([PrefillInput(s, p, SamplingConfig()) for s, p in zip(ids, prompts)])
-    assert [
-        o.next_token for o in ev.prefill_batch([PrefillInput(s, p, SamplingConfig()) for s, p in zip(ids, prompts)])
-    ] == [o.next_token for o in outs]
     starts = [ProposeInput.after_prefill(s, p, o, 60) for s, p, o in zip(ids, prompts, outs)]
-    trees = want = gd.propose(starts)
-    ed.propose(starts)
-    oracle_trees = oracle.propose(starts)
+    trees, _, oracle_trees = gd.propose(starts), ed.propose(starts), oracle.propose(starts)
     live = ids
     for rnd in range(4):
         launch = LaunchAfter(gd, [ProposeAfter(s, 60) for s in live])
-        mine, theirs = (oracle_trees, oracle_trees) if rnd % 2 else (trees, want)
-        results = finish(gv.verify_steps([VerifyInput(s, t) for s, t in zip(live, mine)], launch))
-        assert [r.tokens for r in results] == [
-            r.tokens for r in ev.verify([VerifyInput(s, t) for s, t in zip(live, theirs)])
-        ]
+        results = finish(
+            gv.verify_steps([VerifyInput(s, t) for s, t in zip(live, oracle_trees if rnd % 2 else trees)], launch)
+        )
         assert launch.handle is not None
         if rnd % 2:
             assert all(len(r.tokens) == DRAFTING.steps + 1 for r in results)
         rows = [0, 2] if rnd == 2 else list(range(len(live)))
         items = [ProposeInput.after_verify(live[i], results[i], 60) for i in rows]
-        want, trees = ed.propose(items), gd.trees_after(launch.handle, rows, [len(results[i].tokens) for i in rows])
+        want, trees = ed.propose(items), gd.read_after(launch.handle, rows)
         for w, g in zip(want, trees):
-            block = g.block[g.row, :3, : g.size].cpu().numpy()
-            assert w.tokens.tolist() == block[0].astype(np.int64).tolist()
-            assert w.parents.tolist() == block[1].astype(np.int64).tolist()
-            np.testing.assert_allclose(block[2], w.probs, rtol=1e-3, atol=1e-5)
+            assert w.tokens.tolist() == g.tokens.tolist() and w.parents.tolist() == g.parents.tolist()
+            np.testing.assert_allclose(g.probs, w.probs, rtol=1e-3, atol=1e-5)
+        assert launch.handle.seconds() > 0
         oracle_trees = oracle.propose(items)
         live = [live[i] for i in rows]
-    torch.cuda.synchronize()  # the last launch's trees were not verified: its drafting is done once synchronised
-    assert gd.seconds_after(launch.handle) > 0
     for s in ids:
         assert gd.seqs.get(s)[1].length == ed.seqs.get(s)[1].length
-    for eng in (gv, ev, gd, ed, oracle):
+    for eng in (gv, gd, ed, oracle):
         eng.release(ids)
 
 
