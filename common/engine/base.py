@@ -181,10 +181,11 @@ class Drafter(Protocol):
     the verify) after the verification on the device and returns a handle, or None when it cannot (the
     caller then proposes from the verify's outputs as usual); read_after(handle, rows) later gives the trees
     of those rows, and only those rows' sequences count the verify's tokens as theirs (a row not read is as
-    if never proposed: its sequence stopped). Example, one round:
-        outs = finish(verifier.verify_steps(inputs, then=lambda acc: handles.append(drafter.launch_after(after, acc))))
+    if never proposed: its sequence stopped). Example, one round (common/engine/loop.py):
+        launch = LaunchAfter(drafter, [ProposeAfter(s, nodes) for s in ids])
+        outs = finish(verifier.verify_steps(inputs, then=launch))
         ... commit outs (the drafting runs on the device meanwhile) ...
-        trees = drafter.read_after(handles[0], rows of the sequences that go on)"""
+        trees = drafter.read_after(launch.handle, rows of the sequences that go on)  # handle None: propose"""
 
     name: str
 
