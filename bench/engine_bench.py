@@ -89,6 +89,8 @@ class RunResult:
     draft_ms_per_round: float | None = None
     verify_ms_per_round: float | None = None
     host_ms_per_round: float | None = None
+    # the drafting's device time a round, over the rounds whose trees were launched behind a verify (in process)
+    draft_device_ms_per_round: float | None = None
     rpc_ms_per_round: float | None = None  # through the services only
     draft_wait_ms_per_round: float | None = None  # the verifier waiting for chained trees (services only)
     round_ms: float | None = None  # a round's wall time, all phases (services only)
@@ -202,7 +204,16 @@ def _summarize_rounds(name: str, concurrency: int, traces: list[RequestTrace], t
     accepted = [c for r in rounds for c in r.committed]
     draft_s, verify_s = sum(r.draft_s for r in rounds), sum(r.verify_s for r in rounds)
     host_s = sum(r.host_s + r.prefill_s for r in rounds)
-    return summarize(name, concurrency, traces, wall, len(rounds), draft_s, verify_s, host_s, accepted)
+    out = summarize(name, concurrency, traces, wall, len(rounds), draft_s, verify_s, host_s, accepted)
+    chained = [r.draft_device_s for r in rounds if r.draft_device_s is not None]
+    out.draft_device_ms_per_round = 1e3 * sum(chained) / len(chained) if chained else None
+    return out
+
+
+def _device_drafting(r: RunResult) -> str:
+    """The drafting's device time for a summary line (bench.split_ratio and policy.sh read the lines' start)."""
+    ms = r.draft_device_ms_per_round
+    return f", drafting on the device {ms:.2f} ms a round" if ms is not None else ""
 
 
 def closed_loop_requests(prompts: int, per_worker: int, concurrency: int) -> int:
@@ -475,7 +486,7 @@ def bench(args, ckpt) -> int:
             r = results[-1]
             print(
                 f"speculative c={c}: {r.tok_s_per_request:.1f} tok/s/req, {r.tok_s_total:.1f} tok/s total, "
-                f"accept {r.acceptance_length:.2f}",
+                f"accept {r.acceptance_length:.2f}{_device_drafting(r)}",
                 flush=True,
             )
         if "closed" in args.methods:  # the services bench's closed loop, in process: requests as it counts them
@@ -485,7 +496,7 @@ def bench(args, ckpt) -> int:
             r = results[-1]
             print(
                 f"speculative-closed c={c}: {r.tok_s_per_request:.1f} tok/s/req, {r.tok_s_total:.1f} tok/s total, "
-                f"accept {r.acceptance_length:.2f}",
+                f"accept {r.acceptance_length:.2f}{_device_drafting(r)}",
                 flush=True,
             )
     meta = {

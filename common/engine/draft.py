@@ -588,6 +588,11 @@ class Eagle3Drafter:
     def read_after(self, launched: AfterVerify, rows: list[int]) -> list[Tree]:
         return finish(self.read_after_steps(launched, rows))
 
+    def seconds_after(self, launched: AfterVerify) -> float:
+        """A launch's drafting time on the device (between CUDA events around it; on CPU its eager wall), once
+        read_after has read it."""
+        return launched.seconds()
+
     def read_after_steps(self, launched: AfterVerify, rows: list[int]) -> Steps[list[Tree]]:
         """The trees of `rows` of a launch_after (in that order) once the device is done: those rows' sequences
         now hold the verify's tokens (a row not read is as if never proposed: its sequence stopped). Each

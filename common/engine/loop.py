@@ -33,6 +33,9 @@ class Round:
     host_s: float  # wall seconds of the bookkeeping after it (commits, releases)
     committed: list[int]  # [sequences in the round] tokens committed per sequence (accepted + the bonus)
     prefill_s: float = 0.0  # wall seconds of the prefill of the sequences that joined after it (`more`)
+    # device seconds of the drafting of the trees it verified when that was launched behind the verify before
+    # (the device chain; Drafter.seconds_after); None when they were proposed
+    draft_device_s: float | None = None
 
 
 def speculative_loop(
@@ -72,6 +75,7 @@ def speculative_loop(
     while inputs or after:
         t_a = time.perf_counter()
         trees = dict(zip(after[1], drafter.read_after(after[0], list(after[1].values())))) if after else {}
+        device_s = drafter.seconds_after(after[0]) if after else None
         if inputs:
             trees.update(zip(inputs, drafter.propose(list(inputs.values()))))
         t_b = time.perf_counter()
@@ -100,5 +104,6 @@ def speculative_loop(
                     host_s=t_d - t_c,
                     committed=[len(r.tokens) for r in results],
                     prefill_s=time.perf_counter() - t_d,
+                    draft_device_s=device_s,
                 )
             )

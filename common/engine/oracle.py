@@ -97,6 +97,9 @@ class _OracleBase:
     def read_after_steps(self, launched: object, rows: list[int]) -> Steps[list[Tree]]:
         raise NotImplementedError("test oracles launch nothing after a verify (launch_after gives None)")
 
+    def seconds_after(self, launched: object) -> float:
+        raise NotImplementedError("test oracles launch nothing after a verify (launch_after gives None)")
+
     def tree(self, greedy: list[int], max_nodes: int) -> Tree:
         raise NotImplementedError
 
