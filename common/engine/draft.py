@@ -578,7 +578,7 @@ class Eagle3Drafter:
             packed[:b, :n] = torch.where(cols < took[:, None], accepted.result[:, 1 : 1 + n], 0)  # filler -> 0
             packed[:b, length + 1] = took
             pad = (0, 0, 0, length - n, 0, bb - b)  # [b, n, 3H] -> [bb, L, 3H]
-            hidden = torch.nn.functional.pad(accepted.kept[:, :n].to(self.cache.kv.dtype), pad)
+            hidden = torch.nn.functional.pad(accepted.kept.to(self.cache.kv.dtype), pad)
             step = functools.partial(self._propose_step, depth=depth)
             out = self.graphs.run(("propose", bb, length, depth, False), step, {"packed": packed, "hidden": hidden})
             tree = out.tree[:b].clone()  # outlives the next replay

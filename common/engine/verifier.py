@@ -414,7 +414,8 @@ class Verifier:
             then(accepted)
         yield from self.graphs.launched()
         with self.graphs.on_stream():
-            result = out.result[:b].cpu().numpy()  # [B, T + 1] the one host synchronisation of the call
+            # [B, T + 1] the one host synchronisation of the call (from the copy made for `then`, when made)
+            result = (accepted.result if accepted is not None else out.result[:b]).cpu().numpy()
             counts = np.where(greedy, result[:, 0] + 1, 0).tolist()  # [B] tokens of each greedy sequence
             kept = None  # [B, >= max(counts), 3H] outliving the next replay (the copy made for `then` does)
             if max(counts):

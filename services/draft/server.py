@@ -84,19 +84,16 @@ class DraftServicer(pb_grpc.DraftServicer):
             return self.drafter.launch_after(items, accepted) if free else None
 
     async def read_here(self, follows: list[Follow], owner: str = "") -> tuple[list[Tree], float]:
-        """The trees of launches after verifies (launch_after), for the verifier's chain: -> (trees in item
-        order, the drafting's device seconds). Reading takes no engine lock (what it reads was copied out of
-        the graphs' buffers at the launch): it waits for the device like a call's steps, on the event loop."""
+        """The trees of one launch after a verify (launch_after: the chain sends a round's outcomes together), for
+        the verifier's chain: -> (trees in item order, the drafting's device seconds). Reading takes no engine
+        lock (what it reads was copied out of the graphs' buffers at the launch): it waits for the device like a
+        call's steps, on the event loop."""
+        launched = follows[0].launched
+        if any(f.launched is not launched for f in follows):
+            raise ValueError("the follows of one call come from one launch (one verify's)")
         self.leases.touch([f.seq_id for f in follows])
-        trees: list[Tree | None] = [None] * len(follows)
-        seconds = 0.0
-        for launched in {id(f.launched): f.launched for f in follows}.values():  # one a round, in practice
-            mine = [i for i, f in enumerate(follows) if f.launched is launched]
-            got = await self.runner.unlocked(self.drafter.read_after_steps, launched, [follows[i].row for i in mine])
-            for i, tree in zip(mine, got):
-                trees[i] = tree
-            seconds += launched.seconds()
-        return trees, seconds
+        trees = await self.runner.unlocked(self.drafter.read_after_steps, launched, [f.row for f in follows])
+        return trees, self.drafter.seconds_after(launched)
 
     def _propose_inputs(self, items: list[ProposeInput]) -> Steps[tuple[list[Tree], float]]:
         # no synchronisation before answering, unlike _propose: the rows are the verifier's own tensors,
