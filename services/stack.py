@@ -2,7 +2,8 @@
 
 python -m services.stack            serve until Ctrl-C or SIGTERM (gateway on $GATEWAY_ADDR or 127.0.0.1:50051)
 python -m services.stack --demo     also stream one demo generation with its speculation stats
-python -m services.stack --colocate the draft inside the verifier's process (two processes, see README)
+python -m services.stack --colocate on|off|auto   the draft inside the verifier's process (two processes, see
+                                   README) or in a process of its own; auto (the default): inside on a GPU
 Tests use `Stack` with port 0 everywhere.
 
 SIGTERM, SIGINT and SIGHUP are forwarded to the three children, which drain (in-flight generations
@@ -30,6 +31,17 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parents[1]
 PR_SET_PDEATHSIG = 1
+
+
+def colocated(choice: str, device: str) -> bool:
+    """Whether the draft runs inside the verifier's process: `choice` on or off, or auto: on a GPU, yes (the device
+    chain needs the two engines in one process; session 21, one H200, docs/benchmarks.md: colocated the stack's
+    policy was 2x as fast at concurrency 1 and level at 16 and 64, a pinned 6x60 tree 1.6-2x at every one, plain
+    level); on CPU, no (the three processes CI checks).
+    Example: ("auto", "cuda:0") -> True, ("auto", "cpu") -> False, ("off", "cuda") -> False."""
+    if choice not in ("auto", "on", "off"):
+        raise ValueError(f"colocate must be auto, on or off, got {choice!r}")
+    return choice == "on" or (choice == "auto" and device.startswith("cuda"))
 
 
 def _bind_to_parent() -> None:
@@ -180,8 +192,10 @@ def main() -> None:
     p.add_argument("--drafter", default="eagle3")
     p.add_argument(
         "--colocate",
-        action="store_true",
-        help="run the draft inside the verifier's process (python -m services.verifier --draft-here)",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="on: the draft inside the verifier's process (python -m services.verifier --draft-here), two processes; "
+        "off: three processes; auto (default): on with a CUDA device, off on CPU",
     )
     p.add_argument(
         "--drain-grace",
@@ -197,6 +211,7 @@ def main() -> None:
         help="extra gateway flag, repeatable (e.g. --gateway-arg=--metrics-port=9090)",
     )
     a = p.parse_args()
+    colocate = colocated(a.colocate, a.device)
     logging.basicConfig(level="INFO", format="%(asctime)s %(name)s %(levelname)s %(message)s")
     addr = os.environ.get("GATEWAY_ADDR", "127.0.0.1:50051")
     stack = Stack(
@@ -205,12 +220,12 @@ def main() -> None:
         draft_args=["--drafter", a.drafter],
         gateway_args=a.gateway_arg,
         drain_grace=a.drain_grace,
-        colocate=a.colocate,
+        colocate=colocate,
     )
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _raise_stop)
     try:
-        log.info("starting verifier, draft%s and gateway ...", " (in the verifier's process)" if a.colocate else "")
+        log.info("starting verifier, draft%s and gateway ...", " (in the verifier's process)" if colocate else "")
         stack.start()
         log.info(
             "gateway serving on %s (verifier :%d, draft :%d; logs in %s)",

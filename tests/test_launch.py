@@ -38,3 +38,14 @@ def test_cpu_affinity_pins_the_process(monkeypatch) -> None:
         with pytest.raises(SystemExit):  # argparse's error: exit status 2 with the message
             parse_and_log(p)
         assert os.sched_getaffinity(0) == before
+
+
+def test_the_stack_puts_the_draft_in_the_verifiers_process_on_a_gpu() -> None:
+    """services.stack --colocate: auto (the default) colocates on a CUDA device only; on and off decide."""
+    from services.stack import colocated
+
+    assert colocated("auto", "cuda") and colocated("auto", "cuda:1")
+    assert not colocated("auto", "cpu")
+    assert colocated("on", "cpu") and not colocated("off", "cuda")
+    with pytest.raises(ValueError, match="auto, on or off"):
+        colocated("yes", "cuda")

@@ -75,6 +75,14 @@
 #                                  (ENGINE_CPUS, default 2,4; the gateway and the client off them and off their
 #                                  measured siblings: bench.cpu_siblings) against the OS's placement, alternated,
 #                                  then the engine's closed loop both ways
+#   bench/device/policy.sh codefault session 21: is the draft in the verifier's process the better GPU default? The
+#                                  stack's defaults (the adaptive policy), plain and 6x60 pinned, three processes against the
+#                                  draft in the verifier's process (--colocate off,on), c=1, 16, 64, PER_WORKER (4),
+#                                  then ghz by reflection against the colocated stack (bench.ghz_load --colocate)
+#   bench/device/policy.sh probe   session 21's policy trial (the overhead's median, a probe after 32 plain rounds; not
+#                                  kept): ghz by reflection against the stack's GPU default (colocated,
+#                                  bench.ghz_load), then the colocated services, the policy, plain and 6x60 pinned,
+#                                  c=1, 16, 64, PER_WORKER (4)
 #   bench/device/policy.sh stallghz the 2,000-token prompt joining 16 running streams, whole and in 512-token chunks
 #                                  (bench.prefill_stall), then ghz by reflection (GHZ: the binary) at concurrency 1,
 #                                  16, 64 (bench.ghz_load)
@@ -445,6 +453,24 @@ print(','.join(str(c) for c in sorted(os.sched_getaffinity(0) - taken)))" "$out/
     for d in $(ls -d /tmp/specdec-* | grep -v specdec-model); do echo "== $d"; grep -hE "WARNING|ERROR|Traceback|failed" "$d"/*.log | cut -c1-300 | head -20; done \
       > "$out/stack-warnings.txt"; head -c 6000 "$out/stack-warnings.txt"
     timeout 240 python3 -m pytest -q -m gpu tests/gpu/test_gpu_engines.py > "$out/gpu-engines.txt" 2>&1; tail -3 "$out/gpu-engines.txt" ;;
+  probe)
+    timeout 280 python3 -m bench.ghz_load --ghz "${GHZ:-.devcarry/g/ghz}" --device cuda --concurrency 1,16,64 \
+      --requests-per-worker 2 --out /tmp/specdec-ghz-probe > "$out/ghz.txt" 2>&1
+    cp /tmp/specdec-ghz-probe/ghz.md "$out/" 2>/dev/null; grep "^|" "$out/ghz.md"
+    timeout 280 "${load[@]}" --head models/eagle3-smollm2 --concurrency 1,16,64 --prompts 32 \
+      --requests-per-worker "${PER_WORKER:-4}" --modes spec,plain,tree:6x60 --colocate on --out /tmp/probe \
+      > "$out/probe.log" 2>&1
+    cp /tmp/probe/services.json "$out/probe.json" 2>/dev/null
+    grep -hE "tok/s total" "$out/probe.log" | sed 's/.*services_bench INFO //' | cut -c1-260 ;;
+  codefault)
+    timeout 400 "${load[@]}" --head models/eagle3-smollm2 --concurrency 1,16,64 --prompts 32 \
+      --requests-per-worker "${PER_WORKER:-4}" --modes spec,plain,tree:6x60 --colocate off,on --out /tmp/codefault \
+      > "$out/codefault.log" 2>&1
+    cp /tmp/codefault/services.json "$out/codefault.json" 2>/dev/null
+    grep -hE "tok/s total" "$out/codefault.log" | sed 's/.*services_bench INFO //' | cut -c1-260
+    timeout 170 python3 -m bench.ghz_load --ghz "${GHZ:-.devcarry/g/ghz}" --device cuda --concurrency 1,16,64 \
+      --requests-per-worker 2 --colocate --out /tmp/specdec-ghz-colo > "$out/ghz-colocated.txt" 2>&1
+    cp /tmp/specdec-ghz-colo/ghz.md "$out/ghz-colocated.md" 2>/dev/null; tail -12 "$out/ghz-colocated.txt" ;;
   stallghz)
     timeout 250 python3 -m bench.prefill_stall --device cuda --concurrency 16 --prompt-tokens 2000 \
       --prefill-chunk 0,512 --out "$out" > "$out/stall.log" 2>&1; tail -8 "$out/stall.log"
