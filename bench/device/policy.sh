@@ -83,6 +83,10 @@
 #                                  kept): ghz by reflection against the stack's GPU default (colocated,
 #                                  bench.ghz_load), then the colocated services, the policy, plain and 6x60 pinned,
 #                                  c=1, 16, 64, PER_WORKER (4)
+#   bench/device/policy.sh probeab session 21's second policy trial (the overhead's median of the last 5 rounds, probes
+#                                  of plain runs; reverted, its patch in docs/results/h200-2026-11-26-s21/9-probeab)
+#                                  against OLD (default .devcarry/old: the tree before it, its models linked from here): ghz by reflection (bench.ghz_load, the stack's defaults) new then old,
+#                                  then the colocated services' policy (spec) at c=16 and 64, new then old
 #   bench/device/policy.sh stallghz the 2,000-token prompt joining 16 running streams, whole and in 512-token chunks
 #                                  (bench.prefill_stall), then ghz by reflection (GHZ: the binary) at concurrency 1,
 #                                  16, 64 (bench.ghz_load)
@@ -453,6 +457,24 @@ print(','.join(str(c) for c in sorted(os.sched_getaffinity(0) - taken)))" "$out/
     for d in $(ls -d /tmp/specdec-* | grep -v specdec-model); do echo "== $d"; grep -hE "WARNING|ERROR|Traceback|failed" "$d"/*.log | cut -c1-300 | head -20; done \
       > "$out/stack-warnings.txt"; head -c 6000 "$out/stack-warnings.txt"
     timeout 240 python3 -m pytest -q -m gpu tests/gpu/test_gpu_engines.py > "$out/gpu-engines.txt" 2>&1; tail -3 "$out/gpu-engines.txt" ;;
+  probeab)
+    old=${OLD:-.devcarry/old}; here=$PWD; ln -sfn "$here/models" "$old/models"
+    (cd "$old" && python3 -m grpc_tools.protoc -Iprotos --python_out=. --grpc_python_out=. --pyi_out=. protos/specdec/v1/*.proto)
+    g=$(realpath "${GHZ:-.devcarry/g/ghz}")
+    for run in new old; do
+      d=.; [ $run = old ] && d=$old
+      (cd "$d" && timeout 250 python3 -m bench.ghz_load --ghz "$g" --device cuda --concurrency 1,16,64 \
+        --requests-per-worker 2 --out "/tmp/ghz-$run") > "$out/ghz-$run.txt" 2>&1
+      cp "/tmp/ghz-$run/ghz.md" "$out/ghz-$run.md" 2>/dev/null; echo "ghz $run"; grep "^| [0-9]" "$out/ghz-$run.md"
+    done
+    ab=(--device cuda --ipc on --max-new-tokens 128 --max-context 1024 --concurrency 16,64 --prompts 32
+        --requests-per-worker "${PER_WORKER:-4}" --modes spec --colocate on --head "$here/models/eagle3-smollm2")
+    for run in new old; do
+      d=.; [ $run = old ] && d=$old
+      (cd "$d" && timeout 110 python3 -m bench.services_bench "${ab[@]}" --out "/tmp/pab-$run") > "$out/pab-$run.log" 2>&1
+      cp "/tmp/pab-$run/services.json" "$out/pab-$run.json" 2>/dev/null
+      echo "services $run"; grep -hE "tok/s total" "$out/pab-$run.log" | sed 's/.*services_bench INFO //' | cut -c1-200
+    done ;;
   probe)
     timeout 280 python3 -m bench.ghz_load --ghz "${GHZ:-.devcarry/g/ghz}" --device cuda --concurrency 1,16,64 \
       --requests-per-worker 2 --out /tmp/specdec-ghz-probe > "$out/ghz.txt" 2>&1
