@@ -24,7 +24,7 @@ import logging
 import subprocess
 from pathlib import Path
 
-from services.stack import Stack, colocated
+from services.stack import Stack, colocate_argument, colocated
 
 log = logging.getLogger("bench.ghz_load")
 PROMPT = "Explain how a refrigerator keeps food cold."
@@ -55,11 +55,7 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,16,64")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--requests-per-worker", type=int, default=4)
-    ap.add_argument(
-        "--colocate",
-        default="auto",
-        help="the stack's --colocate: auto (on a GPU: the draft in the verifier's process), on, off (three processes)",
-    )
+    colocate_argument(ap)
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     out = Path(args.out)
@@ -67,8 +63,8 @@ def main() -> None:
     rows = []
     colocate = colocated(args.colocate, args.device)
     with Stack(common_args=["--device", args.device, "--max-context", "1024"], colocate=colocate) as stack:
-        # untimed first: a stack's first requests of each kind pay one-time costs (session 21, H200: the speculative
-        # c=1 window, run first, took 161 ms a request through ghz against 89 ms through bench.services_bench)
+        # untimed first, as bench.services_bench warms up: a stack's first requests of each kind pay one-time costs
+        # (session 21, H200: it did not change the c=1 figures, docs/benchmarks.md)
         for spec in (True, False):
             run_ghz(args, stack.gateway, WARM_UP[0], WARM_UP[1], spec)
         for c in [int(x) for x in args.concurrency.split(",")]:

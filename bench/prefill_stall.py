@@ -17,8 +17,8 @@ Where the time went: the gateway's metrics (bench.services_bench.scrape_rounds) 
 row holds the largest gap's place (ms from the sending: `max_gap_at_ms`, start and end), the rounds'
 phases in the window ("window_ms_per_round": mean ms per round of each phase, as the services bench's
 breakdown; `window_rounds`), and `trace`: per scrape interval (ms from the sending), each metric whose
-seconds grew there, with the growth (ms) and the count added. --colocate runs the draft in the verifier's
-process.
+seconds grew there, with the growth (ms) and the count added. --colocate auto|on|off as the stack's (auto: the draft
+in the verifier's process on a GPU; session 21's and earlier figures ran three processes, `--colocate off`).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import grpc
 
 from bench.engine_bench import QUESTIONS
 from bench.services_bench import free_port, per_round, scrape_rounds
-from services.stack import Stack
+from services.stack import Stack, colocate_argument, colocated
 from specdec.v1 import generation_pb2 as gpb
 from specdec.v1 import generation_pb2_grpc as gpb_grpc
 
@@ -146,7 +146,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--prompt-tokens", type=int, default=2000)
     ap.add_argument("--prefill-chunk", default="0,512", help="comma list of the gateway's --prefill-chunk")
-    ap.add_argument("--colocate", action="store_true", help="the draft in the verifier's process (--draft-here)")
+    colocate_argument(ap)  # the stack's default: the draft in the verifier's process on a GPU
     ap.add_argument("--scrape-ms", type=float, default=50.0, help="how often the gateway's metrics are read")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -155,7 +155,8 @@ def main() -> None:
         common = ["--device", args.device, "--max-context", "4096"]
         port = free_port()
         gateway = ["--prefill-chunk", str(chunk), "--metrics-port", str(port)]
-        with Stack(common_args=common, gateway_args=gateway, colocate=args.colocate) as stack:
+        here = colocated(args.colocate, args.device)
+        with Stack(common_args=common, gateway_args=gateway, colocate=here) as stack:
             for speculative in (True, False):
                 row = asyncio.run(
                     measure(

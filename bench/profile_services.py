@@ -2,7 +2,7 @@
 (sampling, no instrumentation), with the gateway's round breakdown from its metrics.
 
     python -m bench.profile_services --out DIR [--device cuda] [--concurrency 1] [--seconds 6]
-                                     [--rounds-per-call K] [--colocate] [--block-on-device]
+                                     [--rounds-per-call K] [--colocate [auto|on|off]] [--block-on-device]
     python -m bench.profile_services --report DIR     # the tables again from DIR's spy-*.txt
 
 The "where the time goes" table counts, per service, the samples whose stack holds each of a few frames (the
@@ -29,7 +29,7 @@ from pathlib import Path
 
 from bench.engine_bench import QUESTIONS
 from bench.services_bench import closed_loop, free_port, per_round, scrape_rounds
-from services.stack import Stack
+from services.stack import Stack, colocate_argument, colocated
 
 log = logging.getLogger("bench.profile_services")
 IDLE = ("select", "epoll", "_worker", "wait", "poll", "sleep", "_bootstrap")
@@ -107,7 +107,7 @@ def main() -> None:
         "--policy", default="fixed", help="the gateway's --policy (fixed: every round drafts the default tree)"
     )
     ap.add_argument("--rounds-per-call", type=int, default=0, help="the gateway's --rounds-per-call (0: its default)")
-    ap.add_argument("--colocate", action="store_true", help="the draft in the verifier's process (--draft-here)")
+    colocate_argument(ap)  # the stack's default: the draft in the verifier's process on a GPU
     ap.add_argument(
         "--block-on-device",
         action="store_true",
@@ -129,11 +129,12 @@ def main() -> None:
     # requests to last the recording at any concurrency: the load stops starting new ones when it ends (a
     # fixed 64 ran out after one wave at c=64, leaving most of session 11's c=64 profile idle)
     prompts = [QUESTIONS[i % len(QUESTIONS)] for i in range(64 * max(args.concurrency, 1) * args.seconds)]
+    here = colocated(args.colocate, args.device)
     with Stack(
         common_args=["--device", args.device, "--max-context", "1024"],
         gateway_args=["--metrics-port", str(mport), "--policy", args.policy]
         + (["--rounds-per-call", str(args.rounds_per_call)] if args.rounds_per_call else []),
-        colocate=args.colocate,
+        colocate=here,
         verifier_args=engines,
         draft_args=engines,
     ) as stack:
@@ -176,7 +177,7 @@ def main() -> None:
         phases = per_round(before, scrape_rounds(mport))
     lines = [
         f"# Round profile ({args.device}, concurrency {args.concurrency}, rounds per call "
-        f"{args.rounds_per_call or 'default'}{', draft in the verifier' if args.colocate else ''})",
+        f"{args.rounds_per_call or 'default'}{', draft in the verifier' if here else ''})",
         "",
         "ms per round: " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items() if not k.startswith("stage:")),
         "ms per request stage: " + ", ".join(f"{k[6:]} {v:.2f}" for k, v in phases.items() if k.startswith("stage:")),

@@ -8,7 +8,8 @@ same run, on the same prompts.
    of a 60-node tree and the draft's proposal, on the real model.
 1. bench.engine_bench (in one process): Hugging Face `generate` (same model and dtype), the project's
    plain decoding, speculative decoding without gRPC.
-2. bench.services_bench: through the three services over gRPC (CUDA IPC and/or inline bytes): the
+2. bench.services_bench: through the three services over gRPC, in the stack's default processes (on a GPU the
+   draft in the verifier's process since session 21; --ipc: CUDA IPC and/or inline bytes otherwise): the
    draft's default tree pinned, plain decoding, and the gateway's speculation policy, at the gateway's
    default rounds per Verify and (the -k1 rows, speculative only) at one round per Verify, so that one
    run shows what chaining rounds in the verifier saves. The round breakdown is per round.

@@ -3,7 +3,8 @@
     python -m bench.services_bench --device cuda --prompts 16 --max-new-tokens 128 --concurrency 1,4,16 \
         --rounds-per-call 1,0
 
-Starts verifier, draft and gateway as separate processes on loopback (Stack), streams the same chat
+Starts verifier, draft and gateway on loopback (Stack; --colocate, default auto as the stack's: on a GPU the
+draft in the verifier's process, else three processes; before session 21 the default was off), streams the same chat
 prompts as bench.engine_bench through the gateway at each concurrency (a closed loop: `concurrency`
 requests in flight, each new one sent when one finishes), and reads the round breakdown from the
 gateway's Prometheus metrics, per round (a Verify of several rounds counts as its rounds). --rounds-per-call
@@ -29,7 +30,7 @@ from pathlib import Path
 import grpc
 
 from bench.engine_bench import QUESTIONS, RequestTrace, RunResult, closed_loop_requests, summarize
-from services.stack import Stack
+from services.stack import Stack, colocated
 from specdec.v1 import generation_pb2 as gpb
 from specdec.v1 import generation_pb2_grpc as gpb_grpc
 
@@ -271,9 +272,9 @@ def parse_args(argv=None):
     p.add_argument("--engine-cpus", default="", help="the engine services' --cpu-affinity (see there)")
     p.add_argument(
         "--colocate",
-        default="off",
+        default="auto",
         help="comma list: off (draft and verifier in two processes), on (the draft in the verifier's process: "
-        "python -m services.verifier --draft-here)",
+        "python -m services.verifier --draft-here), auto (the stack's default: on with a CUDA device)",
     )
     p.add_argument(
         "--chain",
@@ -317,7 +318,10 @@ def parse_args(argv=None):
     a.concurrency = [int(c) for c in a.concurrency.split(",")]
     a.ipc_modes = [m == "on" for m in a.ipc.split(",")]
     a.chain_modes = [m == "on" for m in a.chain.split(",")]
-    a.colocate_modes = [m == "on" for m in a.colocate.split(",")]
+    try:
+        a.colocate_modes = [colocated(m, a.device) for m in a.colocate.split(",")]
+    except ValueError as e:
+        p.error(str(e))
     a.spec_modes = a.modes.split(",")
     a.rounds_per_call = [int(k) for k in a.rounds_per_call.split(",")]
     a.queue_modes = a.queue_calls.split(",")

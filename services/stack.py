@@ -44,6 +44,20 @@ def colocated(choice: str, device: str) -> bool:
     return choice == "on" or (choice == "auto" and device.startswith("cuda"))
 
 
+def colocate_argument(p: argparse.ArgumentParser) -> None:
+    """--colocate [auto|on|off] (resolve with colocated()): the stack's and the load benchmarks' one flag. Bare, it
+    means on (as before session 21, when it was a switch)."""
+    p.add_argument(
+        "--colocate",
+        nargs="?",
+        const="on",
+        default="auto",
+        choices=("auto", "on", "off"),
+        help="on: the draft inside the verifier's process (python -m services.verifier --draft-here), two processes; "
+        "off: three processes; auto (default): on with a CUDA device, off on CPU",
+    )
+
+
 def _bind_to_parent() -> None:
     """In the child, before exec: SIGTERM when the parent dies (Linux; elsewhere a no-op)."""
     with contextlib.suppress(OSError, AttributeError):
@@ -190,13 +204,7 @@ def main() -> None:
     p.add_argument("--device", default=os.environ.get("SPECDEC_DEVICE", "cpu"))
     p.add_argument("--dtype", default=os.environ.get("SPECDEC_DTYPE", "auto"))
     p.add_argument("--drafter", default="eagle3")
-    p.add_argument(
-        "--colocate",
-        choices=("auto", "on", "off"),
-        default="auto",
-        help="on: the draft inside the verifier's process (python -m services.verifier --draft-here), two processes; "
-        "off: three processes; auto (default): on with a CUDA device, off on CPU",
-    )
+    colocate_argument(p)
     p.add_argument(
         "--drain-grace",
         type=float,

@@ -396,7 +396,7 @@ def test_a_shallow_item_gets_the_tree_of_a_shallow_drafter(drafters, ckpt) -> No
     assert padded.release(["a", "b"]) == 2 and shallow.release(["a"]) == 1 and exact.release(["b"]) == 1
 
 
-def test_drafting_after_a_verify_equals_a_propose_of_its_outcome(verifiers, drafters, ckpt) -> None:
+def test_drafting_after_a_verify_equals_a_propose_of_its_outcome(verifiers, drafters) -> None:
     """The device chain (Drafter.launch_after): trees drafted from a verify's acceptance on the device, read
     for the rows that go on, equal the trees of a propose of the verify's outputs (the exact drafter, and the
     padded one: batch padding, the accept pass padded to steps + 1 tokens). Rounds: the oracle's trees (the

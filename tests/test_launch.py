@@ -49,3 +49,15 @@ def test_the_stack_puts_the_draft_in_the_verifiers_process_on_a_gpu() -> None:
     assert colocated("on", "cpu") and not colocated("off", "cuda")
     with pytest.raises(ValueError, match="auto, on or off"):
         colocated("yes", "cuda")
+
+
+def test_the_colocate_flag_defaults_to_auto_and_bare_means_on() -> None:
+    """services.stack.colocate_argument, shared by the stack and the load benchmarks: bare --colocate (a switch
+    before session 21) still means on."""
+    from services.stack import colocate_argument
+
+    p = argparse.ArgumentParser()
+    colocate_argument(p)
+    assert [p.parse_args(a).colocate for a in ([], ["--colocate"], ["--colocate", "off"])] == ["auto", "on", "off"]
+    with pytest.raises(SystemExit):
+        p.parse_args(["--colocate", "maybe"])

@@ -13,7 +13,7 @@ timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu 2>&1 | tai
 if [ "${BENCH:-0}" = 1 ]; then
   timeout 420 python3 -m bench.run --out "$work" 2>&1 | tail -80 > "$out/bench.txt"
   cp "$work/summary.md" "$work/summary.json" "$work/decode_probe.md" "$out/" 2>/dev/null
-  timeout 120 python3 -m bench.profile_services --out "$work/prof" --seconds 5 > /dev/null 2>&1
+  timeout 120 python3 -m bench.profile_services --out "$work/prof" --seconds 5 --colocate off > /dev/null 2>&1
   cp "$work/prof/profile.md" "$out/" 2>/dev/null
   tar czf "$out/raw.tgz" -C "$work" . 2>/dev/null
 else

@@ -12,6 +12,6 @@ timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu 2>&1 | tai
 timeout 330 python3 -m bench.run --out "$work" 2>&1 | tail -60 > "$out/bench.txt"
 cp "$work/summary.md" "$work/summary.json" "$work/decode_probe.md" "$out/" 2>/dev/null
 if [ -n "${GHZ:-}" ]; then
-  timeout 200 python3 -m bench.ghz_load --ghz "$GHZ" --out "$work/ghz" > "$out/ghz.txt" 2>&1
+  timeout 200 python3 -m bench.ghz_load --ghz "$GHZ" --colocate off --out "$work/ghz" > "$out/ghz.txt" 2>&1
   cp "$work/ghz/ghz.md" "$out/" 2>/dev/null
 fi

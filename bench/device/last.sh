@@ -7,4 +7,4 @@ python3 -m grpc_tools.protoc -Iprotos --python_out=. --grpc_python_out=. --pyi_o
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name --format=csv,noheader > "$out/gpu.txt"
 timeout 200 python3 -m bench.decode_probe --out "$out" > "$out/probe.log" 2>&1
-timeout 240 python3 -m bench.prefill_stall --out "$out" > "$out/stall.log" 2>&1
+timeout 240 python3 -m bench.prefill_stall --colocate off --out "$out" > "$out/stall.log" 2>&1

@@ -79,14 +79,14 @@
 #                                  stack's defaults (the adaptive policy), plain and 6x60 pinned, three processes against the
 #                                  draft in the verifier's process (--colocate off,on), c=1, 16, 64, PER_WORKER (4),
 #                                  then ghz by reflection against the colocated stack (bench.ghz_load --colocate)
-#   bench/device/policy.sh probe   session 21's policy trial (the overhead's median, a probe after 32 plain rounds; not
-#                                  kept): ghz by reflection against the stack's GPU default (colocated,
-#                                  bench.ghz_load), then the colocated services, the policy, plain and 6x60 pinned,
-#                                  c=1, 16, 64, PER_WORKER (4)
-#   bench/device/policy.sh probeab session 21's second policy trial (the overhead's median of the last 5 rounds, probes
-#                                  of plain runs; reverted, its patch in docs/results/h200-2026-11-26-s21/9-probeab)
-#                                  against OLD (default .devcarry/old: the tree before it, its models linked from here): ghz by reflection (bench.ghz_load, the stack's defaults) new then old,
-#                                  then the colocated services' policy (spec) at c=16 and 64, new then old
+#   bench/device/policy.sh probe   ghz by reflection against the stack's GPU default (colocated, bench.ghz_load), then the
+#                                  colocated services, the policy, plain and 6x60 pinned, c=1, 16, 64, PER_WORKER (4).
+#                                  Session 21's run 7 ran it with a first policy patch (9-probeab's diff with a window
+#                                  of 15, one-choice probes and no doubling; reverted)
+#   bench/device/policy.sh probeab this tree against OLD (default .devcarry/old, its models linked from here): ghz by
+#                                  reflection (bench.ghz_load, the stack's defaults), new then old, then the colocated
+#                                  services' policy (spec) at c=16 and 64, new then old. Session 21 ran it with a policy
+#                                  patch applied (docs/results/h200-2026-11-26-s21/9-probeab/policy-probe.diff; reverted)
 #   bench/device/policy.sh stallghz the 2,000-token prompt joining 16 running streams, whole and in 512-token chunks
 #                                  (bench.prefill_stall), then ghz by reflection (GHZ: the binary) at concurrency 1,
 #                                  16, 64 (bench.ghz_load)
@@ -142,7 +142,7 @@ nvidia-smi --query-gpu=name --format=csv,noheader > "$out/gpu.txt"
 nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,temperature.gpu,power.draw,clocks_throttle_reasons.active \
   --format=csv -l 2 > "$out/clocks.csv" 2>&1 &
 sampler=$!; trap 'kill $sampler 2>/dev/null' EXIT
-load=(python3 -m bench.services_bench --device cuda --ipc on --max-new-tokens 128 --max-context 1024 --out "$out")
+load=(python3 -m bench.services_bench --device cuda --ipc on --max-new-tokens 128 --max-context 1024 --colocate off --out "$out")
 engine() {  # the in-process baseline (plain, speculative) of the split modes; first on a fresh machine, it fills the
             # kernel cache that a colocated start would fill one engine at a time (150 s was not enough there)
   timeout 240 python3 -m bench.engine_bench --device cuda --head models/eagle3-smollm2 --prompts 32 --concurrency 1,16,64 \
@@ -161,7 +161,7 @@ case "$mode" in
     timeout 330 "${load[@]}" --concurrency 1,4,16,64 --prompts "${PROMPTS:-24}" \
       --requests-per-worker "${PER_WORKER:-3}" --modes spec,plain,tree:6x60,tree:4x16,tree:2x4 > "$out/policy.log" 2>&1
     python3 -m pip install -q --no-deps .devcarry/b/wheels/py_spy-*.whl 2>/dev/null
-    timeout 150 python3 -m bench.profile_services --out "$out/profile" --concurrency 1 --seconds 6 > "$out/profile.log" 2>&1
+    timeout 150 python3 -m bench.profile_services --out "$out/profile" --concurrency 1 --seconds 6 --colocate off > "$out/profile.log" 2>&1
     grep -E "tok/s total" "$out/policy.log"; python3 -m bench.policy_table "$out/services.json" ;;
   order)
     timeout 240 "${load[@]}" --concurrency 16,64 --prompts 24 --requests-per-worker 4 \
@@ -178,7 +178,7 @@ case "$mode" in
       --modes tree:6x60,plain,spec > "$out/chain.log" 2>&1
     grep -E "tok/s total" "$out/chain.log" ;;
   stall)
-    timeout 500 python3 -m bench.prefill_stall --device cuda --concurrency 16 --prompt-tokens 2000 \
+    timeout 500 python3 -m bench.prefill_stall --device cuda --concurrency 16 --prompt-tokens 2000 --colocate off \
       --prefill-chunk 0,512,256 --out "$out" > "$out/stall.log" 2>&1; tail -8 "$out/stall.log" ;;
   kernels)
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_kernel_count.py \
@@ -195,10 +195,10 @@ case "$mode" in
   rest)
     timeout 220 "${load[@]}" --concurrency 1,16,64 --prompts 16 --requests-per-worker 2 --chain on,off \
       --modes tree:6x60,plain > "$out/chain.log" 2>&1; grep -E "tok/s total" "$out/chain.log"
-    timeout 190 python3 -m bench.prefill_stall --device cuda --concurrency 16 --prompt-tokens 2000 \
+    timeout 190 python3 -m bench.prefill_stall --device cuda --concurrency 16 --prompt-tokens 2000 --colocate off \
       --prefill-chunk 0,512 --out "$out" > "$out/stall.log" 2>&1; tail -6 "$out/stall.log"
     if [ -n "${GHZ:-}" ]; then
-      timeout 150 python3 -m bench.ghz_load --ghz "$GHZ" --concurrency 1,64 --requests-per-worker 2 \
+      timeout 150 python3 -m bench.ghz_load --ghz "$GHZ" --concurrency 1,64 --requests-per-worker 2 --colocate off \
         --out /tmp/specdec-ghz > "$out/ghz.txt" 2>&1; cp /tmp/specdec-ghz/ghz.md "$out/" 2>/dev/null; tail -8 "$out/ghz.txt"
     fi ;;
   split)
@@ -209,7 +209,7 @@ case "$mode" in
   split2)
     python3 -m pip install -q --no-deps --target /tmp/pyspy .devcarry/b/wheels/py_spy-*.whl; export PATH="/tmp/pyspy/bin:$PATH"
     for run in "off 4" "on 4" "on 1"; do  # off first: it fills the kernel cache (see split)
-      set -- $run; extra=(); [ "$1" = on ] && extra=(--colocate)
+      set -- $run; extra=(--colocate "$1")
       timeout 150 python3 -m bench.profile_services --out "/tmp/prof-$1-$2" --concurrency 1 --seconds 6 \
         --rounds-per-call "$2" "${extra[@]}" > "$out/profile-$1-$2.log" 2>&1
       echo "colocate $1, k$2:"; sed -n 3p "/tmp/prof-$1-$2/profile.md"
@@ -414,7 +414,7 @@ print(','.join(str(c) for c in sorted(os.sched_getaffinity(0) - taken)))" "$out/
     done ;;
   stallab)
     st=(--device cuda --concurrency 16 --prompt-tokens 2000)
-    timeout 300 python3 -m bench.prefill_stall "${st[@]}" --prefill-chunk "${STALL_RUNS:-512,0,512}" --out /tmp/stall-new \
+    timeout 300 python3 -m bench.prefill_stall "${st[@]}" --colocate off --prefill-chunk "${STALL_RUNS:-512,0,512}" --out /tmp/stall-new \
       > "$out/stall-new.log" 2>&1
     echo new; grep -E "^\| (whole|512)" "$out/stall-new.log"
     if [ -n "${OLD:-}" ]; then  # an older tree to compare with, unpacked as for `cut`
@@ -427,7 +427,7 @@ print(','.join(str(c) for c in sorted(os.sched_getaffinity(0) - taken)))" "$out/
     fi ;;
   stallwhy)
     st=(--device cuda --concurrency 16 --prompt-tokens 2000 --scrape-ms 50)
-    timeout 250 python3 -m bench.prefill_stall "${st[@]}" --prefill-chunk "${STALL_RUNS:-512,512,512}" --out "$out/3p" \
+    timeout 250 python3 -m bench.prefill_stall "${st[@]}" --colocate off --prefill-chunk "${STALL_RUNS:-512,512,512}" --out "$out/3p" \
       > "$out/stall-3p.log" 2>&1
     echo three processes; grep -E "^\| (whole|512)" "$out/stall-3p.log"
     timeout 200 python3 -m bench.prefill_stall "${st[@]}" --prefill-chunk "${STALL_RUNS:-512,512,512}" --colocate \
@@ -451,7 +451,7 @@ print(','.join(str(c) for c in sorted(os.sched_getaffinity(0) - taken)))" "$out/
     done ;;
   stalldiag)
     find /tmp -maxdepth 1 -name 'specdec-*' ! -name specdec-model -exec rm -rf {} +  # earlier stacks' logs
-    timeout 200 python3 -m bench.prefill_stall --device cuda --concurrency 16 --prompt-tokens 2000 \
+    timeout 200 python3 -m bench.prefill_stall --device cuda --concurrency 16 --prompt-tokens 2000 --colocate off \
       --prefill-chunk 512,512,512 --out /tmp/stall-diag > "$out/stall-diag.log" 2>&1
     grep -E "^\| (whole|512)" "$out/stall-diag.log"
     for d in $(ls -d /tmp/specdec-* | grep -v specdec-model); do echo "== $d"; grep -hE "WARNING|ERROR|Traceback|failed" "$d"/*.log | cut -c1-300 | head -20; done \
@@ -494,10 +494,10 @@ print(','.join(str(c) for c in sorted(os.sched_getaffinity(0) - taken)))" "$out/
       --requests-per-worker 2 --colocate --out /tmp/specdec-ghz-colo > "$out/ghz-colocated.txt" 2>&1
     cp /tmp/specdec-ghz-colo/ghz.md "$out/ghz-colocated.md" 2>/dev/null; tail -12 "$out/ghz-colocated.txt" ;;
   stallghz)
-    timeout 250 python3 -m bench.prefill_stall --device cuda --concurrency 16 --prompt-tokens 2000 \
+    timeout 250 python3 -m bench.prefill_stall --device cuda --concurrency 16 --prompt-tokens 2000 --colocate off \
       --prefill-chunk 0,512 --out "$out" > "$out/stall.log" 2>&1; tail -8 "$out/stall.log"
     timeout 250 python3 -m bench.ghz_load --ghz "${GHZ:-.devcarry/g/ghz}" --device cuda --concurrency 1,16,64 \
-      --requests-per-worker 2 --out /tmp/specdec-ghz > "$out/ghz.txt" 2>&1
+      --requests-per-worker 2 --colocate off --out /tmp/specdec-ghz > "$out/ghz.txt" 2>&1
     cp /tmp/specdec-ghz/ghz.md "$out/" 2>/dev/null; tail -12 "$out/ghz.txt" ;;
   profile4)
     python3 -m pip install -q --no-deps --target /tmp/pyspy .devcarry/b/wheels/py_spy-*.whl; export PATH="/tmp/pyspy/bin:$PATH"
@@ -510,14 +510,14 @@ print(','.join(str(c) for c in sorted(os.sched_getaffinity(0) - taken)))" "$out/
   fixcheck)
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_engines.py -k move_rows \
       > "$out/fixcheck.log" 2>&1; tail -3 "$out/fixcheck.log"
-    timeout 400 python3 -m bench.prefill_stall --device cuda --concurrency 16 --prompt-tokens 2000 \
+    timeout 400 python3 -m bench.prefill_stall --device cuda --concurrency 16 --prompt-tokens 2000 --colocate off \
       --prefill-chunk 0,512 --out "$out" > "$out/stall.log" 2>&1; tail -8 "$out/stall.log" ;;
   profile)
     [ -n "${SKIP_TESTS:-}" ] || timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_services.py > "$out/gpu_tests.log" 2>&1
     tail -3 "$out/gpu_tests.log" 2>/dev/null
     python3 -m pip install -q --no-deps --target /tmp/pyspy .devcarry/b/wheels/py_spy-*.whl; export PATH="/tmp/pyspy/bin:$PATH"
     for c in 1 64; do
-      timeout 150 python3 -m bench.profile_services --out "/tmp/prof$c" --concurrency $c --seconds 5 > "$out/profile$c.log" 2>&1
+      timeout 150 python3 -m bench.profile_services --out "/tmp/prof$c" --concurrency $c --seconds 5 --colocate off > "$out/profile$c.log" 2>&1
       cp "/tmp/prof$c/profile.md" "$out/profile$c.md"; tar czf "$out/spy$c.tgz" -C "/tmp/prof$c" .
     done; head -4 "$out"/profile*.md ;;
   sampling)
