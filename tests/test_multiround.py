@@ -21,10 +21,20 @@ from tests.test_overlap import DRAFT, FIXED, FakeDraft, FakeVerifier, FollowingD
 
 
 async def _run(
-    requests, rounds: int, draft=None, verifier=None, metrics=None, stagger=0.0, cfg=None, policy=FIXED, pins=()
+    requests,
+    rounds: int,
+    draft=None,
+    verifier=None,
+    metrics=None,
+    stagger=0.0,
+    cfg=None,
+    policy=FIXED,
+    pins=(),
+    arrive=None,
 ):
     """requests: (last prompt token, max_tokens, stop token ids, prompt length); pins: each request's pinned
-    tree (GenRequest.tree; missing: none). Returns (tokens, finish) per request and the call log."""
+    tree (GenRequest.tree; missing: none); request i starts after i x stagger seconds, or once arrive[i] (an
+    asyncio.Event) is set. Returns (tokens, finish) per request and the call log."""
     log: list = []
     draft = draft or FakeDraft(log)
     draft.log = log
@@ -35,7 +45,10 @@ async def _run(
     sched.start()
 
     async def one(i: int, first: int, max_tokens: int, stops: frozenset[int], n: int):
-        await asyncio.sleep(i * stagger)
+        if arrive and i in arrive:
+            await arrive[i].wait()
+        else:
+            await asyncio.sleep(i * stagger)
         gen = count_up(first, n, max_tokens, stop_token_ids=stops, tree=pins[i] if i < len(pins) else None)
         tokens = [t async for d in sched.generate(gen) for t in d.token_ids]
         return tokens, gen.finish, gen.stats.rounds
@@ -105,16 +118,27 @@ def test_draft_failure_mid_call_commits_the_rounds_before_and_catches_up() -> No
 
 
 def test_calls_keep_their_rounds_while_a_prompt_is_prefilled() -> None:
-    """A 10-token prompt arriving mid-run goes in chunks of 4, 4, 2, each beside a call of the running
-    sequence (Scheduler._start_prefill), which keeps asking for four rounds a call: its rounds do not wait
-    for the joiner's prompt, nor the prompt for them. Both outputs exact."""
+    """A 10-token prompt arriving mid-run (as the running sequence's second Verify begins) goes in chunks of 4,
+    4, 2, each beside a call of the running sequence (Scheduler._start_prefill), which keeps asking for four
+    rounds a call: its rounds do not wait for the joiner's prompt, nor the prompt for them. Both outputs exact.
+    (The arrival is tied to the call, not to a clock: at a fixed 50 ms, a loaded CI machine's slower rounds had it
+    land in a call's last round, with one round before the next chunk.)"""
     log: list = []
     draft = FakeDraft(log)
     verifier = FakeVerifier(log, 2, draft)
     asked = counting(verifier)
+    second_call = asyncio.Event()
+    counted = verifier.streamed
+
+    async def streamed(request: pb.VerifyRequest, early=None) -> pb.VerifyResponse:
+        if len(asked) == 1:  # counted appends this call's rounds next: the second call begins
+            second_call.set()
+        return await counted(request, early)
+
+    verifier.streamed = streamed
     cfg = SchedulerConfig(max_active=4, draft_address=DRAFT, rounds_per_call=4, prefill_chunk=4)
     reqs = [(100, 40, frozenset(), 2), (300, 10, frozenset(), 10)]
-    outs, log = asyncio.run(_run(reqs, 4, draft=draft, verifier=verifier, cfg=cfg, stagger=0.05))
+    outs, log = asyncio.run(_run(reqs, 4, draft=draft, verifier=verifier, cfg=cfg, arrive={1: second_call}))
     assert [o[0] for o in outs] == [list(range(101, 141)), list(range(301, 311))]
     chunks = [i for i, e in enumerate(log) if e[0] == "prefill" and e[1] == "gw-1"]
     assert [log[i][2:] for i in chunks] == [(4, True), (4, True), (2, False)]
