@@ -1,12 +1,15 @@
 """Mean acceptance length of the two sampling rules (DraftingConfig.sampling_rule), in process: the
-verifier and the shipped EAGLE-3 head driven by common.engine.loop.speculative_loop, sampled requests
-(temperature 0.7 and 1.0, top-p 0.9 by default; one seed per prompt), stopping at EOS or the token limit.
+verifier and the shipped EAGLE-3 head driven by the engine core (common.engine.core.EngineCore, the draft's
+default tree pinned), sampled requests (temperature 0.7 and 1.0, top-p 0.9 by default; one seed per prompt),
+stopping at EOS or the token limit.
     python -m bench.sampling_accept --out DIR [--prompts 6] [--max-new-tokens 64] [--device cpu]
                                     [--prompts-file W/sharegpt_heldout.jsonl]
-By default the prompts are the benchmark's chat questions (bench.engine_bench.QUESTIONS); --prompts-file takes
-the first --prompts rows of a JSONL file with "prompt_ids" (the training pipeline's held-out sets, or
+By default the prompts are the first --prompts of the load benchmark's held-out mixed prompts
+(bench/prompts/heldout-mixed.jsonl, interleaved by category) with the chat template; --prompts-file takes the
+first --prompts rows of a JSONL file with "prompt_ids" (the training pipeline's held-out sets, or
 tests/data/heldout_sharegpt.jsonl).
-"Acceptance length" is tokens committed per verification round (accepted drafted tokens plus the bonus).
+"Acceptance length" is (accepted drafted tokens + rounds) / rounds: tokens per verification round, the bonus
+token included, as the API's mean_acceptance_length.
 Prints a markdown table and writes DIR/sampling_accept.json. Both rules are lossless
 (tests/test_sampling_rule.py): the one that accepts more is the default.
 """
@@ -22,15 +25,16 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from bench.engine_bench import encode_prompts, load_head
 from common.config import SAMPLING_RULES, DraftingConfig, SamplingConfig
+from common.engine.core import CoreConfig, EngineCore
 from common.engine.factory import make_drafter, make_verifier, pick_dtype
-from common.engine.loop import Round, speculative_loop
-from common.engine.verifier import Verifier, VerifierConfig
+from common.engine.verifier import Verifier, VerifierConfig, torch_dtype
 from common.model.eagle3 import Eagle3Head
+from common.model.eagle3_io import load_eagle3
+from common.policy import FixedPolicy, Shape
+from common.sequence import Finish, Request
 from common.weights import load_checkpoint
 from training.prompts import read_prompts as prompt_rows
 
@@ -49,33 +53,24 @@ def acceptance(
 ) -> dict:
     """One rule at one sampling setting: every prompt decoded together, prompt i with seed + i."""
     drafter = make_drafter(head, verifier.model.embed_tokens, drafting, len(prompts), 1024, device, graphs=False)
-    eos = verifier.model.cfg.eos_token_id
-    outs: dict[str, list[int]] = {f"s{i}": [] for i in range(len(prompts))}
-    committed: list[int] = []
-
-    def commit(sid: str, tokens: list[int]) -> bool:
-        outs[sid] += tokens
-        return len(outs[sid]) < max_new and eos not in outs[sid]
-
-    def on_round(r: Round) -> None:
-        committed.extend(r.committed)
-
-    seeds = {sid: replace(sampling, seed=(sampling.seed or 0) + i) for i, sid in enumerate(outs)}
+    tree = Shape(drafting.steps, drafting.verify_tree_size)
+    core = EngineCore(verifier, drafter, FixedPolicy(tree), CoreConfig(max_sequences=len(prompts)))
+    eos = frozenset({verifier.model.cfg.eos_token_id})
+    for i, ids in enumerate(prompts):
+        core.add(Request(f"s{i}", ids, replace(sampling, seed=(sampling.seed or 0) + i), max_new, eos, tree=tree))
+    rounds = accepted = tokens = 0
+    left = len(prompts)
     t0 = time.perf_counter()
-    speculative_loop(
-        verifier,
-        drafter,
-        dict(zip(outs, prompts)),
-        drafting.verify_tree_size,
-        commit,
-        on_round,
-        sampling=seeds,
-    )
-    c = np.array(committed)
+    while left:
+        for out in core.step():
+            if out.finish is Finish.ERROR:
+                raise RuntimeError(f"sequence {out.seq_id} failed") from out.error
+            rounds, accepted, tokens = rounds + out.rounds, accepted + out.accepted, tokens + len(out.tokens)
+            left -= out.finish is not Finish.NONE
     return {
-        "rounds": int(c.size),
-        "tokens": int(c.sum()),
-        "mean_accept_len": float(c.mean()) if c.size else 0.0,
+        "rounds": rounds,
+        "tokens": tokens,
+        "mean_accept_len": (accepted + rounds) / rounds if rounds else 0.0,
         "wall_s": round(time.perf_counter() - t0, 2),
     }
 
@@ -91,6 +86,15 @@ def read_prompts(path: Path, n: int) -> list[list[int]]:
         if not ids or not all(isinstance(t, int) for t in ids):
             raise ValueError(f"{path}: row {i} has no list of integer prompt_ids")
     return [r["prompt_ids"] for r in rows]
+
+
+def mixed_prompts(ckpt, n: int) -> list[list[int]]:
+    """The first n held-out mixed prompts (bench.load's workload), chat-templated."""
+    from bench.load import read_prompts as mixed
+    from common.tokenizer import Tokenizer
+
+    tok = Tokenizer(ckpt.path)
+    return [tok.encode_chat([("user", p.text)]) for p in mixed()[:n]]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -111,13 +115,14 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_grad_enabled(False)
     dtype = pick_dtype(args.device, args.dtype)
     ckpt = load_checkpoint()
-    prompts = read_prompts(args.prompts_file, args.prompts) if args.prompts_file else encode_prompts(ckpt, args.prompts)
+    prompts = read_prompts(args.prompts_file, args.prompts) if args.prompts_file else mixed_prompts(ckpt, args.prompts)
     verifier = make_verifier(
         ckpt,
         VerifierConfig(max_sequences=args.prompts, max_context=1024, dtype=dtype, device=args.device),
         graphs=False,
     )
-    head = load_head(args.head, ckpt.config, torch.device(args.device), dtype)
+    head, _ = load_eagle3(args.head)
+    head.to(device=torch.device(args.device), dtype=torch_dtype(dtype)).eval()
     results = []
     for temperature in args.temperatures:
         sampling = SamplingConfig(temperature=temperature, top_p=args.top_p, seed=args.seed)

@@ -1,18 +1,15 @@
-"""CUDA IPC for colocated services: the verifier exports one hidden-state buffer once, the draft maps
-it, and each round only a region reference (buffer, offset, shape, dtype) crosses gRPC.
+"""CUDA IPC between the verifier and a draft service on the same GPU: the verifier exports one hidden-state buffer
+once, the draft maps it, and each propose carries only region references (buffer, offset, shape, dtype).
 
 Synchronisation (why the draft never reads a half-written or reused region):
-1. Each sequence owns one region of the buffer (`HiddenExport`), so writers of different sequences
-   never overlap. A region is written only by Prefill/Verify/Decode/Features of its sequence, and the
-   verifier synchronises its CUDA stream once after a call's copies and before it answers: when the
-   reference leaves the verifier the bytes are complete in device memory.
-2. The gateway hands that reference to the draft in the next Propose; the draft copies the rows into
-   its own tensors and synchronises its stream before it answers.
-3. Only after the Propose answer does the gateway send that sequence's next Verify, the next writer
-   of the region. A released sequence's region is reused only by a later Prefill, after the gateway
-   has retired the old sequence (no Propose for it can be in flight).
-The `round` in each reference counts the region's writes; it is logged on mismatch for diagnosis,
-the ordering above is what guarantees correctness.
+1. Each sequence owns one region of the buffer (`HiddenExport`), so writers of different sequences never
+   overlap. The verifier's engine core writes a propose's features there and synchronises its stream before
+   it sends the propose: when a reference leaves the verifier, the bytes are complete in device memory.
+2. The draft copies the rows into its own tensors and synchronises its stream before it answers.
+3. The core calls the draft synchronously, so the next write to a region (that sequence's next propose)
+   comes after that answer. A released sequence's region is reused only by a later sequence.
+The `round` in each reference counts the region's writes; it is logged on mismatch for diagnosis, the ordering
+above is what guarantees correctness.
 """
 
 from __future__ import annotations
@@ -112,7 +109,7 @@ class HiddenExport:
     def __init__(self, regions: int, rows: int, width: int, dtype: torch.dtype, device: torch.device) -> None:
         self.buffer = torch.zeros(regions, rows, width, dtype=dtype, device=device)
         self.table: SlotTable[_Region] = SlotTable(regions)
-        # a CPU buffer has no IPC handle: the same bookkeeping, for CPU tests and bench/host_round.py
+        # a CPU buffer has no IPC handle: the same bookkeeping, for CPU tests
         self.exported = export_buffer(self.buffer) if self.buffer.is_cuda else _unexported(self.buffer)
         self.flat = self.buffer.view(regions * rows, width)  # [regions * rows, width] the same memory
         self.row_bytes = width * self.buffer.element_size()

@@ -1,32 +1,67 @@
-"""Speculation policy: each round, the tree shape to draft and verify, or none (plain decoding), picked
-to maximise expected committed tokens per second. Plain bookkeeping, no torch, no gRPC.
+"""Speculation policy: each engine iteration, the tree shape to draft and verify for the batch, or none
+(plain decoding), picked to maximise expected committed tokens per second. Plain bookkeeping, no torch.
 
-A round of shape s = (depth, nodes) over a batch of B sequences commits, per sequence, the bonus token
-plus the accepted drafted tokens:
+Rate. A round of shape s over members m (each with a temperature band) commits per member the bonus token
+plus the accepted drafted tokens; a plain iteration commits `plain_steps` tokens per member:
 
-    tokens(s) = 1 + E[accepted | s],   E[accepted | s] = sum_{k=1..depth} prod_{i=1..k} alpha_i(s)
+    rate(s)     = sum_m (1 + min(f_m * E[band_m, s], depth_s)) / seconds(bucket, s)
+    rate(plain) = len(members) * plain_steps / seconds(bucket, plain, plain_steps)
+    E[band, s]  = sum_{k=1..depth} prod_{i<=k} alpha(band, s, i)
 
-alpha_i(s) is the chance that level i of the tree accepts given that level i - 1 did, counted online per
-shape (AcceptanceStats) and scaled per sequence by how that sequence accepts against the average. A
-plain round commits `steps` tokens per sequence (one verifier call decodes several). The cost of a round
-is the seconds it takes for the batch's bucket and the shape (CostModel): the engines' own step times,
-measured once at start-up from their captured graphs and refreshed from every call's reported engine time,
-plus the RPC and orchestration overhead learned from the rounds' wall time. The policy picks
+Acceptance (AcceptanceTable). alpha(band, s, i) = (passed + w * pool) / (reached + w): decayed counts of the
+rounds of s that reached level i and accepted there, w = prior_weight pseudo-rounds of the pooled figure:
+the same band's level i over every shape, which itself leans on the greedy band's level i, which leans on
+`prior`. Counts halve every `half_life` rounds (calls to choose) whether or not their shape runs, so a
+shape left unobserved relaxes toward the pooled figure, which relaxes toward the prior: no estimate is
+condemned forever. f_m (SequenceFactor) is how the sequence accepts against its band: accepted / expected
+over its last few verifications, shrunk toward 1 by seq_prior pseudo-verifications.
 
-    argmax over the menu and plain of   B * tokens(s) / seconds(B, s)
+Cost (CostModel), per batch bucket and shape: a batch maps to the smallest bucket >= it (the configured
+buckets plus the calibrated batches: the engines' graphs). A shape with steady rounds at the bucket costs
+the median of its recent ones (the last cost_window, none older than cost_memory bucket rounds). Without,
+it costs its calibration (propose(depth) + verify(nodes + 1) step times; a plain call `plain_steps`
+decode steps) plus the bucket's overhead: the median of what calibration did not explain in recent steady
+rounds of the same kind (tree / plain) at this bucket, or, when it has none, at the nearest bucket that
+has (never a figure shared by every batch size). A batch or size past the calibrated ones scales linearly
+from the largest; one between takes the next larger (the graph that runs).
 
-and now and then (explore) a close runner-up, so that the statistics of every competitive shape stay
-fresh. Worked example (test_policy.py): decode 10 ms, verify of 2 / 5 rows 11 / 14 ms, draft of depth
-1 / 4 1 / 4 ms, no overhead, alpha = 0.6 at every level: plain 1 / 10 ms = 100 tok/s; 1x1: (1 + 0.6) / 12
-ms = 133; 4x4 (a chain): (1 + .6 + .36 + .216 + .13) / 18 ms = 128: the policy picks 1x1.
+Exploration without an absorbing state. Each (bucket, shape) cell has a retry interval, retry_base bucket
+rounds at first. Every run of a cell is judged at its bucket's next round: still the best, the interval
+goes back to retry_base; not the best, it doubles (up to retry_cap). A cell not run at its bucket for its
+interval is due: it is tried (Choice.explored) even when its estimate is far below the best, for up to
+try_rounds rounds until one is reported steady (the first tree round after plain ones is a catch-up round
+the core does not report). A cell that never ran at a bucket where its cost is unknown or borrowed from
+another bucket is due at once. One cell is tried at a time per bucket, the most overdue first. With the
+default menu a bucket's exploration share falls to about 1% as the intervals reach the cap (6 shapes of
+at most 2 rounds each per 1024 rounds; tests/test_policy.py measures it).
+
+Worked example (tests/test_policy.py::test_the_docstring_example). Calibration at batch 1: decode 10 ms,
+verify of 2 / 5 rows 11 / 14 ms, propose of depth 1 / 4 1 / 4 ms; menu (1x1, 4x4), prior 0.6 per level,
+nothing observed, one greedy sequence, plain_steps 1:
+    plain 1 / 10 ms = 100 tok/s;  1x1 (1 + .6) / 12 ms = 133.3;  4x4 (1 + .6 + .36 + .216 + .1296) / 18 ms
+    = 2.3056 / 18 ms = 128.1  -> 1x1.
+Steady rounds of 1x1 at batch 1 then take 15 ms (acceptance not reported: still the prior): bucket 1's tree
+overhead is 15 - 12 = 3 ms. 1x1 costs its own median, 15 ms: 106.7; 4x4 its calibration plus that overhead,
+21 ms: 109.8; plain 100 -> 4x4. Batch 8, never observed, charges its trees bucket 1's 3 ms (the nearest).
+Plain calls of 8 steps measured at 88 ms give bucket 1 a plain overhead of 88 - 80 = 8 ms: plain_steps 8 ->
+8 / 88 ms = 90.9, plain_steps 1 -> 1 / 18 ms = 55.6. Retries: a shape that never ran at a bucket (its cost
+there from calibration) is due at the bucket's round 16; if it is not the best after that run, it waits 32
+rounds, then 64, ... up to 1024 (test_a_due_shape_is_retried_with_a_doubling_wait).
+
+What the caller guarantees: observe_round gets steady rounds only (no prefill, no joiner's first propose,
+no catch-up after plain rounds), timed on the device (not a loop wall holding other work), and choose and
+observe_round see the same batch (choose's `batch` when pinned sequences ride along). estimates() tells an
+operator why: per bucket and shape the rate, seconds and tokens compared, and where the cost comes from.
 """
 
 from __future__ import annotations
 
+import math
 import random
 from bisect import bisect_left
+from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 
@@ -63,6 +98,15 @@ class Shape:
 
 PLAIN = Shape(0, 0)
 DEFAULT_MENU = (Shape(1, 1), Shape(2, 4), Shape(3, 8), Shape(4, 16), Shape(6, 32), Shape(6, 60))
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+BANDS = ("greedy", "low", "mid", "high")  # band(): temperature 0, (0, 0.5], (0.5, 1], > 1
+
+
+def band(temperature: float) -> str:
+    """A sequence's temperature band: 0 -> 'greedy', 0.3 -> 'low', 0.7 -> 'mid', 1.5 -> 'high'."""
+    if not temperature >= 0:  # negative or NaN
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    return "greedy" if temperature == 0 else "low" if temperature <= 0.5 else "mid" if temperature <= 1 else "high"
 
 
 def bucket(n: int, buckets: Sequence[int]) -> int:
@@ -73,7 +117,7 @@ def bucket(n: int, buckets: Sequence[int]) -> int:
 
 @dataclass(frozen=True)
 class StepCost:
-    """One engine step's measured time: kind 'decode' (size 1), 'verify' (size = tree rows incl. the
+    """One engine step's calibrated time: kind 'decode' (size 1), 'verify' (size = tree rows incl. the
     root, a tree bucket) or 'propose' (size = draft depth), at a batch bucket."""
 
     kind: str
@@ -88,290 +132,545 @@ class StepCost:
             raise ValueError(f"step cost needs batch, size >= 1 and seconds >= 0, got {self}")
 
 
-class Ema:
-    """Moving average: the mean of the first samples, then exponential with `weight` for the newest.
-    A start value counts as one sample: [prior 10, then 20, 20] -> 15, 16.7 (weight 0.1: 1/2, 1/3 > 0.1)."""
+@dataclass(frozen=True)
+class Member:
+    """A sequence the policy decides for this round."""
 
-    def __init__(self, weight: float, value: float | None = None) -> None:
-        self.weight, self.value = weight, value
-        self.count = 0 if value is None else 1
+    seq_id: str
+    band: str  # band(temperature)
 
-    def add(self, x: float) -> None:
-        self.count += 1
-        w = max(self.weight, 1 / self.count)
-        self.value = x if self.value is None else self.value + w * (x - self.value)
-
-
-class CostModel:
-    """Seconds per round for a batch size and a shape.
-
-    engine: per (kind, batch bucket, size) the step time, from calibration and refreshed online.
-    overhead: per round kind ('spec', 'plain') the wall time beyond the engines (RPC, orchestration).
-    A batch or size beyond the largest measured is extrapolated linearly from it; one between measured
-    ones takes the next larger measured one (that is the graph that runs)."""
-
-    def __init__(self, costs: Iterable[StepCost] = (), weight: float = 0.1) -> None:
-        self.weight = weight
-        self.engine: dict[tuple[str, int, int], Ema] = {}
-        self._grid: dict[str, dict[int, list[int]]] = {}  # kind -> batch bucket -> sizes (sorted); see _index
-        self._indexed = -1  # keys in _grid
-        self.overhead = {"spec": Ema(weight), "plain": Ema(weight)}
-        for c in costs:
-            self.engine[(c.kind, c.batch, c.size)] = Ema(weight, c.seconds)
-
-    def _index(self) -> dict[str, dict[int, list[int]]]:
-        """The measured grid, rebuilt when a key was added (the policy asks it several times a round)."""
-        if self._indexed != len(self.engine):  # keys are only ever added
-            self._indexed = len(self.engine)
-            grid: dict[str, dict[int, list[int]]] = {}
-            for k, b, sz in self.engine:
-                grid.setdefault(k, {}).setdefault(b, []).append(sz)
-            self._grid = {k: {b: sorted(v) for b, v in sorted(g.items())} for k, g in grid.items()}
-        return self._grid
-
-    def step(self, kind: str, batch: int, size: int) -> float | None:
-        """Estimated seconds of one engine step, or None when nothing of that kind was measured."""
-        grid = self._index().get(kind)
-        if not grid:
-            return None
-        bb = bucket(batch, list(grid))
-        sizes = grid[bb]
-        sb = bucket(size, sizes)
-        t = self.engine[(kind, bb, sb)].value
-        return t * max(batch / bb, 1.0) * max(size / sb, 1.0)
-
-    def observe_step(self, kind: str, batch: int, size: int, seconds: float) -> None:
-        """An engine call's reported time, counted at the measured bucket it ran in (the smallest >= its
-        batch and size: the graph that ran); past every measured bucket it starts a bucket of its own."""
-        grid = self._index().get(kind, {})
-        batches = list(grid)
-        bb = bucket(batch, batches) if batches and batch <= batches[-1] else batch
-        sizes = grid.get(bb, [])
-        sb = bucket(size, sizes) if sizes and size <= sizes[-1] else size
-        key = (kind, bb, sb)
-        if key in self.engine:
-            self.engine[key].add(seconds)
-        else:
-            self.engine[key] = Ema(self.weight, seconds)
-
-    def round_seconds(self, batch: int, shape: Shape, steps: int = 1) -> float | None:
-        """Wall seconds of a round: for a plain one, `steps` decoding steps in one call."""
-        if shape.plain:
-            t = self.step("decode", batch, 1)
-            return None if t is None else max(steps * t + self._overhead("plain"), 1e-6)
-        draft = self.step("propose", batch, shape.depth)
-        verify = self.step("verify", batch, shape.nodes + 1)
-        if draft is None or verify is None:
-            return None
-        return max(draft + verify + self._overhead("spec"), verify, 1e-6)
-
-    def _overhead(self, kind: str) -> float:
-        return self.overhead[kind].value or 0.0
-
-    def observe_round(self, batch: int, shape: Shape, wall: float, steps: int = 1) -> None:
-        """A round's wall time: what the engines do not explain is overhead."""
-        engine = self.round_seconds(batch, shape, steps)
-        if engine is None:
-            return
-        kind = "plain" if shape.plain else "spec"
-        self.overhead[kind].add(wall - (engine - self._overhead(kind)))
-
-
-class AcceptanceStats:
-    """Per shape and tree level: how often a round reached the level, and how often it accepted there.
-    Counts decay (half-life `half_life` rounds) so that the estimate follows the text. An unseen level
-    borrows the pooled rate of that level over every shape, and `prior` before anything is seen.
-
-    Example: shape 3x8 with accepted lengths 2 then 0 -> level 1 reached 2 passed 1, level 2 reached 1
-    passed 1, level 3 reached 1 passed 0 -> alpha = (0.5, 1.0, 0.0) (prior weight 0)."""
-
-    def __init__(self, prior: float = 0.5, prior_weight: float = 2.0, half_life: float = 200.0) -> None:
-        if not 0 < prior < 1 or prior_weight < 0 or half_life <= 0:
-            raise ValueError("prior must be in (0, 1), prior_weight >= 0, half_life > 0")
-        self.prior, self.prior_weight = prior, prior_weight
-        self.decay = 0.5 ** (1 / half_life)
-        self.reached: dict[Shape, list[float]] = {}  # shape -> [depth] decayed rounds that reached level i + 1
-        self.passed: dict[Shape, list[float]] = {}  # shape -> [depth] ... that accepted at level i + 1
-
-    def observe(self, shape: Shape, accepted: int) -> None:
-        if shape.plain:
-            return
-        reached = self.reached.setdefault(shape, [0.0] * shape.depth)
-        passed = self.passed.setdefault(shape, [0.0] * shape.depth)
-        for i in range(shape.depth):
-            reached[i] *= self.decay
-            passed[i] *= self.decay
-        for i in range(min(accepted + 1, shape.depth)):
-            reached[i] += 1
-            passed[i] += accepted > i
-
-    def pooled(self, level: int) -> float:
-        """Level `level` (1-based) over every shape deep enough, with the prior."""
-        r = sum(v[level - 1] for s, v in self.reached.items() if s.depth >= level)
-        p = sum(v[level - 1] for s, v in self.passed.items() if s.depth >= level)
-        return self._rate(p, r, self.prior)
-
-    def alpha(self, shape: Shape, level: int) -> float:
-        prior = self.pooled(level)
-        r = self.reached.get(shape, [0.0] * shape.depth)[level - 1]
-        p = self.passed.get(shape, [0.0] * shape.depth)[level - 1]
-        return self._rate(p, r, prior)
-
-    def _rate(self, passed: float, reached: float, prior: float) -> float:
-        w = self.prior_weight
-        return (passed + prior * w) / (reached + w) if reached + w > 0 else prior
-
-    def expected(self, shape: Shape) -> float:
-        """E[accepted drafted tokens] for one round of `shape`."""
-        total, reach = 0.0, 1.0
-        for level in range(1, shape.depth + 1):
-            reach *= self.alpha(shape, level)
-            total += reach
-        return total
-
-
-@dataclass
-class SequenceFactor:
-    """How a sequence accepts against the average: accepted / expected, smoothed over its rounds."""
-
-    accepted: Ema = field(default_factory=lambda: Ema(0.2, 1.0))
-    expected: Ema = field(default_factory=lambda: Ema(0.2, 1.0))
-
-    @property
-    def value(self) -> float:
-        return min(max(self.accepted.value / max(self.expected.value, 1e-6), 0.0), 3.0)
+    def __post_init__(self) -> None:
+        if self.band not in BANDS:
+            raise ValueError(f"band must be one of {BANDS}, got {self.band!r}")
 
 
 @dataclass(frozen=True)
 class Choice:
     shape: Shape
-    explored: bool = False  # not the best estimate: tried to keep its statistics fresh
+    explored: bool = False  # not the best estimate: a due retry that keeps the estimates honest
 
 
-class Policy(Protocol):
-    """Chooses the shape of a group's round and learns from what happened."""
+@dataclass(frozen=True)
+class Estimate:
+    """What the policy believes of rounds of `batch` fresh sequences (factor 1) of one band."""
 
-    name: str
-
-    def choose(self, seq_ids: Sequence[str], steps: int) -> Choice: ...
-    def observe(self, seq_id: str, shape: Shape, accepted: int) -> None: ...
-    def observe_round(self, batch: int, shape: Shape, wall: float, steps: int) -> None: ...
-    def observe_step(self, kind: str, batch: int, size: int, seconds: float) -> None: ...
-    def forget(self, seq_id: str) -> None: ...
+    batch: int  # batch bucket: rounds of up to this many sequences
+    shape: Shape  # PLAIN or a menu shape
+    tokens_per_s: float | None  # committed tokens/s of a round of `batch` sequences; None: no cost known
+    seconds: float | None  # a round's (plain: a decoding step's, its call's overhead shared by the last plain_steps)
+    tokens: float  # committed per sequence per round (plain: 1 a step)
+    samples: int  # steady rounds of this shape at this bucket behind the cost (0: calibration + an overhead)
+    stale_rounds: int | None  # rounds of this bucket since the shape last ran at it; None: never
+    band: str = "greedy"  # the acceptance band the tokens are for
+    source: str = "calibration"  # of the cost: 'measured', 'bucket' / 'nearest' (calibration + that bucket's
+    # overhead), 'calibration' (no overhead known), 'unknown'
 
 
 @dataclass(frozen=True)
 class PolicyConfig:
     menu: tuple[Shape, ...] = DEFAULT_MENU  # shapes the policy may choose, besides plain
-    explore: float = 0.05  # share of rounds that try a runner-up
-    explore_within: float = 0.75  # runner-ups must be estimated at >= this share of the best rate
-    seed: int = 0
+    buckets: tuple[int, ...] = DEFAULT_BUCKETS  # batch buckets (the calibrated batches are added)
+    prior: float = 0.5  # acceptance per level before anything is observed
+    prior_weight: float = 2.0  # pseudo-rounds of the pooled figure in every acceptance estimate
+    half_life: float = 64.0  # rounds (calls to choose) in which acceptance counts halve
+    seq_prior: float = 1.0  # pseudo-verifications at factor 1 in a sequence's factor
+    seq_memory: float = 4.0  # a sequence's verifications in which its factor's counts halve
+    cost_window: int = 8  # steady rounds in a cost median
+    cost_memory: int = 512  # bucket rounds after which a cost sample is dropped (when a newer one comes)
+    retry_base: int = 16  # bucket rounds before a shape left unrun is tried again
+    retry_cap: int = 1024  # the longest retry interval (each failed try doubles it)
+    try_rounds: int = 2  # rounds a try lasts at most, until one is reported steady
+    seed: int = 0  # orders cells due in the same round with equal estimates
 
     def __post_init__(self) -> None:
-        if not self.menu or any(s.plain for s in self.menu):
-            raise ValueError("the policy's menu needs at least one tree shape (plain is always an option)")
-        if not 0 <= self.explore < 1 or not 0 < self.explore_within <= 1:
-            raise ValueError("explore must be in [0, 1) and explore_within in (0, 1]")
+        if not self.menu or any(s.plain for s in self.menu) or len(set(self.menu)) != len(self.menu):
+            raise ValueError("the policy's menu needs distinct tree shapes (plain is always an option)")
+        if not self.buckets or any(b < 1 for b in self.buckets):
+            raise ValueError(f"buckets must be batch sizes >= 1, got {self.buckets}")
+        if not 0 < self.prior < 1 or not self.prior_weight > 0 or not self.seq_prior > 0:
+            raise ValueError("prior must be in (0, 1), prior_weight and seq_prior > 0")
+        if not self.half_life > 0 or not self.seq_memory > 0:
+            raise ValueError("half_life and seq_memory must be > 0")
+        if self.cost_window < 1 or self.cost_memory < 1 or self.try_rounds < 1:
+            raise ValueError("cost_window, cost_memory and try_rounds must be >= 1")
+        if not 1 <= self.retry_base <= self.retry_cap:
+            raise ValueError(f"need 1 <= retry_base <= retry_cap, got {self.retry_base}, {self.retry_cap}")
+
+
+class Clock:
+    """Exponential decay without touching every sum every round: a sum is stored in units of the base
+    round and is worth stored * scale now, scale = decay^(now - base). Half-life 1: an add of 1 at round 0
+    and one at round 1 are stored as 1 and 2 (1 / 0.5); at round 1 they are worth 3 * 0.5 = 1.5."""
+
+    def __init__(self, half_life: float) -> None:
+        self.decay, self.base, self.scale = 0.5 ** (1 / half_life), 0, 1.0
+
+    def advance(self, now: int) -> bool:
+        """Move to round `now`; True when the owner must rebase (multiply its sums by scale, then reset)."""
+        self.scale = self.decay ** (now - self.base)
+        return self.scale < 1e-100
+
+    def reset(self, now: int) -> None:
+        self.base, self.scale = now, 1.0
+
+
+class AcceptanceTable:
+    """Per (band, menu shape, level): decayed counts of rounds that reached the level and that accepted
+    there; per (band, level) their sums over every shape (a pinned shape off the menu counts there only),
+    for the pooled figures (module docstring). Lists follow the menu: [shape][level].
+
+    Example (prior weight ~0, no decay): shape 3x8 accepting 2 then 0 -> level 1 reached 2 passed 1, level 2
+    reached 1 passed 1, level 3 reached 1 passed 0 -> alpha = (0.5, 1.0, 0.0), E = .5 + .5 * 1 + 0 = 1."""
+
+    def __init__(self, cfg: PolicyConfig, clock: Clock) -> None:
+        self.menu, self.prior, self.w = cfg.menu, cfg.prior, cfg.prior_weight
+        self.index = {s: i for i, s in enumerate(cfg.menu)}
+        self.clock = clock  # the policy's: rounds are calls to choose
+        self.levels = max(s.depth for s in cfg.menu)
+        self.reached: dict[str, list[list[float]]] = {}  # band -> [menu][depth], in the clock's stored units
+        self.passed: dict[str, list[list[float]]] = {}
+        self.reached_sum: dict[str, list[float]] = {}  # band -> [levels]: over every shape
+        self.passed_sum: dict[str, list[float]] = {}
+
+    def rebase(self, s: float) -> None:
+        """Multiply every stored count by s (the clock's scale, before it resets)."""
+        for v in (*self.reached_sum.values(), *self.passed_sum.values()):
+            v[:] = [x * s for x in v]
+        for table in (*self.reached.values(), *self.passed.values()):
+            for v in table:
+                v[:] = [x * s for x in v]
+
+    def observe(self, band: str, shape: Shape, accepted: int) -> None:
+        if band not in self.reached:
+            for t in (self.reached, self.passed):
+                t[band] = [[0.0] * s.depth for s in self.menu]
+        self.levels = max(self.levels, shape.depth)
+        for t in (self.reached_sum, self.passed_sum):
+            v = t.setdefault(band, [])
+            v.extend([0.0] * (self.levels - len(v)))
+        reached, passed = [self.reached_sum[band]], [self.passed_sum[band]]
+        i = self.index.get(shape)
+        if i is not None:
+            reached.append(self.reached[band][i])
+            passed.append(self.passed[band][i])
+        one = 1 / self.clock.scale
+        for level in range(min(accepted + 1, shape.depth)):  # reached: up to the first rejected level
+            for v in reached:
+                v[level] += one
+            if accepted > level:
+                for v in passed:
+                    v[level] += one
+
+    def pooled(self, band: str) -> list[float]:
+        """[levels] the band's acceptance per level over every shape, leaning on the greedy band's, which
+        leans on the prior."""
+        s, w = self.clock.scale, self.w
+        out = [self.prior] * self.levels
+        for b in ("greedy", band) if band != "greedy" else ("greedy",):
+            rs, ps = self.reached_sum.get(b), self.passed_sum.get(b)
+            if rs is not None and ps is not None:
+                out = [(p * s + w * g) / (r * s + w) for r, p, g in zip(rs, ps, out)] + out[len(rs) :]
+        return out
+
+    def alphas(self, band: str, shape: Shape) -> list[float]:
+        """[depth] acceptance of each level of `shape` in `band` (off the menu: the pooled figures)."""
+        pool, i = self.pooled(band), self.index.get(shape)
+        if i is None or band not in self.reached:
+            return pool[: shape.depth]
+        s, w = self.clock.scale, self.w
+        return [(p * s + w * g) / (r * s + w) for r, p, g in zip(self.reached[band][i], self.passed[band][i], pool)]
+
+    def expected(self, band: str) -> list[float]:
+        """[menu] E[accepted drafted tokens] of one round of each menu shape for a sequence of `band`."""
+        pool = self.pooled(band)
+        reached, passed = self.reached.get(band), self.passed.get(band)
+        s, w = self.clock.scale, self.w
+        out = []
+        for i, shape in enumerate(self.menu):
+            total, reach = 0.0, 1.0
+            if reached is None or passed is None:
+                for level in range(shape.depth):
+                    reach *= pool[level]
+                    total += reach
+            else:
+                for r, p, g in zip(reached[i], passed[i], pool):
+                    reach *= (p * s + w * g) / (r * s + w)
+                    total += reach
+            out.append(total)
+        return out
+
+    def expected_of(self, band: str, shape: Shape) -> float:
+        total, reach = 0.0, 1.0
+        for a in self.alphas(band, shape):
+            reach *= a
+            total += reach
+        return total
+
+
+class Window:
+    """The median of the last `size` samples, none older than `memory` rounds when a newer one comes.
+    (size 3, memory 10): adds 5 @ 0, 9 @ 1, 6 @ 2 -> 6; then 4 @ 20 drops the three older -> 4."""
+
+    def __init__(self, size: int, memory: int) -> None:
+        self.samples: deque[tuple[int, float]] = deque(maxlen=size)  # (round, value), oldest first
+        self.memory, self.median = memory, 0.0
+
+    def add(self, now: int, x: float) -> None:
+        while self.samples and now - self.samples[0][0] > self.memory:
+            self.samples.popleft()
+        self.samples.append((now, x))
+        v = sorted(x for _, x in self.samples)
+        n = len(v)
+        self.median = v[n // 2] if n % 2 else (v[n // 2 - 1] + v[n // 2]) / 2
+
+
+class Cell:
+    """One (bucket, shape): its recent steady rounds (what calibration did not explain) and its retries."""
+
+    def __init__(self, cfg: PolicyConfig, tiebreak: float) -> None:
+        self.window = Window(cfg.cost_window, cfg.cost_memory)
+        self.interval = cfg.retry_base  # bucket rounds it may go unrun before it is due
+        self.last_run, self.has_run = 0, False  # the bucket round it last ran (0: the bucket's start)
+        self.tiebreak = tiebreak
+
+
+class Bucket:
+    """A batch bucket: per shape (lists follow CostModel.shapes: plain, then the menu) its cell and its
+    calibration (tree: seconds of a round; plain: of one decode step; None: not calibrated), its tree
+    overhead (plain's is its plain cell), its round count and the try under way."""
+
+    def __init__(self, size: int, cells: list[Cell], cal: list[float | None], cfg: PolicyConfig) -> None:
+        self.size, self.cells, self.cal = size, cells, cal
+        self.overhead = Window(cfg.cost_window, cfg.cost_memory)  # tree rounds: seconds - calibration
+        self.rounds = 0  # calls to choose for this bucket
+        self.nearest: list[Bucket] = []  # the other buckets, nearest first (log2 distance, then smaller)
+        self.last_pick: int | None = None  # the shape (index) chosen last, judged at the next choose
+        self.trying: int | None = None  # the shape being tried, its rounds left, whether one was steady
+        self.try_left, self.try_seen = 0, False
+
+
+class CostModel:
+    """Seconds of a round per batch bucket and shape (module docstring): calibration, per-bucket overheads
+    and per-cell medians of steady rounds. A plain cell holds seconds - steps * decode (the call's
+    overhead) or, without a decode calibration, seconds per step; a tree cell seconds - calibration."""
+
+    def __init__(self, cfg: PolicyConfig, costs: Iterable[StepCost]) -> None:
+        self.shapes = (PLAIN, *cfg.menu)
+        self.index = {s: i for i, s in enumerate(self.shapes)}
+        self.grid: dict[str, dict[int, dict[int, float]]] = {}  # kind -> batch -> size -> seconds
+        for c in costs:
+            self.grid.setdefault(c.kind, {}).setdefault(c.batch, {})[c.size] = c.seconds
+        self.calibrated = {b for g in self.grid.values() for b in g}
+        self.sizes = sorted(set(cfg.buckets) | self.calibrated)
+        rng = random.Random(cfg.seed)
+        self.buckets: dict[int, Bucket] = {}
+        for b in self.sizes:
+            cal = [self.calibration(b, s) for s in self.shapes]
+            self.buckets[b] = Bucket(b, [Cell(cfg, rng.random()) for _ in self.shapes], cal, cfg)
+        for bk in self.buckets.values():
+            others = [o for o in self.buckets.values() if o is not bk]
+            bk.nearest = sorted(others, key=lambda o, b=bk.size: (abs(math.log2(o.size / b)), o.size))
+
+    def of(self, batch: int) -> Bucket:
+        return self.buckets[bucket(batch, self.sizes)]
+
+    def step(self, kind: str, batch: int, size: int) -> float | None:
+        """Calibrated seconds of one engine step: the next larger calibrated batch and size, or linear past
+        the largest. (verify at batch 1 of 2 / 5 rows: 11 / 14 ms) -> 4 rows 14 ms, 10 rows 28 ms."""
+        grid = self.grid.get(kind)
+        if not grid:
+            return None
+        batches = sorted(grid)
+        bb = batches[min(bisect_left(batches, batch), len(batches) - 1)]
+        sizes = sorted(grid[bb])
+        sb = sizes[min(bisect_left(sizes, size), len(sizes) - 1)]
+        return grid[bb][sb] * max(batch / bb, 1.0) * max(size / sb, 1.0)
+
+    def calibration(self, batch: int, shape: Shape) -> float | None:
+        """Engine seconds of a tree round (draft + verify), or of one plain decode step."""
+        if shape.plain:
+            return self.step("decode", batch, 1)
+        draft, verify = self.step("propose", batch, shape.depth), self.step("verify", batch, shape.nodes + 1)
+        return None if draft is None or verify is None else draft + verify
+
+    def overhead(self, bk: Bucket, plain: bool) -> tuple[float, str]:
+        """A kind's overhead at the bucket and where it comes from: 'bucket', 'nearest' or 'calibration' (0)."""
+        for src, b in (("bucket", bk), *(("nearest", o) for o in bk.nearest)):
+            w = b.cells[0].window if plain else b.overhead
+            if w.samples:
+                return w.median, src
+        return 0.0, "calibration"
+
+    def seconds(self, bk: Bucket, i: int, steps: int, over: float) -> float | None:
+        """Seconds of a round of shapes[i] (plain: a call of `steps` steps); `over`: its kind's overhead.
+        A tree's overhead borrowed from other shapes never makes it cheaper than half its calibration."""
+        cal, window = bk.cal[i], bk.cells[i].window
+        if cal is None:
+            return (steps if i == 0 else 1) * window.median if window.samples else None
+        if i == 0:
+            return max(steps * cal + over, 1e-9)
+        return max(cal + window.median, 1e-9) if window.samples else max(cal + over, cal * 0.5, 1e-9)
+
+    def source(self, bk: Bucket, i: int) -> str:
+        """Where the cost of shapes[i] comes from: 'measured', 'bucket', 'nearest', 'calibration', 'unknown'."""
+        if bk.cells[i].window.samples:
+            return "measured"
+        return "unknown" if bk.cal[i] is None else self.overhead(bk, i == 0)[1]
+
+    def observe(self, bk: Bucket, shape: Shape, seconds: float, steps: int) -> None:
+        i = self.index.get(shape)
+        cal = self.calibration(bk.size, shape) if i is None else bk.cal[i]
+        if shape.plain:
+            x = seconds / steps if cal is None else seconds - steps * cal
+        else:
+            x = seconds if cal is None else seconds - cal
+            if cal is not None:
+                bk.overhead.add(bk.rounds, x)
+        if i is not None:
+            bk.cells[i].window.add(bk.rounds, x)
+
+
+class SequenceFactor:
+    """How a sequence accepts against its band: value = (n * A / X + c) / (n + c), A and X its accepted and
+    expected (its band's E at the time) drafted tokens and n its verifications, each verification weighing
+    the earlier ones by keep = 0.5^(1 / seq_memory); c = seq_prior pseudo-verifications at 1. It moves only
+    when the sequence is verified: a sequence that went plain keeps its figure until a tree runs again (a
+    due retry at the latest). (c 1, keep .5) E .7, accepting 0: A 0, X .7, n 1 -> value (0 + 1) / 2 = .5;
+    then E .6, accepting 1: A 1, X .35 + .6 = .95, n 1.5 -> (1.5 * 1 / .95 + 1) / 2.5 = 1.03."""
+
+    __slots__ = ("accepted", "expected", "count", "value")
+
+    def __init__(self) -> None:
+        self.accepted, self.expected, self.count, self.value = 0.0, 0.0, 0.0, 1.0
+
+    def add(self, accepted: int, expected: float, keep: float, c: float) -> None:
+        self.accepted = self.accepted * keep + accepted
+        self.expected = self.expected * keep + expected
+        self.count = self.count * keep + 1
+        ratio = self.accepted / self.expected if self.expected > 0 else 1.0
+        self.value = (self.count * ratio + c) / (self.count + c)
 
 
 class AdaptivePolicy:
-    """Expected tokens per second, maximised per round (see the module docstring)."""
+    """Expected committed tokens per second, maximised per round, with due retries (module docstring)."""
 
     name = "adaptive"
 
-    def __init__(self, cfg: PolicyConfig, costs: CostModel, stats: AcceptanceStats | None = None) -> None:
-        self.cfg, self.costs = cfg, costs
-        self.stats = stats or AcceptanceStats()
+    def __init__(self, cfg: PolicyConfig, costs: Iterable[StepCost] = ()) -> None:
+        self.cfg = cfg
+        self.costs = CostModel(cfg, costs)
+        self.shapes = self.costs.shapes  # plain, then the menu: the order of every per-shape list
+        self.clock = Clock(cfg.half_life)  # acceptance counts decay by rounds
+        self.acceptance = AcceptanceTable(cfg, self.clock)
         self.seqs: dict[str, SequenceFactor] = {}
-        self.rng = random.Random(cfg.seed)
+        self.keep = 0.5 ** (1 / cfg.seq_memory)  # a factor's weight on its earlier counts per verification
+        self.round = 0  # calls to choose
+        self.plain_steps = 1  # the last choose's (for estimates)
+        self.round_expected: dict[str, list[float]] = {}  # band -> [menu] E, as the last choose saw it
 
-    def rates(self, seq_ids: Sequence[str], steps: int) -> dict[Shape, float]:
-        """Expected committed tokens per second of the batch for plain and every shape the costs cover."""
-        b = len(seq_ids)
-        out: dict[Shape, float] = {}
-        plain = self.costs.round_seconds(b, PLAIN, steps)
-        if plain is not None:
-            out[PLAIN] = b * steps / plain
-        factors = [self.seqs[s].value if s in self.seqs else 1.0 for s in seq_ids]
-        total, top = sum(factors), max(factors, default=0.0)
-        for shape in self.cfg.menu:
-            seconds = self.costs.round_seconds(b, shape)
-            if seconds is None:
+    # ---- deciding ----
+    def choose(self, members: Sequence[Member], plain_steps: int, batch: int | None = None) -> Choice:
+        """The shape of this round for `members` (PLAIN when there are none): PLAIN or a menu shape.
+        plain_steps: decode steps one plain iteration runs per host synchronisation. batch: the round's
+        sequences in all, members and pinned ones, for the cost bucket; default len(members)."""
+        if plain_steps < 1:
+            raise ValueError(f"plain_steps must be >= 1, got {plain_steps}")
+        if not members:
+            return Choice(PLAIN)
+        self._advance(self.round + 1)
+        self.plain_steps = plain_steps
+        bk = self.costs.of(batch or len(members))
+        bk.rounds += 1
+        rates = self._rates(members, plain_steps, bk, keep=True)
+        best, top = None, -1.0
+        for i, r in enumerate(rates):  # ties: the first of plain, *menu
+            if r is not None and r > top:
+                best, top = i, r
+        if bk.trying is not None and bk.trying != best and not bk.try_seen and bk.try_left > 0:
+            bk.try_left -= 1  # the try goes on: its first round was not reported steady
+            bk.cells[bk.trying].last_run = bk.rounds
+            return Choice(self.shapes[bk.trying], explored=True)
+        bk.trying = None
+        if bk.last_pick is not None:  # judge the shape that ran last: still the best, or its wait doubles
+            cell = bk.cells[bk.last_pick]
+            cell.interval = self.cfg.retry_base if bk.last_pick == best else min(2 * cell.interval, self.cfg.retry_cap)
+        pick = self._due(bk, best, rates)
+        if pick is not None:
+            bk.trying, bk.try_left, bk.try_seen = pick, self.cfg.try_rounds - 1, False
+        elif best is None:
+            bk.last_pick = None
+            return Choice(PLAIN)
+        else:
+            pick = best
+        cell = bk.cells[pick]
+        cell.last_run, cell.has_run = bk.rounds, True
+        bk.last_pick = pick
+        return Choice(self.shapes[pick], explored=pick != best)
+
+    def _due(self, bk: Bucket, best: int | None, rates: list[float | None]) -> int | None:
+        """The cell to try, other than the best, or None: first one that never ran here and whose cost here
+        is unknown or borrowed from another bucket (the best rate first), then the most overdue."""
+        borrowed = [self.costs.overhead(bk, plain)[1] == "nearest" for plain in (False, True)]  # [tree, plain]
+        pick, key = None, None
+        for i, cell in enumerate(bk.cells):
+            late, rate = bk.rounds - cell.last_run - cell.interval, rates[i]
+            stale = not cell.has_run and not cell.window.samples and (rate is None or borrowed[i == 0])
+            if i == best or (late < 0 and not stale):
                 continue
-            e = self.stats.expected(shape)
-            # sum of 1 + min(f * e, depth) over the sequences; no cap bites when the largest factor's doesn't
-            accepted = e * total if top * e <= shape.depth else sum(min(f * e, shape.depth) for f in factors)
-            out[shape] = (b + accepted) / seconds
+            k = (stale, late, math.inf if rate is None else rate, cell.tiebreak)
+            if key is None or k > key:
+                pick, key = i, k
+        return pick
+
+    def rates(self, members: Sequence[Member], plain_steps: int, batch: int | None = None) -> dict[Shape, float]:
+        """Expected committed tokens/s of the round for plain and every menu shape with a known cost: what
+        choose maximises (this round's figures; choose moves to the next round first)."""
+        if not members:
+            return {}
+        rates = self._rates(members, plain_steps, self.costs.of(batch or len(members)), keep=False)
+        return {s: r for s, r in zip(self.shapes, rates) if r is not None}
+
+    def _rates(self, members: Sequence[Member], steps: int, bk: Bucket, keep: bool) -> list[float | None]:
+        """[plain, *menu] rates (None: no cost known)."""
+        # members' factors by band: [a1 (greedy), b1 (mid), a2 (greedy)] -> {greedy: [f_a1, f_a2], mid: [f_b1]}
+        seqs = self.seqs
+        groups: dict[str, list[float]] = {}
+        for m in members:
+            sf = seqs.get(m.seq_id)
+            f = 1.0 if sf is None else sf.value
+            g = groups.get(m.band)
+            if g is None:
+                groups[m.band] = [f]
+            else:
+                g.append(f)
+        n = len(members)
+        expected = {b: self.acceptance.expected(b) for b in groups}
+        if keep:
+            self.round_expected = expected
+        bands = [(expected[b], sum(fs), max(fs), fs) for b, fs in groups.items()]
+        plain = self.costs.seconds(bk, 0, steps, self.costs.overhead(bk, True)[0])
+        out: list[float | None] = [None if plain is None else n * steps / plain]
+        over = self.costs.overhead(bk, False)[0]
+        for i, shape in enumerate(self.cfg.menu):
+            seconds = self.costs.seconds(bk, i + 1, 1, over)
+            if seconds is None:
+                out.append(None)
+                continue
+            tokens, depth = float(n), shape.depth
+            for e_band, total, top, fs in bands:
+                e = e_band[i]
+                # sum of min(f * e, depth) over the band's members; no cap bites when the largest factor's doesn't
+                tokens += e * total if top * e <= depth else sum(min(f * e, depth) for f in fs)
+            out.append(tokens / seconds)
         return out
 
-    def choose(self, seq_ids: Sequence[str], steps: int) -> Choice:
-        rates = self.rates(seq_ids, steps)
-        if all(s.plain for s in rates):  # the draft's costs are unknown: speculate until they come in
-            return Choice(self.cfg.menu[-1])
-        best = max(rates, key=lambda s: (rates[s], -s.nodes))
-        if self.rng.random() < self.cfg.explore:
-            close = [s for s, r in rates.items() if s != best and r >= self.cfg.explore_within * rates[best]]
-            if close:
-                pick = self.rng.choice(sorted(close))
-                return Choice(pick, explored=True)
-        return Choice(best)
+    # ---- learning ----
+    def observe_round(self, batch: int, shape: Shape, seconds: float, steps: int = 1) -> None:
+        """A steady round (module docstring: what the caller guarantees). PLAIN: `steps` decode steps took
+        `seconds` in all; a tree: one round (draft, verify, host bookkeeping). batch: sequences in the round."""
+        if batch < 1 or steps < 1 or not 0 <= seconds < math.inf:
+            raise ValueError(
+                f"a round needs batch, steps >= 1 and seconds in [0, inf), got {batch}, {steps}, {seconds}"
+            )
+        bk = self.costs.of(batch)
+        self.costs.observe(bk, shape, seconds, steps)
+        if bk.trying is not None and self.shapes[bk.trying] == shape:
+            bk.try_seen = True
 
-    def observe(self, seq_id: str, shape: Shape, accepted: int) -> None:
+    def observe(self, seq_id: str, band: str, shape: Shape, accepted: int) -> None:
+        """One sequence's verification of a tree of `shape`: `accepted` drafted tokens (bonus excluded)."""
         if shape.plain:
             return
-        f = self.seqs.setdefault(seq_id, SequenceFactor())
-        f.expected.add(self.stats.expected(shape))
-        f.accepted.add(accepted)
-        self.stats.observe(shape, accepted)
-
-    def observe_round(self, batch: int, shape: Shape, wall: float, steps: int) -> None:
-        self.costs.observe_round(batch, shape, wall, steps)
-
-    def observe_step(self, kind: str, batch: int, size: int, seconds: float) -> None:
-        self.costs.observe_step(kind, batch, size, seconds)
+        if band not in BANDS or not 0 <= accepted <= shape.depth:
+            raise ValueError(f"need a band of {BANDS} and 0 <= accepted <= {shape.depth}, got {band!r}, {accepted}")
+        i = self.acceptance.index.get(shape)
+        kept = self.round_expected.get(band)
+        e = kept[i] if kept is not None and i is not None else self.acceptance.expected_of(band, shape)
+        sf = self.seqs.get(seq_id)
+        if sf is None:
+            sf = self.seqs[seq_id] = SequenceFactor()
+        sf.add(accepted, e, self.keep, self.cfg.seq_prior)
+        self.acceptance.observe(band, shape, accepted)
 
     def forget(self, seq_id: str) -> None:
         self.seqs.pop(seq_id, None)
 
+    def factor(self, seq_id: str) -> float:
+        """How the sequence accepts against its band (1: as its band, or unknown)."""
+        sf = self.seqs.get(seq_id)
+        return 1.0 if sf is None else sf.value
 
-class _Stateless:
-    """Learns nothing: the fixed policies."""
+    def _advance(self, now: int) -> None:
+        self.round = now
+        if self.clock.advance(now):
+            self.acceptance.rebase(self.clock.scale)
+            self.clock.reset(now)
 
-    def observe(self, seq_id: str, shape: Shape, accepted: int) -> None:
-        pass
+    # ---- reporting ----
+    def bands(self) -> list[str]:
+        """The bands with acceptance of their own (greedy always), in BANDS order: for estimates."""
+        return [b for b in BANDS if b == "greedy" or b in self.acceptance.reached_sum]
 
-    def observe_round(self, batch: int, shape: Shape, wall: float, steps: int) -> None:
-        pass
+    def estimates(self, bands: Sequence[str] = ("greedy",)) -> list[Estimate]:
+        """Per bucket with calibration or rounds, per band asked for, per shape (plain and the menu): the rate
+        of a round of `batch` fresh sequences of the band as choose would see it now, sorted by (batch,
+        shape, band). Plain's per-step figures share its call's overhead over the last choose's plain_steps."""
+        expected = {b: self.acceptance.expected(b) for b in bands}
+        order = sorted(range(len(self.shapes)), key=lambda i: self.shapes[i])
+        steps, out = self.plain_steps, []
+        for size, bk in self.costs.buckets.items():
+            if size not in self.costs.calibrated and bk.rounds == 0:
+                continue
+            over = (self.costs.overhead(bk, True)[0], self.costs.overhead(bk, False)[0])
+            for i in order:
+                shape, cell = self.shapes[i], bk.cells[i]
+                seconds = self.costs.seconds(bk, i, steps, over[i > 0])
+                if seconds is not None and i == 0:
+                    seconds /= steps
+                stale = bk.rounds - cell.last_run if cell.has_run else None
+                src = self.costs.source(bk, i)
+                for b in bands:
+                    tokens = 1.0 if i == 0 else 1 + min(expected[b][i - 1], shape.depth)
+                    rate = None if seconds is None else size * tokens / seconds
+                    out.append(Estimate(size, shape, rate, seconds, tokens, len(cell.window.samples), stale, b, src))
+        return out
 
-    def observe_step(self, kind: str, batch: int, size: int, seconds: float) -> None:
-        pass
 
-    def forget(self, seq_id: str) -> None:
-        pass
+class Policy(Protocol):
+    """What the engine core calls once per iteration (AdaptivePolicy, FixedPolicy)."""
+
+    name: str
+
+    def choose(self, members: Sequence[Member], plain_steps: int, batch: int | None = None) -> Choice: ...
+    def rates(self, members: Sequence[Member], plain_steps: int, batch: int | None = None) -> dict[Shape, float]: ...
+    def observe_round(self, batch: int, shape: Shape, seconds: float, steps: int = 1) -> None: ...
+    def observe(self, seq_id: str, band: str, shape: Shape, accepted: int) -> None: ...
+    def forget(self, seq_id: str) -> None: ...
+    def estimates(self, bands: Sequence[str] = ("greedy",)) -> list[Estimate]: ...
 
 
-class FixedPolicy(_Stateless):
-    """The same shape every round (the policy off)."""
+class FixedPolicy:
+    """The same shape every round (the policy off); learns nothing."""
 
     name = "fixed"
 
     def __init__(self, shape: Shape) -> None:
         self.shape = shape
 
-    def choose(self, seq_ids: Sequence[str], steps: int) -> Choice:
+    def choose(self, members: Sequence[Member], plain_steps: int, batch: int | None = None) -> Choice:
         return Choice(self.shape)
 
+    def rates(self, members: Sequence[Member], plain_steps: int, batch: int | None = None) -> dict[Shape, float]:
+        return {}
 
-class CyclePolicy(_Stateless):
-    """The next shape of a list every round, plain included: for tests that switch shapes every round."""
+    def observe_round(self, batch: int, shape: Shape, seconds: float, steps: int = 1) -> None:
+        pass
 
-    name = "cycle"
+    def observe(self, seq_id: str, band: str, shape: Shape, accepted: int) -> None:
+        pass
 
-    def __init__(self, shapes: Sequence[Shape]) -> None:
-        if not shapes:
-            raise ValueError("the cycle policy needs at least one shape")
-        self.shapes, self.i = tuple(shapes), -1
+    def forget(self, seq_id: str) -> None:
+        pass
 
-    def choose(self, seq_ids: Sequence[str], steps: int) -> Choice:
-        self.i = (self.i + 1) % len(self.shapes)
-        return Choice(self.shapes[self.i])
+    def estimates(self, bands: Sequence[str] = ("greedy",)) -> list[Estimate]:
+        return []

@@ -81,6 +81,11 @@ class Tokenizer:
         self._clean_up = meta.clean_up_tokenization_spaces
         self.eos_token_id: int = meta.eos_token_id
         self.vocab_size: int = meta.vocab_size
+        # the longest token, special ones included, in characters of its vocabulary entry: an upper bound of the
+        # characters one token stands for (a byte-level BPE entry has one character per byte, and a text's
+        # characters are at most its bytes), so a text of n characters has at least n / max_token_chars tokens.
+        # SmolLM2: 81 ("\n" and 80 spaces)
+        self.max_token_chars: int = max(map(len, self._tok.get_vocab(with_added_tokens=True)))
 
     def encode_prompt(self, prompt: str) -> list[int]:
         return self._tok.encode(prompt, add_special_tokens=False).ids

@@ -1,16 +1,26 @@
-"""Start the three services as separate processes on loopback and wait until they serve.
+"""Start the services as separate processes, wait until they serve, and keep them serving.
 
 python -m services.stack            serve until Ctrl-C or SIGTERM (gateway on $GATEWAY_ADDR or 127.0.0.1:50051)
 python -m services.stack --demo     also stream one demo generation with its speculation stats
 python -m services.stack --colocate on|off|auto   the draft inside the verifier's process (two processes, see
                                    README) or in a process of its own; auto (the default): inside on a GPU
-Tests use `Stack` with port 0 everywhere.
+Tests use `Stack` with port 0 everywhere, or run this command with --state-file to learn its children.
 
-SIGTERM, SIGINT and SIGHUP are forwarded to the three children, which drain (in-flight generations
-finish within --drain-grace) and exit; the stack waits for them, killing any that outlive the grace.
-The children run in their own sessions (a Ctrl-C reaches only the stack, which stops them in order) and
-are bound to the stack's life: should the stack itself be killed (-9), the kernel sends them SIGTERM
-(PR_SET_PDEATHSIG), so no orphan keeps the ports.
+Supervision: a child that exits on its own is started again on its port with the same arguments, after a
+backoff (--restart-backoff, doubled at each further restart up to --restart-backoff-max, back to the start once
+the child has served --restart-reset-after seconds), while the others keep serving (they reconnect by
+themselves). Each restart is logged with the exit status and the child's log file. A child that dies
+--restart-limit times within --restart-window seconds, or that fails while the stack starts, stops the stack
+with exit status 3, so that an outer supervisor (Kubernetes, systemd) takes over.
+
+SIGTERM, SIGINT and SIGHUP are forwarded (as SIGTERM) to the children, which drain (in-flight generations finish
+within --drain-grace) and exit; the stack waits for them, killing any that outlive the grace. The children run in
+their own sessions (a Ctrl-C reaches only the stack, which stops them in order) and are bound to the stack's
+life: should the stack itself be killed (-9), the kernel sends them SIGTERM (PR_SET_PDEATHSIG), so no orphan
+keeps the ports.
+
+With more than one process on one CUDA GPU (--colocate off) the stack starts the CUDA MPS control daemon when
+none is running (--mps auto), so that the processes share the GPU instead of taking turns, and quits it at exit.
 """
 
 from __future__ import annotations
@@ -28,9 +38,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.mps import Mps, mps_wanted
+from services.supervise import EXIT_CHILD_FAILED, ChildFailed, RestartPolicy, Supervisor, exit_status
+
 log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parents[1]
 PR_SET_PDEATHSIG = 1
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def colocated(choice: str, device: str) -> bool:
@@ -73,25 +87,31 @@ class Stack:
     common_args: list[str] = field(default_factory=list)  # passed to draft and verifier (e.g. --max-context)
     drain_grace: float = 5.0  # seconds each service may drain on SIGTERM
     colocate: bool = False  # the draft inside the verifier's process (--draft-here): two processes
-    log_dir: Path | None = None
+    log_dir: Path | None = None  # the children's logs, <name>.log (default: a fresh temporary folder)
+    env: dict[str, str] = field(default_factory=dict)  # added to the children's environment (e.g. CUDA MPS's)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     ports: dict[str, int] = field(default_factory=dict)
+    _binds: dict[str, str] = field(default_factory=dict)  # where each listens: "127.0.0.1:0", then its real port
     _tmp: Path | None = None
     _env: dict = field(default_factory=dict)
 
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The processes, in start order: each one's dependencies before it."""
+        return ("verifier", "gateway") if self.colocate else ("draft", "verifier", "gateway")
+
     def start(self, timeout: float = 300.0) -> Stack:
+        """Start the processes one after the other, each once the one it dials serves; ChildFailed (every process
+        stopped) when one exits or does not serve within `timeout`."""
         self._tmp = Path(tempfile.mkdtemp(prefix="specdec-"))
-        self.log_dir = self.log_dir or self._tmp
-        self._env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-        engines = ("verifier",) if self.colocate else ("verifier", "draft")
-        for name in engines:
-            self._spawn(name, "127.0.0.1:0")
-        for name in engines:
+        self.log_dir = Path(self.log_dir or self._tmp)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        pythonpath = f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+        self._env = {**os.environ, **self.env, "PYTHONPATH": pythonpath}
+        for name in self.names:
+            self._binds[name] = self.gateway_addr if name == "gateway" else "127.0.0.1:0"
+            self.spawn(name)
             self._wait(name, timeout)
-        if self.colocate:
-            self.ports["draft"] = self.ports["verifier"]
-        self._spawn("gateway", self.gateway_addr)
-        self._wait("gateway", timeout)
         return self
 
     @property
@@ -101,36 +121,55 @@ class Stack:
     def address(self, name: str) -> str:
         return f"127.0.0.1:{self.ports[name]}"
 
+    def log_path(self, name: str) -> Path:
+        return self.log_dir / f"{name}.log"
+
+    def pids(self) -> dict[str, int]:
+        return {n: p.pid for n, p in self.procs.items()}
+
     def _args(self, name: str) -> list[str]:
+        """The gateway dials the verifier; the verifier runs the draft in its process or dials its service."""
         if name == "gateway":
-            return ["--verifier", self.address("verifier"), "--draft", self.address("draft"), *self.gateway_args]
+            return ["--verifier", self.address("verifier"), *self.gateway_args]
         if name == "verifier" and self.colocate:
             return [*self.common_args, *self.verifier_args, "--draft-here", *self.draft_args]
-        return [*self.common_args, *(self.verifier_args if name == "verifier" else self.draft_args)]
+        if name == "verifier":
+            return [*self.common_args, *self.verifier_args, "--draft", self.address("draft")]
+        return [*self.common_args, *self.draft_args]
 
-    def _spawn(self, name: str, addr: str) -> None:
-        (self._tmp / f"{name}.port").unlink(missing_ok=True)
-        out = open(self.log_dir / f"{name}.log", "a")  # noqa: SIM115 - lives as long as the process
-        self.procs[name] = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                f"services.{name}",
-                "--addr",
-                addr,
-                "--drain-grace",
-                str(self.drain_grace),
-                *self._args(name),
-                "--port-file",
-                str(self._tmp / f"{name}.port"),
-            ],
-            cwd=ROOT,
-            env=self._env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=_bind_to_parent,
-        )
+    def spawn(self, name: str) -> None:
+        """Start one process where it listens (its first start: on port 0; later: on the port it had), without
+        waiting for it to serve (see serving())."""
+        port_file = self._tmp / f"{name}.port"
+        port_file.unlink(missing_ok=True)
+        cmd = [sys.executable, "-m", f"services.{name}", "--addr", self._binds[name]]
+        cmd += ["--drain-grace", str(self.drain_grace), *self._args(name), "--port-file", str(port_file)]
+        with open(self.log_path(name), "a") as out:  # the child writes to its own copy of the descriptor
+            self.procs[name] = subprocess.Popen(
+                cmd,
+                cwd=ROOT,
+                env=self._env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=_bind_to_parent,
+            )
+
+    def serving(self, name: str) -> bool:
+        """Whether the process started last under `name` has published its port (it serves)."""
+        port_file = self._tmp / f"{name}.port"
+        if not port_file.exists():
+            return False
+        port = int(port_file.read_text())
+        self.ports[name] = port
+        self._binds[name] = f"{self._binds[name].rsplit(':', 1)[0]}:{port}"
+        if name == "verifier" and self.colocate:
+            self.ports["draft"] = port
+        return True
+
+    def exit_status(self, name: str) -> int | None:
+        """The return code of the process started last under `name`; None while it runs."""
+        return self.procs[name].poll()
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         """Send `sig` to one service (tests: faults); waits for it to exit when it is SIGKILL."""
@@ -143,21 +182,22 @@ class Stack:
         """Start a service again on the port it had (after kill); returns once it serves."""
         if self.procs[name].poll() is None:
             raise RuntimeError(f"{name} is still running")
-        self._spawn(name, self.address(name))
+        self.spawn(name)
         self._wait(name, timeout)
 
     def _wait(self, name: str, timeout: float) -> None:
-        port_file, deadline = self._tmp / f"{name}.port", time.monotonic() + timeout
-        while not port_file.exists():
-            if self.procs[name].poll() is not None:
+        deadline = time.monotonic() + timeout
+        while not self.serving(name):
+            code = self.procs[name].poll()
+            if code is not None:
                 self.stop()
-                tail = (self.log_dir / f"{name}.log").read_text()[-3000:]
-                raise RuntimeError(f"{name} exited with {self.procs[name].returncode}:\n{tail}")
+                logfile = self.log_path(name)
+                tail = "\n".join(logfile.read_text(errors="replace").splitlines()[-30:])
+                raise ChildFailed(f"{name} failed to start ({exit_status(code)}; its log {logfile}):\n{tail}")
             if time.monotonic() > deadline:
                 self.stop()
-                raise TimeoutError(f"{name} did not start within {timeout:.0f} s")
+                raise ChildFailed(f"{name} did not serve within {timeout:.0f} s (its log {self.log_path(name)})")
             time.sleep(0.1)
-        self.ports[name] = int(port_file.read_text())
 
     def alive(self) -> dict[str, bool]:
         return {n: p.poll() is None for n, p in self.procs.items()}
@@ -196,7 +236,7 @@ def _raise_stop(sig: int, _frame) -> None:
     raise _Stop(sig)
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m services.stack", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -206,35 +246,65 @@ def main() -> None:
     p.add_argument("--drafter", default="eagle3")
     colocate_argument(p)
     p.add_argument(
+        "--mps",
+        default="auto",
+        choices=("auto", "off"),
+        help="auto: with several processes on one CUDA GPU (--colocate off), start the CUDA MPS control daemon "
+        "unless one runs; off: never",
+    )
+    p.add_argument(
         "--drain-grace",
         type=float,
         default=float(os.environ.get("DRAIN_GRACE", "20")),
         help="seconds the services may drain after SIGTERM",
     )
+    for who, example in (("gateway", "--metrics-port=9090"), ("engine", "--max-context=1024"), ("draft", "--model=X")):
+        p.add_argument(
+            f"--{who}-arg",
+            action="append",
+            default=[],
+            metavar="ARG",
+            help=f"extra {'draft and verifier' if who == 'engine' else who} flag, repeatable "
+            f"(e.g. --{who}-arg={example})",
+        )
+    p.add_argument("--log-dir", type=Path, default=None, help="the children's logs (default: a new temporary folder)")
     p.add_argument(
-        "--gateway-arg",
-        action="append",
-        default=[],
-        metavar="ARG",
-        help="extra gateway flag, repeatable (e.g. --gateway-arg=--metrics-port=9090)",
+        "--state-file",
+        type=Path,
+        default=None,
+        help="keep here, as JSON, each child's pid, port, phase, restarts and log (rewritten at each change)",
     )
+    RestartPolicy.add_arguments(p)
+    return p
+
+
+def main() -> None:
+    p = _parser()
     a = p.parse_args()
+    try:
+        policy = RestartPolicy.from_args(a)
+    except ValueError as e:
+        p.error(str(e))
     colocate = colocated(a.colocate, a.device)
     logging.basicConfig(level="INFO", format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    addr = os.environ.get("GATEWAY_ADDR", "127.0.0.1:50051")
     stack = Stack(
-        gateway_addr=addr,
-        common_args=["--device", a.device, "--dtype", a.dtype],
-        draft_args=["--drafter", a.drafter],
+        gateway_addr=os.environ.get("GATEWAY_ADDR", "127.0.0.1:50051"),
+        common_args=["--device", a.device, "--dtype", a.dtype, *a.engine_arg],
+        draft_args=["--drafter", a.drafter, *a.draft_arg],
         gateway_args=a.gateway_arg,
         drain_grace=a.drain_grace,
         colocate=colocate,
+        log_dir=a.log_dir,
     )
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    for sig in FORWARDED:
         signal.signal(sig, _raise_stop)
+    mps, status = None, 0
     try:
-        log.info("starting verifier, draft%s and gateway ...", " (in the verifier's process)" if colocate else "")
+        if mps_wanted(a.mps, a.device, colocate) and (mps := Mps.start(os.environ)):
+            stack.env.update(mps.env)
+        log.info("starting the draft%s, verifier and gateway ...", " (in the verifier's process)" if colocate else "")
         stack.start()
+        supervisor = Supervisor(stack, policy, a.state_file)
         log.info(
             "gateway serving on %s (verifier :%d, draft :%d; logs in %s)",
             stack.gateway,
@@ -246,16 +316,24 @@ def main() -> None:
             from services.client import stream
 
             stream(stack.gateway, "Why is the sky blue?", max_tokens=96, chat=True, out=sys.stdout)
-        log.info("serving until Ctrl-C or SIGTERM")
-        while all(stack.alive().values()):
-            time.sleep(0.5)
-        log.error("a service exited on its own (%s): stopping the others", stack.alive())
+        log.info("serving until Ctrl-C or SIGTERM; a child that exits is restarted")
+        supervisor.run()
     except _Stop as e:
         log.info("%s: forwarding to the services and waiting for them to drain", e)
+    except ChildFailed as e:
+        log.error("%s", e)
+        status = EXIT_CHILD_FAILED
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        for sig in FORWARDED:
             signal.signal(sig, signal.SIG_IGN)  # a second signal must not cut the stop short
         stack.stop()
+        if mps is not None:
+            mps.stop()
+        if a.state_file is not None:
+            a.state_file.unlink(missing_ok=True)
+    if status:
+        log.error("stack stopped (exit status %d)", status)
+    sys.exit(status)
 
 
 if __name__ == "__main__":

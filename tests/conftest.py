@@ -1,4 +1,4 @@
-"""Shared fixtures: the embedded model (loaded once) and the three services as real processes."""
+"""Shared fixtures: the embedded model (loaded once) and the services as real processes."""
 
 from __future__ import annotations
 
@@ -53,13 +53,13 @@ def stack():
 
 @pytest.fixture(scope="session")
 def greedy_oracle_stack():
-    s = _stack("--drafter", "oracle-greedy", gateway_args=("--policy", "fixed"))  # every round drafts
+    s = _stack("--drafter", "oracle-greedy")
     yield s
     s.stop()
 
 
 @pytest.fixture(scope="session")
 def wrong_oracle_stack():
-    s = _stack("--drafter", "oracle-wrong", gateway_args=("--policy", "fixed"))
+    s = _stack("--drafter", "oracle-wrong")
     yield s
     s.stop()

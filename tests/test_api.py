@@ -1,6 +1,6 @@
 """The public API through a real client (grpcurl): the documented requests, describe, health, and
-INVALID_ARGUMENT for bad input while every service stays up. Internal services reject malformed
-trees and unknown sequences."""
+INVALID_ARGUMENT for bad input while every service stays up. The internal services refuse malformed
+generations, unknown sequences and bad features alone."""
 
 import json
 
@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from common.tensors import encode_inline
-from services.tree_wire import draft_tree
 from specdec.v1 import generation_pb2 as gpb
 from specdec.v1 import generation_pb2_grpc as gpb_grpc
 from specdec.v1 import internal_pb2 as pb
@@ -36,6 +35,7 @@ def test_documented_requests(stack):
     info = json.loads(grpcurl(stack.gateway, "specdec.v1.Generation/GetModelInfo").stdout)
     assert info["speculation_policy"] == "adaptive"
     assert any(c["tree"].get("depth") == 4 and c["tree"].get("nodes") == 16 for c in info["policy_choices"])
+    assert any(e["batch"] == 1 and "tokens_per_s" in e for e in info["policy_estimates"])
     raw = grpcurl(stack.gateway, COMPLETE, data={"prompt": "raw text", "max_tokens": 8})
     assert raw.returncode == 0, raw.stderr
     assert json.loads(raw.stdout)["usage"]["prompt_tokens"] == 2
@@ -88,54 +88,62 @@ def test_services_still_serve_after_bad_input(stack):
     assert len(r.token_ids) == 4
 
 
-def _verifier(stack):
-    return pb_grpc.VerifierStub(grpc.insecure_channel(f"127.0.0.1:{stack.ports['verifier']}"))
+def _generate(addr: str, adds: list[pb.NewGeneration]) -> list[pb.GenerateOut]:
+    """The verifier's Generate stream: these generations in, every message until each has finished."""
+    with grpc.insecure_channel(addr) as ch:
+        outs, left = [], {a.seq for a in adds}
+        for out in pb_grpc.VerifierStub(ch).Generate(iter([pb.GenerateIn(add=adds)]), timeout=300):
+            outs.append(out)
+            seqs, fin = np.frombuffer(out.seq, "<i8"), np.frombuffer(out.finish, "<i4")
+            left -= {int(q) for q, f in zip(seqs, fin) if f}
+            if not left:
+                return outs
+    raise AssertionError("the stream ended before every generation finished")
+
+
+def _new(seq: int, prompt: list[int], **kw) -> pb.NewGeneration:
+    return pb.NewGeneration(seq=seq, prompt_ids=np.asarray(prompt, "<i4").tobytes(), max_new=kw.pop("max_new", 4), **kw)
+
+
+@pytest.mark.parametrize(
+    "bad, needle",
+    [
+        (dict(prompt=[]), "empty"),
+        (dict(prompt=[1, 10**7]), "vocabulary"),
+        (dict(prompt=[1, 2], max_new=0), "max_new"),
+        (dict(prompt=[1, 2], tree=gpb.TreeShape(depth=9, nodes=20)), "beyond the draft"),
+        (dict(prompt=[1, 2], tree=gpb.TreeShape(depth=3, nodes=2)), "nodes >= depth"),
+        (dict(prompt=[1, 2], sampling=pb.SamplingParams(temperature=-1)), "temperature"),
+    ],
+)
+def test_the_verifier_refuses_a_bad_generation_alone(stack, bad, needle):
+    """A malformed generation on the verifier's stream fails alone, with INVALID_ARGUMENT saying what is wrong;
+    the good one beside it is served."""
+    outs = _generate(stack.address("verifier"), [_new(1, bad.pop("prompt"), **bad), _new(2, [1, 9690, 198])])
+    failed = [f for o in outs for f in o.failed]
+    assert len(failed) == 1 and failed[0].seq == 1
+    assert failed[0].code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and needle in failed[0].message
+    tokens = sum(int(np.frombuffer(o.count, "<i4")[np.frombuffer(o.seq, "<i8") == 2].sum()) for o in outs)
+    assert tokens == 4
+    assert all(stack.alive().values())
+
+
+def test_the_draft_refuses_unknown_sequences_and_bad_features(stack):
+    import torch
+
+    d = pb_grpc.DraftStub(grpc.insecure_channel(stack.address("draft")))
+    item = pb.ProposeItem(seq_id="ghost", token_ids=[5])
+    encode_inline(torch.zeros(1, 3 * 576), item.hidden)
+    code, _ = _code(lambda: d.Propose(pb.ProposeRequest(items=[item], owner="test")))
+    assert code == grpc.StatusCode.NOT_FOUND
+    bad = pb.ProposeItem(seq_id="x", token_ids=[5, 6], start=True)
+    encode_inline(torch.from_numpy(np.zeros((1, 3 * 576), dtype=np.float32)), bad.hidden)
+    code, details = _code(lambda: d.Propose(pb.ProposeRequest(items=[bad], owner="test")))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "hidden rows" in details
+    assert all(stack.alive().values())
 
 
 def _code(call):
     with pytest.raises(grpc.RpcError) as e:
         call()
     return e.value.code(), e.value.details()
-
-
-@pytest.mark.parametrize(
-    "tokens, parents, needle",
-    [
-        ([5, 6], [-1, 7], "outside"),  # parent index out of range
-        ([5, 6, 7], [-1, 2, 1], "does not precede"),  # cycle 1 -> 2 -> 1
-        ([5] * 100, [-1] * 100, "limit"),  # over the verifier's tree size
-        ([5, 10**7], [-1, 0], "vocabulary"),
-    ],
-)
-def test_verifier_rejects_malformed_trees(stack, tokens, parents, needle):
-    v = _verifier(stack)
-    v.Prefill(pb.PrefillRequest(items=[pb.PrefillItem(seq_id="t", token_ids=[1, 2, 3])]))
-    try:
-        code, details = _code(
-            lambda: v.Verify(pb.VerifyRequest(items=[pb.VerifyItem(seq_id="t", tree=draft_tree(tokens, parents))]))
-        )
-        assert code == grpc.StatusCode.INVALID_ARGUMENT and needle in details
-        # the sequence is untouched and still verifies
-        one = draft_tree([5], [-1])
-        ok = v.Verify(pb.VerifyRequest(items=[pb.VerifyItem(seq_id="t", tree=one)]))
-        assert len(ok.results[0].accepted_tokens) >= 1
-    finally:
-        v.Release(pb.ReleaseRequest(seq_ids=["t"]))
-
-
-def test_internal_services_unknown_sequence_is_not_found(stack):
-    v = _verifier(stack)
-    code, _ = _code(lambda: v.Decode(pb.DecodeRequest(items=[pb.DecodeItem(seq_id="ghost")])))
-    assert code == grpc.StatusCode.NOT_FOUND
-    d = pb_grpc.DraftStub(grpc.insecure_channel(f"127.0.0.1:{stack.ports['draft']}"))
-    item = pb.ProposeItem(seq_id="ghost", token_ids=[5])
-    import torch
-
-    encode_inline(torch.zeros(1, 3 * 576), item.hidden)
-    code, _ = _code(lambda: d.Propose(pb.ProposeRequest(items=[item])))
-    assert code == grpc.StatusCode.NOT_FOUND
-    bad = pb.ProposeItem(seq_id="x", token_ids=[5, 6], start=True)
-    encode_inline(torch.from_numpy(np.zeros((1, 3 * 576), dtype=np.float32)), bad.hidden)
-    code, details = _code(lambda: d.Propose(pb.ProposeRequest(items=[bad])))
-    assert code == grpc.StatusCode.INVALID_ARGUMENT and "hidden rows" in details
-    assert all(stack.alive().values())

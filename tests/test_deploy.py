@@ -1,7 +1,10 @@
 """The Kubernetes manifests: valid against the API schemas offline (kubernetes-validate --strict), and
 deployable as the services need: probes reach every container (no service bound to loopback where a
 probe dials the pod IP), a drain fits in the termination grace, internal ports are closed by a
-NetworkPolicy, metrics are exposed, a PodDisruptionBudget exists, and a GPU variant requests the GPU."""
+NetworkPolicy, metrics are exposed, a PodDisruptionBudget exists, and a GPU variant requests the GPU.
+The probes restart a wedged pod and not a recovering one: a startup probe covers the model's load and the
+CUDA graph capture, and a liveness probe on the gateway's health (NOT_SERVING while the verifier restarts)
+fails only after longer than a restart takes."""
 
 from __future__ import annotations
 
@@ -15,6 +18,8 @@ import yaml
 
 MANIFESTS = sorted((Path(__file__).resolve().parents[1] / "deploy" / "k8s").glob("*.yaml"))
 PUBLIC_PORTS = {50051, 9090}
+GRAPH_CAPTURE_S = 90  # a GPU verifier's start on a fresh machine: the model's load and the CUDA graph capture
+RESTART_S = {"gpu": GRAPH_CAPTURE_S + 8 + 20, "cpu": 60}  # a verifier's restart: its start, the backoff, a margin
 
 
 def _docs(path: Path) -> list[dict]:
@@ -63,3 +68,37 @@ def test_manifest_is_deployable(path):
     assert docs["NetworkPolicy"]["spec"]["podSelector"] == docs["Deployment"]["spec"]["selector"]
     if "gpu" in path.name:
         assert any(c["resources"]["limits"].get("nvidia.com/gpu") == 1 for c in pod["containers"])
+
+
+def _budget(probe: dict) -> float:
+    """Seconds a probe may fail before the kubelet acts: period x failure threshold (the API's defaults: 10, 3)."""
+    return probe.get("periodSeconds", 10) * probe.get("failureThreshold", 3)
+
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=[p.name for p in MANIFESTS])
+def test_probes_restart_a_wedged_pod_and_not_a_recovering_one(path):
+    """Every container has a startup probe (on a GPU: long enough for the graph capture) and gRPC readiness; a
+    liveness probe on the gateway's health (NOT_SERVING while the verifier restarts) tolerates a restart."""
+    kind = "gpu" if "gpu" in path.name else "cpu"
+    pod = {d["kind"]: d for d in _docs(path)}["Deployment"]["spec"]["template"]["spec"]
+    for c in pod["containers"]:
+        assert "grpc" in c["readinessProbe"], c["name"]
+        startup = c["startupProbe"]
+        assert _budget(startup) >= (2 * GRAPH_CAPTURE_S if kind == "gpu" else RESTART_S["cpu"]), c["name"]
+        for probe in (c["readinessProbe"], c["livenessProbe"]):
+            assert "initialDelaySeconds" not in probe, f"{c['name']}: the startup probe gates the others"
+        live = c["livenessProbe"]
+        if live.get("grpc", {}).get("port") == 50051 and not live["grpc"].get("service"):
+            assert _budget(live) >= RESTART_S[kind], f"{c['name']}: liveness would kill a pod whose verifier restarts"
+
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=[p.name for p in MANIFESTS])
+def test_commands_use_todays_flags(path):
+    """No sequence leases (a gateway's sequences live as long as its stream to the verifier), and the gateway talks
+    to the verifier only: the verifier talks to the draft."""
+    pod = {d["kind"]: d for d in _docs(path)}["Deployment"]["spec"]["template"]["spec"]
+    for c in pod["containers"]:
+        cmd = c["command"]
+        assert not [a for a in cmd if "lease" in a], c["name"]
+        if "services.gateway" in cmd:
+            assert _flag(cmd, "--verifier") and _flag(cmd, "--draft") is None, c["name"]

@@ -450,35 +450,6 @@ def test_drafting_after_a_verify_equals_a_propose_of_its_outcome(verifiers, draf
     v.release(ids + ["t"])
 
 
-def test_the_loop_chains_the_drafting_and_equals_plain_decoding(verifiers, drafters) -> None:
-    """speculative_loop with the EAGLE drafter: every round after a sequence's first verifies trees launched
-    behind the verify before it (Round.draft_device_s set; the first round's came from a propose: None), and
-    greedy output equals plain decoding token for token, with a sequence finishing before the other."""
-    from common.engine.loop import speculative_loop
-
-    v, _ = verifiers
-    exact, _ = drafters
-    budget = {"g0": 20, "g1": 12}
-    plain = {}
-    for s, p in zip(budget, PROMPTS):
-        out = [v.prefill(PrefillInput(s, p, SamplingConfig())).next_token]
-        while len(out) < budget[s]:
-            out += v.decode([s])
-        plain[s] = out[: budget[s]]
-        v.release([s])
-    got: dict[str, list[int]] = {s: [] for s in budget}
-
-    def commit(s: str, tokens: list[int]) -> bool:
-        got[s] += tokens
-        return len(got[s]) < budget[s]
-
-    rounds = []
-    speculative_loop(v, exact, dict(zip(budget, PROMPTS)), 20, commit, rounds.append)
-    assert {s: t[: budget[s]] for s, t in got.items()} == plain
-    assert rounds[0].draft_device_s is None and len(rounds) > 2
-    assert all(r.draft_device_s is not None and r.draft_device_s > 0 for r in rounds[1:])
-
-
 def test_multi_step_decode_equals_single_steps(verifiers) -> None:
     """decode_many chains the step on the device: the same tokens as one call per token, for a batch
     padded to its bucket, and a sampling sequence in the batch falls back to one step."""

@@ -1,7 +1,7 @@
-"""Process failures through the three services as real processes on loopback (CPU): the draft killed
-mid-batch, the gateway killed and restarted, the verifier killed and restarted, a cancellation storm,
-requests expiring in the queue, and health that tells the truth. Each test logs its figures
-(`FAULT name: sent=.. failed=.. recovery_s=..`; run with -o log_cli=true --log-cli-level=INFO)."""
+"""Process failures through `python -m services.stack`, run as users run it (`make serve`; the real model on CPU,
+processes on loopback), which supervises its children: the draft, the verifier or the gateway killed with -9 and
+restarted by the stack, a child that keeps dying or cannot start, and requests cancelled or expired by the dozen.
+Each test logs its figures (`FAULT name: ...`; run with -o log_cli=true --log-cli-level=INFO)."""
 
 from __future__ import annotations
 
@@ -11,210 +11,231 @@ import time
 import grpc
 import pytest
 
-from services.stack import Stack
-from specdec.v1 import internal_pb2 as pb
-from specdec.v1 import internal_pb2_grpc as pb_grpc
-from tests.conftest import CHAT_PROMPTS, COMMON
-from tests.faults import Streams, complete, figures, health, held, info, wait_for
+from specdec.v1 import generation_pb2 as gpb
+from specdec.v1 import generation_pb2_grpc as gpb_grpc
+from tests.conftest import CHAT_PROMPTS
+from tests.faults import (
+    EXIT_CHILD_FAILED,
+    ServedStack,
+    Streams,
+    all_start_together,
+    answers,
+    complete,
+    figures,
+    health,
+    wait_for,
+)
 from tests.helpers import chat, complete_many
 
 pytestmark = pytest.mark.slow
-LEASE_TTL = 2.0
-CAPACITY_TIMEOUT = 2.0
-# the fixed policy: every round drafts (the adaptive one may decode plainly on a CPU, and these tests are
-# about what happens to speculation when a process fails)
-GATEWAY = ["--health-interval", "0.2", "--capacity-timeout", str(CAPACITY_TIMEOUT), "--policy", "fixed"]
+TREE = gpb.TreeShape(depth=3, nodes=8)  # pinned: these requests draft every round, whatever the policy
+
+
+class Shared:
+    """The stack the tests share, started again when a test has ended it."""
+
+    def __init__(self, folder) -> None:
+        self.folder, self.stack, self.n = folder, None, 0
+
+    def get(self) -> ServedStack:
+        if self.stack is None or self.stack.proc.poll() is not None:
+            self.close()
+            self.n += 1
+            self.stack = ServedStack.launch(self.folder / f"stack{self.n}")
+        return self.stack
+
+    def close(self) -> None:
+        if self.stack is not None:
+            self.stack.close()
 
 
 @pytest.fixture(scope="module")
-def faulty():
-    """A stack of its own (the tests kill its processes and start them again on the same ports), with
-    short leases so that expiry is observable."""
-    s = Stack(common_args=[*COMMON, "--lease-ttl", str(LEASE_TTL)], gateway_args=list(GATEWAY), drain_grace=5)
-    s.start()
+def shared(tmp_path_factory):
+    s = Shared(tmp_path_factory.mktemp("faults"))
     yield s
-    s.stop()
+    s.close()
 
 
-def _restart_gateway(s: Stack, *extra: str) -> None:
-    s.kill("gateway")
-    s.gateway_args = [*GATEWAY, *extra]
-    s.restart("gateway")
+@pytest.fixture
+def served(shared) -> ServedStack:
+    s = shared.get()
+    yield s
+    assert not s.children_left() or s.proc.poll() is None, s.logs()
 
 
-def test_draft_killed_mid_batch_nothing_fails(faulty):
-    """kill -9 the draft while 8 generations (2 of them plain) share the rounds: none fails, the greedy
-    output equals plain decoding; health stays SERVING with the speculation reported degraded; once the
-    draft is back the sequences return to speculation."""
-    s = faulty
-    prompts = CHAT_PROMPTS[:6]
+def test_draft_killed_with_six_in_flight_nothing_is_lost(served):
+    """kill -9 the draft while 6 greedy generations speculate: 6 of 6 complete, equal to plain decoding; the stack
+    serves throughout and restarts the draft; a request that pins a tree speculates again within 30 s."""
+    s = served
     n_tokens = 40
-    spec_reqs = [chat(p, max_tokens=n_tokens, ignore_eos=True) for p in prompts]
-    streams = Streams(
-        s.gateway, spec_reqs + [chat(p, max_tokens=n_tokens, ignore_eos=True, speculative=False) for p in prompts[:2]]
-    )
+    prompts = CHAT_PROMPTS[:6]
+    streams = Streams(s.gateway, [chat(p, max_tokens=n_tokens, ignore_eos=True, tree=TREE) for p in prompts])
     streams.wait_tokens(2)
-    s.kill("draft")
+    old = s.kill("draft")
     killed_at = time.monotonic()
-    time.sleep(1.0)
-    assert health(s.gateway) == "SERVING"
-    with grpc.insecure_channel(s.gateway) as ch:
-        from specdec.v1 import generation_pb2 as gpb
-        from specdec.v1 import generation_pb2_grpc as gpb_grpc
+    serving_after_kill = health(s.gateway)
+    outcomes = streams.join(timeout=180)
+    s.serving_again("draft", old, timeout=120)
+    restarted = time.monotonic() - killed_at
 
-        assert gpb_grpc.GenerationStub(ch).GetModelInfo(gpb.ModelInfoRequest(), timeout=10).speculation_degraded
-    outcomes = streams.join()
-    assert not streams.failed, [str(o.error) for o in streams.failed]
+    def speculates() -> bool:
+        r = complete(s.gateway, chat("Hello!", max_tokens=8, ignore_eos=True, tree=TREE))
+        return r.speculation.rounds > 0
+
+    wait_for(speculates, timeout=60, interval=0.1)
+    speculating = time.monotonic() - killed_at
+    # compared after the restart, so that the plain requests do not slow it down
     plain = complete_many(
         s.gateway, [chat(p, max_tokens=n_tokens, ignore_eos=True, speculative=False) for p in prompts]
     )
-    for o, r in zip(outcomes, plain):
-        assert o.tokens == list(r.token_ids)
-    outage = time.monotonic() - killed_at
-    s.restart("draft")
-    back_at = time.monotonic()
-
-    def speculates() -> bool:
-        return complete(s.gateway, chat("Hello!", max_tokens=8, ignore_eos=True)).speculation.rounds > 0
-
-    recovery = wait_for(speculates, timeout=30, interval=0.05)
-    assert wait_for(lambda: held(s) == (0, 0), timeout=10) >= 0
+    complete_ok = sum(o.error is None and len(o.tokens) == n_tokens for o in outcomes)
+    equal = sum(o.tokens == list(r.token_ids) for o, r in zip(outcomes, plain))
     figures(
-        "draft-kill", sent=len(outcomes), failed=len(streams.failed), outage_s=outage, back_to_speculation_s=recovery
+        "draft-kill",
+        sent=len(outcomes),
+        completed=complete_ok,
+        equal_to_plain=equal,
+        health_after_kill=serving_after_kill,
+        draft_serving_again_s=restarted,
+        speculating_again_s=speculating,
+        restarts=s.state()["draft"]["restarts"],
     )
-    assert time.monotonic() - back_at < 30
+    assert not streams.failed, [str(o.error) for o in streams.failed]
+    assert complete_ok == equal == len(prompts)
+    assert serving_after_kill == "SERVING" and health(s.gateway) == "SERVING"
+    assert s.state()["draft"]["restarts"] >= 1
+    assert speculating <= 30
 
 
-def test_gateway_killed_and_restarted_frees_its_sequences(faulty):
-    """kill -9 the gateway mid-generation: the restarted gateway frees its predecessor's sequences at
-    start-up (takeover) and serves; killed and not restarted, the leases expire within the TTL."""
-    s = faulty
+def test_verifier_killed_waiting_requests_are_served_and_streams_end_unavailable(served):
+    """kill -9 the verifier with 4 generations streaming: those fail with UNAVAILABLE saying the verifier restarted;
+    4 requests sent while it is down wait for its restart and succeed; health is NOT_SERVING while it is down and
+    SERVING once it is back; requests succeed again within 30 s."""
+    s = served
+    streams = Streams(s.gateway, [chat(p, max_tokens=64, ignore_eos=True) for p in CHAT_PROMPTS[:4]])
+    streams.wait_tokens(2)
+    old = s.kill("verifier")
+    killed_at = time.monotonic()
+    waiting = Streams(s.gateway, [chat(p, max_tokens=8, ignore_eos=True) for p in CHAT_PROMPTS[4:8]], timeout=90)
+    try:
+        not_serving = wait_for(lambda: health(s.gateway, timeout=1) == "NOT_SERVING", timeout=10, interval=0.05)
+    except TimeoutError:
+        not_serving = None
+    wait_for(lambda: answers(s.gateway), timeout=60, interval=0.1)
+    recovery = time.monotonic() - killed_at
+    s.serving_again("verifier", old, timeout=120)
+    back = time.monotonic() - killed_at
+    wait_for(lambda: health(s.gateway) == "SERVING", timeout=30, interval=0.05)
+    serving = time.monotonic() - killed_at
+    streamed, waited = streams.join(timeout=60), waiting.join(timeout=120)
+    figures(
+        "verifier-kill",
+        streaming=len(streamed),
+        streams_failed=len(streams.failed),
+        sent_while_down=len(waited),
+        sent_while_down_failed=len(waiting.failed),
+        not_serving_after_s=-1.0 if not_serving is None else not_serving,
+        verifier_serving_again_s=back,
+        requests_succeed_again_s=recovery,
+        health_serving_again_s=serving,
+    )
+    for o in streamed:
+        assert o.error is not None and o.error.code() == grpc.StatusCode.UNAVAILABLE, o.error or len(o.tokens)
+        details = o.error.details().lower()
+        assert "verifier" in details and "restart" in details, o.error.details()
+    assert not waiting.failed, [str(o.error) for o in waiting.failed]
+    assert all(len(o.tokens) == 8 for o in waited)
+    assert not_serving is not None, "health was not NOT_SERVING while the verifier was down"
+    assert recovery <= 30
+
+
+def test_gateway_killed_is_restarted_and_nothing_it_held_is_lost(served):
+    """kill -9 the gateway with 6 generations streaming (they fail: their connection is gone): the stack restarts
+    it, requests succeed again within 30 s, and every slot the dead gateway held is free (8 generations at once
+    all start before any finishes)."""
+    s = served
     streams = Streams(s.gateway, [chat(p, max_tokens=64, ignore_eos=True) for p in CHAT_PROMPTS[:6]])
     streams.wait_tokens(2)
-    s.kill("gateway")
-    streams.join()
-    stranded = held(s)
-    assert stranded == (6, 6)  # what the old gateway held, now ownerless
-    s.restart("gateway")
-    after_restart = held(s)
-    assert after_restart == (0, 0)  # freed at the new instance's start, not after a TTL
-    ok = complete_many(s.gateway, [chat(p, max_tokens=16) for p in CHAT_PROMPTS[:4]])
-    assert all(len(r.token_ids) > 0 for r in ok)
-    assert wait_for(lambda: held(s) == (0, 0), timeout=5) >= 0
-
-    streams = Streams(s.gateway, [chat(p, max_tokens=64, ignore_eos=True) for p in CHAT_PROMPTS[:4]])
-    streams.wait_tokens(2)
-    s.kill("gateway")
-    killed = time.monotonic()
-    expired = wait_for(lambda: held(s) == (0, 0), timeout=LEASE_TTL * 4)
+    old = s.kill("gateway")
+    killed_at = time.monotonic()
+    streams.join(timeout=60)
+    wait_for(lambda: answers(s.gateway, timeout=5), timeout=60, interval=0.1)
+    recovery = time.monotonic() - killed_at
+    s.serving_again("gateway", old, timeout=120)
+    back = time.monotonic() - killed_at
+    spread = all_start_together(s.gateway)
     figures(
         "gateway-kill",
-        sent=10,
-        failed_in_flight=10,
-        next_requests_ok=len(ok),
-        held_before_restart=stranded,
-        held_after_restart=after_restart,
-        lease_expiry_s=time.monotonic() - killed,
+        in_flight_failed=len(streams.failed),
+        gateway_serving_again_s=back,
+        requests_succeed_again_s=recovery,
+        first_tokens_of_8_within_s=spread,
     )
-    assert expired <= LEASE_TTL * 4
-    s.restart("gateway")
+    assert len(streams.failed) == 6
+    assert recovery <= 30
 
 
-def test_verifier_killed_only_in_flight_fail_and_recovery_is_prompt(faulty):
-    """kill -9 the verifier: the generations in flight fail with UNAVAILABLE and a message naming the
-    verifier, the gateway says NOT_SERVING, new requests are refused; once the verifier serves again on
-    its port, requests succeed within 5 s and nothing is left held."""
-    s = faulty
-    streams = Streams(s.gateway, [chat(p, max_tokens=64, ignore_eos=True) for p in CHAT_PROMPTS[:4]])
-    streams.wait_tokens(2)
-    s.kill("verifier")
-    outcomes = streams.join()
-    assert len(streams.failed) == len(outcomes)
-    for o in streams.failed:
-        assert o.error.code() == grpc.StatusCode.UNAVAILABLE and "Verifier" in o.error.details(), o.error
-    wait_for(lambda: health(s.gateway) == "NOT_SERVING", timeout=5)
-    with pytest.raises(grpc.RpcError) as e:
-        complete(s.gateway, chat("Hi", max_tokens=4))
-    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
-    s.restart("verifier")
-
-    def answers() -> bool:
-        try:
-            return len(complete(s.gateway, chat("Hi", max_tokens=4), timeout=30).token_ids) == 4
-        except grpc.RpcError:
-            return False
-
-    recovery = wait_for(answers, timeout=30, interval=0.05)
-    wait_for(lambda: health(s.gateway) == "SERVING", timeout=5)
-    assert wait_for(lambda: held(s) == (0, 0), timeout=5) >= 0
-    figures("verifier-kill", sent=len(outcomes), failed_in_flight=len(streams.failed), recovery_s=recovery)
-    assert recovery < 5.0
-
-
-def test_expired_and_cancelled_requests_leave_the_queue(faulty):
-    """One generation runs (max_active 1) and the queue holds 3: three requests that expire while queued
-    give their places back at once, so the next request is queued, not RESOURCE_EXHAUSTED."""
-    s = faulty
-    _restart_gateway(s, "--max-active", "1", "--max-waiting", "3")
-    try:
-        blocker = Streams(
-            s.gateway, [chat("Tell me a long story.", max_tokens=120, ignore_eos=True, speculative=False)]
-        )
-        blocker.wait_tokens(1)
-        expiring = Streams(s.gateway, [chat(f"Question {i}", max_tokens=8) for i in range(3)], timeout=0.5)
-        expiring.join()
-        assert all(o.error.code() == grpc.StatusCode.DEADLINE_EXCEEDED for o in expiring.outcomes)
-        fresh = complete(s.gateway, chat("Hi", max_tokens=4), timeout=300)
-        assert len(fresh.token_ids) == 4
-        blocker.join()
-        assert not blocker.failed
-        figures("queue-deadline", sent=5, expired_in_queue=3, fresh_ok=1)
-    finally:
-        _restart_gateway(s)
-
-
-def test_cancellation_storm_leaks_nothing(faulty):
-    """40 generations, each cancelled at a random moment (queued, mid-prefill, mid-round): afterwards no
-    sequence is held on either service and a fresh request is served."""
-    s = faulty
+def test_cancelled_and_expired_requests_leave_nothing_behind(served):
+    """Every slot taken by 8 long generations: 3 requests that expire while queued and 40 cancelled at random
+    moments (queued, mid-prefill, mid-round) leave nothing behind: afterwards 8 generations at once all start
+    before any finishes."""
+    s = served
+    blockers = Streams(s.gateway, [chat(p, max_tokens=48, ignore_eos=True) for p in CHAT_PROMPTS[:8]])
+    blockers.wait_tokens(1)
+    expiring = Streams(s.gateway, [chat(f"Question {i}", max_tokens=8) for i in range(3)], timeout=0.5)
+    expiring.join(timeout=30)
     rng = random.Random(0)
     with grpc.insecure_channel(s.gateway) as ch:
-        from specdec.v1 import generation_pb2_grpc as gpb_grpc
-
         stub = gpb_grpc.GenerationStub(ch)
         calls = [stub.Complete.future(chat(rng.choice(CHAT_PROMPTS), max_tokens=48), timeout=120) for _ in range(40)]
         for c in calls:
-            time.sleep(rng.uniform(0, 0.15))
+            time.sleep(rng.uniform(0, 0.1))
             c.cancel()
         cancelled = sum(c.cancelled() for c in calls)
-    released = wait_for(lambda: held(s) == (0, 0), timeout=10)
-    r = complete(s.gateway, chat("Hello!", max_tokens=8))
-    assert len(r.token_ids) == 8
-    figures("cancel-storm", sent=len(calls), cancelled=cancelled, all_released_within_s=released)
+    blockers.join(timeout=240)
+    spread = all_start_together(s.gateway)
+    figures(
+        "cancel-and-expire",
+        expired_in_queue=sum(o.error is not None for o in expiring.outcomes),
+        cancelled=cancelled,
+        blockers_failed=len(blockers.failed),
+        first_tokens_of_8_within_s=spread,
+    )
+    assert all(o.error.code() == grpc.StatusCode.DEADLINE_EXCEEDED for o in expiring.outcomes)
+    assert not blockers.failed, [str(o.error) for o in blockers.failed]
 
 
-def test_health_not_serving_without_capacity_then_serving(faulty):
-    """Every verifier slot held by someone else (here: anonymous sequences): after the capacity timeout
-    the gateway says NOT_SERVING; once they are released it serves again."""
-    s = faulty
-    # the previous test's last request releases its sequence after its response: wait for that
-    wait_for(lambda: held(s) == (0, 0), timeout=10)
-    v = pb_grpc.VerifierStub(grpc.insecure_channel(s.address("verifier")))
-    ids = [f"squatter{i}" for i in range(info(s.address("verifier")).max_sequences)]
-    v.Prefill(pb.PrefillRequest(items=[pb.PrefillItem(seq_id=i, token_ids=[1, 2, 3]) for i in ids]), timeout=60)
+def test_a_child_that_keeps_dying_stops_the_stack(served):
+    """kill -9 the draft each time the stack starts it again: at its fifth death within a minute the stack stops
+    with exit status 3 and a clear error, and no process is left."""
+    s = served
+    t0 = time.monotonic()
+    pid = s.kill("draft")
+    for _ in range(4):
+        wait_for(lambda p=pid: s.state().get("draft", {}).get("pid") not in (None, p), timeout=30, interval=0.02)
+        pid = s.kill("draft")
+    code = s.proc.wait(timeout=60)
+    stopped = time.monotonic() - t0
+    wait_for(lambda: not s.children_left(), timeout=15)
+    text = (s.folder / "stack.log").read_text()
+    figures("keeps-dying", kills=5, exit_status=code, stopped_after_s=stopped, processes_left=len(s.children_left()))
+    assert code == EXIT_CHILD_FAILED, s.logs()
+    assert "draft died 5 times within 60 s (last: killed by SIGKILL" in text, text[-3000:]
+    assert not s.state()  # the state file goes with the stack
 
-    def not_serving_while_squatting() -> bool:
-        # a decode step touches the squatters' anonymous leases (TTL LEASE_TTL, as long as the capacity
-        # timeout): without it they could expire before the gateway gives up on capacity
-        v.Decode(pb.DecodeRequest(items=[pb.DecodeItem(seq_id=i) for i in ids]), timeout=60)
-        return health(s.gateway) == "NOT_SERVING"
 
+def test_a_child_that_cannot_start_stops_the_stack_at_once(tmp_path):
+    """A draft given a model that does not exist: the stack exits with status 3 and the draft's error, and no
+    process is left."""
+    s = ServedStack.launch(tmp_path, "--draft-arg=--model=/nonexistent/model.gguf", wait=False)
     try:
-        stalled = wait_for(not_serving_while_squatting, timeout=CAPACITY_TIMEOUT + 5)
-        for _ in range(3):
-            assert not_serving_while_squatting()
+        t0 = time.monotonic()
+        code = s.proc.wait(timeout=120)
+        took = time.monotonic() - t0
+        text = (tmp_path / "stack.log").read_text()
+        figures("cannot-start", exit_status=code, stopped_after_s=took, processes_left=len(s.children_left()))
+        assert code == EXIT_CHILD_FAILED, s.logs()
+        assert "draft failed to start (exit status 1" in text and "nonexistent" in text, text[-3000:]
+        assert not s.children_left()
     finally:
-        v.Release(pb.ReleaseRequest(seq_ids=ids), timeout=60)
-    back = wait_for(lambda: health(s.gateway) == "SERVING", timeout=5)
-    assert len(complete(s.gateway, chat("Hi", max_tokens=4)).token_ids) == 4
-    figures("capacity-health", not_serving_after_s=stalled, serving_again_after_s=back)
+        s.close()

@@ -1,43 +1,21 @@
-"""The engine services' start-up flags (services/launch.py)."""
+"""Start-up plumbing: the port file tests read (services/launch.py) and where the stack puts the draft
+(services/stack.py --colocate)."""
 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import pytest
 
-from services.launch import common_arguments, engine_arguments, parse_and_log, parse_cpus
+from services.launch import write_port_file
 
 
-def test_cpu_lists_as_taskset_takes_them() -> None:
-    assert parse_cpus("3") == {3}
-    assert parse_cpus("2-4,8") == {2, 3, 4, 8}
-    assert parse_cpus("0, 1") == {0, 1}
-    for bad in ("", "a", "4-2", "1,,2", "-3", "2-"):
-        with pytest.raises(ValueError, match="CPU list"):
-            parse_cpus(bad)
-
-
-def test_cpu_affinity_pins_the_process(monkeypatch) -> None:
-    """--cpu-affinity N: the service's thread runs on CPU N only (here the test's own thread, restored after)."""
-    before = os.sched_getaffinity(0)
-    cpu = max(before)
-    p = argparse.ArgumentParser()
-    common_arguments(p, "NO_SUCH_ENV", "127.0.0.1:0")
-    engine_arguments(p)
-    monkeypatch.setattr(sys, "argv", ["verifier", "--cpu-affinity", str(cpu)])
-    try:
-        parse_and_log(p)
-        assert os.sched_getaffinity(0) == {cpu}
-    finally:
-        os.sched_setaffinity(0, before)
-    for bad in ("x", "100000"):  # malformed; a CPU the machine does not have
-        monkeypatch.setattr(sys, "argv", ["verifier", "--cpu-affinity", bad])
-        with pytest.raises(SystemExit):  # argparse's error: exit status 2 with the message
-            parse_and_log(p)
-        assert os.sched_getaffinity(0) == before
+def test_the_port_file_is_written_whole(tmp_path) -> None:
+    """A reader polling for the file sees it absent or complete, never empty: written beside it, then renamed."""
+    path = tmp_path / "verifier.port"
+    write_port_file(str(path), 41234)
+    assert path.read_text() == "41234" and [p.name for p in tmp_path.iterdir()] == ["verifier.port"]
+    write_port_file(None, 1)  # no port file asked for: nothing written
 
 
 def test_the_stack_puts_the_draft_in_the_verifiers_process_on_a_gpu() -> None:

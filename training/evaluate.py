@@ -1,5 +1,5 @@
-"""Offline acceptance measurement: the in-process speculative loop (Verifier + Eagle3Drafter),
-batched over sequences, greedy. Reports mean acceptance length (tokens per verification round,
+"""Offline acceptance measurement: the engine core in process (Verifier + Eagle3Drafter, every round the
+drafter's whole tree), batched over sequences, greedy. Reports mean acceptance length (tokens per verification round,
 counting the bonus token) and the acceptance rate at each tree depth."""
 
 from __future__ import annotations
@@ -12,9 +12,11 @@ import numpy as np
 
 from common.config import DraftingConfig, SamplingConfig
 from common.engine.base import PrefillInput
+from common.engine.core import CoreConfig, EngineCore
 from common.engine.draft import Eagle3Drafter
-from common.engine.loop import Round, speculative_loop
 from common.engine.verifier import Verifier
+from common.policy import FixedPolicy, Shape
+from common.sequence import Request
 
 log = logging.getLogger(__name__)
 
@@ -39,25 +41,34 @@ class EvalConfig:
 
 @dataclass
 class AcceptStats:
-    accepted: list[int] = field(default_factory=list)  # [rounds] drafted tokens accepted per round
+    rounds: int = 0
+    accepted: int = 0  # drafted tokens accepted, all rounds
+    reached: list[int] = field(default_factory=list)  # [depth] rounds that accepted more than d drafted tokens
     sequences: int = 0
     wall_s: float = 0.0
 
+    def add(self, rounds: int, accepted: int, accepted_at: list[int]) -> None:
+        """A step's rounds of one sequence (common.sequence.SeqOutput's counts)."""
+        self.rounds += rounds
+        self.accepted += accepted
+        if len(self.reached) < len(accepted_at):
+            self.reached += [0] * (len(accepted_at) - len(self.reached))
+        for d, n in enumerate(accepted_at):
+            self.reached[d] += n
+
     def summary(self, max_depth: int) -> dict:
-        a = np.array(self.accepted, dtype=np.int64)
-        rounds = int(a.size)
-        tokens = int((a + 1).sum())
-        depth_rate = []
-        for d in range(1, max_depth + 1):
-            reached = int((a >= d - 1).sum())  # rounds whose path got to depth d-1
-            depth_rate.append(float((a >= d).sum()) / reached if reached else 0.0)
+        """Example: 4 rounds accepting 0, 1, 1 and 3 -> reached [3, 1, 1]: rate by depth [3/4, 1/3, 1/1, 0]."""
+        at = np.array(self.reached + [0] * (max_depth + 1 - len(self.reached)), dtype=np.int64)[: max_depth + 1]
+        more = np.concatenate(([self.rounds], at))  # [depth + 2] rounds that accepted at least d tokens
+        tokens = self.accepted + self.rounds
+        depth_rate = [float(more[d] / more[d - 1]) if more[d - 1] else 0.0 for d in range(1, max_depth + 1)]
         return {
             "sequences": self.sequences,
-            "rounds": rounds,
+            "rounds": self.rounds,
             "tokens": tokens,
-            "mean_accept_len": tokens / rounds if rounds else 0.0,
+            "mean_accept_len": tokens / self.rounds if self.rounds else 0.0,
             "accept_rate_by_depth": depth_rate,
-            "accepted_hist": np.bincount(a, minlength=max_depth + 1).tolist() if rounds else [],
+            "accepted_hist": (more[:-1] - more[1:]).tolist() if self.rounds else [],
             "wall_s": round(self.wall_s, 2),
             "tokens_per_s": tokens / self.wall_s if self.wall_s else 0.0,
         }
@@ -78,23 +89,23 @@ def speculative(
     prompts: list[list[int]],
     max_new: int,
     eos: int,
-    tree_size: int,
+    tree: Shape,
     stats: AcceptStats,
     tag: str,
 ) -> list[list[int]]:
-    """Decode one batch of prompts together (common.engine.loop); returns each output clipped at EOS /
-    max_new."""
+    """Decode one batch of prompts together (the engine core, drafting `tree` every round); returns each output
+    clipped at EOS / max_new."""
     t0 = time.time()
     outs: dict[str, list[int]] = {f"{tag}-{i}": [] for i in range(len(prompts))}
-
-    def commit(sid: str, tokens: list[int]) -> bool:
-        outs[sid] += tokens
-        return not finished(outs[sid], eos, max_new)
-
-    def on_round(r: Round) -> None:
-        stats.accepted.extend(c - 1 for c in r.committed)
-
-    speculative_loop(verifier, drafter, {f"{tag}-{i}": p for i, p in enumerate(prompts)}, tree_size, commit, on_round)
+    core = EngineCore(verifier, drafter, FixedPolicy(tree), CoreConfig(max_sequences=len(prompts), prefill_chunk=0))
+    for i, p in enumerate(prompts):
+        core.add(Request(f"{tag}-{i}", p, SamplingConfig(), max_new, stop_ids=frozenset({eos})))
+    while True:
+        for o in core.step():
+            outs[o.seq_id] += o.tokens
+            stats.add(o.rounds, o.accepted, o.accepted_at)
+        if not core.seqs:
+            break
     stats.sequences += len(prompts)
     stats.wall_s += time.time() - t0
     return [clip(outs[f"{tag}-{i}"], eos, max_new) for i in range(len(prompts))]
@@ -151,7 +162,7 @@ def evaluate_set(
                 prompts[s : s + cfg.batch_size],
                 cfg.max_new_tokens,
                 eos,
-                dcfg.verify_tree_size,
+                Shape(dcfg.steps, dcfg.verify_tree_size),
                 stats,
                 f"{name}-{tname}{s}",
             )

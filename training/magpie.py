@@ -12,7 +12,7 @@ Writing shards (issue 11: WritingBench trails the other held-out sets, and few t
 a `writing_share` of the shards, spread evenly and chosen from the config alone (MagpieConfig.steer), starts every
 user message with the opening words of a writing request ("Write a short story about", "Draft an email", "Please
 rewrite", ...; WRITING_STEERS in turn) and samples the rest, so the model writes requests for stories, poems,
-essays, emails, posts, letters, reports, product copy and edits (bench/magpie_steer.py samples them; a
+essays, emails, posts, letters, reports, product copy and edits (a
 writing assistant's system prompt steered the 135M model much less, see docs/training.md). Such a shard's file and
 rows name its steer's id; with writing_share 0 (the default) every shard, prefix and seed is as before.
 """

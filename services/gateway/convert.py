@@ -25,6 +25,23 @@ FINISH = {
 }
 
 
+def check_input_size(req, tok: Tokenizer, max_context: int) -> None:
+    """Refuse, before tokenizing, input that cannot fit the context: a token stands for at most
+    tok.max_token_chars characters, so a text longer than max_context times that has more tokens than the context
+    holds (SmolLM2, context 2048: 81 x 2048 = 165,888 characters). Chat messages count their roles and contents
+    (the template only adds to them)."""
+    limit = max_context * tok.max_token_chars
+    chars = len(req.prompt) + sum(len(m.role) + len(m.content) for m in req.messages)
+    if chars > limit:
+        raise InvalidRequest(
+            f"input has {chars} characters; at most {limit} can fit the context of {max_context} tokens "
+            f"({tok.max_token_chars} characters per token at most)"
+        )
+    n = len(getattr(req, "prompt_token_ids", []))
+    if n >= max_context:
+        raise InvalidRequest(f"prompt has {n} tokens; the context holds {max_context} (prompt plus generated tokens)")
+
+
 def prompt_ids(req, tok: Tokenizer) -> list[int]:
     """The request's input as token ids: chat messages, a raw prompt, or token ids (exactly one)."""
     given = [
@@ -72,6 +89,7 @@ def pinned_tree(req: gpb.GenerateRequest, dinfo) -> Shape | None:
 
 def gen_request(req: gpb.GenerateRequest, tok: Tokenizer, max_context: int, dinfo=None) -> GenRequest:
     """The public request as the gateway's own; dinfo: the draft's DraftInfoResponse (None: no draft)."""
+    check_input_size(req, tok, max_context)
     ids = prompt_ids(req, tok)
     if len(ids) >= max_context:
         raise InvalidRequest(

@@ -57,9 +57,9 @@ class SpecStats:
     drafted: int = 0
     accepted: int = 0
 
-    def count_round(self, drafted: int, accepted: int) -> None:
-        """A verification round: `drafted` tree nodes, `accepted` of them accepted."""
-        self.rounds += 1
+    def count(self, rounds: int, drafted: int, accepted: int) -> None:
+        """Verification rounds: `drafted` tree nodes in all, `accepted` of them accepted."""
+        self.rounds += rounds
         self.drafted += drafted
         self.accepted += accepted
 

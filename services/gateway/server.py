@@ -1,4 +1,4 @@
-"""The public Generation service: thin servicer over the scheduler, one error boundary."""
+"""The public Generation service: thin servicer over the router, one error boundary."""
 
 from __future__ import annotations
 
@@ -9,16 +9,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from common.errors import SpecdecError
+from common.errors import PeerUnavailable, SpecdecError
 from common.rpc import describe, status_for
 from common.tokenizer import Tokenizer
 from services.gateway import convert
 from services.gateway.detokenize import RoundDecoder
-from services.gateway.scheduler import Scheduler
+from services.gateway.router import Router
 from services.gateway.sequence import Delta, Generation
 from specdec.v1 import generation_pb2 as gpb
 from specdec.v1 import generation_pb2_grpc as gpb_grpc
-from specdec.v1 import internal_pb2 as pb
 
 log = logging.getLogger(__name__)
 
@@ -32,31 +31,29 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
 
 
 class GenerationServicer(gpb_grpc.GenerationServicer):
-    def __init__(
-        self,
-        scheduler: Scheduler,
-        tokenizer: Tokenizer,
-        verifier_info: pb.InfoResponse,
-        draft_info: pb.DraftInfoResponse | None,
-    ) -> None:
-        self.scheduler, self.tok = scheduler, tokenizer
-        self.vinfo, self.dinfo = verifier_info, draft_info
+    def __init__(self, router: Router, tokenizer: Tokenizer) -> None:
+        self.router, self.tok = router, tokenizer
         # tokenizing (and applying the chat template) takes time in proportion to the input: never on the loop
         self._tokenizing = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
+
+    @property
+    def info(self):
+        return self.router.link.info
 
     async def _off_loop(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._tokenizing, fn, *args)
 
     async def _run(self, request: gpb.GenerateRequest) -> tuple[Generation, AsyncIterator[Delta]]:
-        req = await self._off_loop(convert.gen_request, request, self.tok, self.vinfo.max_context, self.dinfo)
+        info = self.info
+        req = await self._off_loop(convert.gen_request, request, self.tok, info.max_context, info)
         gen = Generation(request=req, decoder=RoundDecoder(self.tok), eos_token_id=self.tok.eos_token_id)
-        return gen, self.scheduler.generate(gen)
+        self.router.metrics.prompt_tokens.inc(len(req.prompt_ids))
+        return gen, self.router.generate(gen)
 
     def _final(self, gen: Generation) -> dict:
-        n = len(gen.token_ids)
         return dict(
             finish_reason=convert.FINISH[gen.finish],
-            usage=convert.usage(len(gen.request.prompt_ids), n),
+            usage=convert.usage(len(gen.request.prompt_ids), len(gen.token_ids)),
             speculation=convert.speculation(gen.stats),
         )
 
@@ -86,31 +83,35 @@ class GenerationServicer(gpb_grpc.GenerationServicer):
 
     async def Tokenize(self, request, context):
         try:
+            convert.check_input_size(request, self.tok, self.info.max_context)  # bounded work before tokenizing
             ids = await self._off_loop(convert.prompt_ids, request, self.tok)
             return gpb.TokenizeResponse(token_ids=ids, tokens=self.tok.tokens(ids))
         except Exception as e:  # noqa: BLE001 - the boundary
             await _abort(context, e)
 
     async def GetModelInfo(self, request, context):
-        d = self.dinfo
-        return gpb.ModelInfo(
-            model=self.vinfo.model,
-            vocab_size=self.vinfo.vocab_size,
-            max_context=self.vinfo.max_context,
-            eos_token_id=self.tok.eos_token_id,
-            drafter=d.drafter if d else "none",
-            drafting_top_k=d.drafting_top_k if d else 0,
-            drafting_steps=d.drafting_steps if d else 0,
-            verify_tree_size=d.verify_tree_size if d else 0,
-            dtype=self.vinfo.dtype,
-            device=self.vinfo.device,
-            speculation_degraded=self.scheduler.speculation_degraded,
-            speculation_policy=self.scheduler.policy.name,
-            policy_choices=[
-                gpb.PolicyChoice(tree=gpb.TreeShape(depth=s.depth, nodes=s.nodes), rounds=n)
-                for s, n in sorted(self.scheduler.choices.items())
-            ],
-        )
+        try:
+            info = await self.router.link.probe()
+            if info is None:
+                raise PeerUnavailable("the verifier does not answer")
+            return gpb.ModelInfo(
+                model=info.model,
+                vocab_size=info.vocab_size,
+                max_context=info.max_context,
+                eos_token_id=self.tok.eos_token_id,
+                drafter=info.drafter or "none",
+                drafting_top_k=info.drafting_top_k,
+                drafting_steps=info.drafting_steps,
+                verify_tree_size=info.verify_tree_size,
+                dtype=info.dtype,
+                device=info.device,
+                speculation_degraded=info.speculation_degraded,
+                speculation_policy=info.speculation_policy,
+                policy_choices=info.policy_choices,
+                policy_estimates=info.policy_estimates,
+            )
+        except Exception as e:  # noqa: BLE001 - the boundary
+            await _abort(context, e)
 
     def close(self) -> None:
         self._tokenizing.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,539 @@
+"""The engine core: continuous batching of generations over a verifier engine and a drafter, one step at a time.
+The verifier service runs it in a thread of its own; the benchmarks and the training evaluation run it in
+process. It is the only place a round exists.
+
+One step (EngineCore.step):
+
+    admit waiting requests while slots are free          (WAITING -> PREFILLING)
+    prefill up to `prefill_chunk` prompt tokens           (-> RUNNING with its first token)
+    one round for every running sequence:
+        shape = the policy's (decided when the last round was launched, or now)
+        trees = the drafting launched behind the last verify (the device chain), or a propose
+        verify every sequence's tree at once; launch the next trees behind it on the device
+        commit each sequence's tokens by its token rules; its output goes out
+      or, when the shape is plain, `plain_steps` decoding steps with one host synchronisation
+    release the finished ones                             (FINISHED)
+
+A round's rows: sequences that draft (their tree this round), then sequences that do not (a tree of no
+nodes: the verify gives them one token, exactly a decode step): requests that do not speculate, and those
+whose drafter state is lost. The rows that go on drafting come first, so that the device chain drafts for
+a prefix of the verify's rows (_Chain).
+
+The drafter's view of a sequence (Draft): the tokens committed since it last saw it, with the base
+model's features that produced them (common.rounds explains the one-token shift). After a verify whose
+next trees were launched on the device, the drafter has them already; otherwise (a plain round, a batch the
+device chain declined, a joiner's prompt) they wait here and go with its next propose. A drafter that fails
+(a remote draft service down) loses every sequence: they go on plainly, and once it answers again each is
+caught up from features recomputed over its whole context in the verifier's spare slot.
+
+The policy (common/policy.py) sees steady rounds only: a round that proposed for joiners or caught up a
+sequence after a plain stretch, or a step that prefilled, does not teach it what a round costs.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from common.config import SamplingConfig
+from common.engine.base import (
+    Accepted,
+    Drafter,
+    PrefillInput,
+    PrefillOutput,
+    ProposeAfter,
+    ProposeInput,
+    VerifierEngine,
+    VerifyInput,
+    finish,
+)
+from common.errors import PeerUnavailable, UnknownSequence
+from common.policy import PLAIN, Member, Shape, band
+from common.rounds import start_shift
+from common.sequence import Finish, Request, SeqOutput, Sequence, Status, output
+from common.tree import Tree
+
+log = logging.getLogger(__name__)
+SPARE_ID = "~features"  # the verifier's spare slot: features recomputed for a drafter catching up
+NO_TREE = Tree(
+    tokens=np.zeros(0, dtype=np.int64), parents=np.zeros(0, dtype=np.int64), probs=np.zeros(0, dtype=np.float32)
+)
+
+
+@dataclass(frozen=True)
+class CoreConfig:
+    max_sequences: int  # generations holding a slot at once (the verifier has one more: the spare)
+    prefill_chunk: int = 512  # prompt tokens prefilled per step (0: every waiting prompt whole)
+    plain_steps: int = 8  # decoding steps per host synchronisation in a plain step
+    draft_retry_s: float = 1.0  # after a drafter failure, catching up is tried again no sooner than this
+
+    def __post_init__(self) -> None:
+        if self.max_sequences < 1:
+            raise ValueError(f"max_sequences must be >= 1, got {self.max_sequences}")
+        if self.prefill_chunk < 0 or not 1 <= self.plain_steps <= 64 or self.draft_retry_s <= 0:
+            raise ValueError("prefill_chunk must be >= 0, plain_steps in [1, 64], draft_retry_s > 0")
+
+
+@dataclass(slots=True)
+class Draft:
+    """What the drafter has not seen of a speculative sequence."""
+
+    tokens: list[int] = field(default_factory=list)  # [n] committed since it last saw the sequence
+    hidden: list[torch.Tensor] = field(default_factory=list)  # their features, in chunks [n_i, 3H]
+    start: ProposeInput | None = None  # the drafter does not hold it: its whole context (after a prefill)
+    lost: bool = False  # the drafter lost it: caught up once the drafter answers again
+    dead: bool = False  # the drafter cannot follow it (its context is full for the drafter): plain from now on
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The core's state for Info and the metrics (read from another thread: a copy)."""
+
+    running: int
+    waiting: int
+    degraded: bool  # the drafter is down: speculation waits for it
+    choices: dict[Shape, int]  # rounds per shape since start (PLAIN: plain steps)
+    estimates: list  # the policy's (common.policy.Estimate)
+
+
+class _Chain:
+    """A verify's `then`: the next trees of its first len(items) rows launched behind it on the device
+    (Drafter.launch_after). handle None: not called, or the drafter declined."""
+
+    def __init__(self, drafter: Drafter, items: list[ProposeAfter]) -> None:
+        self.drafter, self.items, self.handle = drafter, items, None
+
+    def __call__(self, accepted: Accepted) -> None:
+        k = len(self.items)
+        if k < accepted.result.shape[0]:  # rows past the items do not draft: [B, ...] -> [k, ...]
+            accepted = Accepted(result=accepted.result[:k], kept=accepted.kept[:k])
+        self.handle = self.drafter.launch_after(self.items, accepted)
+
+
+class EngineCore:
+    def __init__(
+        self,
+        verifier: VerifierEngine,
+        drafter: Drafter | None,
+        policy,
+        cfg: CoreConfig,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.verifier, self.drafter, self.policy, self.cfg, self.clock = verifier, drafter, policy, cfg, clock
+        self.seqs: dict[str, Sequence] = {}  # every sequence not yet released, oldest first
+        self.drafts: dict[str, Draft] = {}  # speculative sequences: what their drafter has not seen
+        self.choices: collections.Counter[Shape] = collections.Counter()
+        self.degraded = False  # the drafter failed: every sequence plain until it answers again
+        self._retry_at = 0.0
+        self._launch: tuple[object, dict[str, int]] | None = None  # the chained drafting and its rows by seq id
+        self._next: Shape | None = None  # the policy's shape for the next round, decided at the launch
+        self._last_end: float | None = None  # when the last round ended (a steady round's cost runs from there)
+        self._inbox: collections.deque = collections.deque()  # ("add", Request) | ("abort", seq_id), any thread
+        self._wake = threading.Event()
+        self._snapshot = Snapshot(0, 0, False, {}, [])
+        self._snapshot_at = -1.0
+
+    # ---- the service's side (any thread) ----
+    def add(self, req: Request) -> None:
+        self._inbox.append(("add", req))
+        self._wake.set()
+
+    def abort(self, seq_id: str) -> None:
+        self._inbox.append(("abort", seq_id))
+        self._wake.set()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block while there is nothing to do (no sequence, nothing in the inbox), at most `timeout` seconds."""
+        if not self.seqs and not self._inbox:
+            self._wake.wait(timeout)
+        self._wake.clear()
+
+    def drafter_down(self) -> None:
+        """The drafter does not answer (at start-up): plain decoding until it does (_recover)."""
+        self.degraded = True
+        self._retry_at = self.clock() + self.cfg.draft_retry_s
+
+    def abort_all(self) -> None:
+        """Abort every generation (the service is stopping)."""
+        for seq_id in list(self.seqs):
+            self.abort(seq_id)
+
+    def fail_all(self, e: BaseException) -> list[SeqOutput]:
+        """After a step failed in a way its own handlers did not catch (a bug): every generation fails and
+        what it held is released, so that the core starts clean."""
+        for s in self.seqs.values():
+            s.end(Finish.ERROR, e)
+        self._launch, self._next = None, None
+        try:
+            return self._retire({})
+        except Exception:  # noqa: BLE001 - the engines' state is suspect: forget the sequences anyway
+            log.exception("releasing after a failed step failed too")
+            outs = [output(s, []) for s in self.seqs.values()]
+            self.seqs.clear()
+            self.drafts.clear()
+            return outs
+
+    def snapshot(self) -> Snapshot:
+        """The state as of the last step (made by the engine thread: safe to read from any thread)."""
+        return self._snapshot
+
+    def _take_snapshot(self, every_s: float = 0.25) -> None:
+        now = self.clock()
+        if now - self._snapshot_at < every_s and self.seqs:
+            return
+        self._snapshot_at = now
+        seqs = list(self.seqs.values())
+        self._snapshot = Snapshot(
+            running=sum(s.status is Status.RUNNING for s in seqs),
+            waiting=sum(s.status is Status.WAITING for s in seqs),
+            degraded=self.degraded,
+            choices=dict(self.choices),
+            estimates=self.policy.estimates(self.policy.bands()) if hasattr(self.policy, "bands") else [],
+        )
+
+    # ---- one step (the engine thread) ----
+    def step(self) -> list[SeqOutput]:
+        t0 = self.clock()
+        news: dict[str, list[int]] = {}  # seq id -> tokens committed this step
+        self._take_inbox()
+        self._admit()
+        prefilled = self._prefill(news)
+        self._recover()
+        setup = self.clock() - t0
+        running = [s for s in self.seqs.values() if s.status is Status.RUNNING]
+        if running:
+            self._round(running, news, setup if prefilled else 0.0)
+        outs = self._retire(news)
+        self._take_snapshot()
+        return outs
+
+    def _take_inbox(self) -> None:
+        while self._inbox:
+            kind, x = self._inbox.popleft()
+            if kind == "add":
+                if x.seq_id in self.seqs:
+                    log.warning("sequence %s added twice: the second is ignored", x.seq_id)
+                    continue
+                self.seqs[x.seq_id] = Sequence(x)
+            elif (s := self.seqs.get(x)) is not None:
+                s.end(Finish.ABORT)
+
+    def _admit(self) -> None:
+        held = sum(s.status in (Status.PREFILLING, Status.RUNNING) for s in self.seqs.values())
+        for s in self.seqs.values():
+            if held >= self.cfg.max_sequences:
+                return
+            if s.status is Status.WAITING:
+                s.to(Status.PREFILLING)
+                held += 1
+
+    # ---- prefill ----
+    def _prefill(self, news: dict[str, list[int]]) -> bool:
+        """Up to prefill_chunk prompt tokens of the prefilling sequences, oldest first, in one engine call (a
+        prompt too long for the budget goes in chunks, one per step). Returns whether it prefilled."""
+        budget = self.cfg.prefill_chunk or float("inf")
+        work: list[tuple[Sequence, int]] = []
+        for s in self.seqs.values():
+            if s.status is not Status.PREFILLING or budget <= 0:
+                continue
+            n = int(min(len(s.req.prompt_ids) - s.prefilled, budget))
+            budget -= n
+            work.append((s, n))
+        if not work:
+            return False
+        try:
+            outs = self.verifier.prefill_batch([self._prefill_input(s, n) for s, n in work])
+        except Exception as e:  # noqa: BLE001 - all or nothing: each is tried again alone, failing only itself
+            if len(work) == 1:
+                self._fail(work[0][0], e)
+                return True
+            log.warning("a prefill of %d sequences failed (%s): each is tried alone", len(work), e)
+            outs = []
+            for s, _ in work:
+                s.prefilled = 0  # the failed call freed what it began
+                self.drafts.pop(s.seq_id, None)
+                try:
+                    outs += self.verifier.prefill_batch([self._prefill_input(s, len(s.req.prompt_ids))])
+                except Exception as e1:  # noqa: BLE001 - its own failure
+                    self._fail(s, e1)
+                    outs.append(None)
+            work = [(s, len(s.req.prompt_ids)) for s, _ in work]
+        for (s, n), out in zip(work, outs):
+            if out is not None:
+                self._prefilled(s, n, out, news)
+        return True
+
+    def _prefill_input(self, s: Sequence, n: int) -> PrefillInput:
+        chunk = s.req.prompt_ids[s.prefilled : s.prefilled + n]
+        return PrefillInput(s.seq_id, chunk, s.req.sampling, more=s.prefilled + n < len(s.req.prompt_ids))
+
+    def _prefilled(self, s: Sequence, n: int, out: PrefillOutput, news: dict[str, list[int]]) -> None:
+        s.prefilled += n
+        speculative = s.req.speculative and self.drafter is not None
+        if speculative:
+            self.drafts.setdefault(s.seq_id, Draft()).hidden.append(out.hidden)
+        if out.next_token is None:  # more chunks follow
+            return
+        s.to(Status.RUNNING)
+        news[s.seq_id] = s.commit([out.next_token])
+        if speculative and s.status is Status.RUNNING:
+            d = self.drafts[s.seq_id]
+            hidden = torch.cat(d.hidden) if len(d.hidden) > 1 else d.hidden[0]  # [prompt_len, 3H]
+            d.hidden = []
+            d.start = ProposeInput.after_prefill(
+                s.seq_id, s.req.prompt_ids, PrefillOutput(out.next_token, hidden), 0, s.req.sampling
+            )
+            d.lost = self.degraded  # a drafter that is down catches it up once back
+
+    # ---- a round ----
+    def _tree(self, s: Sequence, shape: Shape) -> Shape:
+        """The tree s drafts in a round of `shape`: its pinned one, the round's, or none."""
+        d = self.drafts.get(s.seq_id)
+        if d is None or d.lost or d.dead or self.degraded:
+            return PLAIN
+        return s.req.tree if s.req.tree is not None else shape
+
+    def _members(self, running: list[Sequence]) -> list[Member]:
+        """The sequences the policy decides for: speculative, not pinned, followed by the drafter."""
+        return [
+            Member(s.seq_id, band(s.req.sampling.temperature))
+            for s in running
+            if s.req.tree is None and (d := self.drafts.get(s.seq_id)) is not None and not d.lost and not d.dead
+        ]
+
+    def _choose(self, running: list[Sequence]) -> Shape:
+        members = [] if self.degraded else self._members(running)
+        if not members:
+            return PLAIN
+        return self.policy.choose(members, self.cfg.plain_steps, batch=len(running)).shape
+
+    def _round(self, running: list[Sequence], news: dict[str, list[int]], prefill_s: float) -> None:
+        t0 = self.clock()
+        shape = self._next if self._next is not None else self._choose(running)
+        self._next = None
+        rows = [(s, self._tree(s, shape)) for s in running]
+        if all(t.plain for _, t in rows):
+            self._settle_launch()
+            self._plain(running, news, t0, prefill_s)
+            return
+        rooms = self.verifier.room([s.seq_id for s in running])
+        spec = [(s, t) for (s, t), room in zip(rows, rooms) if not t.plain and room > t.nodes]
+        full = [s for (s, _), room in zip(rows, rooms) if room < 1]
+        for s in full:
+            s.end(Finish.CONTEXT)
+        speccing = {id(s) for s, _ in spec}
+        plain = [s for (s, _), room in zip(rows, rooms) if id(s) not in speccing and room >= 1]
+        trees, steady = self._trees(spec)
+        spec = [(s, t) for s, t in spec if s.seq_id in trees]
+        plain += [s for s, _ in rows if id(s) in speccing and s.seq_id not in trees and s.status is Status.RUNNING]
+        if not spec:
+            self._plain(plain, news, t0, prefill_s)
+            return
+        # the next round's shape, decided now: its trees are drafted on the device behind this verify
+        nxt = self._choose(running)
+        going = [(s, t, self._tree(s, nxt)) for s, t in spec]
+        chained = [(s, t) for s, t, n in going if not n.plain]
+        rest = [(s, t) for s, t, n in going if n.plain] + [(s, NO_TREE) for s in plain]
+        chain = None
+        if self.drafter is not None and chained:
+            after = [ProposeAfter(s.seq_id, n.nodes, n.depth) for s, _, n in going if not n.plain]
+            chain = _Chain(self.drafter, after)
+        order = chained + rest
+        inputs = [VerifyInput(s.seq_id, trees[s.seq_id] if t is not NO_TREE else NO_TREE) for s, t in order]
+        try:
+            results = finish(self.verifier.verify_steps(inputs, chain))
+        except Exception as e:  # noqa: BLE001 - the round's sequences fail; the core goes on
+            log.exception("a verify of %d sequences failed", len(order))
+            for s, _ in order:
+                self._fail(s, e)
+            return
+        self._next = nxt
+        launched = chain is not None and chain.handle is not None
+        self._launch = (chain.handle, {s.seq_id: i for i, (s, _) in enumerate(chained)}) if launched else None
+        members = {m.seq_id: m for m in self._members(running)}
+        follow = [self._following(s) for s, _ in order]
+        for i, ((s, t), out) in enumerate(zip(order, results)):
+            tokens = out.tokens
+            if t is not NO_TREE:
+                s.count_round(trees[s.seq_id].size, len(tokens) - 1)
+                if (m := members.get(s.seq_id)) is not None:
+                    self.policy.observe(s.seq_id, m.band, t, len(tokens) - 1)
+            news[s.seq_id] = news.get(s.seq_id, []) + s.commit(tokens)
+            if follow[i] and not (launched and i < len(chained)):
+                d = self.drafts[s.seq_id]
+                d.tokens += tokens
+                d.hidden.append(out.hidden)
+        drafted = Shape(max(t.depth for _, t in spec), max(t.nodes for _, t in spec))
+        self.choices[drafted] += 1
+        pure = not plain and all(t == shape for _, t in spec)
+        self._observe(t0, len(order), drafted, 1, steady and pure, prefill_s)
+
+    def _trees(self, spec: list[tuple[Sequence, Shape]]) -> tuple[dict[str, Tree], bool]:
+        """The trees of this round's drafting rows ({seq_id: tree}; a row missing: the drafter failed it) and
+        whether the round is steady (no joiner's prompt, no catch-up after a plain stretch)."""
+        trees = self._settle_launch()
+        todo = [(s, t) for s, t in spec if s.seq_id not in trees]
+        if not todo:
+            return trees, True
+        items = [self._propose_input(s, t) for s, t in todo]
+        steady = all(not it.start and len(it.token_ids) <= 8 for it in items)
+        try:
+            proposed = self.drafter.propose(items)
+        except Exception as e:  # noqa: BLE001 - a drafter failure never fails a request: they go on plainly
+            self._lose([s for s, _ in todo], e)
+            return trees, False
+        trees.update(zip([s.seq_id for s, _ in todo], proposed))
+        for s, _ in todo:
+            d = self.drafts[s.seq_id]
+            d.tokens, d.hidden, d.start = [], [], None
+        return trees, steady
+
+    def _propose_input(self, s: Sequence, t: Shape) -> ProposeInput:
+        """Its next propose: what the drafter has not seen (after a start item, the whole context: a joiner's
+        prompt, or a sequence caught up, with what it committed since)."""
+        d = self.drafts[s.seq_id]
+        st = d.start
+        if st is None:
+            hidden = torch.cat(d.hidden) if len(d.hidden) > 1 else d.hidden[0]  # [n, 3H]
+            return ProposeInput(s.seq_id, d.tokens, hidden, False, [], t.nodes, t.depth)
+        hidden = torch.cat([st.hidden, *d.hidden]) if d.hidden else st.hidden
+        tokens = st.token_ids + d.tokens
+        return ProposeInput(s.seq_id, tokens, hidden, True, st.context_prefix, t.nodes, t.depth, st.sampling)
+
+    def _settle_launch(self) -> dict[str, Tree]:
+        """The trees of the drafting launched behind the last verify, for its rows still running ({seq_id:
+        tree}): read even when a row does not draft this round, so that the drafter has its tokens."""
+        launch, self._launch = self._launch, None
+        if launch is None:
+            return {}
+        handle, rows = launch
+        read = [(sid, row) for sid, row in rows.items() if self.seqs[sid].status is Status.RUNNING]
+        return dict(zip([sid for sid, _ in read], self.drafter.read_after(handle, [row for _, row in read])))
+
+    def _plain(self, seqs: list[Sequence], news: dict[str, list[int]], t0: float, prefill_s: float) -> None:
+        """`plain_steps` decoding steps (fewer near every sequence's budget) with one host synchronisation;
+        the drafter's sequences keep the features of their tokens."""
+        seqs = [s for s in seqs if s.status is Status.RUNNING]
+        if not seqs:
+            return
+        rooms = self.verifier.room([s.seq_id for s in seqs])
+        for s, room in zip(seqs, rooms):
+            if room < 1:
+                s.end(Finish.CONTEXT)
+        seqs = [s for s, room in zip(seqs, rooms) if room >= 1]
+        if not seqs:
+            return
+        steps = max(1, min(self.cfg.plain_steps, max(s.left for s in seqs)))
+        follow = [self._following(s) for s in seqs]
+        try:
+            decoded = self.verifier.decode_many([s.seq_id for s in seqs], steps, with_hidden=any(follow))
+        except Exception as e:  # noqa: BLE001 - the step's sequences fail; the core goes on
+            log.exception("a decode of %d sequences failed", len(seqs))
+            for s in seqs:
+                self._fail(s, e)
+            return
+        took = len(decoded.tokens[0])
+        for i, (s, tokens) in enumerate(zip(seqs, decoded.tokens)):
+            news[s.seq_id] = news.get(s.seq_id, []) + s.commit(tokens)
+            if follow[i]:
+                d = self.drafts[s.seq_id]
+                d.tokens += tokens
+                d.hidden.append(decoded.hidden[i])
+        self.choices[PLAIN] += 1
+        pure = all(s.req.tree is None for s in seqs)
+        self._observe(t0, len(seqs), PLAIN, took, pure, prefill_s)
+
+    def _following(self, s: Sequence) -> bool:
+        d = self.drafts.get(s.seq_id)
+        return d is not None and not d.lost and not d.dead
+
+    def _observe(self, t0: float, batch: int, shape: Shape, steps: int, steady: bool, prefill_s: float) -> None:
+        """A round's cost for the policy: from the end of the round before (the host work between rounds is
+        the round's too) less any prefill of this step, when both rounds ran back to back and this one is
+        steady."""
+        end = self.clock()
+        last, self._last_end = self._last_end, end
+        if steady and last is not None and t0 - last < 0.05 + prefill_s:
+            self.policy.observe_round(batch, shape, end - last - prefill_s, steps)
+
+    # ---- failures ----
+    @staticmethod
+    def _fail(s: Sequence, e: BaseException) -> None:
+        s.end(Finish.ERROR, e)
+
+    def _lose(self, seqs: list[Sequence], e: BaseException) -> None:
+        """The drafter failed these sequences; nobody's request fails for it. A peer that is down: every
+        sequence is lost and the core goes plain until it answers again (_recover). One that no longer knows
+        them (it restarted): they are lost, caught up at the next retry. Another error (a context full for the
+        drafter, a bad input): these go on plainly to their end."""
+        down = isinstance(e, PeerUnavailable)
+        log.warning("the drafter failed %d sequence(s) (%s): plain decoding%s", len(seqs), e,
+                    " until it is back" if down else "")  # fmt: skip
+        if down:
+            self.degraded = True
+            self._launch, self._next = None, None
+        recover = down or isinstance(e, UnknownSequence)
+        for d in self.drafts.values() if down else [self.drafts[s.seq_id] for s in seqs]:
+            d.start, d.tokens, d.hidden = None, [], []
+            d.lost, d.dead = recover, d.dead or not recover
+        if recover:
+            self._retry_at = min(self._retry_at, self.clock() + self.cfg.draft_retry_s) if not down else (
+                self.clock() + self.cfg.draft_retry_s)  # fmt: skip
+
+    def _recover(self) -> None:
+        """Every draft_retry_s while sequences are lost: when the drafter answers, catch each running one up
+        (the features of its context recomputed in the verifier's spare slot, as after a prefill of all but its
+        last token, which is the one it chose)."""
+        if self.drafter is None or self.clock() < self._retry_at:
+            return
+        lost = [(sid, d) for sid, d in self.drafts.items() if d.lost and self.seqs[sid].status is Status.RUNNING]
+        if not lost and not self.degraded:
+            return
+        self._retry_at = self.clock() + self.cfg.draft_retry_s
+        if not getattr(self.drafter, "available", lambda: True)():
+            return
+        if self.degraded:
+            log.info("the drafter answers again: catching up %d sequence(s)", len(lost))
+        self.degraded = False
+        for sid, d in lost:
+            s = self.seqs[sid]
+            context = s.req.prompt_ids + s.tokens  # its last token is the next tree's root
+            try:
+                out = self.verifier.prefill(PrefillInput(SPARE_ID, context[:-1], SamplingConfig()))
+            finally:
+                self.verifier.release([SPARE_ID])
+            ids, prefix = start_shift(context[:-1], context[-1])
+            d.start = ProposeInput(sid, ids, out.hidden, True, prefix, 0, 0, s.req.sampling)
+            d.lost = False
+
+    # ---- retire ----
+    def _retire(self, news: dict[str, list[int]]) -> list[SeqOutput]:
+        outs = [output(self.seqs[sid], tokens) for sid, tokens in news.items() if sid in self.seqs]
+        done = [s for s in self.seqs.values() if s.status is Status.FINISHED]
+        if not done:
+            return outs
+        noted = set(news)
+        outs += [output(s, []) for s in done if s.seq_id not in noted]
+        ids = [s.seq_id for s in done if s.prefilled]  # a waiting one holds nothing
+        for s in done:
+            del self.seqs[s.seq_id]
+            self.policy.forget(s.seq_id)
+        self.verifier.release(ids)
+        drafted = [sid for sid in ids if self.drafts.pop(sid, None) is not None]
+        if drafted and self.drafter is not None and not self.degraded:
+            try:
+                self.drafter.release(drafted)
+            except Exception as e:  # noqa: BLE001 - a lost release: the drafter frees them when it restarts
+                log.warning("release of %d sequence(s) on the drafter failed: %s", len(drafted), e)
+        if self._launch is not None:
+            rows = self._launch[1]
+            for sid in ids:
+                rows.pop(sid, None)
+        return outs

@@ -1,0 +1,100 @@
+"""CUDA MPS for the stack: when several of its processes share one GPU, the MPS control daemon lets their kernels
+run side by side instead of taking turns (started if none runs, quit at exit if the stack started it)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger("services.stack")
+
+
+MPS_CONTROL = "nvidia-cuda-mps-control"
+MPS_DIRS = {"CUDA_MPS_PIPE_DIRECTORY": "pipe", "CUDA_MPS_LOG_DIRECTORY": "log"}  # variable: folder under a temp dir
+MPS_START_S = 5.0  # the daemon forks: its pipe appears shortly after -d returns
+
+
+def mps_wanted(choice: str, device: str, colocate: bool) -> bool:
+    """Whether the stack sees to a CUDA MPS daemon: more than one of its processes on one CUDA GPU.
+    Example: ("auto", "cuda", False) -> True; ("auto", "cuda", True) -> False (one process on the GPU);
+    ("auto", "cpu", False) -> False; ("off", "cuda", False) -> False."""
+    if choice not in ("auto", "off"):
+        raise ValueError(f"mps must be auto or off, got {choice!r}")
+    return choice == "auto" and device.startswith("cuda") and not colocate
+
+
+@dataclass
+class Mps:
+    """The CUDA MPS control daemon the stack's GPU processes connect to. The GPU's compute mode is never touched."""
+
+    exe: str
+    env: dict[str, str]  # MPS_DIRS for the children (empty: they find a daemon already running by themselves)
+    started: bool  # by this stack, which quits it at exit
+    environ: dict[str, str] = field(default_factory=dict)  # the stack's environment (without `env`)
+
+    @staticmethod
+    def answers(exe: str, environ: Mapping[str, str]) -> bool:
+        """Whether a control daemon answers at the pipe directory `environ` names (or the default one)."""
+        try:
+            r = subprocess.run(
+                [exe], input="get_server_list\n", env=dict(environ), capture_output=True, text=True, timeout=5
+            )
+        except (OSError, subprocess.TimeoutExpired):
+            return False
+        return r.returncode == 0
+
+    @classmethod
+    def start(cls, environ: Mapping[str, str]) -> Mps | None:
+        """Use the daemon running, or start one (its pipe and log folders from `environ`, else under a new
+        temporary folder); None, with a warning, when there is no daemon to be had."""
+        exe = shutil.which(MPS_CONTROL, path=environ.get("PATH"))
+        if exe is None:
+            log.warning("no %s on PATH: the GPU processes take turns at the GPU (no MPS)", MPS_CONTROL)
+            return None
+        if cls.answers(exe, environ):
+            where = environ.get("CUDA_MPS_PIPE_DIRECTORY", "its default pipe directory")
+            log.info("CUDA MPS: a control daemon is running (%s): the GPU processes share it", where)
+            return cls(exe, env={}, started=False, environ=dict(environ))
+        tmp = None if all(environ.get(k) for k in MPS_DIRS) else Path(tempfile.mkdtemp(prefix="specdec-mps-"))
+        env = {k: environ.get(k) or str(tmp / leaf) for k, leaf in MPS_DIRS.items()}
+        for d in env.values():
+            Path(d).mkdir(parents=True, exist_ok=True)
+        mps = cls(exe, env=env, started=True, environ=dict(environ))
+        try:
+            r = subprocess.run([exe, "-d"], env={**environ, **env}, capture_output=True, text=True, timeout=10)
+            why = f"exit status {r.returncode}: {(r.stderr or r.stdout).strip()[-500:]}" if r.returncode else ""
+        except (OSError, subprocess.TimeoutExpired) as e:
+            why = str(e)
+        if not why and not mps.answering(within=MPS_START_S):
+            why = f"it did not answer within {MPS_START_S:g} s"
+        if why:
+            log.warning("CUDA MPS: could not start %s -d (%s): the GPU processes take turns at the GPU", exe, why)
+            mps.stop()
+            return None
+        log.info("CUDA MPS: started the control daemon (pipes in %s, logs in %s)", *env.values())
+        return mps
+
+    def answering(self, within: float) -> bool:
+        deadline = time.monotonic() + within
+        while not self.answers(self.exe, {**self.environ, **self.env}):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.2)
+        return True
+
+    def stop(self) -> None:
+        """Quit the daemon this stack started (its servers exit once their clients have)."""
+        if not self.started:
+            return
+        with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+            subprocess.run(
+                [self.exe], input="quit\n", env={**self.environ, **self.env}, capture_output=True, text=True, timeout=10
+            )
+            log.info("CUDA MPS: control daemon stopped")

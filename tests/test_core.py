@@ -1,0 +1,238 @@
+"""The engine core (common/engine/core.py) in process, on the real model in float32 with the shipped EAGLE-3
+head: whatever the rounds draft (pinned trees, plain rows riding along, shapes switching every round, joiners,
+prompts in chunks, a drafter that fails and comes back), the tokens are the base model's greedy decoding cut
+by each request's rules; finished and aborted sequences leave nothing held; the policy learns from steady
+rounds only."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from common.config import DraftingConfig, SamplingConfig
+from common.engine.base import PrefillInput
+from common.engine.core import CoreConfig, EngineCore
+from common.engine.draft import Eagle3Drafter
+from common.engine.verifier import Verifier, VerifierConfig
+from common.errors import PeerUnavailable
+from common.policy import PLAIN, Choice, FixedPolicy, Shape
+from common.sequence import Finish, Request
+
+PROMPTS = [
+    [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 2, 198, 1, 4093, 198],
+    [1, 4093, 198, 4898, 314, 260, 6376, 4461, 47, 2, 198, 1, 520, 9531, 198],
+    [1, 520, 9531, 198, 504],
+    [1, 9690, 198, 4093, 198, 2683, 359, 253, 966, 282, 260, 2591, 506, 47],
+]
+TREE = Shape(3, 8)
+
+
+@pytest.fixture(scope="module")
+def engines():
+    from common.model.eagle3_io import load_eagle3
+    from common.weights import load_checkpoint
+
+    ckpt = load_checkpoint()
+    v = Verifier(ckpt, VerifierConfig(max_sequences=5, max_context=256, max_tree_nodes=24))
+    head, _ = load_eagle3("models/eagle3-smollm2")
+    d = Eagle3Drafter(head.float().eval(), v.model.embed_tokens, DraftingConfig(4, 4, 20), 5, 256, "cpu")
+    return v, d
+
+
+@pytest.fixture(scope="module")
+def plain(engines):
+    """The verifier's own greedy decoding of each prompt, 16 tokens: what every core run must produce."""
+    v, _ = engines
+    out = []
+    for p in PROMPTS:
+        tokens = [v.prefill(PrefillInput("ref", p, SamplingConfig())).next_token]
+        while len(tokens) < 16:
+            tokens += v.decode(["ref"])
+        v.release(["ref"])
+        out.append(tokens)
+    return out
+
+
+class Cycle:
+    """A test policy: the next shape of a list every round (plain included)."""
+
+    name = "cycle"
+
+    def __init__(self, shapes):
+        self.shapes = itertools.cycle(shapes)
+        self.rounds: list = []  # observe_round's calls
+
+    def choose(self, members, plain_steps, batch=None):
+        return Choice(next(self.shapes))
+
+    def observe_round(self, batch, shape, seconds, steps=1):
+        self.rounds.append((batch, shape, steps))
+
+    def observe(self, seq_id, band, shape, accepted):
+        pass
+
+    def forget(self, seq_id):
+        pass
+
+    def estimates(self):
+        return []
+
+
+def run(core: EngineCore, arrivals: dict[int, list[Request]] | None = None, abort: dict[int, str] | None = None):
+    """Step the core until every sequence is done: {seq_id: (tokens, finish, rounds)}. arrivals: requests added
+    before the step of that number; abort: a sequence aborted before that step."""
+    got: dict[str, list] = {}
+    for step in itertools.count():
+        for r in (arrivals or {}).get(step, []):
+            core.add(r)
+        if (abort or {}).get(step):
+            core.abort(abort[step])
+        if step > max((arrivals or {0: 0}).keys()) and not core.seqs and not core._inbox:
+            return got
+        for o in core.step():
+            tokens, _, rounds = got.get(o.seq_id, ([], None, 0))
+            got[o.seq_id] = (tokens + o.tokens, o.finish, rounds + o.rounds)
+        assert step < 400, "the core does not finish"
+
+
+def req(i: int, max_new: int = 16, **kw) -> Request:
+    return Request(f"s{i}", PROMPTS[i], SamplingConfig(), max_new=max_new, **kw)
+
+
+def check_free(core: EngineCore) -> None:
+    v, d = core.verifier, core.drafter
+    assert not core.seqs and not core.drafts
+    assert v.release([f"s{i}" for i in range(len(PROMPTS))]) == 0  # nothing left held on either engine
+    assert d.release([f"s{i}" for i in range(len(PROMPTS))]) == 0
+
+
+def test_rounds_equal_plain_decoding_with_pins_plain_rows_and_stops(engines, plain):
+    """A policy tree, a pinned smaller tree, a request that does not speculate (it rides along as a tree of no
+    nodes), a stop token id and a short budget: every output is the plain greedy one cut by its own rules, and
+    the drafting after the first round was launched behind each verify (the device chain)."""
+    v, d = engines
+    launched = []
+    launch = d.launch_after
+    d.launch_after = lambda items, acc: launched.append(len(items)) or launch(items, acc)
+    try:
+        core = EngineCore(v, d, FixedPolicy(TREE), CoreConfig(max_sequences=4))
+        stop = plain[3][9]  # its first occurrence ends s3
+        got = run(
+            core,
+            {
+                0: [
+                    req(0),
+                    req(1, tree=Shape(2, 4)),
+                    req(2, speculative=False),
+                    req(3, stop_ids=frozenset({stop})),
+                ]
+            },
+        )
+    finally:
+        d.launch_after = launch
+    for i in range(3):
+        assert got[f"s{i}"][0] == plain[i], i
+    cut = plain[3].index(stop) + 1
+    assert got["s3"][0] == plain[3][:cut] and got["s3"][1] is Finish.TOKEN
+    assert got["s0"][1] is Finish.LENGTH and got["s0"][2] > 0 and got["s1"][2] > 0 and got["s2"][2] == 0
+    assert len(launched) > 3  # the rounds after the first drafted on the device behind the verify
+    check_free(core)
+
+
+def test_shapes_switching_every_round_keep_the_output(engines, plain):
+    """Plain steps, chains and trees in turn, joiners arriving mid-run and prompts prefilled 6 tokens a step:
+    the same tokens as plain decoding."""
+    v, d = engines
+    policy = Cycle([PLAIN, Shape(1, 1), Shape(3, 8), TREE, Shape(2, 4)])
+    core = EngineCore(v, d, policy, CoreConfig(max_sequences=3, prefill_chunk=6, plain_steps=3))
+    got = run(core, {0: [req(0, 16), req(1, 12)], 3: [req(2, 10)], 6: [req(3, 16)]})
+    for i, n in enumerate((16, 12, 10, 16)):
+        assert got[f"s{i}"][0] == plain[i][:n], i
+    shapes = {s for _, s, _ in policy.rounds}
+    assert PLAIN in shapes and len(shapes) > 2  # steady rounds of several shapes were reported
+    check_free(core)
+
+
+class Flaky:
+    """The EAGLE drafter behind a link that goes down: proposes fail while `down`, and available() says so."""
+
+    def __init__(self, inner):
+        self.inner, self.down, self.name = inner, False, inner.name
+        self.fails = 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def propose(self, items):
+        if self.down:
+            self.fails += 1
+            raise PeerUnavailable("the draft is down")
+        return self.inner.propose(items)
+
+    def launch_after(self, items, accepted):
+        return None  # a drafter in another process never drafts on this device
+
+    def available(self):
+        return not self.down
+
+
+def test_a_drafter_that_fails_costs_nothing_and_speculation_resumes(engines, plain):
+    """The drafter goes down mid-run: the sequences go on plainly (same tokens), the core reports degraded; it
+    comes back: they are caught up (features recomputed in the spare slot) and draft again."""
+    v, d = engines
+    flaky = Flaky(d)
+    cfg = CoreConfig(max_sequences=4, plain_steps=1, draft_retry_s=1e-3)
+    core = EngineCore(v, flaky, Cycle([Shape(1, 1), Shape(3, 8)]), cfg)
+    for i in range(2):
+        core.add(req(i))
+    got = {f"s{i}": [] for i in range(2)}
+    rounds_after = 0
+    for step in range(200):
+        if step == 3:
+            flaky.down = True
+        if step == 6:
+            assert core.degraded and flaky.fails
+            flaky.down = False
+        for o in core.step():
+            got[o.seq_id] += o.tokens
+            if step > 6:
+                rounds_after += o.rounds
+        if not core.seqs:
+            break
+    for i in range(2):
+        assert got[f"s{i}"] == plain[i], i
+    assert flaky.fails and rounds_after > 0 and not core.degraded
+    check_free(core)
+
+
+def test_abort_and_a_one_token_budget(engines, plain):
+    v, d = engines
+    core = EngineCore(v, d, FixedPolicy(TREE), CoreConfig(max_sequences=4))
+    got = run(core, {0: [req(0), req(1, max_new=1)]}, abort={3: "s0"})
+    assert got["s1"][0] == plain[1][:1] and got["s1"][1] is Finish.LENGTH
+    assert got["s0"][1] is Finish.ABORT and got["s0"][0] == plain[0][: len(got["s0"][0])]
+    check_free(core)
+
+
+def test_more_requests_than_slots_wait_their_turn(engines, plain):
+    v, d = engines
+    core = EngineCore(v, d, FixedPolicy(Shape(2, 4)), CoreConfig(max_sequences=2))
+    got = run(core, {0: [req(i, 10) for i in range(4)]})
+    for i in range(4):
+        assert got[f"s{i}"][0] == plain[i][:10]
+    check_free(core)
+
+
+def test_the_policy_hears_of_steady_rounds_only(engines):
+    """Rounds that propose a joiner's first tree (its whole prompt through the drafter) are not steady: the
+    policy's cost samples come from the rounds after them."""
+    v, d = engines
+    policy = Cycle([TREE])
+    torch.manual_seed(0)
+    core = EngineCore(v, d, policy, CoreConfig(max_sequences=4))
+    run(core, {0: [req(0, 12), req(1, 12)]})
+    assert policy.rounds and all(shape == TREE for _, shape, _ in policy.rounds)
+    spec_rounds = sum(n for s, n in core.choices.items() if not s.plain)
+    assert len(policy.rounds) < spec_rounds  # the first round (the joiners' proposes) was left out
