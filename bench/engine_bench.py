@@ -43,6 +43,9 @@ class RunResult:
     rounds: int  # verification rounds, summed over sequences
     acceptance_length: float | None  # tokens per verification round, the bonus included
     choices: dict  # the core's rounds per shape in this run
+    # where a step's time went, ms: per round (choose, trees, joining, verify, commit) or plain call (plain,
+    # plain_commit), and per step (setup: admission and prefill; retire: releases and outputs)
+    phases: dict
     ratio_to_plain: float | None = None
 
 
@@ -54,7 +57,7 @@ def prompts(tok) -> list[list[int]]:
 def run(core, load: list[list[int]], method: str, c: int, n: int, max_new: int, sampling: SamplingConfig, eos: int):
     """One closed-loop run of n requests, c in flight."""
     tree = Shape.parse(method.split(":", 1)[1]) if method.startswith("tree:") else None
-    before = dict(core.choices)
+    before, times_before = dict(core.choices), dict(core.times)
     started: dict[str, float] = {}
     tokens: dict[str, int] = {}
     per_request: list[float] = []
@@ -84,6 +87,16 @@ def run(core, load: list[list[int]], method: str, c: int, n: int, max_new: int, 
     wall = time.perf_counter() - t0
     total = sum(tokens.values())
     choices = {str(s): k - before.get(s, 0) for s, k in core.choices.items() if k - before.get(s, 0)}
+    spent = {k: v - times_before.get(k, 0) for k, v in core.times.items()}
+    per = {"rounds": ("choose", "trees", "joining", "verify", "commit"), "plain_calls": ("plain", "plain_commit")}
+    phases = {}
+    for count, names in per.items():
+        for name in names:
+            if spent.get(count):
+                phases[name] = round(1e3 * spent.get(name, 0.0) / spent[count], 3)
+    phases["steps"] = spent.get("rounds", 0) + spent.get("plain_calls", 0)
+    for name in ("setup", "retire"):
+        phases[name] = round(1e3 * spent.get(name, 0.0) / max(phases["steps"], 1), 3)
     return RunResult(
         method=method,
         concurrency=c,
@@ -95,21 +108,24 @@ def run(core, load: list[list[int]], method: str, c: int, n: int, max_new: int, 
         rounds=rounds,
         acceptance_length=round((accepted + rounds) / rounds, 3) if rounds else None,
         choices=choices,
+        phases=phases,
     )
 
 
 def table(results: list[RunResult]) -> str:
     lines = [
-        "| c | method | requests | tokens | tok/s total | tok/s per request | x plain | acceptance | rounds by shape |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---|",
+        "| c | method | requests | tokens | tok/s total | tok/s per request | x plain | acceptance | rounds by shape "
+        "| ms per round or plain call |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for r in results:
         ratio = f"{r.ratio_to_plain:.2f}" if r.ratio_to_plain is not None else "-"
         acc = f"{r.acceptance_length:.2f}" if r.acceptance_length is not None else "-"
         shapes = ", ".join(f"{s} {k}" for s, k in sorted(r.choices.items()))
+        phases = ", ".join(f"{k} {v:.2f}" for k, v in r.phases.items() if k != "steps" and v)
         lines.append(
             f"| {r.concurrency} | {r.method} | {r.requests} | {r.tokens} | {r.tok_s_total:.0f} | "
-            f"{r.tok_s_per_request:.0f} | {ratio} | {acc} | {shapes} |"
+            f"{r.tok_s_per_request:.0f} | {ratio} | {acc} | {shapes} | {phases} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -1,13 +1,16 @@
 """Which drafted tokens the base model accepts, and how its KV cache is compacted afterwards.
 
-Plain Python/numpy: the verifier supplies the base model's choices per tree row (row 0 = root,
-row i + 1 = node i, see common/tree.py) and gets back the accepted path.
+Plain Python/numpy, one tree at a time: the specification of the engines' acceptance on the device
+(common.kernels.reference.accept_tree, common.kernels.speculative.accept_sampled_tree), which the tests
+compare with it. The caller supplies the base model's choices or distributions per tree row (row 0 =
+root, row i + 1 = node i, see common/tree.py) and gets back the accepted path.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -24,6 +27,26 @@ class Acceptance:
     @property
     def num_accepted(self) -> int:
         return len(self.path)
+
+
+class Draws(Protocol):
+    """The random numbers of the sampled rules: the uniform of each node's acceptance test, and the bonus."""
+
+    def accept(self, node: int) -> float: ...  # uniform [0, 1) of the test of node `node` (tree row node + 1)
+    def token(self, p: np.ndarray) -> int: ...  # a token drawn from p [V] (normalised)
+
+
+@dataclass
+class GeneratorDraws:
+    """Draws from a numpy generator, in the order the rules ask for them."""
+
+    rng: np.random.Generator
+
+    def accept(self, node: int) -> float:
+        return float(self.rng.random())
+
+    def token(self, p: np.ndarray) -> int:
+        return int(self.rng.choice(p.shape[0], p=p))
 
 
 def accept_greedy(tokens: np.ndarray, parents: np.ndarray, target: np.ndarray) -> Acceptance:
@@ -49,7 +72,7 @@ def accept_greedy(tokens: np.ndarray, parents: np.ndarray, target: np.ndarray) -
 
 
 def accept_sampled(
-    tokens: np.ndarray, parents: np.ndarray, target_probs: Callable[[int], np.ndarray], rng: np.random.Generator
+    tokens: np.ndarray, parents: np.ndarray, target_probs: Callable[[int], np.ndarray], draws: Draws
 ) -> Acceptance:
     """Lossless multi-draft rejection sampling with the drafts treated as one-hot proposals.
 
@@ -69,13 +92,13 @@ def accept_sampled(
             mass = p.sum()
             if mass <= 0:
                 break
-            if rng.random() * mass < p[x]:
+            if draws.accept(c) * mass < p[x]:
                 return c, p
             p[x] = 0.0
         # every candidate rejected and nothing left cannot happen when p > 0: then the target itself
         return None, (p if p.sum() > 0 else target)
 
-    return _descend(tokens, parents, target_probs, rng, row_rule)
+    return _descend(tokens, parents, target_probs, draws, row_rule)
 
 
 def accept_sampled_q(
@@ -83,7 +106,7 @@ def accept_sampled_q(
     parents: np.ndarray,
     q: DraftQ,
     target_probs: Callable[[int], np.ndarray],
-    rng: np.random.Generator,
+    draws: Draws,
 ) -> Acceptance:
     """Lossless recursive rejection sampling over siblings drawn from the draft's q without replacement.
 
@@ -126,7 +149,7 @@ def accept_sampled_q(
             x = int(tokens[c])
             j = int(np.flatnonzero(q_ids == x)[0])
             qi = left / left.sum()  # [M] q_i
-            if rng.random() * qi[j] < p[x]:
+            if draws.accept(c) * qi[j] < p[x]:
                 return c, p
             residual = p.copy()
             residual[q_ids] = np.maximum(p[q_ids] - qi, 0.0)
@@ -136,7 +159,7 @@ def accept_sampled_q(
             left[j] = 0.0
         return None, p
 
-    return _descend(tokens, parents, target_probs, rng, row_rule)
+    return _descend(tokens, parents, target_probs, draws, row_rule)
 
 
 RowRule = Callable[[int, list[int], np.ndarray], tuple[int | None, np.ndarray]]
@@ -146,7 +169,7 @@ def _descend(
     tokens: np.ndarray,
     parents: np.ndarray,
     target_probs: Callable[[int], np.ndarray],
-    rng: np.random.Generator,
+    draws: Draws,
     row_rule: RowRule,
 ) -> Acceptance:
     """The walk both sampling rules share: from the root, row_rule(row, its children, p [V] float64) says
@@ -158,7 +181,7 @@ def _descend(
     while True:
         accepted, p = row_rule(row, kids[row], np.array(target_probs(row), dtype=np.float64))
         if accepted is None:
-            bonus = int(rng.choice(p.shape[0], p=p / p.sum()))
+            bonus = draws.token(p / p.sum())
             return Acceptance(path=path, tokens=[int(tokens[c]) for c in path] + [bonus])
         path.append(accepted)
         row = accepted + 1

@@ -11,10 +11,12 @@ plus the accepted drafted tokens; a plain iteration commits `plain_steps` tokens
 Acceptance (AcceptanceTable). alpha(band, s, i) = (passed + w * pool) / (reached + w): decayed counts of the
 rounds of s that reached level i and accepted there, w = prior_weight pseudo-rounds of the pooled figure:
 the same band's level i over every shape, which itself leans on the greedy band's level i, which leans on
-`prior`. Counts halve every `half_life` rounds (calls to choose) whether or not their shape runs, so a
-shape left unobserved relaxes toward the pooled figure, which relaxes toward the prior: no estimate is
-condemned forever. f_m (SequenceFactor) is how the sequence accepts against its band: accepted / expected
-over its last few verifications, shrunk toward 1 by seq_prior pseudo-verifications.
+`prior`. A shape's counts halve every `half_life` rounds (calls to choose) whether or not it runs, so a
+shape left unobserved relaxes toward the pooled figure: no estimate is condemned forever. The pooled counts
+decay by verifications only (half-life pooled_half_life), so they stay the draft's recent acceptance on this
+traffic through any stretch of plain rounds (pinned trees feed them too). f_m (SequenceFactor) is how the
+sequence accepts against its band: accepted / expected over its last few verifications, shrunk toward 1 by
+seq_prior pseudo-verifications.
 
 Cost (CostModel), per batch bucket and shape: a batch maps to the smallest bucket >= it (the configured
 buckets plus the calibrated batches: the engines' graphs). A shape with steady rounds at the bucket costs
@@ -172,7 +174,8 @@ class PolicyConfig:
     buckets: tuple[int, ...] = DEFAULT_BUCKETS  # batch buckets (the calibrated batches are added)
     prior: float = 0.5  # acceptance per level before anything is observed
     prior_weight: float = 2.0  # pseudo-rounds of the pooled figure in every acceptance estimate
-    half_life: float = 64.0  # rounds (calls to choose) in which acceptance counts halve
+    half_life: float = 256.0  # rounds (calls to choose) in which a shape's acceptance counts halve
+    pooled_half_life: float = 512.0  # verifications in which the pooled counts halve (they never decay by rounds)
     seq_prior: float = 1.0  # pseudo-verifications at factor 1 in a sequence's factor
     seq_memory: float = 4.0  # a sequence's verifications in which its factor's counts halve
     cost_window: int = 8  # steady rounds in a cost median
@@ -189,8 +192,8 @@ class PolicyConfig:
             raise ValueError(f"buckets must be batch sizes >= 1, got {self.buckets}")
         if not 0 < self.prior < 1 or not self.prior_weight > 0 or not self.seq_prior > 0:
             raise ValueError("prior must be in (0, 1), prior_weight and seq_prior > 0")
-        if not self.half_life > 0 or not self.seq_memory > 0:
-            raise ValueError("half_life and seq_memory must be > 0")
+        if not self.half_life > 0 or not self.seq_memory > 0 or not self.pooled_half_life > 0:
+            raise ValueError("half_life, pooled_half_life and seq_memory must be > 0")
         if self.cost_window < 1 or self.cost_memory < 1 or self.try_rounds < 1:
             raise ValueError("cost_window, cost_memory and try_rounds must be >= 1")
         if not 1 <= self.retry_base <= self.retry_cap:
@@ -215,9 +218,10 @@ class Clock:
 
 
 class AcceptanceTable:
-    """Per (band, menu shape, level): decayed counts of rounds that reached the level and that accepted
-    there; per (band, level) their sums over every shape (a pinned shape off the menu counts there only),
-    for the pooled figures (module docstring). Lists follow the menu: [shape][level].
+    """Per (band, menu shape, level): counts of rounds that reached the level and that accepted there, decayed
+    by rounds; per (band, level) their sums over every shape (a pinned shape off the menu counts there only),
+    decayed by verifications alone: the pooled figures are the draft's recent acceptance on this traffic, which a
+    stretch of plain rounds does not wear away (module docstring). Lists follow the menu: [shape][level].
 
     Example (prior weight ~0, no decay): shape 3x8 accepting 2 then 0 -> level 1 reached 2 passed 1, level 2
     reached 1 passed 1, level 3 reached 1 passed 0 -> alpha = (0.5, 1.0, 0.0), E = .5 + .5 * 1 + 0 = 1."""
@@ -229,13 +233,12 @@ class AcceptanceTable:
         self.levels = max(s.depth for s in cfg.menu)
         self.reached: dict[str, list[list[float]]] = {}  # band -> [menu][depth], in the clock's stored units
         self.passed: dict[str, list[list[float]]] = {}
-        self.reached_sum: dict[str, list[float]] = {}  # band -> [levels]: over every shape
+        self.reached_sum: dict[str, list[float]] = {}  # band -> [levels]: over every shape, per verification
         self.passed_sum: dict[str, list[float]] = {}
+        self.pooled_decay = 0.5 ** (1 / cfg.pooled_half_life)
 
     def rebase(self, s: float) -> None:
-        """Multiply every stored count by s (the clock's scale, before it resets)."""
-        for v in (*self.reached_sum.values(), *self.passed_sum.values()):
-            v[:] = [x * s for x in v]
+        """Multiply every stored count decayed by rounds by s (the clock's scale, before it resets)."""
         for table in (*self.reached.values(), *self.passed.values()):
             for v in table:
                 v[:] = [x * s for x in v]
@@ -248,28 +251,29 @@ class AcceptanceTable:
         for t in (self.reached_sum, self.passed_sum):
             v = t.setdefault(band, [])
             v.extend([0.0] * (self.levels - len(v)))
-        reached, passed = [self.reached_sum[band]], [self.passed_sum[band]]
+            v[:] = [x * self.pooled_decay for x in v]
+        rs, ps = self.reached_sum[band], self.passed_sum[band]
         i = self.index.get(shape)
-        if i is not None:
-            reached.append(self.reached[band][i])
-            passed.append(self.passed[band][i])
+        r, p = (self.reached[band][i], self.passed[band][i]) if i is not None else (None, None)
         one = 1 / self.clock.scale
         for level in range(min(accepted + 1, shape.depth)):  # reached: up to the first rejected level
-            for v in reached:
-                v[level] += one
+            rs[level] += 1
+            if r is not None:
+                r[level] += one
             if accepted > level:
-                for v in passed:
-                    v[level] += one
+                ps[level] += 1
+                if p is not None:
+                    p[level] += one
 
     def pooled(self, band: str) -> list[float]:
         """[levels] the band's acceptance per level over every shape, leaning on the greedy band's, which
         leans on the prior."""
-        s, w = self.clock.scale, self.w
+        w = self.w
         out = [self.prior] * self.levels
         for b in ("greedy", band) if band != "greedy" else ("greedy",):
             rs, ps = self.reached_sum.get(b), self.passed_sum.get(b)
             if rs is not None and ps is not None:
-                out = [(p * s + w * g) / (r * s + w) for r, p, g in zip(rs, ps, out)] + out[len(rs) :]
+                out = [(p + w * g) / (r + w) for r, p, g in zip(rs, ps, out)] + out[len(rs) :]
         return out
 
     def alphas(self, band: str, shape: Shape) -> list[float]:

@@ -16,7 +16,7 @@ import enum
 from dataclasses import dataclass, field
 
 from common.config import SamplingConfig
-from common.policy import Shape
+from common.policy import Shape, band
 from common.rounds import cut_at_stop
 
 
@@ -71,6 +71,7 @@ class Sequence:
 
     req: Request
     seq_id: str = ""  # req.seq_id (an attribute: read several times a sequence a step)
+    band: str = ""  # its temperature band (common.policy.band): the policy's acceptance statistics
     status: Status = Status.WAITING
     prefilled: int = 0  # prompt tokens in the verifier's cache
     tokens: list[int] = field(default_factory=list)  # [generated] committed tokens
@@ -84,6 +85,7 @@ class Sequence:
 
     def __post_init__(self) -> None:
         self.seq_id = self.req.seq_id
+        self.band = band(self.req.sampling.temperature)
 
     @property
     def generated(self) -> int:

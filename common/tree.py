@@ -137,6 +137,9 @@ def validate_q(tokens: np.ndarray, parents: np.ndarray, q: DraftQ) -> DraftQ:
         raise InvalidRequest("q rows must be ascending tree rows")
     if not np.isfinite(probs).all() or (probs < 0).any() or (np.abs(probs.sum(1) - 1) > 1e-3).any():
         raise InvalidRequest("q probabilities must be finite, non-negative and sum to 1 per row")
+    held = np.sort(np.where(probs > 0, ids, -1 - np.arange(ids.shape[1])), axis=1)  # [R, M] unheld ids distinct
+    if ids.shape[1] and (np.diff(held, axis=1) == 0).any():
+        raise InvalidRequest("q names a token twice in a row")
     out = DraftQ(rows=rows, ids=ids, probs=probs)
     for row, kids in enumerate(children_lists(parents)):
         if not kids:
@@ -232,3 +235,82 @@ def select_top_nodes(scores: np.ndarray, parents: np.ndarray, keep: int) -> tupl
     if (new_parents[parents[kept] >= 0] < 0).any():
         raise ValueError("tree selection dropped a parent while keeping its child")
     return kept, new_parents
+
+
+def widest(trees: list[Tree]) -> int:
+    """The most children one row of these trees has (0 for trees without nodes).
+    Example: parents [-1, -1, 0] and [-1] -> the first tree's root has 2 -> 2."""
+    sizes = np.array([t.size for t in trees], dtype=np.int64)
+    if not sizes.sum():
+        return 0
+    item, _ = node_positions(sizes)
+    parent = np.concatenate([t.parents for t in trees]) + 1  # [N] parent rows
+    return int(np.bincount(item * (int(sizes.max()) + 1) + parent).max())
+
+
+@dataclass(frozen=True)
+class RowSets:
+    """The tokens the sampled acceptance follows at each tree row of a batch (common.kernels.speculative's
+    TreeSets on the device): at a row of a tree with q, its q (ids and probabilities); at a row of a one-hot
+    tree, its children's distinct tokens in node order (probability 1). Entries past a row's set: 0."""
+
+    ids: np.ndarray  # [B, T, W] int64
+    q: np.ndarray  # [B, T, W] float32 (0: not in the set)
+    pos: np.ndarray  # [B, T] int64: row i + 1 (node i)'s position in its parent row's set; 0 for row 0 and padding
+
+
+def row_sets(trees: list[Tree], t: int, width: int) -> RowSets:
+    """The sets of a batch of trees padded to t rows and `width` tokens (at least every q's M and every
+    row's children).
+    Example (one-hot): tokens [7, 9, 7, 5], parents [-1, -1, -1, 0] -> the root's set [7, 9] (node 2 repeats
+    7: position 0, like node 0), node 0's [5]; pos of rows 1..4: [0, 1, 0, 0].
+    With q at the root, ids [9, 7, 3]: the root's set is [9, 7, 3] and its children's positions follow it."""
+    b = len(trees)
+    ids = np.zeros((b, t, width), dtype=np.int64)
+    q = np.zeros((b, t, width), dtype=np.float32)
+    pos = np.zeros((b, t), dtype=np.int64)
+    sizes = np.array([tr.size for tr in trees], dtype=np.int64)
+    item, node = node_positions(sizes)  # [N] each
+    if not item.shape[0]:
+        return RowSets(ids=ids, q=q, pos=pos)
+    tokens = np.concatenate([tr.tokens for tr in trees])
+    parent = np.concatenate([tr.parents for tr in trees]) + 1  # [N] parent rows
+    with_q = np.array([tr.q is not None for tr in trees])
+    hot = ~with_q[item]  # [N] nodes of one-hot trees
+    if hot.any():
+        rank = _distinct_rank(item[hot] * t + parent[hot], tokens[hot], node[hot])
+        ids[item[hot], parent[hot], rank] = tokens[hot]
+        q[item[hot], parent[hot], rank] = 1.0
+        pos[item[hot], node[hot] + 1] = rank
+    if with_q.any():
+        drafted = [i for i in range(b) if with_q[i]]
+        for i in drafted:  # a few array copies a tree
+            dq = trees[i].q
+            ids[i, dq.rows, : dq.ids.shape[1]] = dq.ids
+            q[i, dq.rows, : dq.ids.shape[1]] = dq.probs
+        sampled = ~hot
+        at = ids[item[sampled], parent[sampled]] == tokens[sampled][:, None]  # [n, W] its token in its parent's q
+        pos[item[sampled], node[sampled] + 1] = at.argmax(1)
+    return RowSets(ids=ids, q=q, pos=pos)
+
+
+def _distinct_rank(group: np.ndarray, tokens: np.ndarray, node: np.ndarray) -> np.ndarray:
+    """[n] each node's place among its group's distinct tokens in node order (a repeated token: its first's).
+    group, tokens, node [n]; node ascending within a group.
+    Example: group [0, 0, 0, 1], tokens [7, 9, 7, 5], node [0, 1, 2, 3] -> [0, 1, 0, 0]."""
+    n = group.shape[0]
+    by_token = np.lexsort((node, tokens, group))  # runs of one (group, token), first occurrence first
+    new = np.ones(n, dtype=bool)
+    new[1:] = (group[by_token][1:] != group[by_token][:-1]) | (tokens[by_token][1:] != tokens[by_token][:-1])
+    run = np.cumsum(new) - 1  # [n] run of each sorted node
+    firsts = by_token[new]  # [runs] the first node of each run
+    order = np.lexsort((node[firsts], group[firsts]))  # the firsts by group, then node
+    g = group[firsts][order]
+    starts = np.ones(order.shape[0], dtype=bool)
+    starts[1:] = g[1:] != g[:-1]
+    at = np.arange(order.shape[0])
+    first_rank = np.empty(order.shape[0], dtype=np.int64)
+    first_rank[order] = at - np.maximum.accumulate(np.where(starts, at, 0))
+    rank = np.empty(n, dtype=np.int64)
+    rank[by_token] = first_rank[run]
+    return rank

@@ -1,7 +1,8 @@
 """Start the services as separate processes, wait until they serve, and keep them serving.
 
 python -m services.stack            serve until Ctrl-C or SIGTERM (gateway on $GATEWAY_ADDR or 127.0.0.1:50051)
-python -m services.stack --demo     also stream one demo generation with its speculation stats
+python -m services.stack --demo     also stream one demo generation, time it with a tree and plainly, and say why
+                                   the speculation policy chose what it did
 python -m services.stack --colocate on|off|auto   the draft inside the verifier's process (two processes, see
                                    README) or in a process of its own; auto (the default): inside on a GPU
 Tests use `Stack` with port 0 everywhere, or run this command with --state-file to learn its children.
@@ -313,9 +314,9 @@ def main() -> None:
             stack.log_dir,
         )
         if a.demo:
-            from services.client import stream
+            from services.client import demo
 
-            stream(stack.gateway, "Why is the sky blue?", max_tokens=96, chat=True, out=sys.stdout)
+            demo(stack.gateway)
         log.info("serving until Ctrl-C or SIGTERM; a child that exits is restarted")
         supervisor.run()
     except _Stop as e:

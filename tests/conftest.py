@@ -49,17 +49,3 @@ def stack():
     s = _stack()
     yield s
     s.stop()
-
-
-@pytest.fixture(scope="session")
-def greedy_oracle_stack():
-    s = _stack("--drafter", "oracle-greedy")
-    yield s
-    s.stop()
-
-
-@pytest.fixture(scope="session")
-def wrong_oracle_stack():
-    s = _stack("--drafter", "oracle-wrong")
-    yield s
-    s.stop()

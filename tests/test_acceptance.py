@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from common.acceptance import accept_greedy, accept_sampled, compaction_plan
+from common.acceptance import GeneratorDraws, accept_greedy, accept_sampled, compaction_plan
 from common.config import SamplingConfig
 from common.sampling import target_distribution
 
@@ -41,7 +41,7 @@ def test_sampled_acceptance_is_lossless():
     p = np.array([0.5, 0.3, 0.15, 0.05])
     tokens = np.array([1, 3, 0])  # three siblings under the root, in draft order
     parents = np.array([-1, -1, -1])
-    rng = np.random.default_rng(0)
+    rng = GeneratorDraws(np.random.default_rng(0))
     n = 40000
     counts = np.zeros(4)
     for _ in range(n):
@@ -59,3 +59,13 @@ def test_target_distribution_top_k_top_p():
     assert np.allclose(p, [0.625, 0.375, 0, 0])  # 0.5 + 0.3 reaches 0.8
     p = target_distribution(logits, SamplingConfig(temperature=1.0, top_p=0.81))
     assert np.allclose(p, np.array([0.5, 0.3, 0.15, 0]) / 0.95)
+
+
+def test_target_distribution_keeps_ties_of_the_last_token_kept():
+    """Both filters keep every token tied with the last one they keep (the device keeps tokens at or above
+    one logit): [2, 1, 1, 0] at top_p .6 reaches .6 at the first 1 (.48 + .18 = .66), so both 1s stay;
+    top_k 2 keeps them too."""
+    logits = np.array([2.0, 1.0, 1.0, 0.0])
+    e = np.exp(logits[:3])
+    for cfg in (SamplingConfig(temperature=1.0, top_p=0.6), SamplingConfig(temperature=1.0, top_k=2)):
+        np.testing.assert_allclose(target_distribution(logits, cfg), np.append(e / e.sum(), 0))

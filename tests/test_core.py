@@ -27,6 +27,7 @@ PROMPTS = [
     [1, 9690, 198, 4093, 198, 2683, 359, 253, 966, 282, 260, 2591, 506, 47],
 ]
 TREE = Shape(3, 8)
+CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
@@ -183,7 +184,7 @@ def test_a_drafter_that_fails_costs_nothing_and_speculation_resumes(engines, pla
     comes back: they are caught up (features recomputed in the spare slot) and draft again."""
     v, d = engines
     flaky = Flaky(d)
-    cfg = CoreConfig(max_sequences=4, plain_steps=1, draft_retry_s=1e-3)
+    cfg = CoreConfig(max_sequences=4, plain_steps=1, rounds_per_step=1, draft_retry_s=1e-3)
     core = EngineCore(v, flaky, Cycle([Shape(1, 1), Shape(3, 8)]), cfg)
     for i in range(2):
         core.add(req(i))
@@ -209,7 +210,7 @@ def test_a_drafter_that_fails_costs_nothing_and_speculation_resumes(engines, pla
 
 def test_abort_and_a_one_token_budget(engines, plain):
     v, d = engines
-    core = EngineCore(v, d, FixedPolicy(TREE), CoreConfig(max_sequences=4))
+    core = EngineCore(v, d, FixedPolicy(TREE), CoreConfig(max_sequences=4, rounds_per_step=1))
     got = run(core, {0: [req(0), req(1, max_new=1)]}, abort={3: "s0"})
     assert got["s1"][0] == plain[1][:1] and got["s1"][1] is Finish.LENGTH
     assert got["s0"][1] is Finish.ABORT and got["s0"][0] == plain[0][: len(got["s0"][0])]
@@ -223,6 +224,23 @@ def test_more_requests_than_slots_wait_their_turn(engines, plain):
     for i in range(4):
         assert got[f"s{i}"][0] == plain[i][:10]
     check_free(core)
+
+
+def test_oracle_drafters_accept_whole_chains_or_nothing(engines, plain):
+    """The greedy oracle drafts the base model's own continuation (every round accepts its 4 levels: 5 tokens a
+    round, 15 after the prefill's first in 3 rounds); the wrong oracle drafts tokens the model never chooses (one
+    token a round). Both give plain decoding's tokens."""
+    from common.engine.oracle import GreedyOracleDrafter, WrongOracleDrafter
+
+    v, _ = engines
+    deep = Shape(4, 20)
+    for oracle, rounds in ((GreedyOracleDrafter, 3), (WrongOracleDrafter, 15)):
+        core = EngineCore(v, oracle(v.model, 4, CPU), FixedPolicy(deep), CoreConfig(max_sequences=3))
+        got = run(core, {0: [req(0), req(1)]})
+        for i in range(2):
+            tokens, _, n = got[f"s{i}"]
+            assert tokens == plain[i] and n == rounds, (oracle.__name__, i, n)
+        assert core.choices[deep] == rounds and not core.seqs
 
 
 def test_the_policy_hears_of_steady_rounds_only(engines):

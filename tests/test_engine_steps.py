@@ -243,7 +243,8 @@ def test_padded_verifier_matches_exact(verifiers) -> None:
     assert len(verifies) == 3 and all(k[1] == 4 for k in verifies)  # batch of 3 padded to 4
     for sub in (ids, ["c", "a"], ["b"]):
         assert exact.decode(sub) == padded.decode(sub)
-    assert ("decode", 2) in keys and ("decode", 1) in keys
+    decodes = {k[:2] for k in keys if k[0] == "decode"}
+    assert ("decode", 2) in decodes and ("decode", 1) in decodes
     for s in ids:  # the caches hold the same committed entries
         (es, est), (ps, pst) = exact.seqs.get(s), padded.seqs.get(s)
         assert est.length == pst.length and est.pending == pst.pending
@@ -437,12 +438,13 @@ def test_drafting_after_a_verify_equals_a_propose_of_its_outcome(verifiers, draf
         live = [live[i] for i in rows]
     for s in ids:
         assert chained.seqs.get(s)[1].length == padded.seqs.get(s)[1].length == exact.seqs.get(s)[1].length
-    # no device chain for a sampling sequence (the verifier accepts it on the host), nor an unknown one
+    # the device chain follows a batch with a sampling sequence too (then is called), but not an unknown one
     v.prefill(PrefillInput("t", PROMPTS[2], SamplingConfig(temperature=0.7, seed=1)))
     called = []
     tree = Tree(np.array([5]), np.array([-1]), np.ones(1, np.float32))
     finish(v.verify_steps([VerifyInput("p", tree), VerifyInput("t", tree)], called.append))
-    assert not called
+    assert len(called) == 1
+    called.clear()
     finish(v.verify_steps([VerifyInput("p", tree)], called.append))
     assert chained.launch_after([ProposeAfter("nobody", 20)], called[0]) is None
     for d in (exact, padded, chained):
@@ -452,7 +454,7 @@ def test_drafting_after_a_verify_equals_a_propose_of_its_outcome(verifiers, draf
 
 def test_multi_step_decode_equals_single_steps(verifiers) -> None:
     """decode_many chains the step on the device: the same tokens as one call per token, for a batch
-    padded to its bucket, and a sampling sequence in the batch falls back to one step."""
+    padded to its bucket; a sampling sequence in the batch takes every step too (its draws on the device)."""
     exact, padded = verifiers
     ids = ["m0", "m1", "m2"]
     for s, p in zip(ids, PROMPTS):
@@ -466,7 +468,7 @@ def test_multi_step_decode_equals_single_steps(verifiers) -> None:
     assert [padded.seqs.get(s)[1].length for s in ids] == [exact.seqs.get(s)[1].length for s in ids]
     assert padded.decode(ids) == exact.decode(ids)  # the state after the chained steps is consistent
     padded.prefill(PrefillInput("m3", PROMPTS[0], SamplingConfig(temperature=0.7, seed=1)))
-    assert [len(t) for t in padded.decode_many(["m0", "m3"], 5).tokens] == [1, 1]
+    assert [len(t) for t in padded.decode_many(["m0", "m3"], 5).tokens] == [5, 5]
     with pytest.raises(InvalidRequest, match="steps must be >= 1"):
         padded.decode_many(["m0"], 0)
     exact.release(ids)

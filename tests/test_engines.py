@@ -1,13 +1,15 @@
 """Engines in-process: multi-token acceptance and KV compaction, checked against a fresh prefill."""
 
+import numpy as np
 import pytest
 import torch
 
 from common.config import SamplingConfig
-from common.engine.base import PrefillInput, ProposeInput, VerifyInput
+from common.engine.base import PrefillInput, ProposeInput, VerifyInput, finish
 from common.engine.oracle import GreedyOracleDrafter, WrongOracleDrafter
 from common.engine.verifier import Verifier, VerifierConfig
 from common.errors import CapacityExhausted, InvalidRequest, UnknownSequence
+from common.tree import Tree
 
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 4093, 198, 4898, 314, 260, 6376, 4461, 47]
 
@@ -74,3 +76,36 @@ def test_engine_rejects_bad_use(verifier):
     with pytest.raises(CapacityExhausted):
         verifier.prefill(PrefillInput("s3", PROMPT, SamplingConfig()))
     assert verifier.release(["s0", "s1", "s2", "missing"]) == 3
+
+
+def test_sampling_runs_on_the_device_and_a_seed_reproduces_it(verifier):
+    """Sampling rows draw on the device from their seed and position. Twins (one seed, one prompt) commit the
+    same tokens through the prefill, a verify of a tree of no nodes (one token: what a decode step draws,
+    which the other twin makes), a verify of the same tree, and decoding of several steps in one call (a
+    batch with sampling rows no longer falls back to one step). The verify calls `then` for a batch with
+    sampling rows, and the greedy row beside them commits its greedy tokens (a greedy sequence decoding
+    alone commits the same)."""
+    hot = SamplingConfig(temperature=0.9, top_p=0.9, seed=5)
+    firsts = [verifier.prefill(PrefillInput(s, PROMPT, c)).next_token for s, c in (("s1", hot), ("s2", hot))]
+    greedy = [verifier.prefill(PrefillInput("g", PROMPT, SamplingConfig())).next_token]
+    assert firsts[0] == firsts[1]
+    empty = Tree(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.float32))
+    called = []
+    out = finish(verifier.verify_steps([VerifyInput("s1", empty), VerifyInput("g", empty)], called.append))
+    assert len(called) == 1 and [len(o.tokens) for o in out] == [1, 1]
+    assert called[0].result[:, 0].tolist() == [0, 0]
+    assert verifier.decode(["s2"]) == out[0].tokens  # a tree of no nodes is a decode step
+    greedy += out[1].tokens
+    tree = Tree(np.array([198, 504, 1, 6376]), np.array([-1, 0, 0, -1]), np.ones(4, np.float32))
+    out = verifier.verify([VerifyInput(s, tree) for s in ("s1", "s2", "g")])
+    assert out[0].tokens == out[1].tokens
+    greedy += out[2].tokens
+    dec = verifier.decode_many(["s1", "s2", "g"], 5)
+    assert [len(t) for t in dec.tokens] == [5, 5, 5] and dec.tokens[0] == dec.tokens[1]
+    greedy += dec.tokens[2]
+    verifier.release(["s1", "s2"])
+    verifier.prefill(PrefillInput("s3", PROMPT, SamplingConfig(temperature=0.9, top_p=0.9, seed=6)))
+    other = verifier.decode_many(["s3"], 8).tokens[0]  # another seed: another sequence
+    assert other != [firsts[0], *out[0].tokens, *dec.tokens[0]][: len(other)]
+    assert greedy == plain(verifier, "g2", len(greedy))
+    verifier.release(["g", "g2", "s3"])

@@ -4,7 +4,8 @@ one cuBLAS call on CUDA) plus the fused operations of common.kernels (each is on
 here they run their PyTorch reference inside a marked range that counts once). Views, reshapes and
 same-dtype .to() count zero. On the GPU, bench/decode_probe.py counts the real kernels (276 per decode
 step of the 30-layer model on an H100 before RoPE moved into the attention kernel: 9 per layer and 6
-more; a whole draft proposal, 10/6/60, 238 before its bookkeeping kernels)."""
+more; a whole draft proposal, 10/6/60, 238 before its bookkeeping kernels). The sampling variants are
+counted against their greedy twins: what sampling adds must stay a few launches."""
 
 import pytest
 import torch
@@ -81,7 +82,9 @@ def fused_ops_count_once(monkeypatch):
     import common.kernels as kernels
 
     fused = ("add_rms_norm", "rope_kv_write", "swiglu", "attention", "topk_logprobs", "rope_attention")
-    for name in fused + ("rms_norm_cat", "draft_level", "select_tree", "tree_mask", "accept_tree", "move_rows"):
+    tree = ("rms_norm_cat", "draft_level", "select_tree", "tree_mask", "accept_tree", "move_rows")
+    draws = ("sample_tokens", "row_logz", "target_threshold", "draft_children", "accept_sampled")
+    for name in fused + tree + draws:
         fn = getattr(kernels, name)
 
         def marked(*args, _fn=fn, _name=name, **kw):
@@ -172,10 +175,30 @@ def test_draft_proposal_kernel_count():
     assert len(ops) <= 92, sorted(ops)
 
 
-def test_verify_step_kernel_count(monkeypatch):
-    """A verify step around the model: the tree mask, positions, the greedy head, acceptance, the K/V
-    move and the kept features (about 35 launches on an H100 before the tree kernels, 9 now); the
-    model's forward counts as one here (its layers are bounded above)."""
+def test_sampled_draft_proposal_kernel_count():
+    """The same proposal in a batch with a sampling row (the q rule's variant): one children draw a level (the
+    noise hashed in the kernel, no host numpy), the frontiers stacked for the tree's q rows and q's two
+    concatenations; the draws' probabilities and q rows come out of the tree's selection (317 kernels on
+    an H100 against 95 greedy before the draws moved into kernels)."""
+    from common.config import DraftingConfig, SamplingConfig
+    from common.engine.base import ProposeInput
+    from common.engine.draft import Eagle3Drafter
+
+    head = _head(512, 128, 256)
+    drafter = Eagle3Drafter(head, torch.nn.Embedding(512, 64), DraftingConfig(), 4, 128, "cpu")
+    hot = SamplingConfig(temperature=0.7, seed=1)
+    drafter.propose([ProposeInput("a", list(range(5, 25)), torch.randn(20, 192), True, [1], 0, sampling=hot)])
+    packed, hidden = drafter._pack([ProposeInput("a", [5, 6, 7, 8], torch.randn(4, 192), False, [], 0)], 1, 4)
+    noise = drafter._noise_block(1, [drafter.seqs.get("a")[1]])
+    with torch.inference_mode():
+        greedy = _top_level_ops(lambda: drafter._propose_step(packed, hidden, depth=6))
+        sampled = _top_level_ops(lambda: drafter._propose_step(packed, hidden, **noise, depth=6))
+    assert len(sampled) - len(greedy) <= drafter.drafting.steps + 3, sorted(sampled)
+
+
+@pytest.fixture(scope="module")
+def verifier():
+    """The real model's verifier, its forward counted as one range (its layers are bounded above)."""
     from common.engine.verifier import Verifier, VerifierConfig
     from common.weights import load_checkpoint
 
@@ -186,10 +209,38 @@ def test_verify_step_kernel_count(monkeypatch):
         with torch.profiler.record_function("specdec::model"):
             return forward(*args, **kw)
 
-    monkeypatch.setattr(v.model, "forward", one_range)
-    packed = v._verify_block(2, 9)
+    v.model.forward = one_range
+    return v
+
+
+def test_verify_step_kernel_count(verifier):
+    """A verify step around the model: the tree mask, positions, the greedy head, acceptance, the K/V
+    move and the kept features (about 35 launches on an H100 before the tree kernels, 9 now)."""
+    packed = verifier._verify_block(2, 9)
     packed[0, 1:5], packed[0, 10:14] = torch.tensor([5, 6, 7, 8]), torch.tensor([0, 1, 1, 2])  # a 4-node tree
     packed[0, 18:20] = torch.tensor([3, 0])  # length 3, slot 0
     with torch.inference_mode():
-        ops = _top_level_ops(lambda: v._verify_step(packed))
+        ops = _top_level_ops(lambda: verifier._verify_step(packed))
     assert len(ops) <= 11, sorted(ops)
+
+
+def test_sampled_steps_kernel_count(verifier):
+    """With a sampling row, a decode step adds its draw (one kernel; with top-k or top-p the sort and the
+    threshold's kernel before it) to the greedy step, and a verify step adds the rows' targets (one kernel,
+    or the sort and one), the fused acceptance and the selection of greedy rows' results (6 in all):
+    greedy rows keep the greedy step's kernels and results."""
+    from common.engine.verifier import Sampler
+
+    with torch.inference_mode():
+        decode = {
+            s: _top_level_ops(lambda s=s: verifier._decode_step(verifier._decode_block(2, s), s)) for s in Sampler
+        }
+        greedy = _top_level_ops(lambda: verifier._verify_step(verifier._verify_block(2, 9)))
+        verify = {}
+        for s in (Sampler.TEMPERATURE, Sampler.FILTERED):
+            _, step = verifier._sampled_variant(2, 9, s, True, 32, 8)
+            verify[s] = _top_level_ops(lambda step=step: step(verifier._sampled_block(2, 9, 32)))
+    assert len(decode[Sampler.TEMPERATURE]) == len(decode[Sampler.GREEDY]) + 1, decode
+    assert len(decode[Sampler.FILTERED]) == len(decode[Sampler.GREEDY]) + 2, decode  # + the sort's own on a GPU
+    for s, ops in verify.items():
+        assert len(ops) <= len(greedy) + 6, (s, sorted(ops))

@@ -12,6 +12,8 @@ import os
 import pytest
 import torch
 
+from common.config import SamplingConfig
+
 CUDA = torch.cuda.is_available()
 if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton_ops is first imported
@@ -297,6 +299,16 @@ def test_select_tree():
     rows = [0, 1, 3]  # ids, parents, q rows exactly; the probabilities to exp's rounding
     assert torch.equal(got[0][:, rows], want[0][:, rows])
     torch.testing.assert_close(got[0][:, 2], want[0][:, 2], atol=0, rtol=1e-6)
+    # a batch with sampling rows: their probabilities are their draws', and every row's expanded nodes
+    # name their q rows (fronts: the frontiers' creation indices, level by level)
+    logq = torch.rand(score.shape, generator=g).log().to(DEV)
+    temp = torch.tensor([0.7, 0.0, 1.0, 0.7, 0.0, 0.5], device=DEV)
+    fronts = torch.stack([torch.randperm(K + K * K, generator=g)[: 2 * K] for _ in range(b)]).to(DEV)
+    drawn = reference.Drawn(logq=logq, temperature=temp, fronts=fronts)
+    got = ops().select_tree(tok, score, parent, d2t, keep[:, 0], keep[:, 1], K, n, drawn)
+    want = reference.select_tree(tok, score, parent, d2t, keep[:, 0], keep[:, 1], K, n, drawn)
+    assert torch.equal(got[0][:, rows], want[0][:, rows]) and (want[0][:, 3] > 0).any()
+    torch.testing.assert_close(got[0][:, 2], want[0][:, 2], atol=0, rtol=1e-6)
 
 
 def test_select_tree_reference_example():
@@ -432,3 +444,124 @@ def test_move_rows_reads_before_writing():
     assert torch.equal(got, want)
     assert torch.equal(got[:, 2, 4], kv[:, 2, 5]) and torch.equal(got[:, 2, 5], kv[:, 2, 7])  # rows 2, 4 -> 1, 2
     assert torch.equal(got[:, 0], kv[:, 0]) and torch.equal(got[:, 1], kv[:, 1])
+
+
+# ---- sampling (common.kernels.sampling's reference against common.kernels.triton_sampling) ----
+def sampling_ops():
+    from common.kernels import triton_sampling
+
+    if not CUDA:
+        _interpreter_numpy_fix()
+    return triton_sampling
+
+
+@pytest.mark.parametrize("with_index", [False, True])
+def test_sample_tokens_and_logz(with_index):
+    """Gumbel-max draws (the same random bits in both: the hash is integer arithmetic) with thresholds,
+    excluded tokens (-inf) and greedy rows' temperature 1; the token ids of an index input; the normaliser."""
+    from common.kernels import sampling
+
+    g = torch.Generator().manual_seed(21)
+    r, v = 5, 3000
+    x = torch.randn(r, v, generator=g) * 3
+    x[1, :100] = -torch.inf
+    temp = torch.tensor([0.7, 1.0, 0.3, 1.0, 2.0])
+    theta = torch.tensor([-torch.inf, 2.0, -torch.inf, 0.0, 1.0])
+    seed, counter = torch.randint(0, 2**62, (r,), generator=g), torch.randint(0, 5000, (r,), generator=g)
+    index = torch.randint(0, 49152, (r, v), generator=g) if with_index else None
+    args = [t.to(DEV) for t in (x, temp, theta, seed, counter)]
+    got_tok, got_key = sampling_ops().sample_tokens(*args, None if index is None else index.to(DEV))
+    want_tok, want_key = sampling.sample_tokens(*args, None if index is None else index.to(DEV))
+    assert torch.equal(got_tok, want_tok)
+    torch.testing.assert_close(got_key, want_key, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(sampling_ops().row_logz(args[0], args[1]), sampling.row_logz(args[0], args[1]))
+
+
+def test_draft_children():
+    """The draft's children draws: sampled rows (drawn tokens, ranked scores, log q, q) and a top-k row."""
+    from common.kernels import sampling
+
+    g = torch.Generator().manual_seed(22)
+    b, f, w, k = 3, 4, 32, 10
+    logp = torch.log_softmax(torch.randn(b, f, 100, generator=g) * 2, -1).topk(w).values
+    ids = torch.randint(0, 8000, (b, f, w), generator=g)
+    temp = torch.tensor([0.7, 0.0, 1.5])
+    seed, counter = torch.randint(0, 2**62, (b,), generator=g), torch.tensor([5, 6, 7])
+    args = [t.to(DEV) for t in (logp, ids, temp, seed, counter)]
+    got = sampling_ops().draft_children(*args, 2, k)
+    want = sampling.draft_children(*args, 2, k)
+    assert torch.equal(got[0], want[0])
+    for a, e in zip(got[1:], want[1:]):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6)
+
+
+def _sampled_trees(b: int, t: int, w: int, v: int, seed: int):
+    """A batch of random trees (half q rule, half one-hot) as the sampled verify reads them: ids, parent rows
+    and positions in one int64 block's columns, random sets and logits, sampling rows."""
+    from common.kernels.sampling import RULE_ONEHOT, RULE_Q, SamplingRows, TreeSets
+
+    g = torch.Generator().manual_seed(seed)
+    packed = torch.zeros(b, 3 * t + 2, dtype=torch.int64)
+    for i in range(b):
+        n = int(torch.randint(0, t, (1,), generator=g))
+        parents = torch.arange(t)
+        for j in range(1, n + 1):
+            parents[j] = int(torch.randint(0, j, (1,), generator=g))
+        packed[i, :t] = torch.randint(0, v, (t,), generator=g)
+        packed[i, t : 2 * t] = parents
+        packed[i, 2 * t : 3 * t] = torch.randint(0, w, (t,), generator=g)
+    rule = torch.tensor([RULE_Q if i % 2 else RULE_ONEHOT for i in range(b)])
+    q = torch.softmax(torch.randn(b, t, w, generator=g) * 2, -1) * (torch.rand(b, t, w, generator=g) > 0.3)
+    ids = torch.stack([torch.stack([torch.randperm(v, generator=g)[:w] for _ in range(t)]) for _ in range(b)])
+    logits = torch.randn(b, t, v, generator=g) * 2
+    for i in range(b):  # each node's token is its parent's set's at its position, in q's support, likely
+        for j in range(1, t):
+            par, at = int(packed[i, t + j]), int(packed[i, 2 * t + j])
+            if par != j:
+                packed[i, j] = ids[i, par, at]
+                q[i, par, at] += 0.05
+        logits[i].scatter_add_(1, ids[i], torch.full((t, w), 4.0))
+    sets = TreeSets(ids=ids, q=q / q.sum(-1, keepdim=True), pos=packed[:, 2 * t : 3 * t], rule=rule)
+    cols = torch.stack([torch.from_numpy(SamplingRows.pack(cfg, 11 + i, v)) for i, cfg in enumerate(_CFGS[:b])])
+    rows = SamplingRows.unpack(cols, torch.arange(b) + 40)
+    return packed, sets, logits, rows
+
+
+_CFGS = [SamplingConfig(temperature=0.8, top_p=0.9), SamplingConfig(temperature=1.2, top_k=7)] * 3
+
+
+def _on(x):
+    """x (a tensor, or a dataclass of tensors) on DEV."""
+    import dataclasses
+
+    if isinstance(x, torch.Tensor):
+        return x.to(DEV)
+    return type(x)(**{f.name: _on(getattr(x, f.name)) for f in dataclasses.fields(x)})
+
+
+@pytest.mark.parametrize("filtered", [False, True])
+def test_target_and_sampled_acceptance(filtered):
+    """The target's threshold and normaliser after the sort, and the fused acceptance (one program a tree:
+    the walk, the bonus, the result) against the reference's every-row decisions: both rules, trees of no
+    nodes to t - 1, the same random numbers; tokens up to the bonus and the path's rows."""
+    from common.kernels import sampling
+
+    b, t, w, v = 6, 9, 8, 300
+    packed, sets, logits, rows = (_on(x) for x in _sampled_trees(b, t, w, v, seed=24 + filtered))
+    ids, parent_rows = packed[:, :t], packed[:, t : 2 * t]
+    want_t = sampling.target_threshold(logits.view(b * t, v), rows, t) if filtered else None
+    if filtered:
+        got_t = sampling_ops().target_threshold(logits.view(b * t, v), rows, t)
+        assert torch.equal(got_t.theta, want_t.theta)
+        torch.testing.assert_close(got_t.logz, want_t.logz)
+    else:
+        want_t = sampling.Target(theta=None, logz=sampling.row_logz(logits.view(b * t, v), rows.temperature, t))
+        torch.testing.assert_close(sampling_ops().row_logz(logits.view(b * t, v), rows.temperature, t), want_t.logz)
+    anc, depth = reference.tree_mask(parent_rows)
+    got = sampling_ops().accept_sampled(ids, parent_rows, anc, depth, logits, sets, want_t, rows, t - 1)
+    want = sampling.accept_sampled(ids, parent_rows, anc, depth, logits, sets, want_t, rows, t - 1)
+    assert torch.equal(got[1], want[1])
+    for i in range(b):
+        c = int(want[0][i, 0])
+        assert got[0][i, : c + 2].tolist() == want[0][i, : c + 2].tolist()
+    assert int(want[0][:, 0].max()) >= 1  # some tree accepts: the walk goes below a root

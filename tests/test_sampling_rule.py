@@ -1,43 +1,105 @@
-"""The q rule (common.acceptance.accept_sampled_q) and the one-hot rule are lossless.
+"""The sampled acceptance is lossless: the q rule (common.acceptance.accept_sampled_q) and the one-hot rule
+(accept_sampled), as the engines run them on the device (common.kernels.speculative.accept_sampled_tree,
+its PyTorch code run eagerly on CPU: the acceptance, its residuals and bonus draws, and the target's
+temperature and top-p, from each sequence's seed).
 
-* hand-computed steps of the q rule on a three-token vocabulary;
+* hand-computed steps of the q rule on a three-token vocabulary (the host rule, the specification);
 * the kept children of every node of a sampled tree are a prefix of its sampling order;
 * a chi-square test of the first TWO committed tokens against the target's own chain, for both rules,
   on a six-token vocabulary, with trees built the way common/engine/draft.py builds them (a numpy model
-  of its expansion: sampled children scored by rank, EAGLE-2 frontier, top-N selection); the same test
-  rejects a tree shape that looks at the drawn tokens (so it can fail);
-* the real model's first tokens (SmolLM2 float32 with the shipped head on CPU) against its own p.
+  of its expansion: sampled children scored by rank, EAGLE-2 frontier, top-N selection), accepted on the
+  device; the same test rejects a tree shape that looks at the drawn tokens and an acceptance that is
+  given the wrong q (so it can fail);
+* the real model's first tokens (SmolLM2 float32 with the shipped head on CPU, the drafter's draws on the
+  device) against its own p.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
 import pytest
+import torch
 
-from common.acceptance import accept_sampled, accept_sampled_q
+from common.acceptance import accept_sampled_q
 from common.config import SamplingConfig
+from common.kernels import reference
+from common.kernels.sampling import RULE_ONEHOT, RULE_Q, SamplingRows, TreeSets
+from common.kernels.speculative import accept_sampled_tree
 from common.sampling import target_distribution
-from common.tree import DraftQ, children_lists, drop_subtrees, select_top_nodes, validate_q
+from common.tree import (
+    DraftQ,
+    Tree,
+    children_lists,
+    drop_subtrees,
+    node_positions,
+    row_sets,
+    select_top_nodes,
+    validate_q,
+    widest,
+)
 
 
 # ---- helpers ----
 class ScriptedRng:
-    """A generator whose uniforms are given, and whose choice returns the most likely token and records
-    the distribution it was asked to sample (so a test can check the residual)."""
+    """Draws (common.acceptance.Draws) whose uniforms are given in order, and whose bonus is the most likely
+    token, recording the distribution it was asked to sample (so a test can check the residual)."""
 
     def __init__(self, uniforms: list[float]) -> None:
         self.uniforms = list(uniforms)
         self.asked: list[np.ndarray] = []
 
-    def random(self) -> float:
+    def accept(self, node: int) -> float:
         return self.uniforms.pop(0)
 
-    def choice(self, n: int, p: np.ndarray) -> int:
+    def token(self, p: np.ndarray) -> int:
         self.asked.append(np.asarray(p))
         return int(np.argmax(p))
+
+
+def device_accept(
+    trees: list[Tree],
+    roots: list[int],
+    logits_of: Callable[[np.ndarray], np.ndarray],
+    cfg: SamplingConfig,
+    seeds: list[int],
+    counter: int,
+    device: str = "cpu",
+) -> list[list[int]]:
+    """The engines' sampled acceptance (accept_sampled_tree: its PyTorch code on CPU, its kernels on a GPU)
+    of a batch of trees, each below its root token: trees with q by the q rule, the others by the one-hot
+    rule, the target cfg applied to logits_of(tokens [B, T]) -> [B, T, V] (row t's logits given its token)
+    on the device, each tree's draws from its seed and the counter. Returns each tree's committed tokens
+    (the accepted ones, the bonus)."""
+    b = len(trees)
+    sizes = np.array([t.size for t in trees], dtype=np.int64)
+    t = 1 + int(sizes.max())
+    ids = np.zeros((b, t), dtype=np.int64)
+    ids[:, 0] = roots
+    parent_rows = np.tile(np.arange(t), (b, 1))
+    item, node = node_positions(sizes)
+    if item.shape[0]:
+        ids[item, node + 1] = np.concatenate([tr.tokens for tr in trees])
+        parent_rows[item, node + 1] = np.concatenate([tr.parents for tr in trees]) + 1
+    kids = max(widest(trees), 1)
+    sets = row_sets(trees, t, max([kids] + [tr.q.ids.shape[1] for tr in trees if tr.q is not None]))
+
+    def on(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+
+    logits = on(logits_of(ids).astype(np.float32))  # [B, T, V]
+    packed = np.stack([SamplingRows.pack(cfg, seed, logits.shape[-1]) for seed in seeds])  # as an engine packs
+    rows = SamplingRows.unpack(on(packed), torch.full((b,), counter, device=device))
+    rule = [RULE_Q if tr.q is not None else RULE_ONEHOT for tr in trees]
+    sets_on = TreeSets(ids=on(sets.ids), q=on(sets.q), pos=on(sets.pos), rule=on(np.array(rule)))
+    with torch.inference_mode():
+        parent_t = on(parent_rows)
+        anc, depth = reference.tree_mask(parent_t)
+        result, _ = accept_sampled_tree(on(ids), parent_t, anc, depth, logits, sets_on, rows, kids, True)
+    return [r[1 : r[0] + 2] for r in result.tolist()]
 
 
 def chi2_pvalue(observed: np.ndarray, expected: np.ndarray) -> float:
@@ -92,7 +154,7 @@ def test_q_rule_second_sibling_uses_q_without_the_first() -> None:
 def test_q_rule_needs_q_where_there_are_children() -> None:
     q = DraftQ(rows=np.array([1]), ids=np.array([[0, 1]]), probs=np.array([[0.5, 0.5]]))
     with pytest.raises(ValueError, match="row 0"):
-        accept_sampled_q(np.array([0]), np.array([-1]), q, lambda row: np.ones(3) / 3, np.random.default_rng(0))
+        accept_sampled_q(np.array([0]), np.array([-1]), q, lambda row: np.ones(3) / 3, ScriptedRng([0.5]))
 
 
 # ---- a numpy model of the drafter's sampled tree (common/engine/draft.py _expand_step) ----
@@ -188,46 +250,42 @@ def test_kept_children_are_a_prefix_of_their_sampling_order() -> None:
         validate_q(t.tokens, t.parents, t.q)
 
 
-def _two_tokens(rule: str, trials: int, score_by_rank: bool = True, cut_q: float = 1.0) -> float:
-    """p-value of the first two committed tokens against the target chain p(t1 | r) p(t2 | t1)."""
+def _two_tokens(rule: str, trials: int, score_by_rank: bool = True, cut_q: float = 1.0, wrong_q: bool = False) -> float:
+    """p-value of the first two committed tokens against the target chain p(t1 | r) p(t2 | t1), every
+    round's trees (one per trial, a batch) accepted on the device. wrong_q: the acceptance is told that the
+    children were drawn from a uniform q over the same tokens (they were drawn from the draft's)."""
     v, k, steps, keep, width = 6, 2, 3, 5, 4
     gen = np.random.default_rng(7)
     draft_logits, target_logits = gen.normal(size=(v, v)) * 1.5, gen.normal(size=(v, v)) * 1.5
     cfg = SamplingConfig(temperature=0.7, top_p=0.9)
     target = np.array([target_distribution(target_logits[x], cfg) for x in range(v)])  # [V, V]
     logq = np.log(np.exp(draft_logits) / np.exp(draft_logits).sum(1, keepdims=True))
-    draft_rng, verify_rng = np.random.default_rng(11), np.random.default_rng(12)
-    root = 0
+    draft_rng = np.random.default_rng(11)
+    top_k_trees = {}  # the one-hot rule's tree of each root (deterministic)
+
+    def tree_of(root: int) -> Tree:
+        if rule != "q":
+            if root not in top_k_trees:
+                top_k_trees[root] = draft_tree(logq, root, k, steps, keep, width, cfg.temperature, None)
+            t = top_k_trees[root]
+        else:
+            t = draft_tree(logq, root, k, steps, keep, width, cfg.temperature, draft_rng, score_by_rank, cut_q)
+        q = t.q
+        if wrong_q:
+            q = DraftQ(rows=q.rows, ids=q.ids, probs=(q.probs > 0) / (q.probs > 0).sum(1, keepdims=True))
+        return Tree(tokens=t.tokens, parents=t.parents, probs=np.ones(t.tokens.shape[0], np.float32), q=q)
+
+    out: list[list[int]] = [[] for _ in range(trials)]
+    for counter in range(2):  # a round commits at least one token
+        todo = [i for i in range(trials) if len(out[i]) < 2]
+        roots = [out[i][-1] if out[i] else 0 for i in todo]
+        got = device_accept([tree_of(r) for r in roots], roots, lambda ids: target_logits[ids], cfg, todo, counter)
+        for i, tokens in zip(todo, got):
+            out[i] += tokens
     counts = np.zeros((v, v))
-    for _ in range(trials):
-        out: list[int] = []
-        last = root
-        while len(out) < 2:
-            t = draft_tree(
-                logq,
-                last,
-                k,
-                steps,
-                keep,
-                width,
-                cfg.temperature,
-                draft_rng if rule == "q" else None,
-                score_by_rank,
-                cut_q,
-            )
-            context = [last] + t.tokens.tolist()  # row r's token: the root, then node r - 1
-
-            def p_at(row: int, context: list[int] = context) -> np.ndarray:
-                return target[context[row]]
-
-            if rule == "q":
-                acc = accept_sampled_q(t.tokens, t.parents, t.q, p_at, verify_rng)
-            else:
-                acc = accept_sampled(t.tokens, t.parents, p_at, verify_rng)
-            out += acc.tokens
-            last = out[-1]
-        counts[out[0], out[1]] += 1
-    expected = trials * target[root][:, None] * target  # [V, V]
+    for tokens in out:
+        counts[tokens[0], tokens[1]] += 1
+    expected = trials * target[0][:, None] * target  # [V, V]
     assert counts[expected == 0].sum() == 0  # tokens outside top-p never come out
     return chi2_pvalue(counts.ravel(), expected.ravel())
 
@@ -243,11 +301,15 @@ def test_the_lossless_test_catches_a_shape_that_looks_at_the_draws() -> None:
     assert _two_tokens("q", 10000, score_by_rank=False) < 1e-3
 
 
+def test_the_lossless_test_catches_an_acceptance_with_the_wrong_q() -> None:
+    """The q rule divides by the q the children were drawn from: told another one (uniform over the same
+    tokens), the device acceptance is biased, and the same test must say so."""
+    assert _two_tokens("q", 10000, wrong_q=True) < 1e-3
+
+
 # ---- the real drafter and the real model (SmolLM2 float32, the shipped head, CPU) ----
 @pytest.fixture(scope="module")
 def real():
-    import torch
-
     from common.engine.base import PrefillInput
     from common.engine.verifier import Verifier, VerifierConfig
     from common.model.eagle3_io import load_eagle3
@@ -260,23 +322,24 @@ def real():
     head = load_eagle3(DEFAULT_HEAD, dtype=torch.float32)[0].eval()
     prompt = Tokenizer(default_model_path()).encode_chat([("user", "What should I cook tonight?")])
     pre = verifier.prefill(PrefillInput("r", prompt, SamplingConfig()))
-    # the target's logits after the first token: a prefill of prompt + [first], sampled so that its logits
-    # reach _choose (its choice is not used)
-    logits = []
-    choose = verifier._choose
-    verifier._choose = lambda row, st: logits.append(row.clone()) or choose(row, st)
-    verifier.prefill(PrefillInput("r2", prompt + [pre.next_token], SamplingConfig(temperature=1.0, seed=0)))
-    verifier._choose = choose
-    return verifier, head, prompt, pre, logits[0].numpy()
+    # the target's logits after the first token: the prefill step over prompt + [first] in the spare slot
+    context = prompt + [pre.next_token]
+    block = verifier._prefill_block(1, len(context))
+    block[0, : len(context)] = torch.tensor(context)
+    block[0, len(context) + 2] = len(context)
+    with torch.inference_mode():
+        logits = verifier._prefill_step(block).logits[0].numpy()
+    return verifier, head, prompt, pre, logits
 
 
-def _propose(real, rule: str, samplings: list[SamplingConfig]):
+def _propose(real, rule: str, samplings: list[SamplingConfig], drafting=None):
     from common.config import DraftingConfig
     from common.engine.base import ProposeInput
     from common.engine.draft import Eagle3Drafter
 
     verifier, head, prompt, pre, _ = real
-    drafter = Eagle3Drafter(head, verifier.model.embed_tokens, DraftingConfig(sampling_rule=rule), 8, 256, "cpu")
+    drafting = drafting or DraftingConfig(sampling_rule=rule)
+    drafter = Eagle3Drafter(head, verifier.model.embed_tokens, drafting, len(samplings), 256, "cpu")
     items = [ProposeInput.after_prefill(f"s{i}", prompt, pre, 60, s) for i, s in enumerate(samplings)]
     return drafter, items
 
@@ -301,30 +364,42 @@ def test_drafter_draws_children_from_q_and_keeps_greedy_trees(real) -> None:
             assert probs[ids.tolist().index(int(t.tokens[i]))] == pytest.approx(float(t.probs[i]), rel=1e-4)
 
 
-def _first_tokens(real, rule: str, trials: int) -> np.ndarray:
-    """Counts [V] of the first token of round one, accepted at the root of the real drafter's trees."""
-    verifier, _, _, _, logits = real
+def _first_tokens(real, rule: str, trials: int) -> tuple[np.ndarray, np.ndarray]:
+    """Counts [V] of the first token of round one, accepted on the device at the root of the real drafter's
+    trees (its depth-1 tree: the root's children, drawn on the device under the q rule; the first token
+    depends on nothing deeper). The acceptance runs over the tokens that p or a tree names (a compact
+    vocabulary, the target given as log p: the filters are tested on the full vocabulary elsewhere)."""
+    from common.config import DraftingConfig
+
     cfg = SamplingConfig(temperature=0.7, top_p=0.9)
-    p = target_distribution(logits, cfg)
-    rng = np.random.default_rng(5)
-    counts = np.zeros(p.shape[0])
+    p = target_distribution(real[4], cfg)
+    shallow = DraftingConfig(top_k=10, steps=1, verify_tree_size=10, sampling_rule=rule)
     if rule == "onehot":  # one top-k tree: the trials differ in the verifier's draws
-        drafter, items = _propose(real, rule, [cfg])
+        drafter, items = _propose(real, rule, [cfg], shallow)
         trees = drafter.propose(items) * trials
-    else:  # a fresh sampled tree per trial, 8 per propose call
-        drafter, items = _propose(real, rule, [SamplingConfig(0.7, 0.9, seed=i) for i in range(8)])
+    else:  # a fresh sampled tree per trial (each sequence its seed), 32 per propose call
+        drafter, items = _propose(real, rule, [cfg] * 32, shallow)
         trees = []
-        for start in range(0, trials, 8):
+        for start in range(0, trials, 32):
             seeded = [replace(it, sampling=SamplingConfig(0.7, 0.9, seed=start + i)) for i, it in enumerate(items)]
             trees += drafter.propose(seeded)
             drafter.release([it.seq_id for it in items])
-    for t in trees[:trials]:
-        if rule == "q":
-            acc = accept_sampled_q(t.tokens, t.parents, t.q, lambda row: p, rng)
-        else:
-            acc = accept_sampled(t.tokens, t.parents, lambda row: p, rng)
-        counts[acc.tokens[0]] += 1
-    return counts, p
+        trees = trees[:trials]
+    vocab = np.unique(np.concatenate([np.flatnonzero(p > 0)] + [t.tokens for t in trees] +
+                                     [t.q.ids.ravel() for t in trees if t.q is not None]))  # fmt: skip
+    compact = [
+        Tree(np.searchsorted(vocab, t.tokens), t.parents, t.probs,
+             None if t.q is None else DraftQ(t.q.rows, np.searchsorted(vocab, t.q.ids), t.q.probs))
+        for t in trees
+    ]  # fmt: skip
+    with np.errstate(divide="ignore"):
+        logp = np.log(p[vocab])  # [V'] -inf outside p's support
+
+    def logits_of(ids: np.ndarray) -> np.ndarray:
+        return np.broadcast_to(logp, (*ids.shape, logp.shape[0]))
+
+    got = device_accept(compact, [0] * trials, logits_of, SamplingConfig(temperature=1.0), list(range(trials)), 0)
+    return np.bincount(vocab[[g[0] for g in got]], minlength=p.shape[0]), p
 
 
 @pytest.mark.parametrize("rule, trials", [("q", 1600), ("onehot", 4000)])

@@ -180,7 +180,7 @@ def test_gateway_process_imports_no_torch(tmp_path):
     cache: the export runs in a child process, and neither torch nor transformers is imported here."""
     code = textwrap.dedent("""\
         import json, sys
-        import services.gateway.__main__, services.gateway.server, services.gateway.scheduler
+        import services.gateway.__main__, services.gateway.server, services.gateway.router
         from common.model_path import default_model_path
         from common.tokenizer import Tokenizer
         tok = Tokenizer(default_model_path())

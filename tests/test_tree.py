@@ -123,3 +123,36 @@ def test_start_shift_pairs_hidden_states_with_the_tokens_they_produced() -> None
 
     assert start_shift([5, 6, 7], 8) == ([6, 7, 8], [5])
     assert start_shift([5], 8) == ([8], [5])
+
+
+def test_row_sets_worked_examples():
+    """The sets the sampled acceptance follows (common.tree.row_sets' docstring): a one-hot tree's rows hold
+    their children's distinct tokens in node order (a repeated token takes its first's position), a q tree's
+    rows its q, padded to the batch's rows and width; widest counts a row's children."""
+    from common.tree import DraftQ, Tree, row_sets, widest
+
+    hot = Tree(np.array([7, 9, 7, 5]), np.array([-1, -1, -1, 0]), np.ones(4, np.float32))
+    q = DraftQ(
+        rows=np.array([0, 1]), ids=np.array([[9, 7, 3], [4, 7, 8]]), probs=np.array([[0.5, 0.3, 0.2], [0.6, 0.4, 0]])
+    )
+    drawn = Tree(np.array([7, 9, 7]), np.array([-1, -1, 0]), np.ones(3, np.float32), q)
+    none = Tree(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.float32))
+    sets = row_sets([hot, drawn, none], 6, 4)
+    assert sets.ids[0, :2].tolist() == [[7, 9, 0, 0], [5, 0, 0, 0]] and sets.q[0, :2].tolist() == [
+        [1, 1, 0, 0],
+        [1, 0, 0, 0],
+    ]
+    assert sets.pos.tolist() == [[0, 0, 1, 0, 0, 0], [0, 1, 0, 1, 0, 0], [0] * 6]
+    assert sets.ids[1, :2].tolist() == [[9, 7, 3, 0], [4, 7, 8, 0]]
+    np.testing.assert_allclose(sets.q[1, 1], [0.6, 0.4, 0, 0])
+    assert not sets.ids[2].any() and widest([hot, drawn]) == 3 and widest([none]) == 0
+
+
+def test_q_must_name_each_token_once():
+    from common.tree import DraftQ
+
+    q = DraftQ(rows=np.array([0]), ids=np.array([[4, 4, 5]]), probs=np.array([[0.5, 0.3, 0.2]]))
+    with pytest.raises(InvalidRequest, match="twice"):
+        validate_tree(np.array([4]), np.array([-1]), np.ones(1), max_nodes=4, vocab_size=10, q=q)
+    unheld = DraftQ(rows=np.array([0]), ids=np.array([[4, 5, 5]]), probs=np.array([[0.8, 0.2, 0.0]]))
+    validate_tree(np.array([4]), np.array([-1]), np.ones(1), max_nodes=4, vocab_size=10, q=unheld)  # 0: no matter

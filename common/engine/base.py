@@ -66,7 +66,7 @@ class VerifyInput:
 
 @dataclass(frozen=True)
 class Accepted:
-    """A verify's greedy acceptance still on the device, for a drafter that drafts the next trees there
+    """A verify's acceptance (greedy or sampled) still on the device, for a drafter that drafts the next trees there
     (Drafter.launch_after) before the host has read it. Copies, valid past the verifier's next call."""
 
     result: torch.Tensor  # [B, T + 1] int64: accepted count c, then the c accepted tokens and the bonus, then filler
@@ -105,7 +105,7 @@ class VerifierEngine(Protocol):
     # several sequences' prompts or chunks at once; all or nothing (see Verifier.prefill_batch)
     def prefill_batch(self, items: list[PrefillInput]) -> list[PrefillOutput]: ...
     def verify(self, items: list[VerifyInput]) -> list[VerifyOutput]: ...  # finish(verify_steps(items))
-    # then(accepted): called once the verification is launched, before its wait, when every item is greedy (a
+    # then(accepted): called once the verification is launched, before its wait (a
     # drafter launching the next trees after it on the device: Drafter.launch_after)
     def verify_steps(
         self, items: list[VerifyInput], then: Callable[[Accepted], None] | None = None

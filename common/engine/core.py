@@ -6,13 +6,13 @@ One step (EngineCore.step):
 
     admit waiting requests while slots are free          (WAITING -> PREFILLING)
     prefill up to `prefill_chunk` prompt tokens           (-> RUNNING with its first token)
-    one round for every running sequence:
+    up to `rounds_per_step` rounds for every running sequence:
         shape = the policy's (decided when the last round was launched, or now)
         trees = the drafting launched behind the last verify (the device chain), or a propose
         verify every sequence's tree at once; launch the next trees behind it on the device
         commit each sequence's tokens by its token rules; its output goes out
-      or, when the shape is plain, `plain_steps` decoding steps with one host synchronisation
-    release the finished ones                             (FINISHED)
+      or, when the shape is plain, `plain_steps` decoding steps with one host synchronisation (the step's last)
+    release the finished ones, hand the step's outputs over (FINISHED)
 
 A round's rows: sequences that draft (their tree this round), then sequences that do not (a tree of no
 nodes: the verify gives them one token, exactly a decode step): requests that do not speculate, and those
@@ -55,13 +55,14 @@ from common.engine.base import (
     finish,
 )
 from common.errors import PeerUnavailable, UnknownSequence
-from common.policy import PLAIN, Member, Shape, band
+from common.policy import PLAIN, Member, Shape
 from common.rounds import start_shift
 from common.sequence import Finish, Request, SeqOutput, Sequence, Status, output
 from common.tree import Tree
 
 log = logging.getLogger(__name__)
 SPARE_ID = "~features"  # the verifier's spare slot: features recomputed for a drafter catching up
+JOINING_TOKENS = 8  # a propose of more new tokens than a round's (a prompt, a catch-up) joins in a call of its own
 NO_TREE = Tree(
     tokens=np.zeros(0, dtype=np.int64), parents=np.zeros(0, dtype=np.int64), probs=np.zeros(0, dtype=np.float32)
 )
@@ -72,6 +73,9 @@ class CoreConfig:
     max_sequences: int  # generations holding a slot at once (the verifier has one more: the spare)
     prefill_chunk: int = 512  # prompt tokens prefilled per step (0: every waiting prompt whole)
     plain_steps: int = 8  # decoding steps per host synchronisation in a plain step
+    # speculative rounds per step: admission, prefill, releases and the outputs' hand-over come once per step,
+    # as a plain step's 8 decoding steps share them (a plain round ends the step)
+    rounds_per_step: int = 4
     draft_retry_s: float = 1.0  # after a drafter failure, catching up is tried again no sooner than this
 
     def __post_init__(self) -> None:
@@ -79,6 +83,8 @@ class CoreConfig:
             raise ValueError(f"max_sequences must be >= 1, got {self.max_sequences}")
         if self.prefill_chunk < 0 or not 1 <= self.plain_steps <= 64 or self.draft_retry_s <= 0:
             raise ValueError("prefill_chunk must be >= 0, plain_steps in [1, 64], draft_retry_s > 0")
+        if not 1 <= self.rounds_per_step <= 64:
+            raise ValueError(f"rounds_per_step must be in [1, 64], got {self.rounds_per_step}")
 
 
 @dataclass(slots=True)
@@ -130,6 +136,9 @@ class EngineCore:
         self.seqs: dict[str, Sequence] = {}  # every sequence not yet released, oldest first
         self.drafts: dict[str, Draft] = {}  # speculative sequences: what their drafter has not seen
         self.choices: collections.Counter[Shape] = collections.Counter()
+        # where the steps' time goes (seconds by phase, and the rounds and plain calls counted): bench.engine_bench
+        # reports it per round; a few clock reads a step
+        self.times: collections.Counter[str] = collections.Counter()
         self.degraded = False  # the drafter failed: every sequence plain until it answers again
         self._retry_at = 0.0
         self._launch: tuple[object, dict[str, int]] | None = None  # the chained drafting and its rows by seq id
@@ -204,14 +213,21 @@ class EngineCore:
         news: dict[str, list[int]] = {}  # seq id -> tokens committed this step
         self._take_inbox()
         self._admit()
-        prefilled = self._prefill(news)
+        self._prefill(news)
         self._recover()
-        setup = self.clock() - t0
         running = [s for s in self.seqs.values() if s.status is Status.RUNNING]
-        if running:
-            self._round(running, news, setup if prefilled else 0.0)
+        t1 = self.clock()
+        self.times["setup"] += t1 - t0
+        setup_s = t1 - t0
+        for _ in range(self.cfg.rounds_per_step):
+            if not running or not self._round(running, news, setup_s):
+                break  # a plain round (its steps are the step's), or nobody left
+            setup_s = 0.0
+            running = [s for s in running if s.status is Status.RUNNING]
+        t2 = self.clock()
         outs = self._retire(news)
         self._take_snapshot()
+        self.times["retire"] += self.clock() - t2
         return outs
 
     def _take_inbox(self) -> None:
@@ -235,9 +251,9 @@ class EngineCore:
                 held += 1
 
     # ---- prefill ----
-    def _prefill(self, news: dict[str, list[int]]) -> bool:
+    def _prefill(self, news: dict[str, list[int]]) -> None:
         """Up to prefill_chunk prompt tokens of the prefilling sequences, oldest first, in one engine call (a
-        prompt too long for the budget goes in chunks, one per step). Returns whether it prefilled."""
+        prompt too long for the budget goes in chunks, one per step)."""
         budget = self.cfg.prefill_chunk or float("inf")
         work: list[tuple[Sequence, int]] = []
         for s in self.seqs.values():
@@ -247,13 +263,13 @@ class EngineCore:
             budget -= n
             work.append((s, n))
         if not work:
-            return False
+            return
         try:
             outs = self.verifier.prefill_batch([self._prefill_input(s, n) for s, n in work])
         except Exception as e:  # noqa: BLE001 - all or nothing: each is tried again alone, failing only itself
             if len(work) == 1:
                 self._fail(work[0][0], e)
-                return True
+                return
             log.warning("a prefill of %d sequences failed (%s): each is tried alone", len(work), e)
             outs = []
             for s, _ in work:
@@ -268,7 +284,6 @@ class EngineCore:
         for (s, n), out in zip(work, outs):
             if out is not None:
                 self._prefilled(s, n, out, news)
-        return True
 
     def _prefill_input(self, s: Sequence, n: int) -> PrefillInput:
         chunk = s.req.prompt_ids[s.prefilled : s.prefilled + n]
@@ -303,7 +318,7 @@ class EngineCore:
     def _members(self, running: list[Sequence]) -> list[Member]:
         """The sequences the policy decides for: speculative, not pinned, followed by the drafter."""
         return [
-            Member(s.seq_id, band(s.req.sampling.temperature))
+            Member(s.seq_id, s.band)
             for s in running
             if s.req.tree is None and (d := self.drafts.get(s.seq_id)) is not None and not d.lost and not d.dead
         ]
@@ -314,15 +329,18 @@ class EngineCore:
             return PLAIN
         return self.policy.choose(members, self.cfg.plain_steps, batch=len(running)).shape
 
-    def _round(self, running: list[Sequence], news: dict[str, list[int]], prefill_s: float) -> None:
+    def _round(self, running: list[Sequence], news: dict[str, list[int]], setup_s: float) -> bool:
+        """One round for every running sequence (see the module docstring); setup_s: this step's work before it
+        (admission, prefill, catching up), which the policy's cost sample leaves out. Returns whether it was a
+        speculative round (False: plain steps, or a failed verify)."""
         t0 = self.clock()
         shape = self._next if self._next is not None else self._choose(running)
         self._next = None
         rows = [(s, self._tree(s, shape)) for s in running]
         if all(t.plain for _, t in rows):
             self._settle_launch()
-            self._plain(running, news, t0, prefill_s)
-            return
+            self._plain(running, news, t0, setup_s)
+            return False
         rooms = self.verifier.room([s.seq_id for s in running])
         spec = [(s, t) for (s, t), room in zip(rows, rooms) if not t.plain and room > t.nodes]
         full = [s for (s, _), room in zip(rows, rooms) if room < 1]
@@ -330,12 +348,14 @@ class EngineCore:
             s.end(Finish.CONTEXT)
         speccing = {id(s) for s, _ in spec}
         plain = [s for (s, _), room in zip(rows, rooms) if id(s) not in speccing and room >= 1]
-        trees, steady = self._trees(spec)
+        t1 = self.clock()
+        trees, steady, joining_s = self._trees(spec)
+        t2 = self.clock()
         spec = [(s, t) for s, t in spec if s.seq_id in trees]
         plain += [s for s, _ in rows if id(s) in speccing and s.seq_id not in trees and s.status is Status.RUNNING]
         if not spec:
-            self._plain(plain, news, t0, prefill_s)
-            return
+            self._plain(plain, news, t0, setup_s)
+            return False
         # the next round's shape, decided now: its trees are drafted on the device behind this verify
         nxt = self._choose(running)
         going = [(s, t, self._tree(s, nxt)) for s, t in spec]
@@ -348,52 +368,71 @@ class EngineCore:
         order = chained + rest
         inputs = [VerifyInput(s.seq_id, trees[s.seq_id] if t is not NO_TREE else NO_TREE) for s, t in order]
         try:
+            t3 = self.clock()
             results = finish(self.verifier.verify_steps(inputs, chain))
         except Exception as e:  # noqa: BLE001 - the round's sequences fail; the core goes on
             log.exception("a verify of %d sequences failed", len(order))
             for s, _ in order:
                 self._fail(s, e)
-            return
+            return False
+        t4 = self.clock()
         self._next = nxt
         launched = chain is not None and chain.handle is not None
         self._launch = (chain.handle, {s.seq_id: i for i, (s, _) in enumerate(chained)}) if launched else None
-        members = {m.seq_id: m for m in self._members(running)}
         follow = [self._following(s) for s, _ in order]
         for i, ((s, t), out) in enumerate(zip(order, results)):
             tokens = out.tokens
-            if t is not NO_TREE:
+            if t is not NO_TREE:  # every tree teaches the policy what the draft accepts, pinned ones too
                 s.count_round(trees[s.seq_id].size, len(tokens) - 1)
-                if (m := members.get(s.seq_id)) is not None:
-                    self.policy.observe(s.seq_id, m.band, t, len(tokens) - 1)
+                self.policy.observe(s.seq_id, s.band, t, min(len(tokens) - 1, t.depth))
             news[s.seq_id] = news.get(s.seq_id, []) + s.commit(tokens)
             if follow[i] and not (launched and i < len(chained)):
                 d = self.drafts[s.seq_id]
                 d.tokens += tokens
                 d.hidden.append(out.hidden)
+        t5 = self.clock()
+        times = self.times
+        times["choose"] += t1 - t0 + t3 - t2
+        times["trees"] += t2 - t1 - joining_s
+        times["joining"] += joining_s
+        times["verify"] += t4 - t3
+        times["commit"] += t5 - t4
+        times["rounds"] += 1
         drafted = Shape(max(t.depth for _, t in spec), max(t.nodes for _, t in spec))
         self.choices[drafted] += 1
         pure = not plain and all(t == shape for _, t in spec)
-        self._observe(t0, len(order), drafted, 1, steady and pure, prefill_s)
+        self._observe(t0, len(order), drafted, 1, steady and pure, setup_s + joining_s)
+        return True
 
-    def _trees(self, spec: list[tuple[Sequence, Shape]]) -> tuple[dict[str, Tree], bool]:
-        """The trees of this round's drafting rows ({seq_id: tree}; a row missing: the drafter failed it) and
-        whether the round is steady (no joiner's prompt, no catch-up after a plain stretch)."""
+    def _trees(self, spec: list[tuple[Sequence, Shape]]) -> tuple[dict[str, Tree], bool, float]:
+        """The trees of this round's drafting rows ({seq_id: tree}; a row missing: the drafter failed it), whether
+        the round is steady, and the seconds spent on joining rows. A joining row is a joiner's prompt, or a
+        sequence caught up after a plain stretch or a drafter failure: its propose runs a long accept pass, in a
+        call of its own whose time the policy's cost sample leaves out; a round that has nothing but joining
+        rows (the first after plain steps) is not steady."""
         trees = self._settle_launch()
-        todo = [(s, t) for s, t in spec if s.seq_id not in trees]
+        todo = [(s, t, self._propose_input(s, t)) for s, t in spec if s.seq_id not in trees]
+        joining = [x for x in todo if x[2].start or len(x[2].token_ids) > JOINING_TOKENS]
+        going = [x for x in todo if not (x[2].start or len(x[2].token_ids) > JOINING_TOKENS)]
+        t0 = self.clock()
+        self._propose(joining, trees)
+        joining_s = self.clock() - t0
+        self._propose(going, trees)
+        return trees, len(joining) < len(spec), joining_s
+
+    def _propose(self, todo: list[tuple[Sequence, Shape, ProposeInput]], trees: dict[str, Tree]) -> None:
+        """The drafter's trees for these rows, into `trees` (none when it fails: they go on plainly)."""
         if not todo:
-            return trees, True
-        items = [self._propose_input(s, t) for s, t in todo]
-        steady = all(not it.start and len(it.token_ids) <= 8 for it in items)
+            return
         try:
-            proposed = self.drafter.propose(items)
+            proposed = self.drafter.propose([it for _, _, it in todo])
         except Exception as e:  # noqa: BLE001 - a drafter failure never fails a request: they go on plainly
-            self._lose([s for s, _ in todo], e)
-            return trees, False
-        trees.update(zip([s.seq_id for s, _ in todo], proposed))
-        for s, _ in todo:
+            self._lose([s for s, _, _ in todo], e)
+            return
+        for (s, _, _), tree in zip(todo, proposed):
+            trees[s.seq_id] = tree
             d = self.drafts[s.seq_id]
             d.tokens, d.hidden, d.start = [], [], None
-        return trees, steady
 
     def _propose_input(self, s: Sequence, t: Shape) -> ProposeInput:
         """Its next propose: what the drafter has not seen (after a start item, the whole context: a joiner's
@@ -417,7 +456,7 @@ class EngineCore:
         read = [(sid, row) for sid, row in rows.items() if self.seqs[sid].status is Status.RUNNING]
         return dict(zip([sid for sid, _ in read], self.drafter.read_after(handle, [row for _, row in read])))
 
-    def _plain(self, seqs: list[Sequence], news: dict[str, list[int]], t0: float, prefill_s: float) -> None:
+    def _plain(self, seqs: list[Sequence], news: dict[str, list[int]], t0: float, setup_s: float) -> None:
         """`plain_steps` decoding steps (fewer near every sequence's budget) with one host synchronisation;
         the drafter's sequences keep the features of their tokens."""
         seqs = [s for s in seqs if s.status is Status.RUNNING]
@@ -433,12 +472,14 @@ class EngineCore:
         steps = max(1, min(self.cfg.plain_steps, max(s.left for s in seqs)))
         follow = [self._following(s) for s in seqs]
         try:
+            t1 = self.clock()
             decoded = self.verifier.decode_many([s.seq_id for s in seqs], steps, with_hidden=any(follow))
         except Exception as e:  # noqa: BLE001 - the step's sequences fail; the core goes on
             log.exception("a decode of %d sequences failed", len(seqs))
             for s in seqs:
                 self._fail(s, e)
             return
+        t2 = self.clock()
         took = len(decoded.tokens[0])
         for i, (s, tokens) in enumerate(zip(seqs, decoded.tokens)):
             news[s.seq_id] = news.get(s.seq_id, []) + s.commit(tokens)
@@ -447,21 +488,24 @@ class EngineCore:
                 d.tokens += tokens
                 d.hidden.append(decoded.hidden[i])
         self.choices[PLAIN] += 1
+        self.times["plain"] += t2 - t1
+        self.times["plain_commit"] += self.clock() - t2
+        self.times["plain_calls"] += 1
         pure = all(s.req.tree is None for s in seqs)
-        self._observe(t0, len(seqs), PLAIN, took, pure, prefill_s)
+        self._observe(t0, len(seqs), PLAIN, took, pure, setup_s)
 
     def _following(self, s: Sequence) -> bool:
         d = self.drafts.get(s.seq_id)
         return d is not None and not d.lost and not d.dead
 
-    def _observe(self, t0: float, batch: int, shape: Shape, steps: int, steady: bool, prefill_s: float) -> None:
-        """A round's cost for the policy: from the end of the round before (the host work between rounds is
-        the round's too) less any prefill of this step, when both rounds ran back to back and this one is
-        steady."""
+    def _observe(self, t0: float, batch: int, shape: Shape, steps: int, steady: bool, other_s: float) -> None:
+        """A round's cost for the policy: from the end of the round before (the host work between rounds is the
+        round's too) less the step's other work (other_s: admission, prefill, catching up, joining rows), when
+        both rounds ran back to back and this one is steady."""
         end = self.clock()
         last, self._last_end = self._last_end, end
-        if steady and last is not None and t0 - last < 0.05 + prefill_s:
-            self.policy.observe_round(batch, shape, end - last - prefill_s, steps)
+        if steady and last is not None and t0 - last < 0.05 + other_s:
+            self.policy.observe_round(batch, shape, max(end - last - other_s, 1e-6), steps)
 
     # ---- failures ----
     @staticmethod
@@ -502,6 +546,10 @@ class EngineCore:
         if self.degraded:
             log.info("the drafter answers again: catching up %d sequence(s)", len(lost))
         self.degraded = False
+        try:  # a drafter that kept its state of them (it did not restart) starts them afresh
+            self.drafter.release([sid for sid, _ in lost])
+        except Exception as e:  # noqa: BLE001 - the start items restart them anyway on a draft service
+            log.warning("releasing %d lost sequence(s) on the drafter failed: %s", len(lost), e)
         for sid, d in lost:
             s = self.seqs[sid]
             context = s.req.prompt_ids + s.tokens  # its last token is the next tree's root

@@ -21,6 +21,9 @@ count, slot, keep, depth) and gathers the new tokens' features into [B, L, 3H] o
 host reads the [B, 4, N] tree block. After a verify, launch_after instead builds those two inputs on the
 device from the verify's acceptance (common.engine.base.Accepted), padded to L = steps + 1 new tokens, and
 queues the replay behind the verification: the host reads the trees once (read_after), not the tokens first.
+A batch with a sampling row (the q rule) also sends each row's temperature and seed: its children's draws
+are hashed on the device from the seed and the committed length (common.kernels.sampling), in the variant
+captured for it.
 """
 
 from __future__ import annotations
@@ -38,8 +41,10 @@ from common.config import DraftingConfig, SamplingConfig
 from common.engine.base import Accepted, ProposeAfter, ProposeInput, Steps, StepTime, finish
 from common.engine.cuda_graphs import CudaGraphManager, GraphConfig, batch_buckets_for
 from common.errors import CapacityExhausted, InvalidRequest, UnknownSequence
+from common.kernels import reference
 from common.model.eagle3 import Eagle3Head
 from common.model.llama import Batch, KVCache
+from common.sampling import DRAFT_SALT, sequence_seed
 from common.slots import SlotTable, check_unique
 from common.tree import DraftQ, Tree, drop_subtrees
 
@@ -50,7 +55,7 @@ log = logging.getLogger(__name__)
 class DraftSeq:
     length: int  # committed pairs in the draft KV cache
     sampling: SamplingConfig  # temperature > 0: its children are drawn from q (the q rule); 0: the top-k tree
-    rng: np.random.Generator  # the Gumbel noise of its draws (independent of the verifier's generator)
+    seed: int  # its draws' (common.sampling.sequence_seed: independent of the verifier's)
 
 
 @dataclass(frozen=True)
@@ -68,7 +73,7 @@ class DraftOut:
     """_expand_step's outputs (static buffers under a graph)."""
 
     tree: torch.Tensor  # [B, 4, N] float64: base ids, parents (-1 = root), probs, q row (-1: none)
-    q_ids: torch.Tensor  # [B, Q, W] int64 base ids of q at the root (row 0) and each expanded node
+    q_ids: torch.Tensor  # [B, Q, W] int64 draft ids of q at the root (row 0) and each expanded node (host: to base)
     q_probs: torch.Tensor  # [B, Q, W] float32 their probabilities
 
 
@@ -79,6 +84,8 @@ class AfterVerify:
     items: list[ProposeAfter]  # row i: the verify's item i
     tree: torch.Tensor  # [B, 4, N] _expand_step's tree block, copied out of the graph's buffer
     took: torch.Tensor  # [B] new tokens each row took (the verify's accepted count + 1)
+    sampled: list[int]  # rows whose children were drawn from q (they get q)
+    q: tuple[torch.Tensor, torch.Tensor] | None  # DraftOut's q_ids, q_probs [len(sampled), Q, W] of those rows
     start: torch.cuda.Event | None  # timing events around the drafting on the drafter's stream (None on CPU)
     done: torch.cuda.Event | None
     eager_s: float  # the launch's wall (on CPU: the whole drafting)
@@ -89,7 +96,6 @@ class AfterVerify:
 
 
 ACCEPT_TOKENS = 4096  # rows x tokens of the largest captured accept pass (its hidden input: 14 MB in bf16)
-LOG_Q_FLOOR = -60.0  # log q below this counts as outside q: such a probability could round to 0 on the wire
 
 
 @dataclass(frozen=True)
@@ -105,16 +111,24 @@ class Frontier:
 
 
 def _children(
-    logp: torch.Tensor, ids: torch.Tensor, temp: torch.Tensor | None, gumbel: torch.Tensor | None, k: int
+    logp: torch.Tensor,
+    ids: torch.Tensor,
+    temp: torch.Tensor | None,
+    seed: torch.Tensor | None,
+    counter: torch.Tensor,
+    level: int,
+    k: int,
 ) -> Children:
     """The children of F expanded nodes per sequence. logp, ids [B, F, W]: the W best draft tokens of
-    each node, descending; temp [B] each sequence's temperature (0: top-k children); gumbel [B, F, W]
-    Gumbel(0, 1) noise. temp and gumbel None: every row is a top-k row and q is None (a batch without
-    sampling sequences: its graph skips the q arithmetic, 18 kernels a level).
+    each node, descending; temp [B] each sequence's temperature (0: top-k children); seed [B] its draws'
+    seed, counter [B] the committed length, level the nodes' (0: the root): node f's Gumbel noise is
+    hashed from them (common.kernels.draft_children). temp and seed None: every row is a top-k row and q
+    is None (a batch without sampling sequences: its graph has no draws at all).
 
     Top-k rows keep the K best, scored by their log-probability (EAGLE-2). Sampled rows draw K tokens
     from q = softmax(logp / T) over the W (Gumbel-top-K: the keys log q + g in descending order are
-    draws without replacement, in sampling order; tokens with log q below LOG_Q_FLOOR are outside q:
+    draws without replacement, in sampling order; tokens with log q below common.kernels.sampling's
+    LOG_Q_FLOOR are outside q:
     they come last with key -inf, score -inf and q 0, and the host drops them), and the i-th draw is
     scored as the top-k tree scores its i-th child, by the i-th LARGEST draft log-probability, not by
     its own: a child's score then depends on its parent alone, never on what was drawn. (Scoring by
@@ -131,21 +145,10 @@ def _children(
     Example (K 2, W 3, temperature 0.5): logp [-.1, -1, -3] -> log q [-.15, -1.95, -5.95]; keys
     log q + g = [-.9, .4, -4.5] -> ids of [1, 0], scores [-.1, -1] (the two largest logp, in rank
     order), logq of the drawn [-1.95, -.15]."""
-    b, f, w = logp.shape
-    if temp is None or gumbel is None:
+    if temp is None or seed is None:
         return Children(ids=ids[..., :k], score=logp[..., :k], logq=logp[..., :k], q=None)
-    drawn = (temp > 0)[:, None, None]  # [B, 1, 1]
-    lq = torch.log_softmax(logp / torch.where(drawn, temp[:, None, None], 1.0), dim=-1)  # [B, F, W] descending
-    lq = torch.where((lq > LOG_Q_FLOOR) | ~drawn, lq, -torch.inf)  # a prefix of ranks
-    lq = lq - torch.logsumexp(lq, dim=-1, keepdim=True)
-    order = (lq + gumbel).topk(k, dim=-1).indices  # [B, F, K] sampling order
-    pick = torch.where(drawn, order, torch.arange(k, device=logp.device).expand(b, f, k))
-    return Children(
-        ids=ids.gather(-1, pick),
-        score=torch.where(drawn & (lq[..., :k] == -torch.inf), -torch.inf, logp[..., :k]),
-        logq=torch.where(drawn, lq.gather(-1, pick), logp[..., :k]),
-        q=lq.exp(),
-    )
+    kid, score, logq, q = kernels.draft_children(logp, ids, temp, seed, counter, level, k)
+    return Children(ids=kid, score=score, logq=logq, q=q)
 
 
 @dataclass(frozen=True)
@@ -202,6 +205,7 @@ class Eagle3Drafter:
         self._arange = torch.arange(max(self.cache.capacity, max_sequences + 1), device=self.device)
         with torch.inference_mode():  # base-model embeddings of the draft vocabulary [Vd, H]
             self._draft_embed = self.embed(head.to_base_ids(torch.arange(c.draft_vocab_size, device=self.device)))
+        self._d2t = head.d2t.cpu().numpy()  # [Vd] draft id -> base id offsets, for q on the host
         gc = graph_cfg or GraphConfig()
         self.graphs = CudaGraphManager.for_engine(self.device, "drafter", graphs, gc)
         self.batch_buckets = batch_buckets_for(max_sequences, gc.batch_buckets)
@@ -312,18 +316,17 @@ class Eagle3Drafter:
         root_logp: torch.Tensor,
         root_ids: torch.Tensor,
         temp: torch.Tensor | None = None,
-        gumbel: torch.Tensor | None = None,
+        seed: torch.Tensor | None = None,
         depth: int | None = None,
     ) -> DraftOut:
         """EAGLE-2: K children per expanded node (_children: the top-K, or K drawn from q), expand the K
         best of each level by cumulative score for `depth` levels (None: the drafter's steps), and keep
-        the best `keep` nodes of at most the row's depth. packed [B, 4]: committed length m, slot, keep,
-        the row's depth; root_* as Root; temp [B] as _children; gumbel [B, steps, K, W] noise (level d's
-        nodes read [:, d]; the root [:, 0, 0]). Returns DraftOut: [B, 4, N] float64 base token ids,
-        parents (re-indexed, -1 = root), draft probabilities given the parent and q rows of the N best
-        nodes (one D2H copy; int64 ids are exact), and q of the root and every expanded node.
-        temp and gumbel None (a batch where no row samples): top-k children only, no q (q_ids and q_probs
-        [B, 0, W], q rows -1), 18 kernels a level fewer."""
+        the best `keep` nodes of at most the row's depth. packed [B, 4]: committed length m (the draws'
+        counter), slot, keep, the row's depth; root_* as Root; temp, seed [B] as _children. Returns
+        DraftOut: [B, 4, N] float64 base token ids, parents (re-indexed, -1 = root), draft probabilities
+        given the parent and q rows of the N best nodes (one D2H copy; int64 ids are exact), and q of the
+        root and every expanded node. temp and seed None (a batch where no row samples): top-k children
+        only, no q (q_ids and q_probs [B, 0, W], q rows -1), no draws."""
         k, scratch = self.drafting.top_k, self.scratch
         sampled = temp is not None
         steps = depth or self.drafting.steps
@@ -341,7 +344,7 @@ class Eagle3Drafter:
         # (node j of depth d in entry (d - 1) K + j), sliced per level
         positions = (m[:, None] + self._arange[None, :steps]).clamp(max=self.rope_len - 1)
         write_pos = m[:, None] + self._arange[None, :scratch]
-        kids = _children(root_logp[:, None], root_ids[:, None], temp, None if gumbel is None else gumbel[:, 0, :1], k)
+        kids = _children(root_logp[:, None], root_ids[:, None], temp, seed, m, 0, k)
         q_ids, q_probs = [root_ids[:, None]], [kids.q]  # [B, 1 + levels * K, W] once concatenated
         fronts = []  # creation indices of each level's expanded nodes, [B, K] each
         root = kernels.draft_level(
@@ -370,7 +373,7 @@ class Eagle3Drafter:
                 window=front.anc,
             )
             out = self.head.top_k(front.embeds, front.hidden, batch, self.cache, self._width(sampled))
-            kids = _children(out.logp, out.ids, temp, None if gumbel is None else gumbel[:, depth], k)
+            kids = _children(out.logp, out.ids, temp, seed, m, depth, k)
             fronts.append(front.id)
             q_ids.append(out.ids)
             q_probs.append(kids.q)
@@ -392,36 +395,31 @@ class Eagle3Drafter:
             )
             front = Frontier(*nxt) if nxt is not None else front
         n = min(self.tree_size, c)
-        tree, kept = kernels.select_tree(cand[0], cand[1], cand[3], self.head.d2t, keep, row_depth, k, n)
+        drawn = None
+        if sampled:  # sampling rows' probabilities are their draws', and the kept nodes name their q rows
+            fronts = torch.stack(fronts, 1).view(bb, -1) if fronts else cand[3][:, :0]  # [B, (steps - 1) K]
+            drawn = reference.Drawn(logq=cand[2], temperature=temp, fronts=fronts)
+        tree, _ = kernels.select_tree(cand[0], cand[1], cand[3], self.head.d2t, keep, row_depth, k, n, drawn)
         if not sampled:
             none = torch.empty(bb, 0, self.width, device=dev)
             return DraftOut(tree=tree, q_ids=none.long(), q_probs=none)
-        drawn = cand[2].gather(1, kept).exp()  # [B, N] sampled rows: q of the drawn token
-        tree[:, 2] = torch.where((temp > 0)[:, None], drawn.double(), tree[:, 2])  # 0: drawn outside q
-        # q row of every candidate: level d's expanded nodes are rows 1 + (d - 1) K .. d K (the root is 0)
-        q_row = torch.full_like(cand[3], -1)  # [B, C]
-        for level, ids in enumerate(fronts):
-            q_row.scatter_(1, ids, 1 + level * k + self._arange[None, :k].expand(bb, k))
-        tree[:, 3] = q_row.gather(1, kept).double()
-        return DraftOut(
-            tree=tree, q_ids=self.head.to_base_ids(torch.cat(q_ids, 1)), q_probs=torch.cat(q_probs, 1).float()
-        )
+        return DraftOut(tree=tree, q_ids=torch.cat(q_ids, 1), q_probs=torch.cat(q_probs, 1))
 
     def _propose_step(
         self,
         packed: torch.Tensor,
         hidden: torch.Tensor,
         temp: torch.Tensor | None = None,
-        gumbel: torch.Tensor | None = None,
+        seed: torch.Tensor | None = None,
         depth: int | None = None,
     ) -> DraftOut:
         """A whole round's drafting: the accept pass, then the expansion from its root. packed and hidden
-        as _accept_step, temp, gumbel and depth as _expand_step; returns _expand_step's DraftOut."""
+        as _accept_step, temp, seed and depth as _expand_step; returns _expand_step's DraftOut."""
         length = packed.shape[1] - 5
         root = self._accept_step(packed, hidden, self._width(temp is not None))
         m_after = packed[:, length] + packed[:, length + 1]
         expand = torch.stack((m_after, packed[:, length + 2], packed[:, length + 3], packed[:, length + 4]), dim=1)
-        return self._expand_step(expand, root.hidden, root.logp, root.ids, temp, gumbel, depth)
+        return self._expand_step(expand, root.hidden, root.logp, root.ids, temp, seed, depth)
 
     # ---- host side ----
     def _accept_block(self, b: int, length: int) -> torch.Tensor:
@@ -436,28 +434,23 @@ class Eagle3Drafter:
     def _hidden_block(self, b: int, length: int) -> torch.Tensor:
         return torch.zeros(b, length, self.feature_dim, dtype=self.cache.kv.dtype)
 
-    def _noise_block(self, b: int, items: list[ProposeInput] | None = None) -> dict[str, torch.Tensor]:
-        """temp [b] float32 and gumbel [b, steps, K, W] float32 for the items (the rest: padding, top-k
-        rows): Gumbel noise from each sampling sequence's own generator, zeros elsewhere. {} when no item
-        samples (the steps' top-k variant); items None: the all-zero block a sampled variant captures."""
-        d = self.drafting
-        if items is not None and all(self.seqs.get(it.seq_id)[1].sampling.greedy for it in items):
+    def _noise_block(self, b: int, states: list[DraftSeq] | None = None) -> dict[str, torch.Tensor]:
+        """temp [b] float32 and seed [b] int64 of the sequences (the rest: padding, top-k rows, temperature
+        0): what a sampled variant's draws read. {} when none samples (the steps' top-k variant); states
+        None: the block of padding rows a sampled variant captures."""
+        if states is not None and all(st.sampling.greedy for st in states):
             return {}
         temp = np.zeros(b, dtype=np.float32)
-        gumbel = np.zeros((b, d.steps, d.top_k, self.width), dtype=np.float32)
-        for i, it in enumerate(items or []):
-            st = self.seqs.get(it.seq_id)[1]
-            if not st.sampling.greedy:
-                temp[i] = st.sampling.temperature
-                gumbel[i] = st.rng.gumbel(size=gumbel.shape[1:])
-        return {"temp": torch.from_numpy(temp), "gumbel": torch.from_numpy(gumbel)}
+        seed = np.zeros(b, dtype=np.int64)
+        for i, st in enumerate(states or []):
+            temp[i], seed[i] = st.sampling.temperature, st.seed
+        return {"temp": torch.from_numpy(temp), "seed": torch.from_numpy(seed)}
 
     def _new_seq(self, it: ProposeInput) -> DraftSeq:
-        """A sequence's draft state: under the q rule its sampling and a generator seeded apart from the
-        verifier's (a spawned child of the request's seed); else greedy (the top-k tree)."""
+        """A sequence's draft state: under the q rule its sampling and a seed apart from the verifier's
+        (common.sampling.sequence_seed); else greedy (the top-k tree)."""
         s: SamplingConfig = it.sampling if self.drafting.sampling_rule == "q" else SamplingConfig()
-        seed = np.random.SeedSequence(s.seed).spawn(1)[0] if s.seed is not None else None
-        return DraftSeq(length=0, sampling=s, rng=np.random.default_rng(seed))
+        return DraftSeq(length=0, sampling=s, seed=0 if s.greedy else sequence_seed(s.seed, DRAFT_SALT))
 
     def _expand_block(self, b: int) -> torch.Tensor:
         """An all-padding expand block [b, 4]: length 0, the trash slot, keep 1, depth 1."""
@@ -538,9 +531,10 @@ class Eagle3Drafter:
         """The items' next trees queued on the device behind the verify whose acceptance this is (row i of
         accepted: items[i]), without the host reading it: its tokens and features become the accept pass's
         inputs there (padded to steps + 1 new tokens: the rows past a row's count are padding, as in any
-        pass), and the propose step's replay follows (common.engine.base.Drafter explains the chain). None,
-        with nothing queued, when a sequence is unknown, samples, or is too near the end of the draft
-        context for steps + 1 more tokens: the caller then proposes from the verify's outputs as usual.
+        pass), and the propose step's replay follows (common.engine.base.Drafter explains the chain); rows
+        that sample draw their children on the device (the sampled variant, at the drafter's depth). None,
+        with nothing queued, when a sequence is unknown or too near the end of the draft context for
+        steps + 1 more tokens: the caller then proposes from the verify's outputs as usual.
         Called on a GPU from the verifier's call on the caller's stream: the drafting waits for the work
         queued there, and the caller does not wait for the drafting."""
         states = []
@@ -549,7 +543,7 @@ class Eagle3Drafter:
                 slot, st = self.seqs.get(it.seq_id)
             except UnknownSequence:
                 return None
-            if not st.sampling.greedy or st.length + self.max_new > self.max_context:
+            if st.length + self.max_new > self.max_context:
                 return None
             if not 0 <= it.max_depth <= self.drafting.steps:
                 raise InvalidRequest(f"max_depth must be in [0, {self.drafting.steps}], got {it.max_depth}")
@@ -558,7 +552,9 @@ class Eagle3Drafter:
         if accepted.kept.shape[1] > length:  # trees deeper than this drafter drafts (not its own): more new tokens
             return None
         bb = self.graphs.bucket(b, self.batch_buckets)
+        noise = self._noise_block(bb, [st for _, st in states])
         depth = self.graphs.bucket(max(self._depth(it) for it in items), self.depth_buckets)
+        depth = self.drafting.steps if noise else depth  # sampled variants: the drafter's depth only
         block = self._accept_block(bb, length)
         a = block.numpy()  # [bb, L + 5]: the host's columns; the tokens and their count come from the device
         for i, (it, (slot, st)) in enumerate(zip(items, states)):
@@ -580,10 +576,13 @@ class Eagle3Drafter:
             pad = (0, 0, 0, length - n, 0, bb - b)  # [b, n, 3H] -> [bb, L, 3H]
             hidden = torch.nn.functional.pad(accepted.kept.to(self.cache.kv.dtype), pad)
             step = functools.partial(self._propose_step, depth=depth)
-            out = self.graphs.run(("propose", bb, length, depth, False), step, {"packed": packed, "hidden": hidden})
+            key = ("propose", bb, length, depth, bool(noise))
+            out = self.graphs.run(key, step, {"packed": packed, "hidden": hidden, **noise})
             tree = out.tree[:b].clone()  # outlives the next replay
+            sampled = [i for i, (_, st) in enumerate(states) if noise and not st.sampling.greedy]
+            q = self._q_rows(out, sampled)
             done = self.graphs.event()
-        return AfterVerify(list(items), tree, took, start, done, time.perf_counter() - t0)
+        return AfterVerify(list(items), tree, took, sampled, q, start, done, time.perf_counter() - t0)
 
     def read_after(self, launched: AfterVerify, rows: list[int]) -> list[Tree]:
         return finish(self.read_after_steps(launched, rows))
@@ -601,7 +600,12 @@ class Eagle3Drafter:
             yield launched.done
         tree, took = launched.tree.cpu().numpy(), launched.took.tolist()
         states = [self.seqs.get(launched.items[r].seq_id)[1] for r in rows]
-        trees = self._trees(tree[rows], [self._keep(launched.items[r]) for r in rows], [], None)
+        q = None if launched.q is None else tuple(t.cpu().numpy() for t in launched.q)
+        sampled = [j for j, r in enumerate(rows) if r in launched.sampled]  # among the rows read
+        if q is not None:  # q's rows: those of launched.sampled -> those of `sampled`
+            at = [launched.sampled.index(rows[j]) for j in sampled]
+            q = (q[0][at], q[1][at])
+        trees = self._trees(tree[rows], [self._keep(launched.items[r]) for r in rows], sampled, q)
         for r, st in zip(rows, states):
             st.length += took[r]
         return trees
@@ -635,7 +639,7 @@ class Eagle3Drafter:
         every sequence is greedy)."""
         bb = self.graphs.bucket(len(items), self.batch_buckets)
         length = max(len(it.token_ids) for it in items)
-        noise = self._noise_block(bb, items)
+        noise = self._noise_block(bb, [self.seqs.get(it.seq_id)[1] for it in items])
         depth = self.graphs.bucket(max(self._depth(it) for it in items), self.depth_buckets)
         depth = self.drafting.steps if noise else depth  # sampled variants: the drafter's depth only
         if not any(it.start for it in items) and length <= self.max_new:
@@ -649,11 +653,16 @@ class Eagle3Drafter:
         """The trees of a launched round (its outputs on the host)."""
         b = len(items)
         sampled = [i for i in range(b) if noise and noise["temp"][i] > 0]
-        q = None
-        if sampled:  # q crosses to the host for the sampling rows only
-            rows = torch.tensor(sampled, device=res.q_ids.device)
-            q = (res.q_ids.index_select(0, rows).cpu().numpy(), res.q_probs.index_select(0, rows).cpu().numpy())
+        q = self._q_rows(res, sampled)
+        q = None if q is None else (q[0].cpu().numpy(), q[1].cpu().numpy())
         return self._trees(res.tree[:b].cpu().numpy(), [self._keep(it) for it in items], sampled, q)
+
+    def _q_rows(self, res: DraftOut, sampled: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """q_ids and q_probs [len(sampled), Q, W] of the sampled rows, copied on the device (None: none)."""
+        if not sampled:
+            return None
+        rows = torch.tensor(sampled, device=res.q_ids.device)
+        return res.q_ids.index_select(0, rows), res.q_probs.index_select(0, rows)
 
     def _run_with_prompts(
         self, items: list[ProposeInput], bb: int, depth: int, noise: dict[str, torch.Tensor]
@@ -713,7 +722,7 @@ class Eagle3Drafter:
         self, res: np.ndarray, keeps: list[int], sampled: list[int], q: tuple[np.ndarray, np.ndarray] | None
     ) -> list[Tree]:
         """res [B, 4, N] from _expand_step -> one Tree per sequence with its first keep nodes; the rows
-        `sampled` also get q (q_ids, q_probs [len(sampled), Q, W]) at each tree row with children.
+        `sampled` also get q (q_ids in draft ids, q_probs [len(sampled), Q, W]) at each tree row with children.
         Example: parents [-1, -1, 0], q rows of the nodes [1, 2, -1] -> tree rows with children [0, 1],
         q rows [0, 1] (the root's is 0)."""
         trees = []
@@ -729,7 +738,8 @@ class Eagle3Drafter:
                 if (q_rows < 0).any():
                     raise ValueError("a kept node has children but was never expanded")
                 j = sampled.index(i)
-                draft_q = DraftQ(rows=rows, ids=q[0][j, q_rows], probs=q[1][j, q_rows])
+                q_ids = q[0][j, q_rows]  # [R, W] draft ids
+                draft_q = DraftQ(rows=rows, ids=q_ids + self._d2t[q_ids], probs=q[1][j, q_rows])
             trees.append(
                 Tree(
                     tokens=res[i, 0, nodes].astype(np.int64),

@@ -1,18 +1,21 @@
-"""The verifier engine: prefill, tree verification with greedy acceptance and KV compaction on the
-device, and plain decoding, over the base model's slotted KV cache.
+"""The verifier engine: prefill, tree verification with greedy or sampled acceptance and KV compaction
+on the device, and plain decoding, over the base model's slotted KV cache.
 
-Verification and decoding are step functions of static-shape tensors (_verify_step, _decode_step). On
-CPU they run eagerly at the exact batch and tree size; on a GPU the same functions are captured as CUDA
-graphs per (batch bucket, tree-rows bucket) and replayed, with batches padded by rows that write to a
-spare "trash" slot and trees padded by rows that see only the prefix and themselves. Attention reads
-each sequence's real length (common.kernels), so a graph costs what the context costs.
+Verification and decoding are step functions of static-shape tensors (_verify_step, _verify_sampled_step,
+_decode_step). On CPU they run eagerly at the exact batch and tree size; on a GPU the same functions are
+captured as CUDA graphs per (batch bucket, tree-rows bucket, Sampler) and replayed, with batches padded
+by rows that write to a spare "trash" slot and trees padded by rows that see only the prefix and
+themselves. Attention reads each sequence's real length (common.kernels), so a graph costs what the
+context costs.
 
-One verify call moves: the host packs one int64 block [B, 2T + 3] (tokens, parent rows, length, slot,
-greedy flag); the step builds the tree mask and positions, runs the model, accepts greedily, compacts
-the accepted path's K/V in every layer, and gathers the kept EAGLE features; the host reads back one
-[B, T + 1] block (accepted count, tokens). Sequences that sample accept on the host from their logits
-rows and compact afterwards: with the q rule when the tree carries the draft's q
-(common.acceptance.accept_sampled_q), else with the one-hot rule (accept_sampled).
+One verify call moves: the host packs one int64 block (all greedy: [B, 2T + 3], tokens, parent rows,
+length, slot, greedy flag; with a sampling row, SampledColumns: also each row's sampling, seed and the
+token sets its acceptance follows); the step builds the tree mask and positions, runs the model, accepts
+(greedy rows by the argmax; sampling rows by the one-hot rule, or the q rule when the tree carries the
+draft's q: common.kernels.speculative), compacts the accepted path's K/V in every layer, and gathers the
+kept EAGLE features; the host reads back one [B, T + 1] block (accepted count, tokens). Plain decoding
+draws on the device too, several steps a call. Every draw is a function of the sequence's seed and the
+position (common.kernels.sampling): a seed reproduces a sequence on one speculation path.
 """
 
 from __future__ import annotations
@@ -21,12 +24,12 @@ import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import Enum
 
 import numpy as np
 import torch
 
 from common import kernels, validate
-from common.acceptance import Acceptance, accept_sampled, accept_sampled_q, compaction_plan
 from common.config import LlamaConfig, SamplingConfig
 from common.engine.base import (
     Accepted,
@@ -42,10 +45,12 @@ from common.engine.base import (
 )
 from common.engine.cuda_graphs import CudaGraphManager, GraphConfig, batch_buckets_for
 from common.errors import CapacityExhausted, InvalidRequest, UnknownSequence
-from common.model.llama import Batch, KVCache, LlamaModel
-from common.sampling import target_distribution
+from common.kernels import speculative
+from common.kernels.sampling import RULE_GREEDY, RULE_ONEHOT, RULE_Q, SamplingRows, TreeSets
+from common.model.llama import Batch, ForwardOutput, KVCache, LlamaModel
+from common.sampling import VERIFIER_SALT, sequence_seed
 from common.slots import SlotTable, check_unique
-from common.tree import node_positions
+from common.tree import node_positions, row_sets, widest
 from common.weights import Checkpoint
 
 log = logging.getLogger(__name__)
@@ -79,7 +84,7 @@ class VerifierSeq:
     length: int  # tokens whose K/V are in the cache
     pending: int  # last chosen token, not yet in the cache (the next tree's root)
     sampling: SamplingConfig
-    rng: np.random.Generator
+    draw: np.ndarray  # [3] int64 its sampling and seed as the steps read them (SamplingRows.pack)
 
 
 @dataclass(frozen=True)
@@ -89,6 +94,8 @@ class VerifierConfig:
     max_tree_nodes: int = 64
     dtype: str = "float32"
     device: str = "cpu"
+    # W: tokens per tree row a captured sampled verify follows (the draft's q width; wider trees run eagerly)
+    q_width: int = 32
 
     def __post_init__(self) -> None:
         if self.max_sequences < 1:
@@ -99,6 +106,8 @@ class VerifierConfig:
             raise ValueError(f"max_tree_nodes must be >= 1, got {self.max_tree_nodes}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if not 1 <= self.q_width <= 256:
+            raise ValueError(f"q_width must be in [1, 256], got {self.q_width}")
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -106,6 +115,65 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 SHALLOW_DEPTH = 8  # trees at most this deep (every dynamic tree of up to 8 steps) take 3 doubling rounds
+SIBLINGS = 16  # children per row a captured sampled verify takes (the draft's top_k is 10; wider: eager)
+
+
+class Sampler(Enum):
+    """How a step chooses its tokens: a captured variant of the decode and verify steps each."""
+
+    GREEDY = "greedy"  # every row greedy: the argmax, no sampling kernels (today's greedy graphs)
+    TEMPERATURE = "temperature"  # a row samples, none with top-k or top-p: its target needs no sort
+    FILTERED = "filtered"  # a row samples with top-k or top-p: a sort of every row's logits
+
+    @classmethod
+    def of(cls, samplings: list[SamplingConfig]) -> Sampler:
+        hot = [s for s in samplings if not s.greedy]
+        if not hot:
+            return cls.GREEDY
+        return cls.FILTERED if any(s.top_k > 0 or s.top_p < 1 for s in hot) else cls.TEMPERATURE
+
+
+@dataclass(frozen=True)
+class SampledColumns:
+    """The sampled verify's int64 block [B, C] for trees of T rows and sets of W tokens (W even): columns
+    [0, T) the root token, then the tree's tokens; [T, 2T) each row's parent row (the root and padding rows
+    their own); [2T, 3T) each row's position in its parent row's set (common.tree.row_sets); n (the root's
+    cache position); the slot; the rule (common.kernels.sampling.RULE_*); the sampling columns
+    (SamplingRows, 3); the sets' ids [T * W] and their q [T * W] as float32 pairs [T * W / 2].
+    C = 3T + 6 + 3TW / 2."""
+
+    t: int
+    w: int
+
+    FIXED = 3 + SamplingRows.COLUMNS  # n, slot, rule, the sampling columns
+
+    @classmethod
+    def of(cls, columns: int, w: int) -> SampledColumns:
+        return cls(t=(columns - cls.FIXED) * 2 // (6 + 3 * w), w=w)
+
+    @property
+    def pos(self) -> int:
+        return 2 * self.t
+
+    @property
+    def n(self) -> int:
+        return 3 * self.t
+
+    @property
+    def draw(self) -> int:  # after n, the slot and the rule
+        return self.n + 3
+
+    @property
+    def ids(self) -> int:
+        return self.draw + SamplingRows.COLUMNS
+
+    @property
+    def q(self) -> int:
+        return self.ids + self.t * self.w
+
+    @property
+    def end(self) -> int:
+        return self.q + self.t * self.w // 2
 
 
 def tree_depth(parent_rows: np.ndarray) -> int:
@@ -130,8 +198,6 @@ class VerifyStep:
 
     result: torch.Tensor  # [B, T + 1] int64: accepted count, then the accepted tokens and the bonus
     kept: torch.Tensor  # [B, T, 3H] EAGLE features of the root and the accepted nodes, in path order
-    hidden: torch.Tensor  # [B, T, H] final hidden states (sampling sequences compute logits from them)
-    aux: torch.Tensor  # [B, T, 3H] EAGLE features of every row
 
 
 @dataclass(frozen=True)
@@ -139,7 +205,7 @@ class PrefillStep:
     """Outputs of _prefill_step (static buffers under a graph)."""
 
     logits: torch.Tensor  # [B, V] at each row's last real token
-    greedy: torch.Tensor  # [B] their argmax (greedy rows read it: one host copy for the call)
+    greedy: torch.Tensor  # [B] their argmax (greedy rows read it; sampling rows draw from logits)
     aux: torch.Tensor  # [B, T, 3H] EAGLE features of every position
 
 
@@ -147,8 +213,7 @@ class PrefillStep:
 class DecodeStep:
     """Outputs of _decode_step (static buffers under a graph)."""
 
-    hidden: torch.Tensor  # [B, H] final hidden state
-    greedy: torch.Tensor  # [B] the greedy next token
+    token: torch.Tensor  # [B] the next token (the argmax, or the draw of a sampling row)
     aux: torch.Tensor  # [B, 3H] EAGLE features of the step's row
 
 
@@ -186,6 +251,8 @@ class Verifier:
             self.device,
         )
         self.seqs: SlotTable[VerifierSeq] = SlotTable(cfg.max_sequences)
+        self.set_width = cfg.q_width + cfg.q_width % 2  # W of the captured sampled verify (even: q's float32 pairs)
+        self._greedy_draw = SamplingRows.pack(SamplingConfig(), 0, mcfg.vocab_size)  # [3] a padding row's
         self.info = EngineInfo(
             model=ckpt.name,
             vocab_size=mcfg.vocab_size,
@@ -217,7 +284,13 @@ class Verifier:
                     self.graphs.capture(("verify", bb, tb, False), self._verify_step, {"packed": block})
                     shallow = functools.partial(self._verify_step, max_depth=SHALLOW_DEPTH)
                     self.graphs.capture(("verify", bb, tb, True), shallow, {"packed": block})
-                self.graphs.capture(("decode", bb), self._decode_step, {"packed": self._decode_block(bb)})
+                    for sampler in (Sampler.TEMPERATURE, Sampler.FILTERED):  # sampled trees: shallow ones only
+                        w, s = self.set_width, self._siblings(tb)
+                        key, step = self._sampled_variant(bb, tb, sampler, True, w, s)
+                        self.graphs.capture(key, step, {"packed": self._sampled_block(bb, tb, w)})
+                for sampler in Sampler:
+                    key, step = self._decode_variant(bb, sampler)
+                    self.graphs.capture(key, step, {"packed": self._decode_block(bb, sampler)})
             for bb in sorted(self.prefill_batch_buckets, reverse=True):
                 for tb in sorted(self.prefill_buckets, reverse=True):
                     block = {"packed": self._prefill_block(bb, tb)}
@@ -241,8 +314,9 @@ class Verifier:
         try:
             for it in items:
                 if self._prefilling(it.seq_id) is None:  # a new sequence
-                    rng = np.random.default_rng(it.sampling.seed)
-                    self.seqs.acquire(it.seq_id, VerifierSeq(length=0, pending=-1, sampling=it.sampling, rng=rng))
+                    seed = 0 if it.sampling.greedy else sequence_seed(it.sampling.seed, VERIFIER_SALT)
+                    draw = SamplingRows.pack(it.sampling, seed, self.info.vocab_size)
+                    self.seqs.acquire(it.seq_id, VerifierSeq(length=0, pending=-1, sampling=it.sampling, draw=draw))
                 mine.append(it.seq_id)
                 validate.token_ids(it.token_ids, self.info.vocab_size, "prompt")
                 total = self.seqs.get(it.seq_id)[1].length + len(it.token_ids)
@@ -298,14 +372,24 @@ class Verifier:
         key = ("prefill", bb, tb)
         out = self.graphs.run(key, self._prefill_step, {"packed": block})
         aux = out.aux[:b, :t].clone() if self.graphs.is_captured(key) else out.aux  # outlives the next replay
-        greedy = out.greedy[:b].tolist()  # the call's one host synchronisation (sampling rows add theirs)
+        chosen = out.greedy[:b]
+        hot = [i for i, (it, st) in enumerate(zip(items, states)) if not it.more and not st.sampling.greedy]
+        if hot:  # drawn on the device at the last prompt position (the counter), eagerly
+            rows = SamplingRows.unpack(
+                self._t(np.stack([states[i].draw for i in hot])),
+                self._t(np.array([states[i].length + len(items[i].token_ids) - 1 for i in hot])),
+            )
+            at = self._t(np.array(hot))
+            filtered = Sampler.of([states[i].sampling for i in hot]) is Sampler.FILTERED
+            chosen = chosen.index_copy(0, at, speculative.sample_next(out.logits[at], chosen[at], rows, filtered))
+        tokens = chosen.tolist()  # the call's one host synchronisation
         done = {}
         for i, (it, st) in enumerate(zip(items, states)):
             n = len(it.token_ids)
             st.length += n
             next_token = None
             if not it.more:
-                st.pending = next_token = greedy[i] if st.sampling.greedy else self._choose(out.logits[i], st)
+                st.pending = next_token = tokens[i]
             done[it.seq_id] = PrefillOutput(next_token=next_token, hidden=aux[i, :n])
         return done
 
@@ -346,11 +430,54 @@ class Verifier:
         parent row (the root and padding rows their own), 2T the committed length n (the root's cache
         position), 2T + 1 the slot, 2T + 2 whether the sequence is greedy. max_depth: a bound on the
         trees' depth (fewer rounds for their ancestors), None for any."""
-        b, t = packed.shape[0], (packed.shape[1] - 3) // 2
+        t = (packed.shape[1] - 3) // 2
         ids, parent_rows = packed[:, :t], packed[:, t : 2 * t]  # [B, T] each
         n, slots, greedy = packed[:, 2 * t], packed[:, 2 * t + 1], packed[:, 2 * t + 2]  # [B] each (greedy: 0/1)
+        anc, depth, out = self._tree_forward(ids, parent_rows, n, slots, max_depth)
+        result, src = kernels.accept_tree(ids, parent_rows, anc, depth, self.model.greedy(out.hidden), greedy)
+        return self._compact(out.aux, result, src, slots, n)
+
+    def _verify_sampled_step(
+        self, packed: torch.Tensor, width: int, siblings: int, filtered: bool, max_depth: int | None = None
+    ) -> VerifyStep:
+        """packed [B, C] as SampledColumns lays it out for sets of `width` tokens; siblings: S, at least every
+        row's children; filtered: a row samples with top-k or top-p (Sampler.FILTERED). Greedy rows (rule 0)
+        are accepted as by _verify_step, bit for bit; the others by common.kernels.speculative's sampled
+        acceptance with their rule, seed and the root's position as the counter."""
+        b = packed.shape[0]
+        cols = SampledColumns.of(packed.shape[1], width)
+        t = cols.t
+        ids, parent_rows = packed[:, :t], packed[:, t : 2 * t]  # [B, T] each
+        n, slots, rule = packed[:, cols.n], packed[:, cols.n + 1], packed[:, cols.n + 2]  # [B] each
+        anc, depth, out = self._tree_forward(ids, parent_rows, n, slots, max_depth)
+        logits = self.model.lm_head(out.hidden)  # [B, T, V] (the greedy step's argmax is of these)
+        greedy = rule == RULE_GREEDY
+        g_result, g_src = kernels.accept_tree(ids, parent_rows, anc, depth, logits.argmax(-1), greedy.long())
+        sets = TreeSets(
+            ids=packed[:, cols.ids : cols.q].view(b, t, width),
+            q=packed[:, cols.q : cols.end].view(torch.float32).view(b, t, width),
+            pos=packed[:, cols.pos : cols.n],
+            rule=rule,
+        )
+        rows = SamplingRows.unpack(packed[:, cols.draw : cols.ids], n)
+        s_result, s_src = speculative.accept_sampled_tree(
+            ids, parent_rows, anc, depth, logits, sets, rows, siblings, filtered
+        )
+        result = torch.where(greedy[:, None], g_result, s_result)
+        src = torch.where(greedy[:, None], g_src, s_src)
+        return self._compact(out.aux, result, src, slots, n)
+
+    def _tree_forward(
+        self,
+        ids: torch.Tensor,
+        parent_rows: torch.Tensor,
+        n: torch.Tensor,
+        slots: torch.Tensor,
+        max_depth: int | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, ForwardOutput]:
+        """The trees' mask (anc [B, T, T], depth [B, T]) and the model's forward over them."""
         anc, depth = kernels.tree_mask(parent_rows, max_depth)  # [B, T, T], [B, T]
-        rows = torch.arange(t, device=packed.device)
+        rows = torch.arange(ids.shape[1], device=ids.device)
         batch = Batch(
             input_ids=ids,
             positions=n[:, None] + depth,
@@ -359,13 +486,15 @@ class Verifier:
             prefix_len=n,
             window=anc,
         )
-        out = self.model(batch, self.cache)
-        result, src = kernels.accept_tree(ids, parent_rows, anc, depth, self.model.greedy(out.hidden), greedy)
-        # greedy sequences: K/V of the accepted path move next to the root in every layer; sampling
-        # sequences keep their rows (src[b, k] = k: the host compacts them after acceptance)
+        return anc, depth, self.model(batch, self.cache)
+
+    def _compact(
+        self, aux: torch.Tensor, result: torch.Tensor, src: torch.Tensor, slots: torch.Tensor, n: torch.Tensor
+    ) -> VerifyStep:
+        """The accepted paths' K/V moved next to their roots in every layer, and their features [B, T, 3H]."""
         kernels.move_rows(self.cache.kv, slots, n, src)
-        kept = out.aux.gather(1, src[:, :, None].expand(b, t, out.aux.shape[-1]))  # [B, T, 3H]
-        return VerifyStep(result=result, kept=kept, hidden=out.hidden, aux=out.aux)
+        kept = aux.gather(1, src[:, :, None].expand(*src.shape, aux.shape[-1]))  # [B, T, 3H]
+        return VerifyStep(result=result, kept=kept)
 
     def verify(self, items: list[VerifyInput]) -> list[VerifyOutput]:
         return finish(self.verify_steps(items))
@@ -375,8 +504,9 @@ class Verifier:
         self, items: list[VerifyInput], then: Callable[[Accepted], None] | None = None
     ) -> Steps[list[VerifyOutput]]:
         """verify as steps: the forward and acceptance are launched, then (on a GPU) the call yields until
-        they are done, then reads its results and commits. then(accepted): called after the launch when
-        every sequence is greedy, with copies of the acceptance on the device (its rows those of items)."""
+        they are done, then reads its results and commits. then(accepted): called after the launch with
+        copies of the acceptance on the device (its rows those of items), greedy and sampling rows alike.
+        A tree of no nodes gets one token, as a decode step would."""
         check_unique([it.seq_id for it in items])
         states = [self._ready(it.seq_id) for it in items]
         b = len(items)
@@ -390,23 +520,32 @@ class Verifier:
                 f"sequence {items[i].seq_id!r} has no room for a {t}-row tree at length {lengths[i]}"
             )
         bb, tb = self.graphs.bucket(b, self.batch_buckets), self.graphs.bucket(t, self.tree_buckets)
-        block = self._verify_block(bb, tb)
-        a = block.numpy()  # [bb, 2 tb + 3]
-        self._pack_trees(a, items, sizes)
+        sampler = Sampler.of([st.sampling for _, st in states])
+        if sampler is Sampler.GREEDY:
+            block = self._verify_block(bb, tb)
+            cols = (2 * tb, 2 * tb + 1)  # n, slot
+        else:
+            sets_width, siblings = self._sets_shape(items, states, tb)
+            block = self._sampled_block(bb, tb, sets_width)
+            cols = (3 * tb, 3 * tb + 1)
+        a = block.numpy()
+        self._pack_trees(a, items, sizes, tb)
         a[:b, 0] = [st.pending for _, st in states]
-        a[:b, 2 * tb] = lengths
-        a[:b, 2 * tb + 1] = [slot for slot, _ in states]
-        greedy = np.fromiter((st.sampling.greedy for _, st in states), dtype=bool, count=b)  # [B]
-        a[:b, 2 * tb + 2] = greedy
-        accepted = None
-        with self.graphs.on_stream():
-            deepest = tree_depth(a[:b, tb : 2 * tb])
-            shallow = deepest <= SHALLOW_DEPTH
+        a[:b, cols[0]] = lengths
+        a[:b, cols[1]] = [slot for slot, _ in states]
+        deepest = tree_depth(a[:b, tb : 2 * tb])
+        shallow = deepest <= SHALLOW_DEPTH
+        if sampler is Sampler.GREEDY:
             key, step = ("verify", bb, tb, shallow), self._verify_step
             if shallow:
                 step = functools.partial(self._verify_step, max_depth=SHALLOW_DEPTH)
+        else:
+            self._pack_sampled(a, items, states, SampledColumns(tb, sets_width))
+            key, step = self._sampled_variant(bb, tb, sampler, shallow, sets_width, siblings)
+        accepted = None
+        with self.graphs.on_stream():
             out = self.graphs.run(key, step, {"packed": block})
-            if then is not None and greedy.all():
+            if then is not None:
                 # copies on this stream: the next call's replay may rewrite the graph's buffers before the
                 # drafter has read them. A path holds at most the deepest tree's depth + 1 rows
                 accepted = Accepted(result=out.result[:b].clone(), kept=out.kept[:b, : deepest + 1].clone())
@@ -416,64 +555,95 @@ class Verifier:
         with self.graphs.on_stream():
             # [B, T + 1] the one host synchronisation of the call (from the copy made for `then`, when made)
             result = (accepted.result if accepted is not None else out.result[:b]).cpu().numpy()
-            counts = np.where(greedy, result[:, 0] + 1, 0).tolist()  # [B] tokens of each greedy sequence
-            kept = None  # [B, >= max(counts), 3H] outliving the next replay (the copy made for `then` does)
-            if max(counts):
-                kept = accepted.kept if accepted is not None else out.kept[:b, : max(counts)].clone()
-            chosen = result[:, 1 : max(counts) + 1].tolist()  # [B][max(counts)] accepted tokens, the bonus
+            counts = (result[:, 0] + 1).tolist()  # [B] tokens of each sequence
+            # [B, >= max(counts), 3H] outliving the next replay (the copy made for `then` does)
+            kept = accepted.kept if accepted is not None else out.kept[:b, : max(counts)].clone()
             outputs = []
-            for i, (it, (slot, st)) in enumerate(zip(items, states)):
-                if st.sampling.greedy:
-                    tokens, hidden = chosen[i][: counts[i]], kept[i, : counts[i]]
-                else:
-                    tokens, hidden = self._verify_sampled(it, slot, st, out.hidden[i], out.aux[i])
-                st.length += len(tokens)
+            for i, (_, st) in enumerate(states):
+                tokens = result[i, 1 : counts[i] + 1].tolist()
+                st.length += counts[i]
                 st.pending = tokens[-1]
-                outputs.append(VerifyOutput(tokens=tokens, hidden=hidden))
+                outputs.append(VerifyOutput(tokens=tokens, hidden=kept[i, : counts[i]]))
             return outputs
 
     @staticmethod
-    def _pack_trees(a: np.ndarray, items: list[VerifyInput], sizes: np.ndarray) -> None:
-        """The trees' tokens and parent rows into a verify block a [bb, 2 tb + 3], all at once: node j of item
+    def _pack_trees(a: np.ndarray, items: list[VerifyInput], sizes: np.ndarray, tb: int) -> None:
+        """The trees' tokens and parent rows into a verify block a [bb, >= 2 tb], all at once: node j of item
         i is row j + 1 (columns j + 1 and tb + j + 1), its parent row parents[j] + 1 (-1, the root: row 0).
         Example: trees [a, b] (parents [-1, 0]) and [c] ([-1]) -> items [0, 0, 1], rows [1, 2, 1]:
                  a[0, 1:3] = [a, b], a[0, tb + 1 : tb + 3] = [0, 1], a[1, 1] = c, a[1, tb + 1] = 0"""
-        tb = (a.shape[1] - 3) // 2
+        if not sizes.sum():  # every tree a root alone
+            return
         item, node = node_positions(sizes)  # [N] each
         a[item, node + 1] = np.concatenate([it.tree.tokens for it in items])
         a[item, tb + node + 1] = np.concatenate([it.tree.parents for it in items]) + 1
 
-    def _verify_sampled(
-        self, it: VerifyInput, slot: int, st: VerifierSeq, hidden: torch.Tensor, aux: torch.Tensor
-    ) -> tuple[list[int], torch.Tensor]:
-        """Host-side lossless acceptance for a sampling sequence, then its KV compaction.
-        hidden [T, H], aux [T, 3H]: the step's rows for this sequence."""
-        logits = self.model.logits(hidden[: it.tree.size + 1])  # [size + 1, V]
+    # ---- sampled verification (a row samples: Sampler.TEMPERATURE or FILTERED) ----
+    def _siblings(self, tb: int) -> int:
+        """S of the captured sampled verify of tb-row trees: SIBLINGS, or all a tree of tb rows may have (at
+        least 1: a batch of roots alone has tb 1 when not padded)."""
+        return max(1, min(SIBLINGS, tb - 1))
 
-        def target(row: int) -> np.ndarray:
-            return target_distribution(logits[row].cpu().numpy(), st.sampling)
+    def _sets_shape(self, items: list[VerifyInput], states: list[tuple[int, VerifierSeq]], tb: int) -> tuple[int, int]:
+        """(W, S) the sampling rows' trees need: the captured set_width and _siblings(tb), or more (an eager
+        step) when a q or a row's children are wider. W is even."""
+        trees = [it.tree for it, (_, st) in zip(items, states) if not st.sampling.greedy]
+        kids = widest(trees)
+        need = max([kids] + [t.q.ids.shape[1] for t in trees if t.q is not None])
+        w = self.set_width if need <= self.set_width else need + need % 2
+        return w, max(self._siblings(tb), kids)
 
-        tree = it.tree
-        if tree.q is not None:
-            acc: Acceptance = accept_sampled_q(tree.tokens, tree.parents, tree.q, target, st.rng)
-        else:
-            acc = accept_sampled(tree.tokens, tree.parents, target, st.rng)
-        move = compaction_plan(acc.path, st.length)
-        if move.src:
-            src, dst = self._t(np.array(move.src)), self._t(np.array(move.dst))
-            self.cache.kv[:, slot, dst] = self.cache.kv[:, slot, src]  # gathered before written
-        rows = self._t(np.array([0] + [p + 1 for p in acc.path]))
-        return acc.tokens, aux[rows]
-
-    # ---- plain decoding ----
-    def _decode_block(self, b: int) -> torch.Tensor:
-        """An all-padding decode block [b, 3]: token 0, length 0, the trash slot."""
-        a = np.zeros((b, 3), dtype=np.int64)
-        a[:, 2] = self.trash_slot
+    def _sampled_block(self, b: int, t: int, w: int) -> torch.Tensor:
+        """An all-padding sampled verify block [b, C] (SampledColumns): token 0, every row its own parent,
+        length 0, the trash slot, a greedy row, empty sets."""
+        cols = SampledColumns(t, w)
+        a = np.zeros((b, cols.end), dtype=np.int64)
+        a[:, t : 2 * t] = np.arange(t)
+        a[:, cols.n + 1] = self.trash_slot
+        a[:, cols.draw : cols.ids] = self._greedy_draw
         return torch.from_numpy(a)
 
-    def _decode_step(self, packed: torch.Tensor) -> DecodeStep:
-        """packed [B, 3]: pending token, committed length n, slot."""
+    def _pack_sampled(
+        self, a: np.ndarray, items: list[VerifyInput], states: list[tuple[int, VerifierSeq]], cols: SampledColumns
+    ) -> None:
+        """Each row's rule and sampling, and the sampling rows' sets (common.tree.row_sets), into a sampled
+        block a [bb, C] whose trees are packed."""
+        b = len(items)
+        hot = [i for i, (_, st) in enumerate(states) if not st.sampling.greedy]
+        a[:b, cols.draw : cols.ids] = np.stack([st.draw for _, st in states])
+        a[hot, cols.n + 2] = [RULE_Q if items[i].tree.q is not None else RULE_ONEHOT for i in hot]
+        sets = row_sets([items[i].tree for i in hot], cols.t, cols.w)
+        a[hot, cols.pos : cols.n] = sets.pos
+        a[hot, cols.ids : cols.q] = sets.ids.reshape(len(hot), -1)
+        a[hot, cols.q : cols.end] = sets.q.reshape(len(hot), -1).view(np.int64)
+
+    def _sampled_variant(
+        self, bb: int, tb: int, sampler: Sampler, shallow: bool, w: int, s: int
+    ) -> tuple[tuple, Callable[..., VerifyStep]]:
+        """The graph key and step of a sampled verify (captured: shallow trees, set_width, _siblings(tb))."""
+        step = functools.partial(
+            self._verify_sampled_step,
+            width=w,
+            siblings=s,
+            filtered=sampler is Sampler.FILTERED,
+            max_depth=SHALLOW_DEPTH if shallow else None,
+        )
+        return ("verify", bb, tb, shallow, sampler, w, s), step
+
+    # ---- plain decoding ----
+    def _decode_block(self, b: int, sampler: Sampler = Sampler.GREEDY) -> torch.Tensor:
+        """An all-padding decode block: [b, 3] (token 0, length 0, the trash slot), then for a sampling
+        variant a greedy row's four sampling columns ([b, 7])."""
+        greedy = sampler is Sampler.GREEDY
+        a = np.zeros((b, 3 if greedy else 3 + SamplingRows.COLUMNS), dtype=np.int64)
+        a[:, 2] = self.trash_slot
+        if not greedy:
+            a[:, 3:] = self._greedy_draw
+        return torch.from_numpy(a)
+
+    def _decode_step(self, packed: torch.Tensor, sampler: Sampler = Sampler.GREEDY) -> DecodeStep:
+        """packed [B, 3]: pending token, committed length n, slot; for a sampling variant [B, 7], then the
+        row's sampling (SamplingRows; its counter: n). Greedy rows take the argmax the greedy step takes."""
         n = packed[:, 1]
         batch = Batch(
             input_ids=packed[:, 0:1],
@@ -485,7 +655,19 @@ class Verifier:
         )
         out = self.model(batch, self.cache)
         hidden = out.hidden[:, 0]
-        return DecodeStep(hidden=hidden, greedy=self.model.greedy(hidden), aux=out.aux[:, 0])
+        if sampler is Sampler.GREEDY:
+            token = self.model.greedy(hidden)
+        else:
+            logits = self.model.lm_head(hidden)  # [B, V]
+            rows = SamplingRows.unpack(packed[:, 3:], n)
+            token = speculative.sample_next(logits, logits.argmax(-1), rows, sampler is Sampler.FILTERED)
+        return DecodeStep(token=token, aux=out.aux[:, 0])
+
+    def _decode_variant(self, bb: int, sampler: Sampler) -> tuple[tuple, Callable[..., DecodeStep]]:
+        """The graph key and step of a decode (the greedy one's key is ("decode", bb), as before sampling)."""
+        if sampler is Sampler.GREEDY:
+            return ("decode", bb), self._decode_step
+        return ("decode", bb, sampler), functools.partial(self._decode_step, sampler=sampler)
 
     @torch.inference_mode()
     def decode(self, seq_ids: list[str]) -> list[int]:
@@ -499,8 +681,8 @@ class Verifier:
     def decode_many_steps(self, seq_ids: list[str], steps: int, with_hidden: bool = False) -> Steps[Decoded]:
         """Up to `steps` plain decoding steps for each sequence with one host synchronisation: the step
         writes its token and length back into its input block on the device, and the graph is replayed
-        again. The caller applies stop rules to the tokens (steps past a stop are wasted, not wrong).
-        Batches with a sampling sequence (host-side sampling) and sequences near the end of their context
+        again (a sampling row draws on the device, its counter the length). The caller applies stop rules
+        to the tokens (steps past a stop are wasted, not wrong). Sequences near the end of their context
         take fewer steps; every sequence gets the same number of tokens. with_hidden: also the EAGLE
         features of every step (hidden[i, j] produced tokens[i][j]), for a draft that follows along."""
         if steps < 1:
@@ -510,36 +692,33 @@ class Verifier:
         for s, (_, st) in zip(seq_ids, states):
             if st.length + 1 > self.capacity:
                 raise CapacityExhausted(f"sequence {s!r} is at the end of its context")
-        if not all(st.sampling.greedy for _, st in states):
-            steps = 1
         steps = min(steps, min(self.capacity - st.length for _, st in states))
         b = len(seq_ids)
         bb = self.graphs.bucket(b, self.batch_buckets)
-        block = self._decode_block(bb)
-        a = block.numpy()  # [bb, 3]
-        a[:b] = [(st.pending, st.length, slot) for slot, st in states]
-        key = ("decode", bb)
+        sampler = Sampler.of([st.sampling for _, st in states])
+        block = self._decode_block(bb, sampler)
+        a = block.numpy()  # [bb, 3] or [bb, 7]
+        a[:b, :3] = [(st.pending, st.length, slot) for slot, st in states]
+        if sampler is not Sampler.GREEDY:
+            a[:b, 3:] = np.stack([st.draw for _, st in states])
+        key, step_fn = self._decode_variant(bb, sampler)
         with self.graphs.on_stream():
             fed = self.graphs.feed(key, {"packed": block})
             tokens = torch.empty(bb, steps, dtype=torch.long, device=self.device)  # [B, steps]
             features = None
             for j in range(steps):
-                step: DecodeStep = self.graphs.replay(key, self._decode_step, fed)
-                tokens[:, j] = step.greedy
+                step: DecodeStep = self.graphs.replay(key, step_fn, fed)
+                tokens[:, j] = step.token
                 if with_hidden:
                     if features is None:  # [B, steps, 3H]
                         features = step.aux.new_empty(bb, steps, step.aux.shape[-1])
                     features[:, j] = step.aux
                 if j + 1 < steps:  # the next step's input: this token at the next position
-                    fed["packed"][:, 0] = step.greedy
+                    fed["packed"][:, 0] = step.token
                     fed["packed"][:, 1] += 1
         yield from self.graphs.launched()  # as steps: the replays are queued, the host reads them once done
         with self.graphs.on_stream():
-            out = tokens[:b].cpu().numpy()
-            for i, (_, st) in enumerate(states):
-                if not st.sampling.greedy:  # steps == 1 here
-                    out[i, 0] = self._choose(self.model.logits(step.hidden[i]), st)
-            result = out.tolist()  # [B][steps]
+            result = tokens[:b].cpu().tolist()  # [B][steps]
             for (_, st), row in zip(states, result):
                 st.length += steps
                 st.pending = row[-1]
@@ -569,11 +748,5 @@ class Verifier:
         return out
 
     # ---- helpers ----
-    def _choose(self, logits: torch.Tensor, st: VerifierSeq) -> int:
-        if st.sampling.greedy:
-            return int(logits.argmax())
-        p = target_distribution(logits.cpu().numpy(), st.sampling)
-        return int(st.rng.choice(p.shape[0], p=p))
-
     def _t(self, a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(self.device)

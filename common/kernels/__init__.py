@@ -3,7 +3,9 @@ needed (serving, CUDA graph capture), the PyTorch reference otherwise (CPU, trai
 
 The model calls these and never asks which path runs; both compute the same function (tests compare
 them, on CPU through Triton's interpreter). SPECDEC_KERNELS=reference forces the PyTorch path everywhere
-(for A/B measurements and debugging).
+(for A/B measurements and debugging). The sampling operations (draws, targets, the draft's children, the
+sampled acceptance) follow the same rule: common.kernels.sampling is their reference, triton_sampling their
+kernels, and common.kernels.speculative composes them into the verifier's steps.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common.kernels import reference
+from common.kernels import reference, sampling
 
 _MODE = os.environ.get("SPECDEC_KERNELS", "auto")
 if _MODE not in ("auto", "reference", "triton"):
@@ -27,6 +29,13 @@ def _ops():
     from common.kernels import triton_ops
 
     return triton_ops
+
+
+def _sampling_ops():
+    """The Triton kernels of the sampling operations (common.kernels.sampling), imported on first use."""
+    from common.kernels import triton_sampling
+
+    return triton_sampling
 
 
 def use_triton(x: torch.Tensor) -> bool:
@@ -227,12 +236,14 @@ def select_tree(
     row_depth: torch.Tensor,
     k: int,
     n: int,
+    drawn: reference.Drawn | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The draft tree [B, 4, N] float64 and its candidates' creation indices [B, N] of each row: the keep
-    best candidates no deeper than the row's depth; see reference.select_tree."""
-    if use_triton(score) and score.shape[1] <= 1024:
-        return _ops().select_tree(tok, score, parent, d2t, keep, row_depth, k, n)
-    return reference.select_tree(tok, score, parent, d2t, keep, row_depth, k, n)
+    best candidates no deeper than the row's depth (drawn: a batch with sampling rows); see
+    reference.select_tree."""
+    if use_triton(score) and score.shape[1] <= 1024 and (drawn is None or drawn.fronts.shape[1] <= 1024):
+        return _ops().select_tree(tok, score, parent, d2t, keep, row_depth, k, n, drawn)
+    return reference.select_tree(tok, score, parent, d2t, keep, row_depth, k, n, drawn)
 
 
 def tree_mask(parent_rows: torch.Tensor, max_depth: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -263,3 +274,67 @@ def move_rows(kv: torch.Tensor, slots: torch.Tensor, n: torch.Tensor, src: torch
         _ops().move_rows(kv, slots, n, src.contiguous())
     else:
         reference.move_rows(kv, slots, n, src)
+
+
+# ---- Sampling (common.kernels.sampling: the reference and the random numbers) ------------------------------
+def sample_tokens(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    theta: torch.Tensor | None,
+    seed: torch.Tensor,
+    counter: torch.Tensor,
+    index: torch.Tensor | None = None,
+    greedy: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Gumbel-max column of each row of logits [R, V] and its key; see sampling.sample_tokens."""
+    if use_triton(logits) and logits.stride(-1) == 1 and (index is None or index.stride(-1) == 1):
+        return _sampling_ops().sample_tokens(logits, temperature, theta, seed, counter, index, greedy)
+    return sampling.sample_tokens(logits, temperature, theta, seed, counter, index, greedy)
+
+
+def row_logz(logits: torch.Tensor, temperature: torch.Tensor, per: int = 1) -> torch.Tensor:
+    """[R] logsumexp(logits [R, V] / T); see sampling.row_logz."""
+    if use_triton(logits) and logits.stride(-1) == 1:
+        return _sampling_ops().row_logz(logits, temperature, per)
+    return sampling.row_logz(logits, temperature, per)
+
+
+def target_threshold(logits: torch.Tensor, rows: sampling.SamplingRows, per: int = 1) -> sampling.Target:
+    """Each row's threshold and normaliser after temperature, top-k and top-p; see sampling.target_threshold."""
+    if use_triton(logits):
+        return _sampling_ops().target_threshold(logits, rows, per)
+    return sampling.target_threshold(logits, rows, per)
+
+
+def draft_children(
+    logp: torch.Tensor,
+    ids: torch.Tensor,
+    temperature: torch.Tensor,
+    seed: torch.Tensor,
+    counter: torch.Tensor,
+    level: int,
+    k: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The K children of each expanded node of a batch with sampling rows; see sampling.draft_children."""
+    if use_triton(logp) and logp.shape[-1] <= 256:
+        return _sampling_ops().draft_children(logp, ids, temperature, seed, counter, level, k)
+    return sampling.draft_children(logp, ids, temperature, seed, counter, level, k)
+
+
+def accept_sampled(
+    ids: torch.Tensor,
+    parent_rows: torch.Tensor,
+    anc: torch.Tensor,
+    depth: torch.Tensor,
+    logits: torch.Tensor,
+    sets: sampling.TreeSets,
+    target: sampling.Target,
+    rows: sampling.SamplingRows,
+    siblings: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sampled acceptance of a batch of trees: (result [B, T + 1], src [B, T]); see sampling.accept_sampled."""
+    flat = ids.stride(1) == 1 and parent_rows.stride(0) == ids.stride(0) == sets.pos.stride(0)
+    last = logits.stride(-1) == 1 and sets.ids.stride(-1) == 1 and sets.q.stride(-1) == 1
+    if use_triton(logits) and ids.shape[1] <= 128 and sets.ids.shape[-1] <= 256 and flat and last:
+        return _sampling_ops().accept_sampled(ids, parent_rows, anc, depth, logits, sets, target, rows, siblings)
+    return sampling.accept_sampled(ids, parent_rows, anc, depth, logits, sets, target, rows, siblings)

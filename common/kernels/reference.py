@@ -211,6 +211,15 @@ def candidate_depth(c: int, k: int, device: torch.device) -> torch.Tensor:
     return torch.where(i < k, 1, 2 + (i - k).clamp(min=0) // (k * k))
 
 
+@dataclass(frozen=True)
+class Drawn:
+    """What select_tree needs of a batch with sampling rows (common.engine.draft: the q rule)."""
+
+    logq: torch.Tensor  # [B, C] log q each candidate was drawn with (draft_level's third record)
+    temperature: torch.Tensor  # [B] a row samples when > 0
+    fronts: torch.Tensor  # [B, F] the expanded nodes' creation indices, level by level: q row f + 1 is fronts[f]'s
+
+
 def select_tree(
     tok: torch.Tensor,
     score: torch.Tensor,
@@ -220,6 +229,7 @@ def select_tree(
     row_depth: torch.Tensor,
     k: int,
     n: int,
+    drawn: Drawn | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The draft tree of each row: the keep[b] best candidates (select_top_nodes) no deeper than
     row_depth[b], in creation order.
@@ -229,15 +239,24 @@ def select_tree(
     per node (the candidate layout); n: tree rows (>= keep).
     Returns tree [B, 4, N] float64 (base ids, parents re-indexed into the tree with -1 the root, the
     probability of each node given its parent exp(score - parent's score), and -1: no q row) and kept
-    [B, N] int64 (creation indices); entries past keep[b] are filler (0, -1, 0, -1 and kept 0)."""
+    [B, N] int64 (creation indices); entries past keep[b] are filler (0, -1, 0, -1 and kept 0).
+    drawn (a batch with sampling rows): a sampling row's probability is its draw's, exp(logq) (0: drawn from
+    outside q), and every row's q rows name each expanded node's: 1 + its place in drawn.fronts (-1: none).
+    Example: fronts [[4, 0]] -> candidate 4's q row is 1, candidate 0's 2, the others' -1."""
     b, c = score.shape
     select = score.masked_fill(candidate_depth(c, k, score.device)[None, :] > row_depth[:, None], float("-inf"))
     kept, new_parents = select_top_nodes(select, parent, keep, n)  # [B, N]
     par = parent.gather(1, kept)
     parent_score = torch.where(par < 0, 0.0, score.gather(1, par.clamp(min=0)))
     probs = torch.exp(score.gather(1, kept) - parent_score)  # [B, N] float32
+    q_row = torch.full_like(probs, -1)
+    if drawn is not None:
+        probs = torch.where((drawn.temperature > 0)[:, None], drawn.logq.gather(1, kept).exp(), probs)
+        hit = kept[:, :, None] == drawn.fronts[:, None, :]  # [B, N, F]
+        place = torch.arange(1, drawn.fronts.shape[1] + 1, device=score.device)
+        q_row = torch.where(hit.any(-1), (hit * place).sum(-1), -1).float()
     ids = tok.gather(1, kept)
-    tree = torch.stack([t.double() for t in (ids + d2t[ids], new_parents, probs, torch.full_like(probs, -1))], 1)
+    tree = torch.stack([t.double() for t in (ids + d2t[ids], new_parents, probs, q_row)], 1)
     filler = (torch.arange(n, device=score.device)[None, :] >= keep[:, None])[:, None, :]  # [B, 1, N]
     fill = torch.tensor([0.0, -1.0, 0.0, -1.0], dtype=torch.float64, device=score.device)[None, :, None]
     return torch.where(filler, fill, tree), kept.masked_fill(filler[:, 0], 0)
@@ -270,12 +289,40 @@ def tree_ancestors(parent_rows: torch.Tensor, max_depth: int | None = None) -> t
 
 
 @dataclass(frozen=True)
+class TreePath:
+    """The accepted path of each tree of a batch, on the device."""
+
+    count: torch.Tensor  # [B] accepted drafted nodes
+    src_rows: torch.Tensor  # [B, T] row that lands at tree position k: the root, the path, then k itself
+    best: torch.Tensor  # [B] the path's last row (the root when nothing was accepted)
+
+
+@dataclass(frozen=True)
 class GreedyPath:
     """Greedy acceptance of a batch of trees, on the device."""
 
     count: torch.Tensor  # [B] accepted drafted nodes
     src_rows: torch.Tensor  # [B, T] row that lands at tree position k: the root, the path, then k itself
     bonus: torch.Tensor  # [B] the base model's choice after the last accepted node
+
+
+def follow_path(right: torch.Tensor, anc: torch.Tensor, depth: torch.Tensor) -> TreePath:
+    """The path of rows that are right, from the root: right [B, T] (row 0 right; a row is right when its
+    parent accepts it), anc [B, T, T] from tree_ancestors, depth [B, T]. A row is accepted when it and all
+    its ancestors are right; the deepest accepted row ends the path (ties: the first row, as the host rule's
+    first matching child). Example: right [1, 0, 1, 0, 1] over tokens [a, b, c, d], parents [-1, -1, 0, 1]
+    (rows r a b c d): accepted 1 0 1 0 1, depth 0 1 1 2 2 -> best row 4 (d), count 2, src_rows
+    [0, 2, 4, 3, 4] (root, b, d, then positions 3 and 4 keep their own rows)."""
+    t = right.shape[1]
+    rows = torch.arange(t, device=right.device)
+    accepted = ~(anc & ~right[:, None, :]).any(-1)  # [B, T]
+    score = torch.where(accepted, depth * t + (t - 1 - rows)[None, :], -1)
+    best = score.argmax(-1)  # [B]
+    count = depth.gather(1, best[:, None])[:, 0]  # [B]
+    on_path = anc.gather(1, best[:, None, None].expand(-1, 1, t))[:, 0]  # [B, T] root and path rows
+    ordered = torch.where(on_path, rows[None, :], t + rows[None, :]).sort(-1).values  # path rows first
+    src_rows = torch.where(rows[None, :] <= count[:, None], ordered, rows[None, :])
+    return TreePath(count=count, src_rows=src_rows, best=best)
 
 
 def accept_greedy_device(
@@ -289,9 +336,8 @@ def accept_greedy_device(
     the base argmax at each row); anc [B, T, T] from tree_ancestors; depth [B, T] = anc.sum(-1) - 1 when
     the caller has it.
 
-    A node row is right when its token is its parent row's target; it is accepted when it and all its
-    ancestors are right; the deepest accepted row wins (ties: the first row, as the host rule's first
-    matching child). Padding rows (their own parent, after the root) are never right.
+    A node row is right when its token is its parent row's target; the path follows them (follow_path).
+    Padding rows (their own parent, after the root) are never right.
     Worked example (tokens [a, b, c, d], parents [-1, -1, 0, 1], target [b, x, d, y, z]):
         row           r  a  b  c  d
         right         1  0  1  0  1        (a != target[r] = b;  d == target[b] = d)
@@ -299,20 +345,24 @@ def accept_greedy_device(
         src_rows      [0, 2, 4, 3, 4]      root, b, d, then positions 3 and 4 keep their own rows
         bonus         target[4] = z        tokens b, d, z
     """
-    b, t = ids.shape
+    t = ids.shape[1]
     rows = torch.arange(t, device=ids.device)
     node = parent_rows != rows[None, :]  # [B, T] a real node row
     right = (ids == target.gather(1, parent_rows)) & node
     right = right | (rows == 0)[None, :]
-    accepted = ~(anc & ~right[:, None, :]).any(-1)  # [B, T]
     depth = anc.sum(-1) - 1 if depth is None else depth  # [B, T]
-    score = torch.where(accepted, depth * t + (t - 1 - rows)[None, :], -1)
-    best = score.argmax(-1)  # [B]
-    count = depth.gather(1, best[:, None])[:, 0]  # [B]
-    on_path = anc.gather(1, best[:, None, None].expand(b, 1, t))[:, 0]  # [B, T] root and path rows
-    ordered = torch.where(on_path, rows[None, :], t + rows[None, :]).sort(-1).values  # path rows first
-    src_rows = torch.where(rows[None, :] <= count[:, None], ordered, rows[None, :])
-    return GreedyPath(count=count, src_rows=src_rows, bonus=target.gather(1, best[:, None])[:, 0])
+    path = follow_path(right, anc, depth)
+    return GreedyPath(count=path.count, src_rows=path.src_rows, bonus=target.gather(1, path.best[:, None])[:, 0])
+
+
+def path_result(ids: torch.Tensor, count: torch.Tensor, src_rows: torch.Tensor, bonus: torch.Tensor) -> torch.Tensor:
+    """[B, T + 1] int64: the accepted count c, then the c accepted tokens and the bonus (entries 1 .. c + 1;
+    the rest is filler). ids, src_rows [B, T]; count, bonus [B].
+    Example: ids [r, a, b, c, d], src_rows [0, 2, 4, 3, 4], count 2, bonus z -> [2, b, d, z, d, r]."""
+    tokens = ids.gather(1, src_rows)  # [B, T] root, path...
+    tokens = torch.cat((tokens[:, 1:], tokens[:, :1]), dim=1)  # path, ... (shift out root)
+    tokens = tokens.scatter(1, count[:, None], bonus[:, None])
+    return torch.cat((count[:, None], tokens), dim=1)
 
 
 def tree_mask(parent_rows: torch.Tensor, max_depth: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -336,17 +386,14 @@ def accept_tree(
       result [B, T + 1] int64: the accepted count c, then the accepted tokens and the bonus token (entries
              1 .. c + 1; the rest is filler);
       src    [B, T] int64: the row whose K/V and features land at tree position k (the root, the path,
-             then k itself), and k itself for every position of a sampling sequence (it accepts on the
-             host).
+             then k itself), and k itself for every position of a row that is not greedy (its path is the
+             sampled acceptance's: common.kernels.speculative).
     Docstring example of accept_greedy_device, greedy: result [2, b, d, z, ...], src [0, 2, 4, 3, 4]."""
-    b, t = ids.shape
+    t = ids.shape[1]
     path = accept_greedy_device(ids, parent_rows, anc, target, depth)
     rows = torch.arange(t, device=ids.device)
     src = torch.where(greedy[:, None] != 0, path.src_rows, rows[None, :])  # [B, T]
-    tokens = ids.gather(1, path.src_rows)  # [B, T] root, path...
-    tokens = torch.cat((tokens[:, 1:], tokens[:, :1]), dim=1)  # path, ... (shift out root)
-    tokens = tokens.scatter(1, path.count[:, None], path.bonus[:, None])
-    return torch.cat((path.count[:, None], tokens), dim=1), src
+    return path_result(ids, path.count, path.src_rows, path.bonus), src
 
 
 def move_rows(kv: torch.Tensor, slots: torch.Tensor, n: torch.Tensor, src: torch.Tensor) -> None:

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from common.kernels import reference
+
 
 # ---- RMSNorm with the residual add --------------------------------------------------------------------
 # PyTorch: add, then rms_norm (2 launches, and the sum makes a round trip through memory).
@@ -823,14 +825,22 @@ def _select_tree_kernel(
     depth_ptr,
     tree_ptr,
     kept_ptr,
+    logq_ptr,
+    temp_ptr,
+    front_ptr,
     s_c,
     s_keep,
     s_depth,
+    s_temp,
+    s_front,
+    F,
     C: tl.constexpr,
     K: tl.constexpr,
     N: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+    DRAWN: tl.constexpr,
 ):
     b = tl.program_id(0)
     i = tl.arange(0, BLOCK_C)
@@ -849,6 +859,13 @@ def _select_tree_kernel(
     new_parent = tl.where(par < 0, -1, tl.gather(pos, at, 0))
     parent_score = tl.where(par < 0, 0.0, tl.gather(raw, at, 0))
     prob = tl.exp(raw - parent_score)
+    q_row = tl.zeros([BLOCK_C], dtype=tl.float64) - 1.0
+    if DRAWN:  # a sampling row's probability is its draw's; each expanded node's q row is its place + 1
+        logq = tl.load(logq_ptr + b * s_c + i, mask=ok, other=0.0)
+        prob = tl.where(tl.load(temp_ptr + b * s_temp) > 0, tl.exp(logq), prob)
+        f = tl.arange(0, BLOCK_F)
+        front = tl.load(front_ptr + b * s_front + f, mask=f < F, other=-1)
+        q_row = tl.max(tl.where(front[None, :] == i[:, None], f[None, :] + 1, -1), axis=1).to(tl.float64)
     tok = tl.load(tok_ptr + b * s_c + i, mask=ok, other=0)
     base = tok + tl.load(d2t_ptr + tok, mask=ok, other=0)
     row = tree_ptr + b * 4 * N
@@ -863,7 +880,7 @@ def _select_tree_kernel(
     tl.store(row + pos, base.to(tl.float64), mask=sel)
     tl.store(row + N + pos, new_parent.to(tl.float64), mask=sel)
     tl.store(row + 2 * N + pos, prob.to(tl.float64), mask=sel)
-    tl.store(row + 3 * N + pos, tl.zeros([BLOCK_C], dtype=tl.float64) - 1.0, mask=sel)
+    tl.store(row + 3 * N + pos, q_row, mask=sel)
     tl.store(kept_ptr + b * N + pos, i.to(tl.int64), mask=sel)
 
 
@@ -876,13 +893,16 @@ def select_tree(
     row_depth: torch.Tensor,
     k: int,
     n: int,
+    drawn: reference.Drawn | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """See reference.select_tree. tok, score, parent [B, C] share one row stride; keep, row_depth [B]
-    (any stride: columns of a packed block)."""
+    """See reference.select_tree. tok, score, parent (and drawn.logq) [B, C] share one row stride; keep,
+    row_depth, drawn.temperature [B] (any stride: columns of a packed block); drawn.fronts [B, F] unit stride
+    on F."""
     b, c = score.shape
     tree = torch.empty((b, 4, n), dtype=torch.float64, device=score.device)
     kept = torch.empty((b, n), dtype=torch.int64, device=score.device)
     block = triton.next_power_of_2(c)
+    f = 0 if drawn is None else drawn.fronts.shape[1]
     _select_tree_kernel[(b,)](
         tok,
         score,
@@ -892,14 +912,22 @@ def select_tree(
         row_depth,
         tree,
         kept,
+        score if drawn is None else drawn.logq,  # unread without draws
+        keep if drawn is None else drawn.temperature,
+        kept if drawn is None else drawn.fronts,
         score.stride(0),
         keep.stride(0),
         row_depth.stride(0),
+        0 if drawn is None else drawn.temperature.stride(0),
+        0 if drawn is None else drawn.fronts.stride(0),
+        f,
         C=c,
         K=k,
         N=n,
         BLOCK_C=block,
         BLOCK_N=triton.next_power_of_2(n),
+        BLOCK_F=max(16, triton.next_power_of_2(max(f, 1))),
+        DRAWN=drawn is not None,
         num_warps=4,
     )
     return tree, kept

@@ -33,6 +33,7 @@ class VerifierServiceConfig(Serving, EngineKnobs, DraftingKnobs):
     draft_retry: float = knob(1.0, "seconds between attempts to catch sequences up after the draft failed")
     prefill_chunk: int = knob(512, "prompt tokens prefilled per engine step; longer prompts go in chunks (0: whole)")
     plain_steps: int = knob(8, "decoding steps per host synchronisation when the policy decodes plainly")
+    rounds_per_step: int = knob(4, "speculative rounds per engine step (admission, prefill and outputs once a step)")
     policy_menu: str = knob(
         "", "trees the speculation policy chooses from, DEPTHxNODES comma-separated ('' = the default menu)"
     )
@@ -93,7 +94,7 @@ def build(cfg: VerifierServiceConfig) -> Built:
     )
     n = auto_sequences(cfg.max_sequences, cfg.device, kv, cfg.gpu_memory_fraction)
     # one engine slot beyond n: the spare in which features are recomputed for a drafter catching up
-    engine_cfg = VerifierConfig(n + 1, cfg.max_context, cfg.max_tree_nodes, dtype, cfg.device)
+    engine_cfg = VerifierConfig(n + 1, cfg.max_context, cfg.max_tree_nodes, dtype, cfg.device, q_width=cfg.q_width)
     engine = make_verifier(ckpt, engine_cfg, graphs=cfg.graphs)  # CUDA graphs on a GPU, eager on CPU
     drafter, limits = None, None
     if cfg.draft_here:
@@ -120,7 +121,8 @@ def build(cfg: VerifierServiceConfig) -> Built:
         costs += [StepCost(c.kind, c.batch, c.size, c.seconds) for c in drafter.step_costs()]
         shapes = menu(cfg, limits.top_k, limits.steps, limits.verify_tree_size)
     policy = AdaptivePolicy(PolicyConfig(menu=shapes) if shapes else PolicyConfig(), costs)
-    core = EngineCore(engine, drafter, policy, CoreConfig(n, cfg.prefill_chunk, cfg.plain_steps, cfg.draft_retry))
+    core_cfg = CoreConfig(n, cfg.prefill_chunk, cfg.plain_steps, cfg.rounds_per_step, cfg.draft_retry)
+    core = EngineCore(engine, drafter, policy, core_cfg)
     if cfg.draft and drafter.info is None:
         core.drafter_down()
     log.info(

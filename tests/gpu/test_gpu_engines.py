@@ -1,6 +1,8 @@
 """The engines on a GPU: capture succeeds, replayed graphs (Triton kernels inside) give the outputs of the
 same steps run eagerly with the PyTorch reference kernels, and float32 greedy speculative decoding equals
-plain decoding (8 prompts x 64 tokens).
+plain decoding (8 prompts x 64 tokens). Sampling on the device: the acceptance's kernels make the host
+rule's decisions on the same random numbers, sampled graphs equal the reference, a seed reproduces a
+sequence, greedy rows beside sampling rows are unchanged, and the drafting after a sampled verify chains.
 
     PYTHONPATH=. python -m pytest -q tests/gpu -m gpu
 """
@@ -18,6 +20,7 @@ from common.engine.draft import ACCEPT_TOKENS, Eagle3Drafter
 from common.engine.oracle import GreedyOracleDrafter
 from common.engine.verifier import Verifier, VerifierConfig
 from common.model.eagle3 import Eagle3Config, Eagle3Head
+from common.tree import Tree
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -34,10 +37,46 @@ def ckpt():
 
 
 @pytest.fixture(scope="module")
-def prompts(ckpt):
-    from bench.engine_bench import encode_prompts
+def prompts():
+    from bench.engine_bench import prompts as held_out
+    from common.model_path import default_model_path
+    from common.tokenizer import Tokenizer
 
-    return encode_prompts(ckpt, 8)
+    return held_out(Tokenizer(default_model_path()))[:8]
+
+
+def _plain(verifier: Verifier, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """n greedy tokens of each prompt by plain decoding (n - 1 steps in one call)."""
+    ids = [f"plain{i}" for i in range(len(prompts))]
+    outs = verifier.prefill_batch([PrefillInput(s, p, SamplingConfig()) for s, p in zip(ids, prompts)])
+    rest = verifier.decode_many(ids, n - 1).tokens
+    verifier.release(ids)
+    return [[o.next_token, *r] for o, r in zip(outs, rest)]
+
+
+def _speculative(verifier: Verifier, drafter, prompts: list[list[int]], n: int, conc: int) -> list[list[int]]:
+    """n greedy tokens of each prompt by rounds of propose and verify, conc sequences at a time; the EAGLE
+    drafter's trees after the first round are drafted behind each verify (the device chain)."""
+    out = []
+    for start in range(0, len(prompts), conc):
+        group = prompts[start : start + conc]
+        ids = [f"spec{start + i}" for i in range(len(group))]
+        outs = verifier.prefill_batch([PrefillInput(s, p, SamplingConfig()) for s, p in zip(ids, group)])
+        got = {s: [o.next_token] for s, o in zip(ids, outs)}
+        trees = drafter.propose([ProposeInput.after_prefill(s, p, o, 60) for s, p, o in zip(ids, group, outs)])
+        while min(len(t) for t in got.values()) < n:
+            launch = LaunchAfter(drafter, [ProposeAfter(s, 60) for s in ids]) if drafter.name == "eagle3" else None
+            results = finish(verifier.verify_steps([VerifyInput(s, t) for s, t in zip(ids, trees)], launch))
+            for s, r in zip(ids, results):
+                got[s] += r.tokens
+            if launch is not None and launch.handle is not None:
+                trees = drafter.read_after(launch.handle, list(range(len(ids))))
+            else:
+                trees = drafter.propose([ProposeInput.after_verify(s, r, 60) for s, r in zip(ids, results)])
+        verifier.release(ids)
+        drafter.release(ids)
+        out += [got[s][:n] for s in ids]
+    return out
 
 
 def _head(ckpt, dtype: torch.dtype) -> Eagle3Head:
@@ -62,11 +101,12 @@ def test_capture_succeeds(f32) -> None:
     for eng in (verifier, drafter):
         rep = eng.graphs.report
         assert rep.failed == [], rep.failed
-    # every bucket has its graph: verify (deep and shallow trees) per batch x tree bucket, decode per batch
-    # bucket, prefill per rows x tokens bucket; the drafter's proposal per batch bucket x new-token count
-    # 1..steps + 1, and its expansion
+    # every bucket has its graph: verify (deep and shallow trees, and sampled) per batch x tree bucket,
+    # decode per batch bucket and Sampler, prefill per rows x tokens bucket; the drafter's proposal per batch
+    # bucket x new-token count 1..steps + 1, and its expansion
     prefill = len(verifier.prefill_batch_buckets) * len(verifier.prefill_buckets)  # rows x tokens buckets
-    per_batch = 2 * len(verifier.tree_buckets) + 1
+    # verify: greedy deep and shallow, sampled (temperature only; top-k or top-p) shallow; decode: 3 samplers
+    per_batch = 4 * len(verifier.tree_buckets) + 3
     assert len(verifier.graphs.report.captured) == len(verifier.batch_buckets) * per_batch + prefill
     # (top-k variants at every depth bucket, the q rule's sampled variant at the drafter's depth)
     per_depth = drafter.max_new + 1  # a propose graph per count of new tokens, and the expansion
@@ -165,14 +205,12 @@ def test_drafting_after_a_verify_on_graphs(f32, prompts) -> None:
 
 
 def test_float32_speculative_equals_plain(f32, prompts) -> None:
-    from bench.engine_bench import run_plain, run_spec
-
     verifier, drafter, _ = f32
-    plain = run_plain(verifier, prompts, 64, 1).outputs
+    plain = _plain(verifier, prompts, 64)
     oracle = GreedyOracleDrafter(verifier.model, DRAFTING.steps, DEV)
     for conc in (1, 8):
-        assert run_spec(verifier, drafter, prompts, 64, conc, 60).outputs == plain
-    assert run_spec(verifier, oracle, prompts, 64, 8, 60).outputs == plain
+        assert _speculative(verifier, drafter, prompts, 64, conc) == plain
+    assert _speculative(verifier, oracle, prompts, 64, 8) == plain
 
 
 def test_steps_yield_until_the_device_is_done(f32, prompts) -> None:
@@ -257,3 +295,128 @@ def test_move_rows_in_a_cache_past_two_billion_elements():
     torch.cuda.synchronize()
     assert torch.equal(kv[:, 1, capacity - 16 :], small[:, 0])
     assert torch.equal(kv[2, 1, capacity - 14], want[2, 4])  # layer 2: row 4 -> 2 moved, past 2**31
+
+
+# ---- sampling on the device ----
+HOT = SamplingConfig(temperature=0.8, top_p=0.9, seed=3)
+
+
+def test_device_acceptance_is_the_host_rule_on_the_gpu() -> None:
+    """The sampled acceptance's kernels (the target's sort and threshold, the fused walk, bonus and result)
+    make the host rule's decisions (common.acceptance) on the same random numbers, tree for tree: both
+    rules, top-p and top-k (tests/test_device_sampling.py's trees and logits, on CUDA)."""
+    from tests.test_device_sampling import CFGS, host_rule_differences
+
+    for with_q in (False, True):
+        for cfg in CFGS:
+            assert host_rule_differences(with_q, cfg, "cuda", n=400) == [], (with_q, cfg)
+
+
+def test_sampled_graphs_equal_eager(ckpt, f32, prompts, monkeypatch) -> None:
+    """Sampling sequences (top-p, temperature only, and the one-hot rule's trees) beside a greedy one: the
+    sampling graphs (Triton kernels) commit what the same steps commit run eagerly with the PyTorch
+    reference, from the same seeds: the prefill's draw, verify rounds of the drafter's trees (the q rule,
+    drawn in its sampled graph) and of the oracle's (one-hot), and multi-step decoding."""
+    import common.kernels as kernels
+
+    gv, gd, head = f32
+    cfg = VerifierConfig(max_sequences=8, max_context=512, max_tree_nodes=64, dtype="float32", device="cuda")
+    ev = Verifier(ckpt, cfg)
+    ed = Eagle3Drafter(head, ev.model.embed_tokens, DRAFTING, 8, 512, DEV)
+    monkeypatch.setattr(kernels, "_MODE", "reference")
+    ids = ["q0", "q1", "q2"]
+    samplings = [HOT, SamplingConfig(temperature=0.7, seed=4), SamplingConfig()]
+    items = []
+    for s, p, smp in zip(ids, prompts, samplings):
+        want = ev.prefill(PrefillInput(s, p, smp))
+        assert gv.prefill(PrefillInput(s, p, smp)).next_token == want.next_token
+        items.append(ProposeInput.after_prefill(s, p, want, 60, smp))
+    oracle = GreedyOracleDrafter(ev.model, 6, DEV)
+    for rnd in range(4):
+        trees_e, trees_g = ed.propose(items), gd.propose(items)
+        oracle_trees = oracle.propose(items)
+        for te, tg in zip(trees_e, trees_g):
+            assert te.tokens.tolist() == tg.tokens.tolist() and te.parents.tolist() == tg.parents.tolist()
+            assert (te.q is None) == (tg.q is None)
+            if te.q is not None:
+                assert te.q.ids.tolist() == tg.q.ids.tolist()
+                np.testing.assert_allclose(tg.q.probs, te.q.probs, rtol=1e-3, atol=1e-6)
+        trees = oracle_trees if rnd % 2 else trees_e  # odd rounds: no q, the one-hot rule
+        batch = [VerifyInput(s, t) for s, t in zip(ids, trees)]
+        want, got = ev.verify(batch), gv.verify(batch)
+        for w, g in zip(want, got):
+            assert w.tokens == g.tokens
+            torch.testing.assert_close(g.hidden, w.hidden, rtol=1e-3, atol=1e-3)
+        items = [ProposeInput.after_verify(s, w, 60) for s, w in zip(ids, want)]
+    assert ev.decode_many(ids, 6).tokens == gv.decode_many(ids, 6).tokens
+    for eng in (ev, gv, ed, gd, oracle):
+        eng.release(ids)
+
+
+def test_sampling_reproduces_and_keeps_greedy_rows_on_graphs(f32, prompts) -> None:
+    """On the captured graphs: twins with one seed commit the same tokens through verify rounds of the
+    drafter's trees and multi-step decoding (every step: a batch with sampling rows no longer decodes one
+    step a call); a tree of no nodes beside real trees commits one token; and a greedy sequence beside
+    sampling ones commits the tokens of its twin in an all-greedy batch (the greedy graphs)."""
+    verifier, drafter, _ = f32
+    ids = ["g", "h", "s1", "s2", "s3"]  # g beside sampling rows, h its twin alone; s1, s2 twins
+    samplings = [SamplingConfig(), SamplingConfig(), HOT, HOT, SamplingConfig(temperature=1.0, top_k=50, seed=9)]
+    outs = verifier.prefill_batch([PrefillInput(s, prompts[0], c) for s, c in zip(ids, samplings)])
+    assert outs[0].next_token == outs[1].next_token and outs[2].next_token == outs[3].next_token
+    items = [ProposeInput.after_prefill(s, prompts[0], o, 60, c) for s, o, c in zip(ids, outs, samplings)]
+    trees_of = dict(zip(ids, drafter.propose(items)))
+    empty = Tree(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.float32))
+    committed = {s: [o.next_token] for s, o in zip(ids, outs)}
+    mixed = ["g", "s1", "s2", "s3"]
+    for rnd in range(3):
+        trees_of["s2"] = trees_of["s1"]  # the same tree for the twins
+        if rnd == 1:
+            trees_of["s3"] = empty
+        res = verifier.verify([VerifyInput(s, trees_of[s]) for s in mixed])
+        (alone,) = verifier.verify([VerifyInput("h", trees_of["g"])])
+        assert res[0].tokens == alone.tokens
+        torch.testing.assert_close(res[0].hidden, alone.hidden, rtol=1e-4, atol=1e-4)
+        assert res[1].tokens == res[2].tokens
+        if rnd == 1:
+            assert len(res[3].tokens) == 1
+        done = dict(zip([*mixed, "h"], [*res, alone]))
+        for s, r in done.items():
+            committed[s] += r.tokens
+        trees_of = dict(zip(done, drafter.propose([ProposeInput.after_verify(s, r, 60) for s, r in done.items()])))
+    dec = verifier.decode_many(["g", "s1", "s2", "s3"], 8, with_hidden=True)
+    alone = verifier.decode_many(["h"], 8, with_hidden=True)
+    assert [len(t) for t in dec.tokens] == [8] * 4
+    assert dec.tokens[0] == alone.tokens[0] and dec.tokens[1] == dec.tokens[2]
+    torch.testing.assert_close(dec.hidden[0], alone.hidden[0], rtol=1e-4, atol=1e-4)
+    assert committed["g"] == committed["h"]
+    assert committed["s1"] == committed["s2"]
+    for eng in (verifier, drafter):
+        eng.release(ids)
+
+
+def test_drafting_after_a_sampled_verify_on_graphs(f32, prompts) -> None:
+    """The device chain with sampling rows: launch_after draws their children on the device behind the verify
+    (no host noise), and the trees read after equal an eager drafter's propose of the verify's outputs, q
+    included, for three rounds of a greedy and two sampling sequences."""
+    gv, gd, head = f32
+    ed = Eagle3Drafter(head, gv.model.embed_tokens, DRAFTING, 8, 512, DEV)
+    ids = ["d0", "d1", "d2"]
+    samplings = [SamplingConfig(), HOT, SamplingConfig(temperature=0.6, seed=5)]
+    outs = gv.prefill_batch([PrefillInput(s, p, c) for s, p, c in zip(ids, prompts, samplings)])
+    starts = [ProposeInput.after_prefill(s, p, o, 60, c) for s, p, o, c in zip(ids, prompts, outs, samplings)]
+    trees, _ = gd.propose(starts), ed.propose(starts)
+    for _ in range(3):
+        launch = LaunchAfter(gd, [ProposeAfter(s, 60) for s in ids])
+        results = finish(gv.verify_steps([VerifyInput(s, t) for s, t in zip(ids, trees)], launch))
+        assert launch.handle is not None
+        want = ed.propose([ProposeInput.after_verify(s, r, 60) for s, r in zip(ids, results)])
+        trees = gd.read_after(launch.handle, [0, 1, 2])
+        for w, g in zip(want, trees):
+            assert w.tokens.tolist() == g.tokens.tolist() and w.parents.tolist() == g.parents.tolist()
+            np.testing.assert_allclose(g.probs, w.probs, rtol=1e-3, atol=1e-5)
+            assert (w.q is None) == (g.q is None)
+            if w.q is not None:
+                assert w.q.ids.tolist() == g.q.ids.tolist()
+        assert trees[0].q is None and trees[1].q is not None
+    for eng in (gv, gd, ed):
+        eng.release(ids)
