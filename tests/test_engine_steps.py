@@ -339,7 +339,7 @@ def test_a_long_accept_pass_runs_in_captured_passes(drafters, ckpt, monkeypatch)
     passes of a captured size, each after the ones before it in the cache: the trees are the exact drafter's
     (one pass over everything). Here a captured pass takes 64 rows x tokens: 2 rows -> 32 tokens a pass."""
     exact, _ = drafters
-    monkeypatch.setattr("common.engine.draft.ACCEPT_TOKENS", 64)
+    monkeypatch.setattr("common.engine.draft_parts.ACCEPT_TOKENS", 64)
     padded = Eagle3Drafter(
         exact.head,
         exact.embed,

@@ -8,21 +8,8 @@ from collections.abc import Callable
 
 import pytest
 
-from common.policy import (
-    PLAIN,
-    AdaptivePolicy,
-    Choice,
-    Clock,
-    CostModel,
-    FixedPolicy,
-    Member,
-    PolicyConfig,
-    SequenceFactor,
-    Shape,
-    StepCost,
-    Window,
-    band,
-)
+from common.policy import PLAIN, AdaptivePolicy, Choice, FixedPolicy, Member, PolicyConfig, Shape, StepCost, band
+from common.policy_stats import Clock, CostModel, SequenceFactor, Window
 
 MS = 1e-3
 CHAIN1, CHAIN4 = Shape(1, 1), Shape(4, 4)

@@ -31,7 +31,6 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -40,124 +39,30 @@ from common import kernels, validate
 from common.config import DraftingConfig, SamplingConfig
 from common.engine.base import Accepted, ProposeAfter, ProposeInput, Steps, StepTime, finish
 from common.engine.cuda_graphs import CudaGraphManager, GraphConfig, batch_buckets_for
+from common.engine.draft_parts import (  # noqa: F401 - callers import these from here too
+    ACCEPT_TOKENS,
+    AfterVerify,
+    Children,
+    DraftOut,
+    DraftSeq,
+    Frontier,
+    Root,
+    _children,
+    accept_block,
+    accept_span,
+    expand_block,
+    gather_index,
+    trees_of,
+)
 from common.errors import CapacityExhausted, InvalidRequest, UnknownSequence
 from common.kernels import reference
 from common.model.eagle3 import Eagle3Head
 from common.model.llama import Batch, KVCache
 from common.sampling import DRAFT_SALT, sequence_seed
 from common.slots import SlotTable, check_unique
-from common.tree import DraftQ, Tree, drop_subtrees
+from common.tree import Tree
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class DraftSeq:
-    length: int  # committed pairs in the draft KV cache
-    sampling: SamplingConfig  # temperature > 0: its children are drawn from q (the q rule); 0: the top-k tree
-    seed: int  # its draws' (common.sampling.sequence_seed: independent of the verifier's)
-
-
-@dataclass(frozen=True)
-class Children:
-    """The K children of each expanded node, in sampling order (_children)."""
-
-    ids: torch.Tensor  # [B, F, K] draft ids
-    score: torch.Tensor  # [B, F, K] log-probability added to the parent's score (the tree's shape)
-    logq: torch.Tensor  # [B, F, K] log-probability each child was drawn with (the probs channel)
-    q: torch.Tensor | None  # [B, F, W] q over the node's W best draft tokens (sampling rows; None: no sampling)
-
-
-@dataclass(frozen=True)
-class DraftOut:
-    """_expand_step's outputs (static buffers under a graph)."""
-
-    tree: torch.Tensor  # [B, 4, N] float64: base ids, parents (-1 = root), probs, q row (-1: none)
-    q_ids: torch.Tensor  # [B, Q, W] int64 draft ids of q at the root (row 0) and each expanded node (host: to base)
-    q_probs: torch.Tensor  # [B, Q, W] float32 their probabilities
-
-
-@dataclass(frozen=True)
-class AfterVerify:
-    """Trees launched on the device after a verify (Eagle3Drafter.launch_after), until read_after reads them."""
-
-    items: list[ProposeAfter]  # row i: the verify's item i
-    tree: torch.Tensor  # [B, 4, N] _expand_step's tree block, copied out of the graph's buffer
-    took: torch.Tensor  # [B] new tokens each row took (the verify's accepted count + 1)
-    sampled: list[int]  # rows whose children were drawn from q (they get q)
-    q: tuple[torch.Tensor, torch.Tensor] | None  # DraftOut's q_ids, q_probs [len(sampled), Q, W] of those rows
-    start: torch.cuda.Event | None  # timing events around the drafting on the drafter's stream (None on CPU)
-    done: torch.cuda.Event | None
-    eager_s: float  # the launch's wall (on CPU: the whole drafting)
-
-    def seconds(self) -> float:
-        """The drafting's device time (once done): between the events on a GPU, the eager wall on CPU."""
-        return self.start.elapsed_time(self.done) / 1e3 if self.start is not None else self.eager_s
-
-
-ACCEPT_TOKENS = 4096  # rows x tokens of the largest captured accept pass (its hidden input: 14 MB in bf16)
-
-
-@dataclass(frozen=True)
-class Frontier:
-    """A level's expanded nodes, best first (kernels.draft_level's outputs)."""
-
-    tok: torch.Tensor  # [B, K] draft ids
-    score: torch.Tensor  # [B, K] float32 cumulative log-probabilities
-    id: torch.Tensor  # [B, K] creation indices among the candidates
-    hidden: torch.Tensor  # [B, K, H] the head's output at each node's parent (fed back with the node)
-    anc: torch.Tensor  # [B, K, S] bool: the scratch entries each node sees (its ancestors and itself)
-    embeds: torch.Tensor  # [B, K, H] the nodes' token embeddings
-
-
-def _children(
-    logp: torch.Tensor,
-    ids: torch.Tensor,
-    temp: torch.Tensor | None,
-    seed: torch.Tensor | None,
-    counter: torch.Tensor,
-    level: int,
-    k: int,
-) -> Children:
-    """The children of F expanded nodes per sequence. logp, ids [B, F, W]: the W best draft tokens of
-    each node, descending; temp [B] each sequence's temperature (0: top-k children); seed [B] its draws'
-    seed, counter [B] the committed length, level the nodes' (0: the root): node f's Gumbel noise is
-    hashed from them (common.kernels.draft_children). temp and seed None: every row is a top-k row and q
-    is None (a batch without sampling sequences: its graph has no draws at all).
-
-    Top-k rows keep the K best, scored by their log-probability (EAGLE-2). Sampled rows draw K tokens
-    from q = softmax(logp / T) over the W (Gumbel-top-K: the keys log q + g in descending order are
-    draws without replacement, in sampling order; tokens with log q below common.kernels.sampling's
-    LOG_Q_FLOOR are outside q:
-    they come last with key -inf, score -inf and q 0, and the host drops them), and the i-th draw is
-    scored as the top-k tree scores its i-th child, by the i-th LARGEST draft log-probability, not by
-    its own: a child's score then depends on its parent alone, never on what was drawn. (Scoring by
-    the i-th largest log q at the temperature instead measured the same within noise; cutting q by the
-    request's top-p, which shrinks the trees, measured worse: docs/benchmarks.md.)
-    Why the verifier's q rule stays lossless (common.acceptance.accept_sampled_q, condition 2): child i
-    of v sits in the final tree iff fewer than `keep` candidates outrank it (higher score, or equal and
-    created earlier). Children i' >= i of v and everything below them score <= s(v, i) and are created
-    after child i, so they never outrank it; and a frontier (top-K) that one of them enters only displaces
-    a candidate scoring no more than s(v, i), whose descendants cannot outrank child i either. So which
-    candidates outrank child i, hence whether v keeps it, is fixed before its draw: the kept children of
-    every node are a prefix of its sampling order whose length is a stopping time (test_sampling_rule.py
-    checks the prefix on random trees, and the resulting distribution).
-    Example (K 2, W 3, temperature 0.5): logp [-.1, -1, -3] -> log q [-.15, -1.95, -5.95]; keys
-    log q + g = [-.9, .4, -4.5] -> ids of [1, 0], scores [-.1, -1] (the two largest logp, in rank
-    order), logq of the drawn [-1.95, -.15]."""
-    if temp is None or seed is None:
-        return Children(ids=ids[..., :k], score=logp[..., :k], logq=logp[..., :k], q=None)
-    kid, score, logq, q = kernels.draft_children(logp, ids, temp, seed, counter, level, k)
-    return Children(ids=kid, score=score, logq=logq, q=q)
-
-
-@dataclass(frozen=True)
-class Root:
-    """The head's output at each sequence's last committed pair: where the tree grows from."""
-
-    hidden: torch.Tensor  # [B, H] fed back with the depth-1 nodes
-    logp: torch.Tensor  # [B, W] the W best draft log-probabilities, descending (W: Eagle3Drafter._width)
-    ids: torch.Tensor  # [B, W] their draft-vocabulary ids
 
 
 class Eagle3Drafter:
@@ -423,13 +328,7 @@ class Eagle3Drafter:
 
     # ---- host side ----
     def _accept_block(self, b: int, length: int) -> torch.Tensor:
-        """An all-padding accept block [b, L + 5]: length 0, one new token, the trash slot, keep 1, depth 1."""
-        a = np.zeros((b, length + 5), dtype=np.int64)
-        a[:, length + 1] = 1
-        a[:, length + 2] = self.trash_slot
-        a[:, length + 3] = 1
-        a[:, length + 4] = 1
-        return torch.from_numpy(a)
+        return accept_block(b, length, self.trash_slot)
 
     def _hidden_block(self, b: int, length: int) -> torch.Tensor:
         return torch.zeros(b, length, self.feature_dim, dtype=self.cache.kv.dtype)
@@ -453,12 +352,7 @@ class Eagle3Drafter:
         return DraftSeq(length=0, sampling=s, seed=0 if s.greedy else sequence_seed(s.seed, DRAFT_SALT))
 
     def _expand_block(self, b: int) -> torch.Tensor:
-        """An all-padding expand block [b, 4]: length 0, the trash slot, keep 1, depth 1."""
-        a = np.zeros((b, 4), dtype=np.int64)
-        a[:, 1] = self.trash_slot
-        a[:, 2] = 1
-        a[:, 3] = 1
-        return torch.from_numpy(a)
+        return expand_block(b, self.trash_slot)
 
     def _depth(self, it: ProposeInput) -> int:
         """Levels a sequence's tree has: its max_depth (0: the drafter's steps)."""
@@ -491,27 +385,12 @@ class Eagle3Drafter:
         parts = [it.hidden[start : start + k].to(device=self.device, dtype=dtype) for it, k in zip(items, counts)]
         rows = torch.cat(parts)
         rows = torch.cat((rows, rows.new_zeros(1, rows.shape[1])))  # [sum k + 1, 3H]
-        src = np.full((bb, length), rows.shape[0] - 1, dtype=np.int64)  # padding: the zero row
-        offset = 0
-        for i, k in enumerate(counts):
-            src[i, :k] = offset + np.arange(k)
-            offset += k
+        src = gather_index(counts, bb, length)
         hidden = rows.index_select(0, torch.from_numpy(src).to(self.device).view(-1)).view(bb, length, -1)
         return block, hidden
 
     def _accept_span(self, rows: int, longest: int) -> int:
-        """New tokens a row takes per accept pass of `rows` (a batch bucket) when the longest item brings
-        `longest`: all of them when their rows x tokens bucket has a graph (or nothing is padded to buckets),
-        else the largest tokens bucket that has one at these rows, in as many passes as it takes. An eager
-        pass costs about 16 ms of launches on an H100 and allocates its logits at full size (16 rows x 512
-        tokens: 0.8 GB), and its first run in a process may compile kernels; several replays cost what their
-        matmuls cost.
-        Example: buckets (32, ..., 512), ACCEPT_TOKENS 4096: 16 rows, 300 tokens -> 256 (passes of 256 and
-        44); 8 rows, 300 tokens -> 300 (one pass, bucket 512)."""
-        fitting = [t for t in self.accept_buckets if rows * t <= ACCEPT_TOKENS]
-        if not self.graphs.pad or not fitting or self.graphs.bucket(longest, self.accept_buckets) in fitting:
-            return longest
-        return fitting[-1]
+        return accept_span(rows, longest, self.accept_buckets, self.graphs.pad)
 
     def _check(self, items: list[ProposeInput]) -> None:
         for it in items:
@@ -605,7 +484,7 @@ class Eagle3Drafter:
         if q is not None:  # q's rows: those of launched.sampled -> those of `sampled`
             at = [launched.sampled.index(rows[j]) for j in sampled]
             q = (q[0][at], q[1][at])
-        trees = self._trees(tree[rows], [self._keep(launched.items[r]) for r in rows], sampled, q)
+        trees = trees_of(tree[rows], [self._keep(launched.items[r]) for r in rows], sampled, q, self._d2t)
         for r, st in zip(rows, states):
             st.length += took[r]
         return trees
@@ -655,7 +534,7 @@ class Eagle3Drafter:
         sampled = [i for i in range(b) if noise and noise["temp"][i] > 0]
         q = self._q_rows(res, sampled)
         q = None if q is None else (q[0].cpu().numpy(), q[1].cpu().numpy())
-        return self._trees(res.tree[:b].cpu().numpy(), [self._keep(it) for it in items], sampled, q)
+        return trees_of(res.tree[:b].cpu().numpy(), [self._keep(it) for it in items], sampled, q, self._d2t)
 
     def _q_rows(self, res: DraftOut, sampled: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """q_ids and q_probs [len(sampled), Q, W] of the sampled rows, copied on the device (None: none)."""
@@ -717,35 +596,3 @@ class Eagle3Drafter:
                 **noise,
             },
         )
-
-    def _trees(
-        self, res: np.ndarray, keeps: list[int], sampled: list[int], q: tuple[np.ndarray, np.ndarray] | None
-    ) -> list[Tree]:
-        """res [B, 4, N] from _expand_step -> one Tree per sequence with its first keep nodes; the rows
-        `sampled` also get q (q_ids in draft ids, q_probs [len(sampled), Q, W]) at each tree row with children.
-        Example: parents [-1, -1, 0], q rows of the nodes [1, 2, -1] -> tree rows with children [0, 1],
-        q rows [0, 1] (the root's is 0)."""
-        trees = []
-        for i, keep in enumerate(keeps):
-            parents = res[i, 1, :keep].astype(np.int64)
-            if (parents >= np.arange(keep)).any():
-                raise ValueError("tree selection dropped a parent while keeping its child")
-            nodes, draft_q = np.arange(keep), None
-            if i in sampled:  # drop the draws from outside q (probability 0) and what hangs below them
-                nodes, parents = drop_subtrees(parents, res[i, 2, :keep] == 0)
-                rows = np.unique(parents + 1)  # [R] tree rows with children, ascending
-                q_rows = np.where(rows == 0, 0, res[i, 3, nodes[np.maximum(rows - 1, 0)]]).astype(np.int64)
-                if (q_rows < 0).any():
-                    raise ValueError("a kept node has children but was never expanded")
-                j = sampled.index(i)
-                q_ids = q[0][j, q_rows]  # [R, W] draft ids
-                draft_q = DraftQ(rows=rows, ids=q_ids + self._d2t[q_ids], probs=q[1][j, q_rows])
-            trees.append(
-                Tree(
-                    tokens=res[i, 0, nodes].astype(np.int64),
-                    parents=parents,
-                    probs=res[i, 2, nodes].astype(np.float32),
-                    q=draft_q,
-                )
-            )
-        return trees
