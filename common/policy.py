@@ -178,7 +178,11 @@ class AdaptivePolicy:
 
     def __init__(self, cfg: PolicyConfig, costs: Iterable[StepCost] = ()) -> None:
         self.cfg = cfg
-        self.costs = CostModel(cfg, costs)
+        costs = list(costs)
+        # per round variant: a batch of greedy rows only, or one with a sampling row, whose verify (the target
+        # distributions, the sampled acceptance) costs more; both start from the greedy calibration
+        self.variants = {False: CostModel(cfg, costs), True: CostModel(cfg, costs)}
+        self.costs = self.variants[False]
         self.shapes = self.costs.shapes  # plain, then the menu: the order of every per-shape list
         self.clock = Clock(cfg.half_life)  # acceptance counts decay by rounds
         self.acceptance = AcceptanceTable(cfg, self.clock)
@@ -189,19 +193,23 @@ class AdaptivePolicy:
         self.round_expected: dict[str, list[float]] = {}  # band -> [menu] E, as the last choose saw it
 
     # ---- deciding ----
-    def choose(self, members: Sequence[Member], plain_steps: int, batch: int | None = None) -> Choice:
+    def choose(
+        self, members: Sequence[Member], plain_steps: int, batch: int | None = None, sampled: bool = False
+    ) -> Choice:
         """The shape of this round for `members` (PLAIN when there are none): PLAIN or a menu shape.
         plain_steps: decode steps one plain iteration runs per host synchronisation. batch: the round's
-        sequences in all, members and pinned ones, for the cost bucket; default len(members)."""
+        sequences in all, members and pinned ones, for the cost bucket; default len(members). sampled: a row
+        of the round samples (its costs are that variant's)."""
         if plain_steps < 1:
             raise ValueError(f"plain_steps must be >= 1, got {plain_steps}")
         if not members:
             return Choice(PLAIN)
         self._advance(self.round + 1)
         self.plain_steps = plain_steps
-        bk = self.costs.of(batch or len(members))
+        costs = self.variants[sampled]
+        bk = costs.of(batch or len(members))
         bk.rounds += 1
-        rates = self._rates(members, plain_steps, bk, keep=True)
+        rates = self._rates(members, plain_steps, bk, costs, keep=True)
         best, top = None, -1.0
         for i, r in enumerate(rates):  # ties: the first of plain, *menu
             if r is not None and r > top:
@@ -214,7 +222,7 @@ class AdaptivePolicy:
         if bk.last_pick is not None:  # judge the shape that ran last: still the best, or its wait doubles
             cell = bk.cells[bk.last_pick]
             cell.interval = self.cfg.retry_base if bk.last_pick == best else min(2 * cell.interval, self.cfg.retry_cap)
-        pick = self._due(bk, best, rates)
+        pick = self._due(bk, best, rates, costs)
         if pick is not None:
             bk.trying, bk.try_left, bk.try_seen = pick, self.cfg.try_rounds - 1, False
         elif best is None:
@@ -227,10 +235,10 @@ class AdaptivePolicy:
         bk.last_pick = pick
         return Choice(self.shapes[pick], explored=pick != best)
 
-    def _due(self, bk: Bucket, best: int | None, rates: list[float | None]) -> int | None:
+    def _due(self, bk: Bucket, best: int | None, rates: list[float | None], costs: CostModel) -> int | None:
         """The cell to try, other than the best, or None: first one that never ran here and whose cost here
         is unknown or borrowed from another bucket (the best rate first), then the most overdue."""
-        borrowed = [self.costs.overhead(bk, plain)[1] == "nearest" for plain in (False, True)]  # [tree, plain]
+        borrowed = [costs.overhead(bk, plain)[1] == "nearest" for plain in (False, True)]  # [tree, plain]
         pick, key = None, None
         for i, cell in enumerate(bk.cells):
             late, rate = bk.rounds - cell.last_run - cell.interval, rates[i]
@@ -242,15 +250,20 @@ class AdaptivePolicy:
                 pick, key = i, k
         return pick
 
-    def rates(self, members: Sequence[Member], plain_steps: int, batch: int | None = None) -> dict[Shape, float]:
+    def rates(
+        self, members: Sequence[Member], plain_steps: int, batch: int | None = None, sampled: bool = False
+    ) -> dict[Shape, float]:
         """Expected committed tokens/s of the round for plain and every menu shape with a known cost: what
         choose maximises (this round's figures; choose moves to the next round first)."""
         if not members:
             return {}
-        rates = self._rates(members, plain_steps, self.costs.of(batch or len(members)), keep=False)
+        costs = self.variants[sampled]
+        rates = self._rates(members, plain_steps, costs.of(batch or len(members)), costs, keep=False)
         return {s: r for s, r in zip(self.shapes, rates) if r is not None}
 
-    def _rates(self, members: Sequence[Member], steps: int, bk: Bucket, keep: bool) -> list[float | None]:
+    def _rates(
+        self, members: Sequence[Member], steps: int, bk: Bucket, costs: CostModel, keep: bool
+    ) -> list[float | None]:
         """[plain, *menu] rates (None: no cost known)."""
         # members' factors by band: [a1 (greedy), b1 (mid), a2 (greedy)] -> {greedy: [f_a1, f_a2], mid: [f_b1]}
         seqs = self.seqs
@@ -268,11 +281,11 @@ class AdaptivePolicy:
         if keep:
             self.round_expected = expected
         bands = [(expected[b], sum(fs), max(fs), fs) for b, fs in groups.items()]
-        plain = self.costs.seconds(bk, 0, steps, self.costs.overhead(bk, True)[0])
+        plain = costs.seconds(bk, 0, steps, costs.overhead(bk, True)[0])
         out: list[float | None] = [None if plain is None else n * steps / plain]
-        over = self.costs.overhead(bk, False)[0]
+        over = costs.overhead(bk, False)[0]
         for i, shape in enumerate(self.cfg.menu):
-            seconds = self.costs.seconds(bk, i + 1, 1, over)
+            seconds = costs.seconds(bk, i + 1, 1, over)
             if seconds is None:
                 out.append(None)
                 continue
@@ -285,15 +298,17 @@ class AdaptivePolicy:
         return out
 
     # ---- learning ----
-    def observe_round(self, batch: int, shape: Shape, seconds: float, steps: int = 1) -> None:
+    def observe_round(self, batch: int, shape: Shape, seconds: float, steps: int = 1, sampled: bool = False) -> None:
         """A steady round (module docstring: what the caller guarantees). PLAIN: `steps` decode steps took
-        `seconds` in all; a tree: one round (draft, verify, host bookkeeping). batch: sequences in the round."""
+        `seconds` in all; a tree: one round (draft, verify, host bookkeeping). batch: sequences in the round;
+        sampled: one of them samples (choose's variant)."""
         if batch < 1 or steps < 1 or not 0 <= seconds < math.inf:
             raise ValueError(
                 f"a round needs batch, steps >= 1 and seconds in [0, inf), got {batch}, {steps}, {seconds}"
             )
-        bk = self.costs.of(batch)
-        self.costs.observe(bk, shape, seconds, steps)
+        costs = self.variants[sampled]
+        bk = costs.of(batch)
+        costs.observe(bk, shape, seconds, steps)
         if bk.trying is not None and self.shapes[bk.trying] == shape:
             bk.try_seen = True
 
@@ -334,25 +349,27 @@ class AdaptivePolicy:
     def estimates(self, bands: Sequence[str] = ("greedy",)) -> list[Estimate]:
         """Per bucket with calibration or rounds, per band asked for, per shape (plain and the menu): the rate
         of a round of `batch` fresh sequences of the band as choose would see it now, sorted by (batch,
-        shape, band). Plain's per-step figures share its call's overhead over the last choose's plain_steps."""
-        expected = {b: self.acceptance.expected(b) for b in bands}
+        shape, band). Plain's per-step figures share its call's overhead over the last choose's plain_steps. The
+        greedy band's costs are those of greedy batches, the other bands' those of batches that sample."""
         order = sorted(range(len(self.shapes)), key=lambda i: self.shapes[i])
         steps, out = self.plain_steps, []
-        for size, bk in self.costs.buckets.items():
-            if size not in self.costs.calibrated and bk.rounds == 0:
-                continue
-            over = (self.costs.overhead(bk, True)[0], self.costs.overhead(bk, False)[0])
-            for i in order:
-                shape, cell = self.shapes[i], bk.cells[i]
-                seconds = self.costs.seconds(bk, i, steps, over[i > 0])
-                if seconds is not None and i == 0:
-                    seconds /= steps
-                stale = bk.rounds - cell.last_run if cell.has_run else None
-                src = self.costs.source(bk, i)
-                for b in bands:
-                    tokens = 1.0 if i == 0 else 1 + min(expected[b][i - 1], shape.depth)
+        for b in bands:
+            expected, costs = self.acceptance.expected(b), self.variants[b != "greedy"]
+            for size, bk in costs.buckets.items():
+                if size not in costs.calibrated and bk.rounds == 0:
+                    continue
+                over = (costs.overhead(bk, True)[0], costs.overhead(bk, False)[0])
+                for i in order:
+                    shape, cell = self.shapes[i], bk.cells[i]
+                    seconds = costs.seconds(bk, i, steps, over[i > 0])
+                    if seconds is not None and i == 0:
+                        seconds /= steps
+                    stale = bk.rounds - cell.last_run if cell.has_run else None
+                    tokens = 1.0 if i == 0 else 1 + min(expected[i - 1], shape.depth)
                     rate = None if seconds is None else size * tokens / seconds
-                    out.append(Estimate(size, shape, rate, seconds, tokens, len(cell.window.samples), stale, b, src))
+                    n = len(cell.window.samples)
+                    out.append(Estimate(size, shape, rate, seconds, tokens, n, stale, b, costs.source(bk, i)))
+        out.sort(key=lambda e: (e.batch, e.shape, BANDS.index(e.band)))
         return out
 
 
@@ -361,9 +378,12 @@ class Policy(Protocol):
 
     name: str
 
-    def choose(self, members: Sequence[Member], plain_steps: int, batch: int | None = None) -> Choice: ...
-    def rates(self, members: Sequence[Member], plain_steps: int, batch: int | None = None) -> dict[Shape, float]: ...
-    def observe_round(self, batch: int, shape: Shape, seconds: float, steps: int = 1) -> None: ...
+    def choose(
+        self, members: Sequence[Member], plain_steps: int, batch: int | None = None, sampled: bool = False
+    ) -> Choice: ...
+    def observe_round(
+        self, batch: int, shape: Shape, seconds: float, steps: int = 1, sampled: bool = False
+    ) -> None: ...
     def observe(self, seq_id: str, band: str, shape: Shape, accepted: int) -> None: ...
     def forget(self, seq_id: str) -> None: ...
     def estimates(self, bands: Sequence[str] = ("greedy",)) -> list[Estimate]: ...
@@ -377,13 +397,17 @@ class FixedPolicy:
     def __init__(self, shape: Shape) -> None:
         self.shape = shape
 
-    def choose(self, members: Sequence[Member], plain_steps: int, batch: int | None = None) -> Choice:
+    def choose(
+        self, members: Sequence[Member], plain_steps: int, batch: int | None = None, sampled: bool = False
+    ) -> Choice:
         return Choice(self.shape)
 
-    def rates(self, members: Sequence[Member], plain_steps: int, batch: int | None = None) -> dict[Shape, float]:
+    def rates(
+        self, members: Sequence[Member], plain_steps: int, batch: int | None = None, sampled: bool = False
+    ) -> dict[Shape, float]:
         return {}
 
-    def observe_round(self, batch: int, shape: Shape, seconds: float, steps: int = 1) -> None:
+    def observe_round(self, batch: int, shape: Shape, seconds: float, steps: int = 1, sampled: bool = False) -> None:
         pass
 
     def observe(self, seq_id: str, band: str, shape: Shape, accepted: int) -> None:

@@ -50,9 +50,9 @@ FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 def colocated(choice: str, device: str) -> bool:
     """Whether the draft runs inside the verifier's process: `choice` on or off, or auto: on a GPU, yes (the device
-    chain needs the two engines in one process; session 21, one H200, docs/benchmarks.md: colocated the stack's
-    policy was 2x as fast at concurrency 1 and level at 16 and 64, a pinned 6x60 tree 1.6-2x at every one, plain
-    level); on CPU, no (the three processes CI checks).
+    chain needs the two engines in one process; docs/decisions.md: colocated, the stack's policy was 2x as fast at
+    concurrency 1 and level at 16 and 64, a pinned 6x60 tree 1.6-2x at every one, plain level); on CPU, no (the
+    three processes CI checks).
     Example: ("auto", "cuda:0") -> True, ("auto", "cpu") -> False, ("off", "cuda") -> False."""
     if choice not in ("auto", "on", "off"):
         raise ValueError(f"colocate must be auto, on or off, got {choice!r}")
@@ -61,7 +61,7 @@ def colocated(choice: str, device: str) -> bool:
 
 def colocate_argument(p: argparse.ArgumentParser) -> None:
     """--colocate [auto|on|off] (resolve with colocated()): the stack's and the load benchmarks' one flag. Bare, it
-    means on (as before session 21, when it was a switch)."""
+    means on."""
     p.add_argument(
         "--colocate",
         nargs="?",

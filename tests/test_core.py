@@ -65,10 +65,10 @@ class Cycle:
         self.shapes = itertools.cycle(shapes)
         self.rounds: list = []  # observe_round's calls
 
-    def choose(self, members, plain_steps, batch=None):
+    def choose(self, members, plain_steps, batch=None, sampled=False):
         return Choice(next(self.shapes))
 
-    def observe_round(self, batch, shape, seconds, steps=1):
+    def observe_round(self, batch, shape, seconds, steps=1, sampled=False):
         self.rounds.append((batch, shape, steps))
 
     def observe(self, seq_id, band, shape, accepted):

@@ -24,7 +24,7 @@ def test_sigterm_drains_in_flight_and_leaves_no_process(tmp_path):
     try:
         pids = {name: child["pid"] for name, child in s.state().items()}
         assert set(pids) == {"draft", "verifier", "gateway"}
-        streams = Streams(s.gateway, [chat(p, max_tokens=48, ignore_eos=True) for p in CHAT_PROMPTS[:4]])
+        streams = Streams(s.gateway, [chat(p, max_tokens=32, ignore_eos=True) for p in CHAT_PROMPTS[:4]])
         streams.wait_tokens(2)
         s.proc.send_signal(signal.SIGTERM)
         t0 = time.monotonic()
@@ -41,7 +41,7 @@ def test_sigterm_drains_in_flight_and_leaves_no_process(tmp_path):
             "sigterm-drain",
             sent=len(outcomes),
             failed=len(streams.failed),
-            completed=sum(len(o.tokens) == 48 for o in outcomes),
+            completed=sum(len(o.tokens) == 32 for o in outcomes),
             not_serving_after_s=not_serving,
             in_flight_done_s=finished,
             exit_after_s=exited,
@@ -49,7 +49,7 @@ def test_sigterm_drains_in_flight_and_leaves_no_process(tmp_path):
             processes_left=len(left),
         )
         assert not streams.failed, [str(o.error) for o in streams.failed]
-        assert all(len(o.tokens) == 48 for o in outcomes)
+        assert all(len(o.tokens) == 32 for o in outcomes)
         assert finished < GRACE and code == 0 and not left, s.logs()
     finally:
         s.close()

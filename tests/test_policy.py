@@ -450,3 +450,16 @@ def test_a_long_plain_stretch_keeps_the_pooled_acceptance() -> None:
     for _ in range(5000):
         p.choose([Member("g", "greedy")], 1)
     assert p.acceptance.expected_of("greedy", CHAIN4) == pytest.approx(3.0951, rel=0.02)
+
+
+def test_rounds_with_sampling_rows_keep_costs_of_their_own() -> None:
+    """A batch with a sampling row verifies at a higher cost (its targets and sampled acceptance): 50 steady 4x4
+    rounds of such batches at 100 ms leave the greedy batches' cost of 4x4 (calibration 18 ms) as it was, and
+    make the sampled variant's 4x4 cost their median."""
+    p = AdaptivePolicy(PolicyConfig(menu=(CHAIN1, CHAIN4)), table())
+    feed(p, 0.9)
+    before = p.rates(members(1), 1)
+    for _ in range(50):
+        p.observe_round(1, CHAIN4, 0.1, 1, sampled=True)
+    assert p.rates(members(1), 1) == pytest.approx(before)
+    assert p.rates(members(1), 1, sampled=True)[CHAIN4] == pytest.approx(before[CHAIN4] * 0.018 / 0.1, rel=1e-3)

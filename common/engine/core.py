@@ -327,7 +327,8 @@ class EngineCore:
         members = [] if self.degraded else self._members(running)
         if not members:
             return PLAIN
-        return self.policy.choose(members, self.cfg.plain_steps, batch=len(running)).shape
+        sampled = any(s.band != "greedy" for s in running)
+        return self.policy.choose(members, self.cfg.plain_steps, batch=len(running), sampled=sampled).shape
 
     def _round(self, running: list[Sequence], news: dict[str, list[int]], setup_s: float) -> bool:
         """One round for every running sequence (see the module docstring); setup_s: this step's work before it
@@ -401,7 +402,8 @@ class EngineCore:
         drafted = Shape(max(t.depth for _, t in spec), max(t.nodes for _, t in spec))
         self.choices[drafted] += 1
         pure = not plain and all(t == shape for _, t in spec)
-        self._observe(t0, len(order), drafted, 1, steady and pure, setup_s + joining_s)
+        sampled = any(s.band != "greedy" for s, _ in order)
+        self._observe(t0, len(order), drafted, 1, steady and pure, setup_s + joining_s, sampled)
         return True
 
     def _trees(self, spec: list[tuple[Sequence, Shape]]) -> tuple[dict[str, Tree], bool, float]:
@@ -492,20 +494,22 @@ class EngineCore:
         self.times["plain_commit"] += self.clock() - t2
         self.times["plain_calls"] += 1
         pure = all(s.req.tree is None for s in seqs)
-        self._observe(t0, len(seqs), PLAIN, took, pure, setup_s)
+        self._observe(t0, len(seqs), PLAIN, took, pure, setup_s, any(s.band != "greedy" for s in seqs))
 
     def _following(self, s: Sequence) -> bool:
         d = self.drafts.get(s.seq_id)
         return d is not None and not d.lost and not d.dead
 
-    def _observe(self, t0: float, batch: int, shape: Shape, steps: int, steady: bool, other_s: float) -> None:
+    def _observe(
+        self, t0: float, batch: int, shape: Shape, steps: int, steady: bool, other_s: float, sampled: bool
+    ) -> None:
         """A round's cost for the policy: from the end of the round before (the host work between rounds is the
         round's too) less the step's other work (other_s: admission, prefill, catching up, joining rows), when
         both rounds ran back to back and this one is steady."""
         end = self.clock()
         last, self._last_end = self._last_end, end
         if steady and last is not None and t0 - last < 0.05 + other_s:
-            self.policy.observe_round(batch, shape, max(end - last - other_s, 1e-6), steps)
+            self.policy.observe_round(batch, shape, max(end - last - other_s, 1e-6), steps, sampled)
 
     # ---- failures ----
     @staticmethod

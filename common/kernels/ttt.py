@@ -139,7 +139,7 @@ def rope_attention(
     diagonal, the merge and the layout changes around the flash kernels fuse with the projections around
     them. With static shapes the same tracing gave a right forward and wrong gradients on an H100 (torch
     2.11: the q and k projections' 1.3x their norm off, a training run NaN within 20 steps;
-    docs/ttt_training_step.md, session 13): tests/gpu/test_gpu_ttt.py compares the compiled step's
+    docs/ttt_training_step.md): tests/gpu/test_gpu_ttt.py compares the compiled step's
     gradients with the eager dense step's."""
     b, t, _ = qkv.shape
     h, kvh = num_heads, num_kv_heads
