@@ -299,9 +299,9 @@ def test_a_non_finite_gradient_stops_the_step_before_the_update():
 
 
 def test_ttt_bench_reports_how_far_each_paths_gradients_are_from_the_first():
-    """bench.ttt_step's grad diff: ~0 for the fused path against the dense one (float32, CPU), and large
+    """training.ttt_step's grad diff: ~0 for the fused path against the dense one (float32, CPU), and large
     against gradients that are not the step's (what a wrong backward with a right first loss looks like)."""
-    from bench.ttt_step import PATHS, parse_args, run, time_path
+    from training.ttt_step import PATHS, parse_args, run, time_path
 
     args = ["--out", "unused", "--batch", "1", "--seq", "12", "--steps", "2", "--warmup", "0", "--iters", "1"]
     report = run(parse_args(args))

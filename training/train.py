@@ -156,7 +156,7 @@ def optimize_step(
     attention: StepAttention = FusedAttention(),
 ) -> StepOutcome:
     """One optimizer step: the TTT forward (bf16 autocast and, with cfg.compile, torch.compile on a GPU),
-    backward, clipping, AdamW. The Trainer and bench.ttt_step both run this."""
+    backward, clipping, AdamW. The Trainer and training.ttt_step both run this."""
     for g in opt.param_groups:
         g["lr"] = lr
     device = inputs.embeds.device

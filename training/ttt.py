@@ -12,7 +12,7 @@ r - j + s for s = 1..j (the diagonal).
 Training runs that attention as FusedAttention (common.kernels.ttt: a causal flash kernel plus the
 diagonal, no mask, each step's K/V kept in a list, no cache); DenseMaskAttention, the mask ttt_mask through
 the PyTorch attention over a KV cache whose columns [s*T, (s+1)*T) hold step s, is the oracle the tests and
-bench.ttt_step compare it with. On CUDA each step (ttt_step) may run through torch.compile.
+training.ttt_step compare it with. On CUDA each step (ttt_step) may run through torch.compile.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ class FusedAttention:
 @dataclass(frozen=True)
 class DenseMaskAttention:
     """The oracle: ttt_mask as a dense [T, (j+1)T] mask through the PyTorch attention (math kernel,
-    O(j T^2) memory per step). Kept for tests and for bench.ttt_step's comparison."""
+    O(j T^2) memory per step). Kept for tests and for training.ttt_step's comparison."""
 
     def batch(self, pos: torch.Tensor, slots: torch.Tensor, step: int, kv: list[torch.Tensor]) -> Batch:
         b, t = pos.shape

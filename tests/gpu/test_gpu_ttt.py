@@ -13,12 +13,12 @@ import copy
 import pytest
 import torch
 
-from bench.ttt_step import grad_diff, random_inputs
 from common.kernels import reference
 from common.kernels.ttt import attention as ttt_attention
 from common.model.eagle3 import Eagle3Config, Eagle3Head
 from training.train import TrainConfig, make_optimizer, optimize_step
 from training.ttt import DenseMaskAttention, FusedAttention, ttt_mask
+from training.ttt_step import grad_diff, random_inputs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
