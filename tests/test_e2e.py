@@ -92,8 +92,8 @@ def test_the_policy_on_keeps_greedy_output(stack):
     from specdec.v1 import generation_pb2 as gpb
     from specdec.v1 import generation_pb2_grpc as gpb_grpc
 
-    prompts = CHAT_PROMPTS[:4]
-    spec, plain = speculative_vs_plain(stack.gateway, prompts, 48)
+    prompts = CHAT_PROMPTS[:3]
+    spec, plain = speculative_vs_plain(stack.gateway, prompts, 40)
     for p, a, b in zip(prompts, spec, plain):
         assert list(a.token_ids) == list(b.token_ids), p
     with grpc.insecure_channel(stack.gateway) as ch:
