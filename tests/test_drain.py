@@ -72,7 +72,7 @@ def test_stack_killed_leaves_no_orphans(tmp_path):
         s.seen.update({pid: "child" for pid in children})  # for close(), should this test fail
         s.proc.kill()
         s.proc.wait(timeout=10)
-        gone = wait_for(lambda: not s.children_left(), timeout=15)
+        gone = wait_for(lambda: not s.children_left(), timeout=60)
         figures("stack-kill-9", children=len(children), orphans_after_s=gone)
         assert len(children) == 2
     finally:
