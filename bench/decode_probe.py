@@ -34,7 +34,7 @@ from common.config import DraftingConfig, SamplingConfig
 from common.engine.base import PrefillInput, ProposeInput, VerifyInput
 from common.engine.cuda_graphs import GraphConfig
 from common.engine.draft import Eagle3Drafter
-from common.engine.verifier import SampledColumns, Sampler, Verifier, VerifierConfig, tree_depth
+from common.engine.verifier import SampledColumns, Sampler, Verifier, VerifierConfig, pack_trees, tree_depth
 from common.kernels.sampling import SamplingRows
 
 log = logging.getLogger("bench.decode_probe")
@@ -264,7 +264,7 @@ def _verify_inputs(verifier: Verifier, items: list[VerifyInput], bb: int, tb: in
         block = verifier._sampled_block(bb, tb, w)
         n_col = 3 * tb
     a = block.numpy()
-    verifier._pack_trees(a, items, sizes, tb)
+    pack_trees(a, [it.tree for it in items], sizes, tb)
     b = len(items)
     a[:b, 0] = [st.pending for _, st in states]
     a[:b, n_col] = [st.length for _, st in states]

@@ -114,9 +114,10 @@ def test_rounds_equal_plain_decoding_with_pins_plain_rows_and_stops(engines, pla
     nodes), a stop token id and a short budget: every output is the plain greedy one cut by its own rules, and
     the drafting after the first round was launched behind each verify (the device chain)."""
     v, d = engines
-    launched = []
-    launch = d.launch_after
-    d.launch_after = lambda items, acc: launched.append(len(items)) or launch(items, acc)
+    launched, settled = [], []
+    launch, settle = d.launch_after, d.settle_after
+    d.launch_after = lambda items, acc, after=None: launched.append(len(items)) or launch(items, acc, after)
+    d.settle_after = lambda h: settled.append(h) or settle(h)
     try:
         core = EngineCore(v, d, FixedPolicy(TREE), CoreConfig(max_sequences=4))
         stop = plain[3][9]  # its first occurrence ends s3
@@ -132,13 +133,14 @@ def test_rounds_equal_plain_decoding_with_pins_plain_rows_and_stops(engines, pla
             },
         )
     finally:
-        d.launch_after = launch
+        d.launch_after, d.settle_after = launch, settle
     for i in range(3):
         assert got[f"s{i}"][0] == plain[i], i
     cut = plain[3].index(stop) + 1
     assert got["s3"][0] == plain[3][:cut] and got["s3"][1] is Finish.TOKEN
     assert got["s0"][1] is Finish.LENGTH and got["s0"][2] > 0 and got["s1"][2] > 0 and got["s2"][2] == 0
     assert len(launched) > 3  # the rounds after the first drafted on the device behind the verify
+    assert settled  # and verified there too: rounds chained in one verifier call (greedy rows)
     check_free(core)
 
 
@@ -172,7 +174,7 @@ class Flaky:
             raise PeerUnavailable("the draft is down")
         return self.inner.propose(items)
 
-    def launch_after(self, items, accepted):
+    def launch_after(self, items, accepted, after=None):
         return None  # a drafter in another process never drafts on this device
 
     def available(self):

@@ -571,3 +571,34 @@ def test_tree_depth_and_bounded_ancestors() -> None:
         want = max(int(depths(p).max()) for p in trees)
         assert tree_depth(rows.numpy()) == want
         assert torch.equal(tree_ancestors(rows, want), tree_ancestors(rows))
+
+
+def test_a_chained_rounds_block_is_the_last_ones_with_its_acceptance_and_the_drafted_trees() -> None:
+    """chained_block's docstring example, worked by hand (tb 4, layout [B, 2T + 3]: tokens, parent rows, n, slot,
+    greedy), with a second row that does not draft (past the trees' K) and a padding row of the bucket."""
+    from common.engine.base import Chained
+    from common.engine.verifier_parts import chained_block
+
+    prev = torch.tensor(
+        [
+            [7, 3, 4, 0, 0, 0, 1, 3, 10, 5, 1],  # a tree [3, 4] under root 7 at n 10, slot 5
+            [2, 0, 0, 0, 0, 1, 2, 3, 20, 6, 1],  # a root alone (2 at n 20)
+            [0, 0, 0, 0, 0, 1, 2, 3, 0, 9, 1],  # padding (the trash slot)
+        ]
+    )
+    result = torch.tensor([[1, 8, 9, 0, 0], [0, 4, 0, 0, 0]])  # [B, T + 1]: s0 took 8 then the bonus 9; s1 took 4
+    trees = Chained(
+        tokens=torch.tensor([[5, 6, 11, 12]]),
+        parents=torch.tensor([[-1, 0, 0, 1]]),
+        keep=torch.tensor([2]),
+        keep_max=2,
+        depth=2,
+        ready=None,
+    )
+    got = chained_block(prev, result, trees, 4)
+    assert got.tolist() == [
+        [9, 5, 6, 0, 0, 0, 1, 3, 12, 5, 1],
+        [4, 0, 0, 0, 0, 1, 2, 3, 21, 6, 1],
+        [0, 0, 0, 0, 0, 1, 2, 3, 0, 9, 1],
+    ]
+    assert prev[0, 0] == 7  # a new block: the graph's input buffer it came from is left alone

@@ -182,14 +182,14 @@ def test_sampled_draft_proposal_kernel_count():
     an H100 against 95 greedy before the draws moved into kernels)."""
     from common.config import DraftingConfig, SamplingConfig
     from common.engine.base import ProposeInput
-    from common.engine.draft import Eagle3Drafter
+    from common.engine.draft import Eagle3Drafter, noise_block
 
     head = _head(512, 128, 256)
     drafter = Eagle3Drafter(head, torch.nn.Embedding(512, 64), DraftingConfig(), 4, 128, "cpu")
     hot = SamplingConfig(temperature=0.7, seed=1)
     drafter.propose([ProposeInput("a", list(range(5, 25)), torch.randn(20, 192), True, [1], 0, sampling=hot)])
     packed, hidden = drafter._pack([ProposeInput("a", [5, 6, 7, 8], torch.randn(4, 192), False, [], 0)], 1, 4)
-    noise = drafter._noise_block(1, [drafter.seqs.get("a")[1]])
+    noise = noise_block(1, [drafter.seqs.get("a")[1]])
     with torch.inference_mode():
         greedy = _top_level_ops(lambda: drafter._propose_step(packed, hidden, depth=6))
         sampled = _top_level_ops(lambda: drafter._propose_step(packed, hidden, **noise, depth=6))

@@ -463,3 +463,15 @@ def test_rounds_with_sampling_rows_keep_costs_of_their_own() -> None:
         p.observe_round(1, CHAIN4, 0.1, 1, sampled=True)
     assert p.rates(members(1), 1) == pytest.approx(before)
     assert p.rates(members(1), 1, sampled=True)[CHAIN4] == pytest.approx(before[CHAIN4] * 0.018 / 0.1, rel=1e-3)
+
+
+def test_the_engines_capture_the_menus_shapes_exactly():
+    """Every menu shape's tree rows (nodes + 1) and depth are graph buckets: a round of a menu shape pads no row
+    and expands no level it does not keep (the drafter's steps and the largest tree are added by the engines)."""
+    from common.config import DraftingConfig
+    from common.engine.cuda_graphs import GraphConfig
+    from common.policy import DEFAULT_MENU
+
+    gc, drafting = GraphConfig(), DraftingConfig()
+    assert {s.nodes + 1 for s in DEFAULT_MENU} <= set(gc.tree_buckets) | {drafting.verify_tree_size + 1}
+    assert {s.depth for s in DEFAULT_MENU} <= set(gc.depth_buckets) | {drafting.steps}

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Generator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 import torch
@@ -74,6 +74,19 @@ class Accepted:
 
 
 @dataclass(frozen=True)
+class Chained:
+    """The next trees of a verify's first K rows, drafted on the device behind it (Drafter.launch_after): the
+    verifier's next round reads them there (VerifierEngine.verify_rounds_steps), the host never does."""
+
+    tokens: torch.Tensor  # [K, N] int64 base ids of each row's nodes, a node's parent before it
+    parents: torch.Tensor  # [K, N] int64 each node's parent node (-1: the root)
+    keep: torch.Tensor  # [K] int64 nodes each row's tree keeps (its first keep[k])
+    keep_max: int  # max(keep), known to the host
+    depth: int  # a bound on the trees' depth, known to the host
+    ready: object  # a CUDA event after which they may be read (None on CPU)
+
+
+@dataclass(frozen=True)
 class VerifyOutput:
     tokens: list[int]  # [num_accepted + 1] accepted drafted tokens, then the bonus token
     hidden: torch.Tensor  # [num_accepted + 1, 3H] features of the root and each accepted node
@@ -105,11 +118,14 @@ class VerifierEngine(Protocol):
     # several sequences' prompts or chunks at once; all or nothing (see Verifier.prefill_batch)
     def prefill_batch(self, items: list[PrefillInput]) -> list[PrefillOutput]: ...
     def verify(self, items: list[VerifyInput]) -> list[VerifyOutput]: ...  # finish(verify_steps(items))
-    # then(accepted): called once the verification is launched, before its wait (a
-    # drafter launching the next trees after it on the device: Drafter.launch_after)
+    # then(accepted): called once a verification is launched, before its wait (a drafter launching the next
+    # trees after it on the device: Drafter.launch_after); the trees it returns are the next round's
     def verify_steps(
-        self, items: list[VerifyInput], then: Callable[[Accepted], None] | None = None
-    ) -> Steps[list[VerifyOutput]]: ...
+        self, items: list[VerifyInput], then: Callable[[Accepted], Chained | None] | None = None
+    ) -> Steps[list[VerifyOutput]]: ...  # one round of verify_rounds_steps
+    def verify_rounds_steps(
+        self, items: list[VerifyInput], rounds: int = 1, then: Callable[[Accepted], Chained | None] | None = None
+    ) -> Steps[list[list[VerifyOutput]]]: ...
     def room(self, seq_ids: list[str]) -> list[int]: ...  # KV rows each sequence has left (trees up to that fit)
     def decode(self, seq_ids: list[str]) -> list[int]: ...
     def decode_many(self, seq_ids: list[str], steps: int, with_hidden: bool = False) -> Decoded: ...  # finish(...)
@@ -162,15 +178,29 @@ class ProposeAfter:
 
 @dataclass
 class LaunchAfter:
-    """A verify's `then` (VerifierEngine.verify_steps) that launches the items' next trees behind it on the
-    device: `handle` is the launch (Drafter.launch_after), None while not called or when the drafter declined."""
+    """A verify's `then` (VerifierEngine.verify_rounds_steps): after each round, the items' next trees launched
+    behind it on the device (Drafter.launch_after), each launch after the one before; it returns them for the
+    verifier's next round (None: the drafter declined, and the call's rounds end). handles: the launches, in
+    order. Rows past the items (they do not draft) are left out of the drafting."""
 
-    drafter: object  # anything with launch_after(items, accepted): a Drafter, or the draft service of the process
+    drafter: object  # anything with launch_after: a Drafter, or the draft service of the process
     items: list[ProposeAfter]
-    handle: object | None = None
+    handles: list = field(default_factory=list)
 
-    def __call__(self, accepted: Accepted) -> None:
-        self.handle = self.drafter.launch_after(self.items, accepted)
+    @property
+    def handle(self) -> object | None:
+        """The last launch (None: none)."""
+        return self.handles[-1] if self.handles else None
+
+    def __call__(self, accepted: Accepted) -> Chained | None:
+        k = len(self.items)
+        if k < accepted.result.shape[0]:  # [B, ...] -> [k, ...]
+            accepted = Accepted(result=accepted.result[:k], kept=accepted.kept[:k])
+        launched = self.drafter.launch_after(self.items, accepted, self.handle)
+        if launched is None:
+            return None
+        self.handles.append(launched)
+        return launched.chained
 
 
 class Drafter(Protocol):
@@ -181,19 +211,22 @@ class Drafter(Protocol):
     the verify) after the verification on the device and returns a handle, or None when it cannot (the
     caller then proposes from the verify's outputs as usual); read_after(handle, rows) later gives the trees
     of those rows, and only those rows' sequences count the verify's tokens as theirs (a row not read is as
-    if never proposed: its sequence stopped). Example, one round (common/engine/loop.py):
+    if never proposed: its sequence stopped). Example, one round:
         launch = LaunchAfter(drafter, [ProposeAfter(s, nodes) for s in ids])
         outs = finish(verifier.verify_steps(inputs, then=launch))
         ... commit outs (the drafting runs on the device meanwhile) ...
-        trees = drafter.read_after(launch.handle, rows of the sequences that go on)  # handle None: propose"""
+        trees = drafter.read_after(launch.handle, rows of the sequences that go on)  # handle None: propose
+    Chained rounds (verify_rounds_steps): each launch's trees are the next round's on the device; every launch
+    but the last is then settled (settle_after), the last read as above."""
 
     name: str
 
     def propose(self, items: list[ProposeInput]) -> list[Tree]: ...  # finish(propose_steps(items))
     def propose_steps(self, items: list[ProposeInput]) -> Steps[list[Tree]]: ...
-    def launch_after(self, items: list[ProposeAfter], accepted: Accepted) -> object | None: ...
+    # after: the launch whose trees this verify verified, read by nobody (a chained round)
+    def launch_after(self, items: list[ProposeAfter], accepted: Accepted, after: object = None) -> object | None: ...
+    def settle_after(self, launched: object) -> None: ...  # a launch a chained round consumed: count its tokens
     def read_after(self, launched: object, rows: list[int]) -> list[Tree]: ...  # finish(read_after_steps(...))
     def read_after_steps(self, launched: object, rows: list[int]) -> Steps[list[Tree]]: ...
-    def seconds_after(self, launched: object) -> float: ...  # its drafting's device time, once read
     def release(self, seq_ids: list[str]) -> int: ...
     def step_costs(self) -> list[StepTime]: ...

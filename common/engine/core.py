@@ -6,18 +6,19 @@ One step (EngineCore.step):
 
     admit waiting requests while slots are free          (WAITING -> PREFILLING)
     prefill up to `prefill_chunk` prompt tokens           (-> RUNNING with its first token)
-    up to `rounds_per_step` rounds for every running sequence:
-        shape = the policy's (decided when the last round was launched, or now)
+    up to `rounds_per_step` rounds for every running sequence, in verifier calls of one host synchronisation:
+        shape = the policy's (decided when the last call was launched, or now)
         trees = the drafting launched behind the last verify (the device chain), or a propose
-        verify every sequence's tree at once; launch the next trees behind it on the device
-        commit each sequence's tokens by its token rules; its output goes out
+        verify every sequence's tree at once; launch the next trees behind it on the device, and (a batch of
+            greedy rows) verify those there too, round after round, the host reading none of it
+        commit each round's tokens by each sequence's token rules; its output goes out
       or, when the shape is plain, `plain_steps` decoding steps with one host synchronisation (the step's last)
     release the finished ones, hand the step's outputs over (FINISHED)
 
 A round's rows: sequences that draft (their tree this round), then sequences that do not (a tree of no
 nodes: the verify gives them one token, exactly a decode step): requests that do not speculate, and those
 whose drafter state is lost. The rows that go on drafting come first, so that the device chain drafts for
-a prefix of the verify's rows (_Chain).
+a prefix of the verify's rows (LaunchAfter).
 
 The drafter's view of a sequence (Draft): the tokens committed since it last saw it, with the base
 model's features that produced them (common.rounds explains the one-token shift). After a verify whose
@@ -44,8 +45,8 @@ import torch
 
 from common.config import SamplingConfig
 from common.engine.base import (
-    Accepted,
     Drafter,
+    LaunchAfter,
     PrefillInput,
     PrefillOutput,
     ProposeAfter,
@@ -55,7 +56,7 @@ from common.engine.base import (
     finish,
 )
 from common.errors import PeerUnavailable, UnknownSequence
-from common.policy import PLAIN, Member, Shape
+from common.policy import PLAIN, Choice, Member, Shape
 from common.rounds import start_shift
 from common.sequence import Finish, Request, SeqOutput, Sequence, Status, output
 from common.tree import Tree
@@ -109,20 +110,6 @@ class Snapshot:
     estimates: list  # the policy's (common.policy.Estimate)
 
 
-class _Chain:
-    """A verify's `then`: the next trees of its first len(items) rows launched behind it on the device
-    (Drafter.launch_after). handle None: not called, or the drafter declined."""
-
-    def __init__(self, drafter: Drafter, items: list[ProposeAfter]) -> None:
-        self.drafter, self.items, self.handle = drafter, items, None
-
-    def __call__(self, accepted: Accepted) -> None:
-        k = len(self.items)
-        if k < accepted.result.shape[0]:  # rows past the items do not draft: [B, ...] -> [k, ...]
-            accepted = Accepted(result=accepted.result[:k], kept=accepted.kept[:k])
-        self.handle = self.drafter.launch_after(self.items, accepted)
-
-
 class EngineCore:
     def __init__(
         self,
@@ -142,7 +129,7 @@ class EngineCore:
         self.degraded = False  # the drafter failed: every sequence plain until it answers again
         self._retry_at = 0.0
         self._launch: tuple[object, dict[str, int]] | None = None  # the chained drafting and its rows by seq id
-        self._next: Shape | None = None  # the policy's shape for the next round, decided at the launch
+        self._next: Choice | None = None  # the policy's for the next round, decided at the launch
         self._last_end: float | None = None  # when the last round ended (a steady round's cost runs from there)
         self._inbox: collections.deque = collections.deque()  # ("add", Request) | ("abort", seq_id), any thread
         self._wake = threading.Event()
@@ -219,9 +206,12 @@ class EngineCore:
         t1 = self.clock()
         self.times["setup"] += t1 - t0
         setup_s = t1 - t0
-        for _ in range(self.cfg.rounds_per_step):
-            if not running or not self._round(running, news, setup_s):
-                break  # a plain round (its steps are the step's), or nobody left
+        left = self.cfg.rounds_per_step
+        while left > 0 and running:
+            done = self._round(running, news, setup_s, left)
+            if not done:
+                break  # a plain round (its steps are the step's), or a failed verify
+            left -= done
             setup_s = 0.0
             running = [s for s in running if s.status is Status.RUNNING]
         t2 = self.clock()
@@ -323,25 +313,25 @@ class EngineCore:
             if s.req.tree is None and (d := self.drafts.get(s.seq_id)) is not None and not d.lost and not d.dead
         ]
 
-    def _choose(self, running: list[Sequence]) -> Shape:
+    def _choose(self, running: list[Sequence]) -> Choice:
         members = [] if self.degraded else self._members(running)
         if not members:
-            return PLAIN
+            return Choice(PLAIN)
         sampled = any(s.band != "greedy" for s in running)
-        return self.policy.choose(members, self.cfg.plain_steps, batch=len(running), sampled=sampled).shape
+        return self.policy.choose(members, self.cfg.plain_steps, batch=len(running), sampled=sampled)
 
-    def _round(self, running: list[Sequence], news: dict[str, list[int]], setup_s: float) -> bool:
-        """One round for every running sequence (see the module docstring); setup_s: this step's work before it
-        (admission, prefill, catching up), which the policy's cost sample leaves out. Returns whether it was a
-        speculative round (False: plain steps, or a failed verify)."""
+    def _round(self, running: list[Sequence], news: dict[str, list[int]], setup_s: float, rounds: int) -> int:
+        """Up to `rounds` rounds for every running sequence in one verifier call (the module docstring); setup_s:
+        this step's work before it, which the policy's cost sample leaves out. Returns the rounds run (0: plain
+        steps, or a failed verify)."""
         t0 = self.clock()
-        shape = self._next if self._next is not None else self._choose(running)
+        shape = (self._next or self._choose(running)).shape
         self._next = None
         rows = [(s, self._tree(s, shape)) for s in running]
         if all(t.plain for _, t in rows):
             self._settle_launch()
             self._plain(running, news, t0, setup_s)
-            return False
+            return 0
         rooms = self.verifier.room([s.seq_id for s in running])
         spec = [(s, t) for (s, t), room in zip(rows, rooms) if not t.plain and room > t.nodes]
         full = [s for (s, _), room in zip(rows, rooms) if room < 1]
@@ -356,41 +346,53 @@ class EngineCore:
         plain += [s for s, _ in rows if id(s) in speccing and s.seq_id not in trees and s.status is Status.RUNNING]
         if not spec:
             self._plain(plain, news, t0, setup_s)
-            return False
-        # the next round's shape, decided now: its trees are drafted on the device behind this verify
-        nxt = self._choose(running)
+            return 0
+        # the next round's shape, decided now: its trees are drafted on the device behind this verify (and
+        # behind each chained round's)
+        choice = self._choose(running)
+        nxt = choice.shape
+        rounds = 1 if choice.explored else rounds  # a try of a shape not the best: one round (the next call's)
         going = [(s, t, self._tree(s, nxt)) for s, t in spec]
-        chained = [(s, t) for s, t, n in going if not n.plain]
+        chained = [(s, n) for s, _, n in going if not n.plain]
         rest = [(s, t) for s, t, n in going if n.plain] + [(s, NO_TREE) for s in plain]
+        order = [(s, t) for s, t, n in going if not n.plain] + rest
+        later = [n for _, n in chained] + [NO_TREE] * len(rest)  # each row's tree in the chained rounds
         chain = None
         if self.drafter is not None and chained:
-            after = [ProposeAfter(s.seq_id, n.nodes, n.depth) for s, _, n in going if not n.plain]
-            chain = _Chain(self.drafter, after)
-        order = chained + rest
+            chain = LaunchAfter(self.drafter, [ProposeAfter(s.seq_id, n.nodes, n.depth) for s, n in chained])
+        sampled = any(s.band != "greedy" for s, _ in order)
         inputs = [VerifyInput(s.seq_id, trees[s.seq_id] if t is not NO_TREE else NO_TREE) for s, t in order]
         try:
             t3 = self.clock()
-            results = finish(self.verifier.verify_steps(inputs, chain))
+            by_round = finish(self.verifier.verify_rounds_steps(inputs, 1 if sampled else rounds, chain))
         except Exception as e:  # noqa: BLE001 - the round's sequences fail; the core goes on
             log.exception("a verify of %d sequences failed", len(order))
             for s, _ in order:
                 self._fail(s, e)
-            return False
+            return 0
         t4 = self.clock()
-        self._next = nxt
-        launched = chain is not None and chain.handle is not None
-        self._launch = (chain.handle, {s.seq_id: i for i, (s, _) in enumerate(chained)}) if launched else None
+        done = len(by_round)
+        handles = chain.handles if chain is not None else []
+        for h in handles[: done - 1]:  # launches a chained round verified: the host never read them
+            self.drafter.settle_after(h)
+        launched = len(handles) == done  # the last round's next trees are on their way
+        self._next = choice
+        self._launch = (handles[-1], {s.seq_id: i for i, (s, _) in enumerate(chained)}) if launched else None
         follow = [self._following(s) for s, _ in order]
-        for i, ((s, t), out) in enumerate(zip(order, results)):
-            tokens = out.tokens
-            if t is not NO_TREE:  # every tree teaches the policy what the draft accepts, pinned ones too
-                s.count_round(trees[s.seq_id].size, len(tokens) - 1)
-                self.policy.observe(s.seq_id, s.band, t, min(len(tokens) - 1, t.depth))
-            news[s.seq_id] = news.get(s.seq_id, []) + s.commit(tokens)
-            if follow[i] and not (launched and i < len(chained)):
-                d = self.drafts[s.seq_id]
-                d.tokens += tokens
-                d.hidden.append(out.hidden)
+        for r, results in enumerate(by_round):
+            drafting = len(chained) if r < done - 1 or launched else 0  # rows whose tokens the drafter has
+            for i, ((s, t), out) in enumerate(zip(order, results)):
+                if s.status is not Status.RUNNING:  # it stopped in an earlier round of the call
+                    continue
+                tokens, tree = out.tokens, t if r == 0 else later[i]
+                if tree is not NO_TREE:  # every tree teaches the policy what the draft accepts, pinned ones too
+                    s.count_round(trees[s.seq_id].size if r == 0 else tree.nodes, len(tokens) - 1)
+                    self.policy.observe(s.seq_id, s.band, tree, min(len(tokens) - 1, tree.depth))
+                news[s.seq_id] = news.get(s.seq_id, []) + s.commit(tokens)
+                if follow[i] and i >= drafting:
+                    d = self.drafts[s.seq_id]
+                    d.tokens += tokens
+                    d.hidden.append(out.hidden)
         t5 = self.clock()
         times = self.times
         times["choose"] += t1 - t0 + t3 - t2
@@ -398,13 +400,12 @@ class EngineCore:
         times["joining"] += joining_s
         times["verify"] += t4 - t3
         times["commit"] += t5 - t4
-        times["rounds"] += 1
+        times["rounds"] += done
         drafted = Shape(max(t.depth for _, t in spec), max(t.nodes for _, t in spec))
-        self.choices[drafted] += 1
-        pure = not plain and all(t == shape for _, t in spec)
-        sampled = any(s.band != "greedy" for s, _ in order)
-        self._observe(t0, len(order), drafted, 1, steady and pure, setup_s + joining_s, sampled)
-        return True
+        self.choices[drafted] += done
+        pure = not plain and all(t == shape for _, t in spec) and (done == 1 or all(n == shape for _, n in chained))
+        self._observe(t0, len(order), drafted, 1, steady and pure, setup_s + joining_s, sampled, done)
+        return done
 
     def _trees(self, spec: list[tuple[Sequence, Shape]]) -> tuple[dict[str, Tree], bool, float]:
         """The trees of this round's drafting rows ({seq_id: tree}; a row missing: the drafter failed it), whether
@@ -501,15 +502,23 @@ class EngineCore:
         return d is not None and not d.lost and not d.dead
 
     def _observe(
-        self, t0: float, batch: int, shape: Shape, steps: int, steady: bool, other_s: float, sampled: bool
+        self,
+        t0: float,
+        batch: int,
+        shape: Shape,
+        steps: int,
+        steady: bool,
+        other_s: float,
+        sampled: bool,
+        rounds: int = 1,
     ) -> None:
-        """A round's cost for the policy: from the end of the round before (the host work between rounds is the
-        round's too) less the step's other work (other_s: admission, prefill, catching up, joining rows), when
-        both rounds ran back to back and this one is steady."""
+        """A round's cost for the policy: from the end of the call before (the host work between calls is this
+        one's too) less the step's other work (other_s: admission, prefill, catching up, joining rows), shared by
+        the call's rounds, when both calls ran back to back and this one is steady."""
         end = self.clock()
         last, self._last_end = self._last_end, end
         if steady and last is not None and t0 - last < 0.05 + other_s:
-            self.policy.observe_round(batch, shape, max(end - last - other_s, 1e-6), steps, sampled)
+            self.policy.observe_round(batch, shape, max(end - last - other_s, 1e-6) / rounds, steps, sampled)
 
     # ---- failures ----
     @staticmethod

@@ -56,8 +56,11 @@ class GraphConfig:
     tree buckets count verifier rows (root + nodes) and are clipped to max_tree_nodes + 1 (added)."""
 
     batch_buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS
-    tree_buckets: tuple[int, ...] = (4, 8, 16, 32, 64)
-    depth_buckets: tuple[int, ...] = (2, 4)  # the drafter's expansion depths (its steps are added)
+    # the policy's menu (common.policy.DEFAULT_MENU) exactly: its trees' rows (nodes + 1) and depths, so that a
+    # round of a menu shape verifies no padding rows and expands no level it does not keep (tests/test_policy.py
+    # checks the match). Padding cost a 3x8 round at 64 sequences 16 rows a tree instead of 9.
+    tree_buckets: tuple[int, ...] = (2, 5, 9, 17, 33)  # the engine's largest tree (61 rows by default) is added
+    depth_buckets: tuple[int, ...] = (1, 2, 3, 4)  # the drafter's expansion depths (its steps are added)
     # prefill: tokens per row (prompts and chunks up to the largest: the gateway's default chunk is 512) and
     # rows per call; longer or larger calls run eagerly. An eager forward costs about 16 ms of launches on
     # an H100 whatever its length, a replayed one about what its matmuls cost.

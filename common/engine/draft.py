@@ -32,12 +32,11 @@ import functools
 import logging
 import time
 
-import numpy as np
 import torch
 
 from common import kernels, validate
 from common.config import DraftingConfig, SamplingConfig
-from common.engine.base import Accepted, ProposeAfter, ProposeInput, Steps, StepTime, finish
+from common.engine.base import Accepted, Chained, ProposeAfter, ProposeInput, Steps, StepTime, finish
 from common.engine.cuda_graphs import CudaGraphManager, GraphConfig, batch_buckets_for
 from common.engine.draft_parts import (  # noqa: F401 - callers import these from here too
     ACCEPT_TOKENS,
@@ -52,6 +51,7 @@ from common.engine.draft_parts import (  # noqa: F401 - callers import these fro
     accept_span,
     expand_block,
     gather_index,
+    noise_block,
     trees_of,
 )
 from common.errors import CapacityExhausted, InvalidRequest, UnknownSequence
@@ -126,7 +126,7 @@ class Eagle3Drafter:
             for bb in sorted(self.batch_buckets, reverse=True):
                 for depth, sampled in self._variants():
                     propose = functools.partial(self._propose_step, depth=depth)
-                    noise = self._noise_block(bb) if sampled else {}
+                    noise = noise_block(bb) if sampled else {}
                     for length in range(self.max_new, 0, -1):
                         packed, hidden = self._accept_block(bb, length), self._hidden_block(bb, length)
                         self.graphs.capture(
@@ -333,18 +333,6 @@ class Eagle3Drafter:
     def _hidden_block(self, b: int, length: int) -> torch.Tensor:
         return torch.zeros(b, length, self.feature_dim, dtype=self.cache.kv.dtype)
 
-    def _noise_block(self, b: int, states: list[DraftSeq] | None = None) -> dict[str, torch.Tensor]:
-        """temp [b] float32 and seed [b] int64 of the sequences (the rest: padding, top-k rows, temperature
-        0): what a sampled variant's draws read. {} when none samples (the steps' top-k variant); states
-        None: the block of padding rows a sampled variant captures."""
-        if states is not None and all(st.sampling.greedy for st in states):
-            return {}
-        temp = np.zeros(b, dtype=np.float32)
-        seed = np.zeros(b, dtype=np.int64)
-        for i, st in enumerate(states or []):
-            temp[i], seed[i] = st.sampling.temperature, st.seed
-        return {"temp": torch.from_numpy(temp), "seed": torch.from_numpy(seed)}
-
     def _new_seq(self, it: ProposeInput) -> DraftSeq:
         """A sequence's draft state: under the q rule its sampling and a seed apart from the verifier's
         (common.sampling.sequence_seed); else greedy (the top-k tree)."""
@@ -406,23 +394,26 @@ class Eagle3Drafter:
         return finish(self.propose_steps(items))
 
     @torch.inference_mode()
-    def launch_after(self, items: list[ProposeAfter], accepted: Accepted) -> AfterVerify | None:
+    def launch_after(
+        self, items: list[ProposeAfter], accepted: Accepted, after: AfterVerify | None = None
+    ) -> AfterVerify | None:
         """The items' next trees queued on the device behind the verify whose acceptance this is (row i of
-        accepted: items[i]), without the host reading it: its tokens and features become the accept pass's
-        inputs there (padded to steps + 1 new tokens: the rows past a row's count are padding, as in any
-        pass), and the propose step's replay follows (common.engine.base.Drafter explains the chain); rows
-        that sample draw their children on the device (the sampled variant, at the drafter's depth). None,
-        with nothing queued, when a sequence is unknown or too near the end of the draft context for
-        steps + 1 more tokens: the caller then proposes from the verify's outputs as usual.
-        Called on a GPU from the verifier's call on the caller's stream: the drafting waits for the work
-        queued there, and the caller does not wait for the drafting."""
+        accepted: items[i]), the host reading none of it: its tokens and features become the accept pass's inputs
+        there (padded to steps + 1 new tokens), then the propose step's replay (common.engine.base.Drafter);
+        rows that sample draw their children on the device (the sampled variant, at the drafter's depth). None,
+        with nothing queued, when a sequence is unknown or too near the end of the draft context: the caller
+        proposes from the verify's outputs. On a GPU, called on the caller's stream: the drafting waits for the
+        work queued there, the caller does not wait for it. after: the launch whose trees this verify verified
+        (a chained round): the lengths follow from it on the device; it is settled (settle_after) before this
+        one is read."""
         states = []
+        ahead = 0 if after is None else after.ahead + self.max_new  # tokens the host has not counted yet, at most
         for it in items:
             try:
                 slot, st = self.seqs.get(it.seq_id)
             except UnknownSequence:
                 return None
-            if st.length + self.max_new > self.max_context:
+            if st.length + ahead + self.max_new > self.max_context:
                 return None
             if not 0 <= it.max_depth <= self.drafting.steps:
                 raise InvalidRequest(f"max_depth must be in [0, {self.drafting.steps}], got {it.max_depth}")
@@ -431,7 +422,7 @@ class Eagle3Drafter:
         if accepted.kept.shape[1] > length:  # trees deeper than this drafter drafts (not its own): more new tokens
             return None
         bb = self.graphs.bucket(b, self.batch_buckets)
-        noise = self._noise_block(bb, [st for _, st in states])
+        noise = noise_block(bb, [st for _, st in states])
         depth = self.graphs.bucket(max(self._depth(it) for it in items), self.depth_buckets)
         depth = self.drafting.steps if noise else depth  # sampled variants: the drafter's depth only
         block = self._accept_block(bb, length)
@@ -452,6 +443,9 @@ class Eagle3Drafter:
             cols = self._arange[None, :n]
             packed[:b, :n] = torch.where(cols < took[:, None], accepted.result[:, 1 : 1 + n], 0)  # filler -> 0
             packed[:b, length + 1] = took
+            if after is not None:  # the lengths the host has not counted: the last launch's plus what it took
+                packed[:b, length] = after.m + after.took
+            m = packed[:b, length].clone()  # [b] each row's length before this pass
             pad = (0, 0, 0, length - n, 0, bb - b)  # [b, n, 3H] -> [bb, L, 3H]
             hidden = torch.nn.functional.pad(accepted.kept.to(self.cache.kv.dtype), pad)
             step = functools.partial(self._propose_step, depth=depth)
@@ -460,16 +454,22 @@ class Eagle3Drafter:
             tree = out.tree[:b].clone()  # outlives the next replay
             sampled = [i for i, (_, st) in enumerate(states) if noise and not st.sampling.greedy]
             q = self._q_rows(out, sampled)
+            keeps = [self._keep(it) for it in items]
+            tokens, parents = tree[:, 0].long(), tree[:, 1].long()  # [b, N] each, for a chained verify
+            keep = torch.tensor(keeps).to(self.device, non_blocking=True)  # [b]
             done = self.graphs.event()
-        return AfterVerify(list(items), tree, took, sampled, q, start, done, time.perf_counter() - t0)
+        chained = Chained(tokens, parents, keep, max(keeps), depth, done)  # depth: the expansion's, a bound
+        wall = time.perf_counter() - t0
+        return AfterVerify(list(items), tree, took, m, ahead, chained, sampled, q, start, done, wall)
+
+    def settle_after(self, launched: AfterVerify) -> None:
+        """A launch whose trees a chained round verified (the host never read them): its sequences count the
+        tokens it took (read_after does so for the launch the host reads)."""
+        for it, took in zip(launched.items, launched.took.tolist()):
+            self.seqs.get(it.seq_id)[1].length += took
 
     def read_after(self, launched: AfterVerify, rows: list[int]) -> list[Tree]:
         return finish(self.read_after_steps(launched, rows))
-
-    def seconds_after(self, launched: AfterVerify) -> float:
-        """A launch's drafting time on the device (between CUDA events around it; on CPU its eager wall), once
-        read_after has read it."""
-        return launched.seconds()
 
     def read_after_steps(self, launched: AfterVerify, rows: list[int]) -> Steps[list[Tree]]:
         """The trees of `rows` of a launch_after (in that order) once the device is done: those rows' sequences
@@ -518,7 +518,7 @@ class Eagle3Drafter:
         every sequence is greedy)."""
         bb = self.graphs.bucket(len(items), self.batch_buckets)
         length = max(len(it.token_ids) for it in items)
-        noise = self._noise_block(bb, [self.seqs.get(it.seq_id)[1] for it in items])
+        noise = noise_block(bb, [self.seqs.get(it.seq_id)[1] for it in items])
         depth = self.graphs.bucket(max(self._depth(it) for it in items), self.depth_buckets)
         depth = self.drafting.steps if noise else depth  # sampled variants: the drafter's depth only
         if not any(it.start for it in items) and length <= self.max_new:

@@ -11,7 +11,7 @@ import torch
 
 from common import kernels
 from common.config import SamplingConfig
-from common.engine.base import ProposeAfter
+from common.engine.base import Chained, ProposeAfter
 from common.engine.cuda_graphs import pick_bucket
 from common.tree import DraftQ, Tree, drop_subtrees
 
@@ -49,6 +49,9 @@ class AfterVerify:
     items: list[ProposeAfter]  # row i: the verify's item i
     tree: torch.Tensor  # [B, 4, N] _expand_step's tree block, copied out of the graph's buffer
     took: torch.Tensor  # [B] new tokens each row took (the verify's accepted count + 1)
+    m: torch.Tensor  # [B] each row's length before them
+    ahead: int  # tokens of earlier chained launches the host had not counted when this one launched, at most
+    chained: Chained  # the trees, for a verify that reads them on the device
     sampled: list[int]  # rows whose children were drawn from q (they get q)
     q: tuple[torch.Tensor, torch.Tensor] | None  # DraftOut's q_ids, q_probs [len(sampled), Q, W] of those rows
     start: torch.cuda.Event | None  # timing events around the drafting on the drafter's stream (None on CPU)
@@ -203,3 +206,16 @@ def accept_span(rows: int, longest: int, buckets: tuple[int, ...], pad: bool) ->
     if not pad or not fitting or (pick_bucket(longest, buckets) or longest) in fitting:
         return longest
     return fitting[-1]
+
+
+def noise_block(b: int, states: list[DraftSeq] | None = None) -> dict[str, torch.Tensor]:
+    """temp [b] float32 and seed [b] int64 of the sequences (the rest: padding, top-k rows, temperature
+    0): what a sampled variant's draws read. {} when none samples (the steps' top-k variant); states
+    None: the block of padding rows a sampled variant captures."""
+    if states is not None and all(st.sampling.greedy for st in states):
+        return {}
+    temp = np.zeros(b, dtype=np.float32)
+    seed = np.zeros(b, dtype=np.int64)
+    for i, st in enumerate(states or []):
+        temp[i], seed[i] = st.sampling.temperature, st.seed
+    return {"temp": torch.from_numpy(temp), "seed": torch.from_numpy(seed)}

@@ -87,17 +87,17 @@ class _OracleBase:
         yield from ()
         return self.propose(items)
 
-    def launch_after(self, items: list[ProposeAfter], accepted: Accepted) -> None:
+    def launch_after(self, items: list[ProposeAfter], accepted: Accepted, after: object = None) -> None:
         """No drafting on the device after a verify: the callers propose from the verify's outputs."""
         return None
+
+    def settle_after(self, launched: object) -> None:
+        raise NotImplementedError("test oracles launch nothing after a verify (launch_after gives None)")
 
     def read_after(self, launched: object, rows: list[int]) -> list[Tree]:
         raise NotImplementedError("test oracles launch nothing after a verify (launch_after gives None)")
 
     def read_after_steps(self, launched: object, rows: list[int]) -> Steps[list[Tree]]:
-        raise NotImplementedError("test oracles launch nothing after a verify (launch_after gives None)")
-
-    def seconds_after(self, launched: object) -> float:
         raise NotImplementedError("test oracles launch nothing after a verify (launch_after gives None)")
 
     def tree(self, greedy: list[int], max_nodes: int) -> Tree:

@@ -30,6 +30,7 @@ from common import kernels, validate
 from common.config import LlamaConfig, SamplingConfig
 from common.engine.base import (
     Accepted,
+    Chained,
     Decoded,
     EngineInfo,
     PrefillInput,
@@ -52,6 +53,8 @@ from common.engine.verifier_parts import (  # noqa: F401 - callers import these 
     VerifierConfig,
     VerifierSeq,
     VerifyStep,
+    chained_block,
+    pack_trees,
     prefill_groups,
     torch_dtype,
     tree_depth,
@@ -62,7 +65,7 @@ from common.kernels.sampling import RULE_GREEDY, RULE_ONEHOT, RULE_Q, SamplingRo
 from common.model.llama import Batch, ForwardOutput, KVCache, LlamaModel
 from common.sampling import VERIFIER_SALT, sequence_seed
 from common.slots import SlotTable, check_unique
-from common.tree import node_positions, row_sets, widest
+from common.tree import row_sets, widest
 from common.weights import Checkpoint
 
 log = logging.getLogger(__name__)
@@ -89,26 +92,16 @@ class Verifier:
         # padded to its bucket never runs off its slot.
         self.capacity = cfg.max_context + self.max_rows
         self.trash_slot = cfg.max_sequences
+        rows, dtype = self.capacity + self.max_rows, torch_dtype(cfg.dtype)
         self.cache = KVCache.allocate(
-            mcfg.num_layers,
-            cfg.max_sequences + 1,
-            self.capacity + self.max_rows,
-            mcfg.num_kv_heads,
-            mcfg.head_dim,
-            torch_dtype(cfg.dtype),
-            self.device,
+            mcfg.num_layers, cfg.max_sequences + 1, rows, mcfg.num_kv_heads, mcfg.head_dim, dtype, self.device
         )
         self.seqs: SlotTable[VerifierSeq] = SlotTable(cfg.max_sequences)
         self.set_width = cfg.q_width + cfg.q_width % 2  # W of the captured sampled verify (even: q's float32 pairs)
         self._greedy_draw = SamplingRows.pack(SamplingConfig(), 0, mcfg.vocab_size)  # [3] a padding row's
+        c, name = cfg, ckpt.name
         self.info = EngineInfo(
-            model=ckpt.name,
-            vocab_size=mcfg.vocab_size,
-            max_context=cfg.max_context,
-            max_sequences=cfg.max_sequences,
-            max_tree_nodes=cfg.max_tree_nodes,
-            dtype=cfg.dtype,
-            device=str(self.device),
+            name, mcfg.vocab_size, c.max_context, c.max_sequences, c.max_tree_nodes, c.dtype, str(self.device)
         )
         gc = graph_cfg or GraphConfig()
         self.graphs = CudaGraphManager.for_engine(self.device, "verifier", graphs, gc)
@@ -347,26 +340,33 @@ class Verifier:
     def verify(self, items: list[VerifyInput]) -> list[VerifyOutput]:
         return finish(self.verify_steps(items))
 
-    @torch.inference_mode()  # a generator: torch enters the mode at each resume
     def verify_steps(
-        self, items: list[VerifyInput], then: Callable[[Accepted], None] | None = None
+        self, items: list[VerifyInput], then: Callable[[Accepted], Chained | None] | None = None
     ) -> Steps[list[VerifyOutput]]:
-        """verify as steps: the forward and acceptance are launched, then (on a GPU) the call yields until
-        they are done, then reads its results and commits. then(accepted): called after the launch with
-        copies of the acceptance on the device (its rows those of items), greedy and sampling rows alike.
-        A tree of no nodes gets one token, as a decode step would."""
+        """One round of verify_rounds_steps."""
+        outs = yield from self.verify_rounds_steps(items, 1, then)
+        return outs[0]
+
+    @torch.inference_mode()  # a generator: torch enters the mode at each resume
+    def verify_rounds_steps(
+        self, items: list[VerifyInput], rounds: int = 1, then: Callable[[Accepted], Chained | None] | None = None
+    ) -> Steps[list[list[VerifyOutput]]]:
+        """Up to `rounds` verifications of the items' rows with one host synchronisation, as steps: each is
+        launched, then (on a GPU) the call yields until all are done, then reads their results and commits.
+        then(accepted): called after each launch with copies of its acceptance on the device (its rows those of
+        items); it returns the next trees of the first rows drafted on the device (Chained), which the next
+        round verifies without the host (chained_block), or None: the call ends after this round, as it does
+        when a round with a sampling row, or one that might not fit, would follow. A tree of no nodes gets one
+        token, as a decode step would. Returns each round's outputs, in order."""
         check_unique([it.seq_id for it in items])
         states = [self._ready(it.seq_id) for it in items]
         b = len(items)
         sizes = np.fromiter((it.tree.size for it in items), dtype=np.int64, count=b)  # [B]
         lengths = np.fromiter((st.length for _, st in states), dtype=np.int64, count=b)  # [B]
         t = 1 + int(sizes.max())
-        full = np.flatnonzero(lengths + t > self.capacity)
-        if full.size:
-            i = int(full[0])
-            raise CapacityExhausted(
-                f"sequence {items[i].seq_id!r} has no room for a {t}-row tree at length {lengths[i]}"
-            )
+        if (full := np.flatnonzero(lengths + t > self.capacity)).size:
+            sid, n = items[int(full[0])].seq_id, lengths[int(full[0])]
+            raise CapacityExhausted(f"sequence {sid!r} has no room for a {t}-row tree at length {n}")
         bb, tb = self.graphs.bucket(b, self.batch_buckets), self.graphs.bucket(t, self.tree_buckets)
         sampler = Sampler.of([st.sampling for _, st in states])
         if sampler is Sampler.GREEDY:
@@ -377,7 +377,7 @@ class Verifier:
             block = self._sampled_block(bb, tb, sets_width)
             cols = (3 * tb, 3 * tb + 1)
         a = block.numpy()
-        self._pack_trees(a, items, sizes, tb)
+        pack_trees(a, [it.tree for it in items], sizes, tb)
         a[:b, 0] = [st.pending for _, st in states]
         a[:b, cols[0]] = lengths
         a[:b, cols[1]] = [slot for slot, _ in states]
@@ -390,41 +390,38 @@ class Verifier:
         else:
             self._pack_sampled(a, items, states, SampledColumns(tb, sets_width))
             key, step = self._sampled_variant(bb, tb, sampler, shallow, sets_width, siblings)
-        accepted = None
+        accepted: list[Accepted] = []
+        grown = lengths + deepest + 1  # [B] each sequence's length after this round, at most
         with self.graphs.on_stream():
-            out = self.graphs.run(key, step, {"packed": block})
-            if then is not None:
-                # copies on this stream: the next call's replay may rewrite the graph's buffers before the
-                # drafter has read them. A path holds at most the deepest tree's depth + 1 rows
-                accepted = Accepted(result=out.result[:b].clone(), kept=out.kept[:b, : deepest + 1].clone())
-        if accepted is not None:
-            then(accepted)
+            while True:
+                fed = self.graphs.feed(key, {"packed": block})
+                out = self.graphs.replay(key, step, fed)
+                # copies: the next replay rewrites the graph's buffers. A path holds at most deepest + 1 rows
+                accepted.append(Accepted(result=out.result[:b].clone(), kept=out.kept[:b, : deepest + 1].clone()))
+                chained = then(accepted[-1]) if then is not None else None
+                if chained is None or len(accepted) == rounds or sampler is not Sampler.GREEDY:
+                    break
+                deepest = chained.depth
+                rows = self.graphs.bucket(1 + chained.keep_max, self.tree_buckets)  # of the chained trees
+                if deepest > SHALLOW_DEPTH or rows != tb or (grown + tb > self.capacity).any():
+                    break  # another graph (larger trees, or smaller ones padded), or no room: the host goes on
+                grown += deepest + 1
+                if chained.ready is not None:
+                    torch.cuda.current_stream(self.device).wait_event(chained.ready)
+                block = chained_block(fed["packed"], accepted[-1].result, chained, tb)
         yield from self.graphs.launched()
         with self.graphs.on_stream():
-            # [B, T + 1] the one host synchronisation of the call (from the copy made for `then`, when made)
-            result = (accepted.result if accepted is not None else out.result[:b]).cpu().numpy()
-            counts = (result[:, 0] + 1).tolist()  # [B] tokens of each sequence
-            # [B, >= max(counts), 3H] outliving the next replay (the copy made for `then` does)
-            kept = accepted.kept if accepted is not None else out.kept[:b, : max(counts)].clone()
-            outputs = []
-            for i, (_, st) in enumerate(states):
-                tokens = result[i, 1 : counts[i] + 1].tolist()
-                st.length += counts[i]
-                st.pending = tokens[-1]
-                outputs.append(VerifyOutput(tokens=tokens, hidden=kept[i, : counts[i]]))
+            # [R, B, T + 1] the one host synchronisation of the call
+            results = torch.stack([acc.result for acc in accepted]).cpu().numpy()
+            outputs: list[list[VerifyOutput]] = []
+            for result, acc in zip(results, accepted):
+                counts = (result[:, 0] + 1).tolist()  # [B] tokens of each sequence
+                outputs.append(
+                    [VerifyOutput(result[i, 1 : c + 1].tolist(), acc.kept[i, :c]) for i, c in enumerate(counts)]
+                )
+                for (_, st), c, out in zip(states, counts, outputs[-1]):
+                    st.length, st.pending = st.length + c, out.tokens[-1]
             return outputs
-
-    @staticmethod
-    def _pack_trees(a: np.ndarray, items: list[VerifyInput], sizes: np.ndarray, tb: int) -> None:
-        """The trees' tokens and parent rows into a verify block a [bb, >= 2 tb], all at once: node j of item
-        i is row j + 1 (columns j + 1 and tb + j + 1), its parent row parents[j] + 1 (-1, the root: row 0).
-        Example: trees [a, b] (parents [-1, 0]) and [c] ([-1]) -> items [0, 0, 1], rows [1, 2, 1]:
-                 a[0, 1:3] = [a, b], a[0, tb + 1 : tb + 3] = [0, 1], a[1, 1] = c, a[1, tb + 1] = 0"""
-        if not sizes.sum():  # every tree a root alone
-            return
-        item, node = node_positions(sizes)  # [N] each
-        a[item, node + 1] = np.concatenate([it.tree.tokens for it in items])
-        a[item, tb + node + 1] = np.concatenate([it.tree.parents for it in items]) + 1
 
     # ---- sampled verification (a row samples: Sampler.TEMPERATURE or FILTERED) ----
     def _siblings(self, tb: int) -> int:

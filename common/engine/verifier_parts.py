@@ -11,7 +11,9 @@ import numpy as np
 import torch
 
 from common.config import SamplingConfig
+from common.engine.base import Chained
 from common.kernels.sampling import SamplingRows
+from common.tree import Tree, node_positions
 
 
 def prefill_groups(lengths: list[int], waste: float = 1.5, max_rows: int | None = None) -> list[list[int]]:
@@ -176,3 +178,36 @@ class DecodeStep:
 
 
 CPU_CALIBRATION_ROWS = 16  # tree rows measured at start-up on a CPU (see Verifier.step_costs)
+
+
+def chained_block(prev: torch.Tensor, result: torch.Tensor, trees: Chained, tb: int) -> torch.Tensor:
+    """The next greedy verify block of a chained round, built on the device: prev [BB, 2T + 3] the block the last
+    round verified (verifier._verify_step's layout, T = tb), result [B, T + 1] its acceptance (count c, then the
+    c accepted tokens and the bonus), trees the next trees of its first K rows (K <= B). Each of the B rows'
+    root becomes its last token and its length grows by c + 1; row k < K gets its first keep[k] nodes (node j
+    at row j + 1, its parent row parents[j] + 1), the other rows of those K a tree of padding (each its own
+    parent); rows past K keep none. Example, tb 4: prev root 7 at n 10, result [1, 8, 9, ...], a tree [5, 6]
+    with parents [-1, 0], keep 2 -> root 9 at n 12, tokens [9, 5, 6, 0], parent rows [0, 0, 1, 3]."""
+    b, k = result.shape[0], trees.tokens.shape[0]
+    nodes = min(trees.tokens.shape[1], tb - 1)
+    block = prev.clone()
+    count = result[:, 0] + 1  # [B]
+    block[:b, 0] = result.gather(1, count[:, None])[:, 0]  # the bonus token: the next root
+    block[:b, 2 * tb] += count
+    rows = torch.arange(1, nodes + 1, device=prev.device)  # [nodes] tree rows 1..nodes
+    kept = rows[None, :] <= trees.keep[:, None]  # [K, nodes]
+    block[:k, 1 : 1 + nodes] = torch.where(kept, trees.tokens[:, :nodes], 0)
+    block[:k, tb + 1 : tb + 1 + nodes] = torch.where(kept, trees.parents[:, :nodes] + 1, rows[None, :])
+    return block
+
+
+def pack_trees(a: np.ndarray, trees: list[Tree], sizes: np.ndarray, tb: int) -> None:
+    """The trees' tokens and parent rows into a verify block a [bb, >= 2 tb], all at once: node j of tree i is
+    row j + 1 (columns j + 1 and tb + j + 1), its parent row parents[j] + 1 (-1, the root: row 0). sizes [B]:
+    the trees' sizes. Example: trees [a, b] (parents [-1, 0]) and [c] ([-1]) -> items [0, 0, 1], rows [1, 2, 1]:
+    a[0, 1:3] = [a, b], a[0, tb + 1 : tb + 3] = [0, 1], a[1, 1] = c, a[1, tb + 1] = 0"""
+    if not sizes.sum():  # every tree a root alone
+        return
+    item, node = node_positions(sizes)  # [N] each
+    a[item, node + 1] = np.concatenate([t.tokens for t in trees])
+    a[item, tb + node + 1] = np.concatenate([t.parents for t in trees]) + 1

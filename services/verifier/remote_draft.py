@@ -155,8 +155,11 @@ class RemoteDrafter:
                 self.export.release(s)
         return self._call(self.stub.Release, pb.ReleaseRequest(seq_ids=seq_ids, owner=self.owner)).released
 
-    def launch_after(self, items: list[ProposeAfter], accepted: Accepted) -> None:
+    def launch_after(self, items: list[ProposeAfter], accepted: Accepted, after: object = None) -> None:
         return None  # the device chain needs the drafter in this process: the core proposes instead
+
+    def settle_after(self, launched: object) -> None:
+        raise NotImplementedError("RemoteDrafter.launch_after never launches")
 
     def read_after(self, launched: object, rows: list[int]) -> list[Tree]:
         raise NotImplementedError("RemoteDrafter.launch_after never launches")
@@ -167,9 +170,6 @@ class RemoteDrafter:
     def propose_steps(self, items: list[ProposeInput]):
         return self.propose(items)
         yield  # a generator that never waits: the call blocks
-
-    def seconds_after(self, launched: object) -> float:
-        return 0.0
 
     def step_costs(self) -> list[StepTime]:
         info = self.info
