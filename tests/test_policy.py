@@ -87,7 +87,7 @@ def drive(p: AdaptivePolicy, n: int, rounds: int, accepted: Callable[[int], int]
 
 def test_the_docstring_example() -> None:
     """The module docstring's worked example, every figure by hand."""
-    p = AdaptivePolicy(PolicyConfig(menu=(CHAIN1, CHAIN4), prior=0.6), table())
+    p = AdaptivePolicy(PolicyConfig(menu=(CHAIN1, CHAIN4), prior=0.6, margin=0.0), table())
     a = members(1)
     # plain 1 / 10 ms; 1x1 (1 + .6) / (1 + 11 ms); 4x4 (1 + .6 + .36 + .216 + .1296) / (4 + 14 ms)
     assert p.rates(a, 1) == pytest.approx({PLAIN: 100, CHAIN1: 1.6 / 0.012, CHAIN4: 2.3056 / 0.018})
@@ -180,7 +180,7 @@ def test_a_text_whose_acceptance_drops_and_recovers_moves_the_choice_both_ways()
     Up: plain rounds teach nothing, so only retries bring 4x4 back: it runs at the latest retry_cap rounds
     after its previous run, for 1-2 rounds (catch-up, then a steady one) that accept 4 of 4, and then it is
     the best again. Bound: 64 + 2 rounds, and it stays."""
-    p = AdaptivePolicy(PolicyConfig(menu=(CHAIN4,), retry_cap=64), table())
+    p = AdaptivePolicy(PolicyConfig(menu=(CHAIN4,), retry_cap=64, margin=0.0), table())
     choices = drive(p, 1, 400, lambda r: 4 if r < 100 or r >= 300 else 0)
     best = [c.shape for c in choices if not c.explored]
     rounds = [i + 1 for i, c in enumerate(choices) if not c.explored]  # 1-based
@@ -475,3 +475,15 @@ def test_the_engines_capture_the_menus_shapes_exactly():
     gc, drafting = GraphConfig(), DraftingConfig()
     assert {s.nodes + 1 for s in DEFAULT_MENU} <= set(gc.tree_buckets) | {drafting.verify_tree_size + 1}
     assert {s.depth for s in DEFAULT_MENU} <= set(gc.depth_buckets) | {drafting.steps}
+
+
+def test_plain_keeps_the_batch_unless_a_tree_beats_it_by_the_margin() -> None:
+    """Calibration table() (plain 1 / 10 ms = 100 tok/s; 1x1 12 ms), acceptance of 1x1 known exactly: 0.1 ->
+    1.1 / 12 ms = 91.7 (plain); 0.25 -> 1.25 / 12 ms = 104.2, 4% above plain: plain under the default margin
+    of 10% (110 to beat), 1x1 without one; 0.4 -> 1.4 / 12 ms = 116.7: 1x1 either way."""
+    for accepted, with_margin, without in ((0.1, PLAIN, PLAIN), (0.25, PLAIN, CHAIN1), (0.4, CHAIN1, CHAIN1)):
+        for margin, want in ((PolicyConfig().margin, with_margin), (0.0, without)):
+            p = AdaptivePolicy(PolicyConfig(menu=(CHAIN1,), prior_weight=1e-9, margin=margin), table())
+            feed(p, accepted)
+            assert p.rates(members(1), 1)[CHAIN1] == pytest.approx((1 + accepted) / 0.012, 1e-3)
+            assert p.choose(members(1), 1).shape == want, (accepted, margin)

@@ -27,8 +27,8 @@ device chain declined, a joiner's prompt) they wait here and go with its next pr
 (a remote draft service down) loses every sequence: they go on plainly, and once it answers again each is
 caught up from features recomputed over its whole context in the verifier's spare slot.
 
-The policy (common/policy.py) sees steady rounds only: a round that proposed for joiners or caught up a
-sequence after a plain stretch, or a step that prefilled, does not teach it what a round costs.
+The policy (common/policy.py) sees steady rounds' costs, with their joiners' first proposes, without the step's
+prefill; the first round after a plain stretch (every row catching up) teaches it nothing.
 """
 
 from __future__ import annotations
@@ -404,15 +404,14 @@ class EngineCore:
         drafted = Shape(max(t.depth for _, t in spec), max(t.nodes for _, t in spec))
         self.choices[drafted] += done
         pure = not plain and all(t == shape for _, t in spec) and (done == 1 or all(n == shape for _, n in chained))
-        self._observe(t0, len(order), drafted, 1, steady and pure, setup_s + joining_s, sampled, done)
+        self._observe(t0, len(order), drafted, 1, steady and pure, setup_s, sampled, done)
         return done
 
     def _trees(self, spec: list[tuple[Sequence, Shape]]) -> tuple[dict[str, Tree], bool, float]:
         """The trees of this round's drafting rows ({seq_id: tree}; a row missing: the drafter failed it), whether
         the round is steady, and the seconds spent on joining rows. A joining row is a joiner's prompt, or a
         sequence caught up after a plain stretch or a drafter failure: its propose runs a long accept pass, in a
-        call of its own whose time the policy's cost sample leaves out; a round that has nothing but joining
-        rows (the first after plain steps) is not steady."""
+        call of its own; a round that has nothing but joining rows (the first after plain steps) is not steady."""
         trees = self._settle_launch()
         todo = [(s, t, self._propose_input(s, t)) for s, t in spec if s.seq_id not in trees]
         joining = [x for x in todo if x[2].start or len(x[2].token_ids) > JOINING_TOKENS]
@@ -513,7 +512,7 @@ class EngineCore:
         rounds: int = 1,
     ) -> None:
         """A round's cost for the policy: from the end of the call before (the host work between calls is this
-        one's too) less the step's other work (other_s: admission, prefill, catching up, joining rows), shared by
+        one's too) less the step's other work (other_s: admission, prefill, catching up), shared by
         the call's rounds, when both calls ran back to back and this one is steady."""
         end = self.clock()
         last, self._last_end = self._last_end, end
