@@ -207,6 +207,7 @@ class Bucket:
         self.last_pick: int | None = None  # the shape (index) chosen last, judged at the next choose
         self.trying: int | None = None  # the shape being tried, its rounds left, whether one was steady
         self.try_left, self.try_seen = 0, False
+        self.tried_at = -math.inf  # the round the last try began (tries begin retry_base rounds apart at most)
 
 
 class CostModel:

@@ -137,9 +137,10 @@ def test_batch_64_history_is_not_charged_to_batch_1() -> None:
     round was reported (round 2; round 1 is a catch-up). Batch 1 has no rounds yet: it borrows bucket 64's
     overheads (60 ms tree, 1 ms plain): 4x4 at most 5 / 78 ms = 64 against plain 1 / 11 ms = 91 is its best
     estimate; but its trees never ran there on a borrowed cost, so they are due at once: 4x4 (the better
-    tree) runs rounds 1 (a catch-up, unreported) and 2; bucket 1 now has its own 0 ms overhead: 4x4 is
-    the best; plain, never run at bucket 1 and borrowed, is tried in round 3; from round 4 on every
-    round that is not a retry is a tree. Bound: 3 rounds."""
+    tree) runs round 1, reported (the round before it, bucket 64's last, was a try of 4x4: no catch-up);
+    bucket 1 now has its own 0 ms overhead: 4x4 is the best from round 2 on; plain, never run at bucket 1
+    and borrowed, is tried no sooner than retry_base (16) rounds after the last try began: round 17. Bound:
+    1 round."""
     costs = table(1) + table(64, decode=12, verify2=14, verify5=20)
     p = AdaptivePolicy(PolicyConfig(menu=(CHAIN1, CHAIN4)), costs)
     core = Core(p)
@@ -147,8 +148,12 @@ def test_batch_64_history_is_not_charged_to_batch_1() -> None:
     assert sum(c.shape.plain for c in at64) >= 480  # all but the first two rounds and the retries
     assert all(c.shape.plain for c in at64[2:] if not c.explored)
     at1 = core.run(1, 200, lambda r: 4, plain_overhead=1 * MS)
-    assert at1[:4] == [Choice(CHAIN4, True), Choice(CHAIN4, True), Choice(PLAIN, True), Choice(CHAIN4)]
-    assert all(c.shape == CHAIN4 for c in at1[3:] if not c.explored)
+    assert at64[-1] == Choice(CHAIN4, True)
+    assert [(i + 1, c) for i, c in enumerate(at1[:20]) if c.explored] == [
+        (1, Choice(CHAIN4, True)),
+        (17, Choice(PLAIN, True)),
+    ]
+    assert all(c.shape == CHAIN4 for c in at1 if not c.explored)
     by_bucket = {(e.batch, e.shape): e for e in p.estimates()}
     assert by_bucket[1, CHAIN4].source == "measured"
     assert by_bucket[64, CHAIN4].tokens_per_s < by_bucket[64, PLAIN].tokens_per_s
@@ -156,14 +161,14 @@ def test_batch_64_history_is_not_charged_to_batch_1() -> None:
 
 def test_a_bucket_with_its_own_history_switches_back_at_once() -> None:
     """As above, but batch 1 ran first: 20 rounds, 1x1 at first (prior .5: 1.5 / 12 ms = 125 against 4x4 107.6),
-    with 4x4 and plain due at round 16, both never run: the better estimate first (4x4 at 16, plain at 17).
-    Bucket 1 has its own overheads of both kinds: after the 500 rounds at 64 its very first round is a tree again.
-    Bound: 0 rounds."""
+    with 4x4 and plain due at round 16, both never run: the better estimate first (4x4 at 16; plain waits for
+    round 32, retry_base after that try began). Bucket 1 has its own tree overhead: after the 500 rounds at 64
+    its very first round is a tree again. Bound: 0 rounds."""
     costs = table(1) + table(64, decode=12, verify2=14, verify5=20)
     p = AdaptivePolicy(PolicyConfig(menu=(CHAIN1, CHAIN4)), costs)
     core = Core(p)
     before = core.run(1, 20, lambda r: 4)
-    assert [(i + 1, c.shape) for i, c in enumerate(before) if c.explored] == [(16, CHAIN4), (17, PLAIN)]
+    assert [(i + 1, c.shape) for i, c in enumerate(before) if c.explored] == [(16, CHAIN4)]
     core.run(64, 500, lambda r: 4, spec_overhead=60 * MS, plain_overhead=1 * MS)
     after = core.run(1, 100, lambda r: 4)
     assert not after[0].explored and not after[0].shape.plain
