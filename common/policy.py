@@ -35,9 +35,10 @@ goes back to retry_base; not the best, it doubles (up to retry_cap). A cell not 
 interval is due: it is tried (Choice.explored) even when its estimate is far below the best, for up to
 try_rounds rounds until one is reported steady (the first tree round after plain ones is a catch-up round
 the core does not report). A cell that never ran at a bucket where its cost is unknown or borrowed from
-another bucket is due at once. One cell is tried at a time per bucket, the most overdue first, tries beginning retry_base rounds apart at least. With the
-default menu a bucket's exploration share falls to about 1% as the intervals reach the cap (6 shapes of
-at most 2 rounds each per 1024 rounds; tests/test_policy.py measures it).
+another bucket is due at once. One cell is tried at a time per bucket, the most overdue first, and tries
+begin retry_base rounds apart at least. With the default menu a bucket's exploration share falls to about 1%
+as the intervals reach the cap (6 shapes of at most 2 rounds each per 1024 rounds; tests/test_policy.py
+measures it).
 
 Worked example (tests/test_policy.py::test_the_docstring_example). Calibration at batch 1: decode 10 ms,
 verify of 2 / 5 rows 11 / 14 ms, propose of depth 1 / 4 1 / 4 ms; menu (1x1, 4x4), prior 0.6 per level,
