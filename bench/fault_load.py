@@ -18,7 +18,7 @@ windows aligned on the kill. After ghz: the stack's restarts (state file), GetMo
 per tree since the verifier's restart) and one request pinning the 6x60 tree: rounds > 0 means speculation
 resumed. Writes DIR/fault_load.json, DIR/fault_load.md (also printed), DIR/ghz.json (ghz's report),
 DIR/commands.txt, DIR/data/default.json and DIR/stack.log. Exit status 1 when ghz gave no report or no request
-that started after the kill completed OK.
+completed OK after the kill.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from bench.load import (
     Client,
     Ghz,
     StackProcess,
-    _version,
+    ghz_version,
     find_ghz,
     read_prompts,
     requests,
@@ -148,6 +148,7 @@ class Analysis:
     in_flight_ok: int  # of those, OK (they had produced no token: the gateway held them for the restart)
     failed_started_after_kill: int
     first_ok_after_kill_s: float | None  # kill -> the end of the first OK request that started after the kill
+    first_ok_end_after_kill_s: float | None  # kill -> the first OK end of any request (those held included)
     ok_per_s_before: float | None  # OK requests ended before the kill / seconds from the run's start to the kill
     ok_per_s_after: float | None  # OK requests ended after the kill / seconds from the kill to the run's end
     span: Span
@@ -161,6 +162,7 @@ def analyse(details: list[dict], killed_at: float, span: Span | None = None, wid
     ok = [c for c in done if c.ok]
     in_flight = [c for c in done if c.start <= 0 < c.end]
     after_ok = [c.end for c in ok if c.start > 0]
+    ends_ok = [c.end for c in ok if c.end > 0]
     starts, ends = [c.start for c in done], [c.end for c in done]
     if span is not None:
         starts, ends = [*starts, span.start], [*ends, span.end]
@@ -175,6 +177,7 @@ def analyse(details: list[dict], killed_at: float, span: Span | None = None, wid
         in_flight_ok=sum(c.ok for c in in_flight),
         failed_started_after_kill=sum(not c.ok for c in done if c.start > 0),
         first_ok_after_kill_s=min(after_ok) if after_ok else None,
+        first_ok_end_after_kill_s=min(ends_ok) if ends_ok else None,
         ok_per_s_before=sum(c.end < 0 for c in ok) / -span.start if span.start < 0 else None,
         ok_per_s_after=sum(c.end >= 0 for c in ok) / span.end if span.end > 0 else None,
         span=span,
@@ -229,6 +232,10 @@ def _f(v: float | None, digits: int = 1) -> str:
     return "-" if v is None else f"{v:,.{digits}f}"
 
 
+def _s(seconds: float | None) -> str:
+    return "none" if seconds is None else f"{seconds:+.1f} s"
+
+
 def markdown(a: Analysis, after: dict, meta: dict) -> str:
     spec = after.get("pinned") or {}
     if "rounds" in spec:
@@ -246,11 +253,11 @@ def markdown(a: Analysis, after: dict, meta: dict) -> str:
         f"{meta['sending_until_s']:+.1f} s and waited for those in flight until {a.span.end:+.1f} s.",
         "",
         "| requests | OK | failed | in flight at the kill | of those OK | failed, started after the kill "
-        "| first OK started after the kill | OK/s before | OK/s after |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| first OK end after the kill | first OK started after the kill | OK/s before | OK/s after |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         f"| {a.requests} | {a.ok} | {a.failed} | {a.in_flight_at_kill} | {a.in_flight_ok} "
-        f"| {a.failed_started_after_kill} | {_f(a.first_ok_after_kill_s)} s | {_f(a.ok_per_s_before, 2)} "
-        f"| {_f(a.ok_per_s_after, 2)} |",
+        f"| {a.failed_started_after_kill} | {_s(a.first_ok_end_after_kill_s)} | {_s(a.first_ok_after_kill_s)} "
+        f"| {_f(a.ok_per_s_before, 2)} | {_f(a.ok_per_s_after, 2)} |",
         "",
         "Failures, grouped by ghz's error text:",
         "",
@@ -424,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
         f"max_tokens {a.max_tokens}, EOS stops, c={a.concurrency}, {a.duration} s, kill at {a.kill_at:g} s",
         "command": "python -m bench.fault_load " + shlex.join(argv if argv is not None else sys.argv[1:]),
         "stack": f"`python {shlex.join(proc.command[1:])}`, log in stack.log and logs/",
-        "ghz_version": _version(binary),
+        "ghz_version": ghz_version(binary),
         "ghz_command": shlex.join(cmd),
         "verifier_pid": load.verifier_pid,
         "kill_after_s": load.killed_at - load.started_at,
@@ -441,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     (out / "fault_load.json").write_text(json.dumps(result, indent=1) + "\n")
     sys.stdout.write(md)
-    return 0 if analysis.first_ok_after_kill_s is not None else 1
+    return 0 if analysis.first_ok_end_after_kill_s is not None else 1
 
 
 if __name__ == "__main__":

@@ -451,7 +451,7 @@ def find_ghz(given: str | None) -> str:
     raise SystemExit(f"bench.load: no ghz binary (tried {given or ', '.join(['$GHZ', 'ghz on PATH', *shared])})")
 
 
-def _version(ghz: str) -> str:
+def ghz_version(ghz: str) -> str:
     done = subprocess.run([ghz, "--version"], capture_output=True, text=True)  # v0.120.0 prints it on stderr
     return (done.stdout + done.stderr).strip()
 
@@ -551,7 +551,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python -m bench.load " + shlex.join(argv if argv is not None else sys.argv[1:]),
         "stack": stack_line,
         "gateway": gateway,
-        "ghz_version": _version(ghz.binary),
+        "ghz_version": ghz_version(ghz.binary),
         "prompts_file": str(a.prompts_file),
         "model_info": info,
     }

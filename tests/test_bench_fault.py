@@ -60,6 +60,7 @@ def test_the_figures_of_a_kill_under_load():
     assert a.errors == {RESTARTED: 2}
     assert (a.in_flight_at_kill, a.in_flight_ok, a.failed_started_after_kill) == (3, 1, 0)  # calls 3, 4, 7
     assert a.first_ok_after_kill_s == pytest.approx(5.5)  # call 6
+    assert a.first_ok_end_after_kill_s == pytest.approx(4.0)  # call 4, held for the restart
     assert a.ok_per_s_before == pytest.approx(2 / 4.5)  # calls 1, 2 over -4.5 .. 0
     assert a.ok_per_s_after == pytest.approx(4 / 8.0)  # calls 4, 5, 6, 8 over 0 .. +8
     # [-5, 0): 1, 2 over 4.5 s; [0, 5): 7, 3 failed, 4 OK; [5, 10): 6, 5, 8 over 3 s (ghz exited at +8)
@@ -113,7 +114,7 @@ def test_the_report_groups_failures_and_says_whether_speculation_resumed():
     }
     md = markdown(a, after, meta)
     assert f"- 2 x `{RESTARTED}`" in md
-    assert "| 8 | 6 | 2 | 3 | 1 | 0 | 5.5 s |" in md
+    assert "| 8 | 6 | 2 | 3 | 1 | 0 | +4.0 s | +5.5 s |" in md
     assert "restarts verifier 1" in md and "speculation resumed: yes" in md
     md = markdown(a, {"why": "the gateway did not serve"}, meta)
     assert "speculation resumed: unknown (the gateway did not serve)" in md
