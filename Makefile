@@ -34,10 +34,9 @@ run: setup
 serve: setup
 	$(PY) -m services.stack
 
-## make test: the CPU test suite (CI runs this): two test files at a time, then the timed fault tests alone
+## make test: the CPU test suite (CI runs this): two test files at a time
 test: setup
-	$(PY) -m pytest -q -m "not gpu and not serial" -n 2 --dist loadgroup
-	$(PY) -m pytest -q -m "serial and not gpu"
+	$(PY) -m pytest -q -m "not gpu" -n 2 --dist loadgroup
 
 ## make test-gpu: the GPU tests, on the GPU machine
 test-gpu: setup
