@@ -34,9 +34,9 @@ run: setup
 serve: setup
 	$(PY) -m services.stack
 
-## make test: the CPU test suite (CI runs this): two test files at a time
+## make test: the CPU test suite (CI runs this): two test files at a time (each file's fixtures start once)
 test: setup
-	$(PY) -m pytest -q -m "not gpu" -n 2 --dist loadgroup
+	$(PY) -m pytest -q -m "not gpu" -n 2 --dist loadfile
 
 ## make test-gpu: the GPU tests, on the GPU machine
 test-gpu: setup

@@ -49,14 +49,3 @@ def stack():
     s = _stack()
     yield s
     s.stop()
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups into the test ids
-def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (`make test`: -n 2 --dist loadgroup), each test file runs on one worker, as with
-    --dist loadfile, so that its module fixtures start once; the files sharing the session's `stack` (the API and
-    end-to-end tests) run on the same worker, so that it starts once too."""
-    shared = {"test_api", "test_e2e"}
-    for item in items:
-        name = item.module.__name__.rsplit(".", 1)[-1]
-        item.add_marker(pytest.mark.xdist_group("stack" if name in shared else name))
