@@ -2,6 +2,7 @@
 
     python -m bench.engine_bench --device cuda --out DIR [--concurrency 1,16,64] \\
         [--methods plain,policy,tree:6x60,tree:3x8] [--max-new-tokens 128] [--requests N] [--temperature 0.7]
+        [--rounds-per-step 4]
 
 The engines and the core are built as `python -m services.verifier --draft-here` builds them (services/verifier/
 __main__.py: build), the policy calibrated the same way. Each concurrency c runs each method in a closed loop: c
@@ -16,6 +17,7 @@ rounds per shape the core ran, and the ratio to plain at that concurrency (measu
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -141,6 +143,7 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--max-context", type=int, default=1024)
+    ap.add_argument("--rounds-per-step", type=int, default=None, help="the verifier's (default: its own)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     from common.model_path import default_model_path
@@ -151,6 +154,8 @@ def main() -> None:
     cfg = VerifierServiceConfig(
         device=args.device, draft_here=True, max_context=args.max_context, max_sequences=max(concurrency)
     )
+    if args.rounds_per_step is not None:
+        cfg = dataclasses.replace(cfg, rounds_per_step=args.rounds_per_step)
     built = build(cfg)
     tok = Tokenizer(default_model_path())
     load = prompts(tok)

@@ -54,6 +54,7 @@ from bench.load import (
     read_prompts,
     requests,
     serving,
+    write_data,
 )
 
 log = logging.getLogger("bench.fault_load")
@@ -392,10 +393,8 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     out = Path(a.out)
-    (out / "data").mkdir(parents=True, exist_ok=True)
     prompts = read_prompts(a.prompts_file)[: a.prompts]
-    data = out / "data" / "default.json"
-    data.write_text(json.dumps(requests(KINDS["default"], prompts, a.max_tokens), indent=1, ensure_ascii=False))
+    data = write_data(out, {"default": requests(KINDS["default"], prompts, a.max_tokens)})["default"]
     binary = find_ghz(a.ghz)
     state_file = (out / "stack-state.json").resolve()
     stack_args = ["--device", a.device, "--state-file", str(state_file), "--log-dir", str((out / "logs").resolve())]

@@ -442,6 +442,15 @@ class StackProcess:
             self.proc.wait()
 
 
+def write_data(out: Path, data: dict[str, list[dict]]) -> dict[str, Path]:
+    """Each kind's requests as ghz's data file (a JSON array, sent round-robin): {kind: out/data/KIND.json}."""
+    (out / "data").mkdir(parents=True, exist_ok=True)
+    files = {kind: out / "data" / f"{kind}.json" for kind in data}
+    for kind, messages in data.items():
+        files[kind].write_text(json.dumps(messages, indent=1, ensure_ascii=False) + "\n")
+    return files
+
+
 def find_ghz(given: str | None) -> str:
     """--ghz, else $GHZ, else ghz on PATH, else the workplace's copy (shared/tools/ghz beside or in the checkout)."""
     shared = [str(d / "shared" / "tools" / "ghz") for d in (ROOT.parent, ROOT)]
@@ -511,13 +520,9 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     out = Path(a.out)
-    (out / "data").mkdir(parents=True, exist_ok=True)
     prompts = read_prompts(a.prompts_file)[: a.prompts]
     data = {k: requests(KINDS[k], prompts, a.max_tokens) for k in a.kinds}
-    files = {}
-    for kind, messages in data.items():
-        files[kind] = out / "data" / f"{kind}.json"
-        files[kind].write_text(json.dumps(messages, indent=1, ensure_ascii=False) + "\n")
+    files = write_data(out, data)
     runs = schedule(a.concurrency, a.kinds, len(prompts), a.requests)
     binary = find_ghz(a.ghz)
     with contextlib.ExitStack() as stack:

@@ -221,8 +221,9 @@ class AdaptivePolicy:
         rates = self._rates(members, plain_steps, bk, costs, keep=True)
         best, top = None, -1.0
         for i, r in enumerate(rates):  # ties: the first of plain, *menu; plain's rate counts margin more
-            if r is not None and (r * (1 + self.cfg.margin) if i == 0 else r) > top:
-                best, top = i, (r * (1 + self.cfg.margin) if i == 0 else r)
+            score = None if r is None else r * (1 + self.cfg.margin) if i == 0 else r
+            if score is not None and score > top:
+                best, top = i, score
         if bk.trying is not None and bk.trying != best and not bk.try_seen and bk.try_left > 0:
             bk.try_left -= 1  # the try goes on: its first round was not reported steady
             bk.cells[bk.trying].last_run = bk.rounds

@@ -58,7 +58,7 @@ class GraphConfig:
     batch_buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS
     # the policy's menu (common.policy.DEFAULT_MENU) exactly: its trees' rows (nodes + 1) and depths, so that a
     # round of a menu shape verifies no padding rows and expands no level it does not keep (tests/test_policy.py
-    # checks the match). Padding cost a 3x8 round at 64 sequences 16 rows a tree instead of 9.
+    # checks the match)
     tree_buckets: tuple[int, ...] = (2, 5, 9, 17, 33)  # the engine's largest tree (61 rows by default) is added
     depth_buckets: tuple[int, ...] = (1, 2, 3, 4)  # the drafter's expansion depths (its steps are added)
     # prefill: tokens per row (prompts and chunks up to the largest: the gateway's default chunk is 512) and
