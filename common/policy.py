@@ -33,19 +33,12 @@ Exploration without an absorbing state. Each (bucket, shape) cell has a retry in
 rounds at first. Every run of a cell is judged at its bucket's next round: still the best, the interval
 goes back to retry_base; not the best, it doubles (up to retry_cap). A cell not run at its bucket for its
 interval is due: it is tried (Choice.explored) even when its estimate is far below the best, for up to
-try_rounds rounds until one is reported steady (the first tree round after plain ones is a catch-up round,
-reported as such: its cost over a steady round is the bucket's switch cost). A cell that never ran at a
-bucket where its cost is unknown or borrowed from another bucket is due at once. One cell is tried at a time
-per bucket, the most overdue first, and tries begin retry_base rounds apart at least. A try's expected loss
-is what its rounds fall short of the best's rate, plus the switch cost when it changes kind (plain <-> tree:
-every row catches up, then or on the way back); it begins only once the bucket has spent loss / explore_share
-seconds (the best's estimated rounds) since the last try began, so that tries cost about explore_share of a
-bucket's time. What was never measured costs nothing, as only a try measures it: a cost unknown, a stale
-shape's borrowed overhead (its calibration alone counts), a switch cost no bucket has (a nearer bucket's
-scales by the batch). On an H100 a catch-up at 64 sequences cost 20-30 ms over a steady round, so a try from
-plain there waits about a second of plain calls. With the default menu a bucket's exploration share falls
-to about 1% of its rounds as the intervals reach the cap (6 shapes of at most 2 rounds each per 1024
-rounds; tests/test_policy.py measures it).
+try_rounds rounds until one is reported steady (the first tree round after plain ones is a catch-up round
+the core does not report). A cell that never ran at a bucket where its cost is unknown or borrowed from
+another bucket is due at once. One cell is tried at a time per bucket, the most overdue first, and tries
+begin retry_base rounds apart at least. With the default menu a bucket's exploration share falls to about 1%
+as the intervals reach the cap (6 shapes of at most 2 rounds each per 1024 rounds; tests/test_policy.py
+measures it).
 
 Worked example (tests/test_policy.py::test_the_docstring_example). Calibration at batch 1: decode 10 ms,
 verify of 2 / 5 rows 11 / 14 ms, propose of depth 1 / 4 1 / 4 ms; menu (1x1, 4x4), prior 0.6 per level,
@@ -58,12 +51,11 @@ overhead is 15 - 12 = 3 ms. 1x1 costs its own median, 15 ms: 106.7; 4x4 its cali
 Plain calls of 8 steps measured at 88 ms give bucket 1 a plain overhead of 88 - 80 = 8 ms: plain_steps 8 ->
 8 / 88 ms = 90.9, plain_steps 1 -> 1 / 18 ms = 55.6. Retries: a shape that never ran at a bucket (its cost
 there from calibration) is due at the bucket's round 16; if it is not the best after that run, it waits 32
-rounds, then 64, ... up to 1024, or longer while the budget cannot afford it
-(test_a_due_shape_is_retried_with_a_doubling_wait, test_tries_cost_about_explore_share_of_the_bucket_time).
+rounds, then 64, ... up to 1024 (test_a_due_shape_is_retried_with_a_doubling_wait).
 
-What the caller guarantees: observe_round gets steady rounds (no prefill, no catch-up after plain rounds)
-and catch-up rounds marked steady=False, and choose and observe_round see the same batch (choose's `batch`
-when pinned sequences ride along). estimates() tells an
+What the caller guarantees: observe_round gets steady rounds only (no prefill, no joiner's first propose,
+no catch-up after plain rounds), timed on the device (not a loop wall holding other work), and choose and
+observe_round see the same batch (choose's `batch` when pinned sequences ride along). estimates() tells an
 operator why: per bucket and shape the rate, seconds and tokens compared, and where the cost comes from.
 """
 
@@ -165,7 +157,6 @@ class PolicyConfig:
     retry_base: int = 16  # bucket rounds before a shape left unrun is tried again
     retry_cap: int = 1024  # the longest retry interval (each failed try doubles it)
     try_rounds: int = 2  # rounds a try lasts at most, until one is reported steady
-    explore_share: float = 0.02  # a bucket's tries cost about this share of its time (module docstring)
     seed: int = 0  # orders cells due in the same round with equal estimates
     # a tree is chosen over plain only when its rate beats plain's by this share: what a tree round's cost sample
     # leaves out (rows that stopped mid-call, the step's prefill shared by fewer tokens). On an H100 at 64
@@ -183,8 +174,6 @@ class PolicyConfig:
             raise ValueError("half_life, pooled_half_life and seq_memory must be > 0")
         if not 0 <= self.margin < 1:
             raise ValueError(f"margin must be in [0, 1), got {self.margin}")
-        if not 0 < self.explore_share <= 1:
-            raise ValueError(f"explore_share must be in (0, 1], got {self.explore_share}")
         if self.cost_window < 1 or self.cost_memory < 1 or self.try_rounds < 1:
             raise ValueError("cost_window, cost_memory and try_rounds must be >= 1")
         if not 1 <= self.retry_base <= self.retry_cap:
@@ -229,7 +218,7 @@ class AdaptivePolicy:
         costs = self.variants[sampled]
         bk = costs.of(batch or len(members))
         bk.rounds += 1
-        rates, seconds = self._rates(members, plain_steps, bk, costs, keep=True)
+        rates = self._rates(members, plain_steps, bk, costs, keep=True)
         best, top = None, -1.0
         for i, r in enumerate(rates):  # ties: the first of plain, *menu; plain's rate counts margin more
             score = None if r is None else r * (1 + self.cfg.margin) if i == 0 else r
@@ -240,21 +229,14 @@ class AdaptivePolicy:
             bk.cells[bk.trying].last_run = bk.rounds
             return Choice(self.shapes[bk.trying], explored=True)
         bk.trying = None
-        if best is not None:
-            bk.spent += seconds[best]
         if bk.last_pick is not None:  # judge the shape that ran last: still the best, or its wait doubles
             cell = bk.cells[bk.last_pick]
             cell.interval = self.cfg.retry_base if bk.last_pick == best else min(2 * cell.interval, self.cfg.retry_cap)
         # one try at a time, and none within retry_base rounds of the last one began: at 64 sequences a try
         # from plain costs its rounds and the catching up of every row
         pick = self._due(bk, best, rates, costs) if bk.rounds - bk.tried_at >= self.cfg.retry_base else None
-        if pick is not None and bk.spent * self.cfg.explore_share < self._try_loss(
-            bk, pick, best, rates, seconds, costs
-        ):
-            pick = None  # not yet: the bucket has not spent enough time since the last try for this one's cost
         if pick is not None:
             bk.trying, bk.try_left, bk.try_seen, bk.tried_at = pick, self.cfg.try_rounds - 1, False, bk.rounds
-            bk.spent = 0.0
         elif best is None:
             bk.last_pick = None
             return Choice(PLAIN)
@@ -268,46 +250,17 @@ class AdaptivePolicy:
     def _due(self, bk: Bucket, best: int | None, rates: list[float | None], costs: CostModel) -> int | None:
         """The cell to try, other than the best, or None: first one that never ran here and whose cost here
         is unknown or borrowed from another bucket (the best rate first), then the most overdue."""
+        borrowed = [costs.overhead(bk, plain)[1] == "nearest" for plain in (False, True)]  # [tree, plain]
         pick, key = None, None
         for i, cell in enumerate(bk.cells):
             late, rate = bk.rounds - cell.last_run - cell.interval, rates[i]
-            stale = self._stale(bk, i, rate, costs)
+            stale = not cell.has_run and not cell.window.samples and (rate is None or borrowed[i == 0])
             if i == best or (late < 0 and not stale):
                 continue
             k = (stale, late, math.inf if rate is None else rate, cell.tiebreak)
             if key is None or k > key:
                 pick, key = i, k
         return pick
-
-    @staticmethod
-    def _stale(bk: Bucket, i: int, rate: float | None, costs: CostModel) -> bool:
-        """shapes[i] never ran at the bucket and its cost there is unknown or borrowed from another bucket."""
-        cell = bk.cells[i]
-        return (
-            not cell.has_run
-            and not cell.window.samples
-            and (rate is None or costs.overhead(bk, i == 0)[1] == "nearest")
-        )
-
-    def _try_loss(
-        self, bk: Bucket, pick: int, best: int | None, rates: list[float | None], secs: list[float | None],
-        costs: CostModel,
-    ) -> float:  # fmt: skip
-        """Expected seconds a try of shapes[pick] loses against the best: what its rounds fall short of the best's
-        rate, plus the bucket's switch cost when it changes kind (plain <-> tree). What was never measured costs
-        nothing, since only a try measures it: a cost unknown, a shape stale here (its calibration alone, without
-        the overhead borrowed from another bucket), a switch cost no bucket has (a nearer bucket's scales by
-        the batch). Without a best: nothing to lose."""
-        r, s, top = rates[pick], secs[pick], rates[best] if best is not None else None
-        if r is None or s is None or not top:
-            return 0.0
-        if self._stale(bk, pick, r, costs) and bk.cal[pick] is not None:
-            r, s = r * s / bk.cal[pick], bk.cal[pick]  # the same tokens in its calibration's time
-        loss = self.cfg.try_rounds * s * max(0.0, 1 - r / top)
-        if (pick == 0) != (best == 0):
-            switch = next((b.switch.median * bk.size / b.size for b in (bk, *bk.nearest) if b.switch.samples), 0.0)
-            loss += switch
-        return loss
 
     def rates(
         self, members: Sequence[Member], plain_steps: int, batch: int | None = None, sampled: bool = False
@@ -317,13 +270,13 @@ class AdaptivePolicy:
         if not members:
             return {}
         costs = self.variants[sampled]
-        rates, _ = self._rates(members, plain_steps, costs.of(batch or len(members)), costs, keep=False)
+        rates = self._rates(members, plain_steps, costs.of(batch or len(members)), costs, keep=False)
         return {s: r for s, r in zip(self.shapes, rates) if r is not None}
 
     def _rates(
         self, members: Sequence[Member], steps: int, bk: Bucket, costs: CostModel, keep: bool
-    ) -> tuple[list[float | None], list[float | None]]:
-        """[plain, *menu] rates and seconds of a round (plain: a call of `steps` steps); None: no cost known."""
+    ) -> list[float | None]:
+        """[plain, *menu] rates (None: no cost known)."""
         # members' factors by band: [a1 (greedy), b1 (mid), a2 (greedy)] -> {greedy: [f_a1, f_a2], mid: [f_b1]}
         seqs = self.seqs
         groups: dict[str, list[float]] = {}
@@ -342,11 +295,9 @@ class AdaptivePolicy:
         bands = [(expected[b], sum(fs), max(fs), fs) for b, fs in groups.items()]
         plain = costs.seconds(bk, 0, steps, costs.overhead(bk, True)[0])
         out: list[float | None] = [None if plain is None else n * steps / plain]
-        secs: list[float | None] = [plain]
         over = costs.overhead(bk, False)[0]
         for i, shape in enumerate(self.cfg.menu):
             seconds = costs.seconds(bk, i + 1, 1, over)
-            secs.append(seconds)
             if seconds is None:
                 out.append(None)
                 continue
@@ -356,27 +307,19 @@ class AdaptivePolicy:
                 # sum of min(f * e, depth) over the band's members; no cap bites when the largest factor's doesn't
                 tokens += e * total if top * e <= depth else sum(min(f * e, depth) for f in fs)
             out.append(tokens / seconds)
-        return out, secs
+        return out
 
     # ---- learning ----
-    def observe_round(
-        self, batch: int, shape: Shape, seconds: float, steps: int = 1, sampled: bool = False, steady: bool = True
-    ) -> None:
-        """A round (module docstring: what the caller guarantees). PLAIN: `steps` decode steps took `seconds`
-        in all; a tree: one round (draft, verify, host bookkeeping), or when not steady (a catch-up) `steps`
-        rounds in `seconds`, whose excess over steady ones is the bucket's switch cost. batch: sequences in
-        the round; sampled: one of them samples (choose's variant)."""
+    def observe_round(self, batch: int, shape: Shape, seconds: float, steps: int = 1, sampled: bool = False) -> None:
+        """A steady round (module docstring: what the caller guarantees). PLAIN: `steps` decode steps took
+        `seconds` in all; a tree: one round (draft, verify, host bookkeeping). batch: sequences in the round;
+        sampled: one of them samples (choose's variant)."""
         if batch < 1 or steps < 1 or not 0 <= seconds < math.inf:
             raise ValueError(
                 f"a round needs batch, steps >= 1 and seconds in [0, inf), got {batch}, {steps}, {seconds}"
             )
         costs = self.variants[sampled]
         bk = costs.of(batch)
-        if not steady:
-            i = costs.index.get(shape)
-            if i is not None and i > 0 and (round_s := costs.seconds(bk, i, 1, costs.overhead(bk, False)[0])):
-                bk.switch.add(bk.rounds, max(seconds - steps * round_s, 0.0))
-            return
         costs.observe(bk, shape, seconds, steps)
         if bk.trying is not None and self.shapes[bk.trying] == shape:
             bk.try_seen = True
@@ -451,7 +394,7 @@ class Policy(Protocol):
         self, members: Sequence[Member], plain_steps: int, batch: int | None = None, sampled: bool = False
     ) -> Choice: ...
     def observe_round(
-        self, batch: int, shape: Shape, seconds: float, steps: int = 1, sampled: bool = False, steady: bool = True
+        self, batch: int, shape: Shape, seconds: float, steps: int = 1, sampled: bool = False
     ) -> None: ...
     def observe(self, seq_id: str, band: str, shape: Shape, accepted: int) -> None: ...
     def forget(self, seq_id: str) -> None: ...
@@ -476,9 +419,7 @@ class FixedPolicy:
     ) -> dict[Shape, float]:
         return {}
 
-    def observe_round(
-        self, batch: int, shape: Shape, seconds: float, steps: int = 1, sampled: bool = False, steady: bool = True
-    ) -> None:
+    def observe_round(self, batch: int, shape: Shape, seconds: float, steps: int = 1, sampled: bool = False) -> None:
         pass
 
     def observe(self, seq_id: str, band: str, shape: Shape, accepted: int) -> None:

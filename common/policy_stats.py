@@ -197,7 +197,7 @@ class Cell:
 class Bucket:
     """A batch bucket: per shape (lists follow CostModel.shapes: plain, then the menu) its cell and its
     calibration (tree: seconds of a round; plain: of one decode step; None: not calibrated), its tree
-    overhead (plain's is its plain cell), its round count, the try under way and the exploration budget."""
+    overhead (plain's is its plain cell), its round count and the try under way."""
 
     def __init__(self, size: int, cells: list[Cell], cal: list[float | None], cfg: PolicyConfig) -> None:
         self.size, self.cells, self.cal = size, cells, cal
@@ -208,8 +208,6 @@ class Bucket:
         self.trying: int | None = None  # the shape being tried, its rounds left, whether one was steady
         self.try_left, self.try_seen = 0, False
         self.tried_at = -math.inf  # the round the last try began (tries begin retry_base rounds apart at most)
-        self.spent = 0.0  # seconds of the best's rounds since the last try began (the exploration budget's base)
-        self.switch = Window(cfg.cost_window, cfg.cost_memory)  # catch-up rounds: seconds over steady ones
 
 
 class CostModel:

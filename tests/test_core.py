@@ -68,8 +68,8 @@ class Cycle:
     def choose(self, members, plain_steps, batch=None, sampled=False):
         return Choice(next(self.shapes))
 
-    def observe_round(self, batch, shape, seconds, steps=1, sampled=False, steady=True):
-        self.rounds.append((batch, shape, steps, steady))
+    def observe_round(self, batch, shape, seconds, steps=1, sampled=False):
+        self.rounds.append((batch, shape, steps))
 
     def observe(self, seq_id, band, shape, accepted):
         pass
@@ -153,7 +153,7 @@ def test_shapes_switching_every_round_keep_the_output(engines, plain):
     got = run(core, {0: [req(0, 16), req(1, 12)], 3: [req(2, 10)], 6: [req(3, 16)]})
     for i, n in enumerate((16, 12, 10, 16)):
         assert got[f"s{i}"][0] == plain[i][:n], i
-    shapes = {s for _, s, _, steady in policy.rounds if steady}
+    shapes = {s for _, s, _ in policy.rounds}
     assert PLAIN in shapes and len(shapes) > 2  # steady rounds of several shapes were reported
     check_free(core)
 
@@ -245,21 +245,14 @@ def test_oracle_drafters_accept_whole_chains_or_nothing(engines, plain):
         assert core.choices[deep] == rounds and not core.seqs
 
 
-def test_the_policy_hears_of_steady_rounds_and_of_catch_ups_apart(engines):
-    """Rounds that propose every row's first tree (its whole prompt through the drafter) are not steady: the
-    policy's cost samples come from the rounds after them; a catch-up after plain steps is reported as one."""
+def test_the_policy_hears_of_steady_rounds_only(engines):
+    """Rounds that propose a joiner's first tree (its whole prompt through the drafter) are not steady: the
+    policy's cost samples come from the rounds after them."""
     v, d = engines
     policy = Cycle([TREE])
     torch.manual_seed(0)
     core = EngineCore(v, d, policy, CoreConfig(max_sequences=4))
     run(core, {0: [req(0, 12), req(1, 12)]})
-    steady = [r for r in policy.rounds if r[3]]
-    assert steady and all(shape == TREE for _, shape, _, _ in steady)
+    assert policy.rounds and all(shape == TREE for _, shape, _ in policy.rounds)
     spec_rounds = sum(n for s, n in core.choices.items() if not s.plain)
-    assert len(steady) < spec_rounds  # the first round (the joiners' proposes) was left out
-    policy = Cycle([PLAIN, TREE])  # every tree round catches up the plain step before it
-    core = EngineCore(v, d, policy, CoreConfig(max_sequences=4, rounds_per_step=1))
-    run(core, {0: [req(0, 16), req(1, 16)]})
-    caught = [r for r in policy.rounds if not r[3]]
-    assert caught and all(shape == TREE and batch == 2 for batch, shape, _, _ in caught)
-    assert not any(r[3] for r in policy.rounds if r[1] == TREE)
+    assert len(policy.rounds) < spec_rounds  # the first round (the joiners' proposes) was left out

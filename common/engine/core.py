@@ -28,7 +28,7 @@ device chain declined, a joiner's prompt) they wait here and go with its next pr
 caught up from features recomputed over its whole context in the verifier's spare slot.
 
 The policy (common/policy.py) sees steady rounds' costs, with their joiners' first proposes, without the step's
-prefill; the first round after a plain stretch (every row catching up) is its cost of switching to trees.
+prefill; the first round after a plain stretch (every row catching up) teaches it nothing.
 """
 
 from __future__ import annotations
@@ -404,7 +404,7 @@ class EngineCore:
         drafted = Shape(max(t.depth for _, t in spec), max(t.nodes for _, t in spec))
         self.choices[drafted] += done
         pure = not plain and all(t == shape for _, t in spec) and (done == 1 or all(n == shape for _, n in chained))
-        self._observe(t0, len(order), drafted, 1, pure, setup_s, sampled, done, steady)
+        self._observe(t0, len(order), drafted, 1, steady and pure, setup_s, sampled, done)
         return done
 
     def _trees(self, spec: list[tuple[Sequence, Shape]]) -> tuple[dict[str, Tree], bool, float]:
@@ -500,20 +500,24 @@ class EngineCore:
         d = self.drafts.get(s.seq_id)
         return d is not None and not d.lost and not d.dead
 
-    def _observe(  # noqa: PLR0913 - a call's facts, as the two kinds of call have them
-        self, t0: float, batch: int, shape: Shape, steps: int, pure: bool, other_s: float, sampled: bool,
-        rounds: int = 1, steady: bool = True,
-    ) -> None:  # fmt: skip
-        """A call's cost for the policy, when it ran back to back with the one before and every row ran `shape`
-        (pure): from the end of the call before (the host work between calls is this one's too) less the step's
-        other work (other_s: admission, prefill), shared by the call's rounds; a call of rows that all caught up
-        (not steady: the first after plain steps) is reported whole, as the cost of switching to trees."""
+    def _observe(
+        self,
+        t0: float,
+        batch: int,
+        shape: Shape,
+        steps: int,
+        steady: bool,
+        other_s: float,
+        sampled: bool,
+        rounds: int = 1,
+    ) -> None:
+        """A round's cost for the policy: from the end of the call before (the host work between calls is this
+        one's too) less the step's other work (other_s: admission, prefill, catching up), shared by
+        the call's rounds, when both calls ran back to back and this one is steady."""
         end = self.clock()
         last, self._last_end = self._last_end, end
-        if pure and last is not None and t0 - last < 0.05 + other_s:
-            seconds = max(end - last - other_s, 1e-6)
-            per, n = (seconds / rounds, steps) if steady else (seconds, rounds)
-            self.policy.observe_round(batch, shape, per, n, sampled, steady=steady)
+        if steady and last is not None and t0 - last < 0.05 + other_s:
+            self.policy.observe_round(batch, shape, max(end - last - other_s, 1e-6) / rounds, steps, sampled)
 
     # ---- failures ----
     @staticmethod
