@@ -32,6 +32,8 @@ CHAT_PROMPTS = [
 
 @pytest.fixture(scope="session")
 def checkpoint():
+    """The embedded model, parsed once per worker (6-7 s on the 2-core machine): every in-process engine is built from
+    it, and none writes to it (a Verifier copies its tensors into its model)."""
     from common.weights import load_checkpoint
 
     return load_checkpoint()
@@ -49,3 +51,45 @@ def stack():
     s = _stack()
     yield s
     s.stop()
+
+
+# `make test` hands the test files to two workers (--dist loadfile). Alone, xdist hands them out in order of their
+# number of tests, so a long file taken late can keep one worker busy while the other idles, and the files that share
+# the session's `stack` can land on both workers and start it twice. Here they are one unit, and the long units go
+# first, longest first. Seconds of one worker on the 2-core machine under the full suite (--durations); the rest take
+# under 15 s each.
+LONG_UNITS = {
+    "session stack": 145,  # tests/test_api.py, test_e2e.py and test_hostile_input.py with the stack they share
+    "tests/test_faults.py": 115,
+    "tests/test_kernels.py": 50,
+    "tests/test_engine_steps.py": 42,
+    "tests/test_sampling_rule.py": 42,
+    "tests/test_drain.py": 41,
+    "tests/test_core.py": 37,
+    "tests/test_tokenizer.py": 20,
+    "tests/test_model.py": 20,
+    "tests/test_engines.py": 17,
+}
+SESSION_STACK = ("tests/test_api.py", "tests/test_e2e.py", "tests/test_hostile_input.py")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadfile with the files sharing the session's stack in one unit and the long units first."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class LongUnitsFirst(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            return "session stack" if path in SESSION_STACK else path
+
+        def _assign_work_unit(self, node) -> None:
+            # the first call comes once the queue is whole; moving a unit to the front is idempotent afterwards
+            for unit in sorted(LONG_UNITS, key=LONG_UNITS.get):
+                if unit in self.workqueue:
+                    self.workqueue.move_to_end(unit, last=False)
+            super()._assign_work_unit(node)
+
+    return LongUnitsFirst(config, log)

@@ -3,6 +3,7 @@ INVALID_ARGUMENT for bad input while every service stays up. The internal servic
 generations, unknown sequences and bad features alone."""
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import numpy as np
@@ -20,14 +21,14 @@ COMPLETE = "specdec.v1.Generation/Complete"
 
 
 def test_documented_requests(stack):
+    """The README's requests, the policy's, plain and pinned sent at once (they share the verifier's steps)."""
     question = {"messages": [{"role": "user", "content": "Why is the sky blue?"}], "max_tokens": 48}
-    spec = grpcurl(stack.gateway, COMPLETE, data=question)
-    assert spec.returncode == 0, spec.stderr
-    spec = json.loads(spec.stdout)
-    plain = json.loads(grpcurl(stack.gateway, COMPLETE, data={**question, "speculative": False}).stdout)
-    pinned = grpcurl(stack.gateway, COMPLETE, data={**question, "tree": {"depth": 4, "nodes": 16}})
-    assert pinned.returncode == 0, pinned.stderr
-    pinned = json.loads(pinned.stdout)
+    variants = [question, {**question, "speculative": False}, {**question, "tree": {"depth": 4, "nodes": 16}}]
+    with ThreadPoolExecutor(len(variants)) as pool:
+        done = list(pool.map(lambda data: grpcurl(stack.gateway, COMPLETE, data=data), variants))
+    for d in done:
+        assert d.returncode == 0, d.stderr
+    spec, plain, pinned = (json.loads(d.stdout) for d in done)
     assert spec["token_ids"] == plain["token_ids"] == pinned["token_ids"] and len(spec["token_ids"]) > 0
     assert spec["finish_reason"] in ("FINISH_REASON_LENGTH", "FINISH_REASON_EOS")
     assert spec["usage"]["completion_tokens"] == len(spec["token_ids"])

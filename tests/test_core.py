@@ -31,12 +31,10 @@ CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
-def engines():
+def engines(checkpoint):
     from common.model.eagle3_io import load_eagle3
-    from common.weights import load_checkpoint
 
-    ckpt = load_checkpoint()
-    v = Verifier(ckpt, VerifierConfig(max_sequences=5, max_context=256, max_tree_nodes=24))
+    v = Verifier(checkpoint, VerifierConfig(max_sequences=5, max_context=256, max_tree_nodes=24))
     head, _ = load_eagle3("models/eagle3-smollm2")
     d = Eagle3Drafter(head.float().eval(), v.model.embed_tokens, DraftingConfig(4, 4, 20), 5, 256, "cpu")
     return v, d

@@ -153,30 +153,23 @@ def test_device_selection_docstring_example() -> None:
 
 
 # ---- engines on the real model ----
-@pytest.fixture(scope="module")
-def ckpt():
-    from common.weights import load_checkpoint
-
-    return load_checkpoint()
-
-
-def _head(ckpt) -> Eagle3Head:
+def _head(checkpoint) -> Eagle3Head:
     torch.manual_seed(0)
-    cfg = Eagle3Config.for_base(ckpt.config, draft_vocab_size=4096)
+    cfg = Eagle3Config.for_base(checkpoint.config, draft_vocab_size=4096)
     head = Eagle3Head(cfg)
     head.set_vocab_map(torch.arange(cfg.draft_vocab_size) * 7)  # a non-trivial draft -> base map
     return head.eval()
 
 
-def test_factory_and_dtype_on_cpu(ckpt) -> None:
+def test_factory_and_dtype_on_cpu(checkpoint) -> None:
     assert pick_dtype("cpu") == "float32" and pick_dtype("cuda:0") == "bfloat16"
     assert pick_dtype("cuda", "float32") == "float32" and pick_dtype("cpu", "auto") == "float32"
     with pytest.raises(ValueError):
         pick_dtype("cpu", "int8")
-    v = make_verifier(ckpt, VerifierConfig(max_sequences=1, max_context=32, max_tree_nodes=4), graphs=True)
+    v = make_verifier(checkpoint, VerifierConfig(max_sequences=1, max_context=32, max_tree_nodes=4), graphs=True)
     assert not v.graphs.enabled and not v.graphs.pad
     d = make_drafter(
-        _head(ckpt),
+        _head(checkpoint),
         v.model.embed_tokens,
         DraftingConfig(top_k=2, steps=2, verify_tree_size=4),
         1,
@@ -188,10 +181,12 @@ def test_factory_and_dtype_on_cpu(ckpt) -> None:
 
 
 @pytest.fixture(scope="module")
-def verifiers(ckpt):
+def verifiers(checkpoint):
     cfg = VerifierConfig(max_sequences=4, max_context=256, max_tree_nodes=24)
-    exact = Verifier(ckpt, cfg)
-    padded = Verifier(ckpt, cfg, graphs=True, graph_cfg=GraphConfig(batch_buckets=(1, 2, 4), tree_buckets=(8, 16)))
+    exact = Verifier(checkpoint, cfg)
+    padded = Verifier(
+        checkpoint, cfg, graphs=True, graph_cfg=GraphConfig(batch_buckets=(1, 2, 4), tree_buckets=(8, 16))
+    )
     return exact, padded
 
 
@@ -274,9 +269,9 @@ def test_verifier_plain_equals_speculative(verifiers) -> None:
 
 
 @pytest.fixture(scope="module")
-def drafters(ckpt, verifiers):
+def drafters(checkpoint, verifiers):
     exact_v, _ = verifiers
-    head = _head(ckpt)
+    head = _head(checkpoint)
     drafting = DraftingConfig(top_k=4, steps=4, verify_tree_size=20)
     embed = exact_v.model.embed_tokens
     exact = Eagle3Drafter(head, embed, drafting, 4, 256, CPU)
@@ -293,10 +288,10 @@ def _same_trees(want: list[Tree], got: list[Tree]) -> None:
         np.testing.assert_allclose(g.probs, w.probs, rtol=1e-4, atol=1e-6)
 
 
-def test_padded_drafter_matches_exact(drafters, ckpt) -> None:
+def test_padded_drafter_matches_exact(drafters, checkpoint) -> None:
     exact, padded = drafters
     keys = _count_runs(padded)
-    width = 3 * ckpt.config.hidden_size
+    width = 3 * checkpoint.config.hidden_size
     gen = torch.Generator().manual_seed(5)
     rng = np.random.default_rng(5)
 
@@ -334,7 +329,7 @@ def test_padded_drafter_matches_exact(drafters, ckpt) -> None:
         assert d.release(ids + ["w"]) == 4
 
 
-def test_a_long_accept_pass_runs_in_captured_passes(drafters, ckpt, monkeypatch) -> None:
+def test_a_long_accept_pass_runs_in_captured_passes(drafters, checkpoint, monkeypatch) -> None:
     """Prompts (starts) and catch-ups longer than a captured accept pass takes at their rows go in several
     passes of a captured size, each after the ones before it in the cache: the trees are the exact drafter's
     (one pass over everything). Here a captured pass takes 64 rows x tokens: 2 rows -> 32 tokens a pass."""
@@ -351,7 +346,7 @@ def test_a_long_accept_pass_runs_in_captured_passes(drafters, ckpt, monkeypatch)
         graph_cfg=GraphConfig(batch_buckets=(1, 2, 4)),
     )
     keys = _count_runs(padded)
-    width = 3 * ckpt.config.hidden_size
+    width = 3 * checkpoint.config.hidden_size
     gen = torch.Generator().manual_seed(11)
     rng = np.random.default_rng(11)
     prompts = [rng.integers(0, 5000, size=n).tolist() for n in (40, 71)]  # 40 -> 2 passes, 71 -> 3
@@ -372,13 +367,13 @@ def test_a_long_accept_pass_runs_in_captured_passes(drafters, ckpt, monkeypatch)
     assert exact.release(["a", "b"]) == padded.release(["a", "b"]) == 2
 
 
-def test_a_shallow_item_gets_the_tree_of_a_shallow_drafter(drafters, ckpt) -> None:
+def test_a_shallow_item_gets_the_tree_of_a_shallow_drafter(drafters, checkpoint) -> None:
     """max_depth 2 in a call that expands 4 levels keeps exactly the tree a 2-step drafter proposes
     (deeper candidates are masked out of the selection); the graph runs at the depth bucket 2 when the
     deepest item asks for 2."""
     exact, padded = drafters
     shallow = Eagle3Drafter(exact.head, exact.embed, DraftingConfig(top_k=4, steps=2, verify_tree_size=20), 4, 256, CPU)
-    width = 3 * ckpt.config.hidden_size
+    width = 3 * checkpoint.config.hidden_size
     gen = torch.Generator().manual_seed(9)
     h = [torch.randn(len(p), width, generator=gen) for p in PROMPTS[:2]]
     start = [ProposeInput(s, p[1:] + [42], x, True, p[:1], 12) for s, p, x in zip("ab", PROMPTS, h)]

@@ -197,12 +197,11 @@ def test_sampled_draft_proposal_kernel_count():
 
 
 @pytest.fixture(scope="module")
-def verifier():
+def verifier(checkpoint):
     """The real model's verifier, its forward counted as one range (its layers are bounded above)."""
     from common.engine.verifier import Verifier, VerifierConfig
-    from common.weights import load_checkpoint
 
-    v = Verifier(load_checkpoint(), VerifierConfig(max_sequences=2, max_context=64, max_tree_nodes=8))
+    v = Verifier(checkpoint, VerifierConfig(max_sequences=2, max_context=64, max_tree_nodes=8))
     forward = v.model.forward
 
     def one_range(*args, **kw):

@@ -1,5 +1,6 @@
 """The PyTorch model, loaded from the GGUF, against Hugging Face transformers' own GGUF loader."""
 
+import functools
 import os
 
 import torch
@@ -7,8 +8,13 @@ import torch
 from common.model.llama import Batch, KVCache, LlamaModel
 
 
-def test_logits_match_transformers(checkpoint):
+def test_logits_match_transformers(checkpoint, monkeypatch):
+    import gguf
     from transformers import AutoModelForCausalLM
+
+    # transformers' GGUF loader builds gguf's tensor-name map anew for each module it visits (397 times: 9 of the 20 s
+    # it takes on the 2-core machine); the map is a function of its arguments alone, so a cache changes nothing else
+    monkeypatch.setattr(gguf, "get_tensor_name_map", functools.lru_cache(gguf.get_tensor_name_map))
 
     cfg = checkpoint.config
     model = LlamaModel(cfg)

@@ -309,16 +309,15 @@ def test_the_lossless_test_catches_an_acceptance_with_the_wrong_q() -> None:
 
 # ---- the real drafter and the real model (SmolLM2 float32, the shipped head, CPU) ----
 @pytest.fixture(scope="module")
-def real():
+def real(checkpoint):
     from common.engine.base import PrefillInput
     from common.engine.verifier import Verifier, VerifierConfig
     from common.model.eagle3_io import load_eagle3
     from common.model_path import default_model_path
     from common.tokenizer import Tokenizer
-    from common.weights import load_checkpoint
     from services.draft.__main__ import DEFAULT_HEAD
 
-    verifier = Verifier(load_checkpoint(), VerifierConfig(max_sequences=2, max_context=256))
+    verifier = Verifier(checkpoint, VerifierConfig(max_sequences=2, max_context=256))
     head = load_eagle3(DEFAULT_HEAD, dtype=torch.float32)[0].eval()
     prompt = Tokenizer(default_model_path()).encode_chat([("user", "What should I cook tonight?")])
     pre = verifier.prefill(PrefillInput("r", prompt, SamplingConfig()))
@@ -377,10 +376,10 @@ def _first_tokens(real, rule: str, trials: int) -> tuple[np.ndarray, np.ndarray]
     if rule == "onehot":  # one top-k tree: the trials differ in the verifier's draws
         drafter, items = _propose(real, rule, [cfg], shallow)
         trees = drafter.propose(items) * trials
-    else:  # a fresh sampled tree per trial (each sequence its seed), 32 per propose call
-        drafter, items = _propose(real, rule, [cfg] * 32, shallow)
+    else:  # a fresh sampled tree per trial (each sequence its seed: the same trees whatever the calls' size)
+        drafter, items = _propose(real, rule, [cfg] * 160, shallow)
         trees = []
-        for start in range(0, trials, 32):
+        for start in range(0, trials, 160):
             seeded = [replace(it, sampling=SamplingConfig(0.7, 0.9, seed=start + i)) for i, it in enumerate(items)]
             trees += drafter.propose(seeded)
             drafter.release([it.seq_id for it in items])

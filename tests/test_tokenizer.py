@@ -67,11 +67,31 @@ def reference():
 
 
 @pytest.fixture(scope="module")
-def ours(tmp_path_factory):
-    """The gateway's tokenizer read from an export of the embedded GGUF (made here: this process has transformers)."""
-    out = tmp_path_factory.mktemp("export") / "smollm2"
-    export(default_model_path(), out)
-    return Tokenizer(out)
+def gateway_process(tmp_path_factory) -> dict:
+    """A fresh process imports the gateway's modules and builds its Tokenizer from the GGUF file with an empty
+    cache (a new XDG_CACHE_HOME): what it imported, a chat's ids and text, and the cache it leaves."""
+    cache = tmp_path_factory.mktemp("cache")
+    code = textwrap.dedent("""\
+        import json, sys
+        import services.gateway.__main__, services.gateway.server, services.gateway.router
+        from common.model_path import default_model_path
+        from common.tokenizer import Tokenizer
+        tok = Tokenizer(default_model_path())
+        ids = tok.encode_chat([("user", "Hello")])
+        heavy = sorted(m for m in sys.modules if m == "common.weights" or m.split(".")[0] in ("torch", "transformers"))
+        print(json.dumps({"heavy": heavy, "ids": ids, "text": tok.decode(ids)}))
+        """)
+    env = {**os.environ, "XDG_CACHE_HOME": str(cache), "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", code], cwd=cache, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return {**json.loads(done.stdout.strip().splitlines()[-1]), "cache": cache}
+
+
+@pytest.fixture(scope="module")
+def ours(gateway_process):
+    """The gateway's tokenizer, read from the export of the embedded GGUF that a gateway process made in its cache."""
+    (meta,) = gateway_process["cache"].glob(f"specdec/tokenizers/*/{META_FILE}")
+    return Tokenizer(meta.parent)
 
 
 def _reference_chat(tok, messages) -> list[int]:
@@ -175,25 +195,10 @@ def test_cache_key_follows_the_model_file(tmp_path, monkeypatch):
     assert cache_dir(model) != first
 
 
-def test_gateway_process_imports_no_torch(tmp_path):
-    """A fresh process imports the gateway's modules and builds its Tokenizer from the GGUF file with an empty
-    cache: the export runs in a child process, and neither torch nor transformers is imported here."""
-    code = textwrap.dedent("""\
-        import json, sys
-        import services.gateway.__main__, services.gateway.server, services.gateway.router
-        from common.model_path import default_model_path
-        from common.tokenizer import Tokenizer
-        tok = Tokenizer(default_model_path())
-        ids = tok.encode_chat([("user", "Hello")])
-        heavy = sorted(m for m in sys.modules if m == "common.weights" or m.split(".")[0] in ("torch", "transformers"))
-        print(json.dumps({"heavy": heavy, "ids": ids, "text": tok.decode(ids)}))
-        """)
-    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(
-        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, done.stderr
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result["heavy"] == []
-    assert result["ids"][-4:] == [1, 520, 9531, 198] and result["text"].endswith("user\nHello\nassistant\n")
-    assert len(list(tmp_path.glob(f"specdec/tokenizers/*/{META_FILE}"))) == 1  # the export landed in the cache
+def test_gateway_process_imports_no_torch(gateway_process):
+    """A fresh process imports the gateway's modules and builds its Tokenizer from the GGUF file with an empty cache:
+    the export runs in a child process, and neither torch nor transformers is imported here."""
+    assert gateway_process["heavy"] == []
+    assert gateway_process["ids"][-4:] == [1, 520, 9531, 198]
+    assert gateway_process["text"].endswith("user\nHello\nassistant\n")
+    assert len(list(gateway_process["cache"].glob(f"specdec/tokenizers/*/{META_FILE}"))) == 1  # the export landed
