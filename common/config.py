@@ -64,7 +64,7 @@ class DraftingConfig:
     top_k: int = 10
     steps: int = 6
     verify_tree_size: int = 60
-    sampling_rule: str = "q"
+    sampling_rule: str = "onehot"
     q_width: int = 32  # M: tokens of the draft's q per expanded node under the q rule (top_k if larger)
 
     def __post_init__(self) -> None:

@@ -128,9 +128,9 @@ class DraftingKnobs:
     steps: int = knob(6, "tree levels drafted at most")
     verify_tree_size: int = knob(60, "nodes verified at most per tree")
     sampling_rule: str = knob(
-        "q",
-        "sampled requests: q (children drawn from the draft's q, recursive rejection sampling) or onehot (the "
-        "top-k tree, each child a point mass)",
+        "onehot",
+        "sampled requests: onehot (the top-k tree, each child a point mass; its rounds chain on the device) or q "
+        "(children drawn from the draft's q, recursive rejection sampling)",
         choices=("q", "onehot"),
     )
     q_width: int = knob(32, "tokens of the draft's q kept per node under the q rule")

@@ -254,3 +254,29 @@ def test_the_policy_hears_of_steady_rounds_only(engines):
     assert policy.rounds and all(shape == TREE for _, shape, _ in policy.rounds)
     spec_rounds = sum(n for s, n in core.choices.items() if not s.plain)
     assert len(policy.rounds) < spec_rounds  # the first round (the joiners' proposes) was left out
+
+
+def test_sampled_rounds_chain_on_the_device_with_the_hosts_tokens(engines, plain):
+    """Seeded requests at temperature 0.7 (top-p 0.9) beside a greedy one, one-hot trees: up to four rounds a
+    verifier call, each chained round's sets built on the device (verifier_parts.onehot_sets), give the tokens
+    of one round a call, whose sets the host packs (common.tree.row_sets); the greedy one stays plain decoding's."""
+    v, d = engines
+    assert d.drafting.sampling_rule == "onehot"
+    hot = [SamplingConfig(temperature=0.7, top_p=0.9, seed=11), SamplingConfig(temperature=0.7, seed=5)]
+    got, settled = [], []
+    settle = d.settle_after
+    d.settle_after = lambda h: settled.append(h) or settle(h)
+    try:
+        for rounds in (4, 1):
+            core = EngineCore(v, d, FixedPolicy(TREE), CoreConfig(max_sequences=4, rounds_per_step=rounds))
+            reqs = [Request(f"s{i}", PROMPTS[i], s, max_new=16) for i, s in enumerate(hot)] + [req(2)]
+            got.append(run(core, {0: reqs}))
+            check_free(core)
+            if rounds == 4:
+                assert settled, "no round was chained"
+                chained = len(settled)
+    finally:
+        d.settle_after = settle
+    assert len(settled) == chained  # one round a call: nothing chained
+    assert got[0] == got[1]
+    assert got[0]["s2"][0] == plain[2] and got[0]["s0"][0] != plain[0]

@@ -589,6 +589,7 @@ def test_a_chained_rounds_block_is_the_last_ones_with_its_acceptance_and_the_dra
         keep_max=2,
         depth=2,
         ready=None,
+        kids=2,
     )
     got = chained_block(prev, result, trees, 4)
     assert got.tolist() == [
@@ -597,3 +598,30 @@ def test_a_chained_rounds_block_is_the_last_ones_with_its_acceptance_and_the_dra
         [0, 0, 0, 0, 0, 1, 2, 3, 0, 9, 1],
     ]
     assert prev[0, 0] == 7  # a new block: the graph's input buffer it came from is left alone
+
+
+def test_one_hot_sets_built_on_the_device_are_the_hosts() -> None:
+    """verifier_parts.onehot_sets (a chained sampled round's sets) = common.tree.row_sets of the same one-hot
+    trees, on random trees with repeated sibling tokens, padding rows and the docstring's example."""
+    from common.engine.verifier_parts import onehot_sets, pack_trees
+    from common.tree import row_sets
+
+    ids = torch.tensor([[3, 7, 9, 7, 5]])
+    pos, set_ids, q = onehot_sets(ids, torch.tensor([[0, 0, 0, 0, 1]]), 2)
+    assert pos.tolist() == [[0, 0, 1, 0, 0]] and set_ids.tolist() == [[7, 9, 5, 0] + [0] * 6]
+    assert q.view(torch.float32).tolist() == [[1, 1, 1, 0] + [0] * 6]
+    rng = np.random.default_rng(3)
+    t, w = 24, 16
+    trees = []
+    for n in (0, 1, 5, 12, 23):
+        parents = random_tree(rng, n).astype(np.int64)
+        trees.append(Tree(rng.integers(0, 4, n), parents, np.ones(n, dtype=np.float32)))  # 4 tokens: repeats
+    sizes = np.array([tr.size for tr in trees])
+    a = np.zeros((len(trees), 2 * t), dtype=np.int64)
+    a[:, t:] = np.arange(t)
+    pack_trees(a, trees, sizes, t)
+    pos, set_ids, q = onehot_sets(torch.from_numpy(a[:, :t]), torch.from_numpy(a[:, t:]), w)
+    want = row_sets(trees, t, w)
+    assert pos.tolist() == want.pos.tolist()
+    assert set_ids.tolist() == want.ids.reshape(len(trees), -1).tolist()
+    assert q.view(torch.float32).tolist() == want.q.reshape(len(trees), -1).tolist()

@@ -9,8 +9,8 @@ One step (EngineCore.step):
     up to `rounds_per_step` rounds for every running sequence, in verifier calls of one host synchronisation:
         shape = the policy's (decided when the last call was launched, or now)
         trees = the drafting launched behind the last verify (the device chain), or a propose
-        verify every sequence's tree at once; launch the next trees behind it on the device, and (a batch of
-            greedy rows) verify those there too, round after round, the host reading none of it
+        verify every sequence's tree at once; launch the next trees behind it on the device, and verify those
+            there too, round after round, the host reading none of it (not past a q rule row's tree)
         commit each round's tokens by each sequence's token rules; its output goes out
       or, when the shape is plain, `plain_steps` decoding steps with one host synchronisation (the step's last)
     release the finished ones, hand the step's outputs over (FINISHED)
@@ -364,7 +364,7 @@ class EngineCore:
         inputs = [VerifyInput(s.seq_id, trees[s.seq_id] if t is not NO_TREE else NO_TREE) for s, t in order]
         try:
             t3 = self.clock()
-            by_round = finish(self.verifier.verify_rounds_steps(inputs, 1 if sampled else rounds, chain))
+            by_round = finish(self.verifier.verify_rounds_steps(inputs, rounds, chain))
         except Exception as e:  # noqa: BLE001 - the round's sequences fail; the core goes on
             log.exception("a verify of %d sequences failed", len(order))
             for s, _ in order:

@@ -356,8 +356,9 @@ class Verifier:
         then(accepted): called after each launch with copies of its acceptance on the device (its rows those of
         items); it returns the next trees of the first rows drafted on the device (Chained), which the next
         round verifies without the host (chained_block), or None: the call ends after this round, as it does
-        when a round with a sampling row, or one that might not fit, would follow. A tree of no nodes gets one
-        token, as a decode step would. Returns each round's outputs, in order."""
+        when a round that might not fit, or one whose rows' sets the device cannot build (a q rule row's),
+        would follow. A tree of no nodes gets one token, as a decode step would. Returns each round's outputs,
+        in order."""
         check_unique([it.seq_id for it in items])
         states = [self._ready(it.seq_id) for it in items]
         b = len(items)
@@ -369,13 +370,15 @@ class Verifier:
             raise CapacityExhausted(f"sequence {sid!r} has no room for a {t}-row tree at length {n}")
         bb, tb = self.graphs.bucket(b, self.batch_buckets), self.graphs.bucket(t, self.tree_buckets)
         sampler = Sampler.of([st.sampling for _, st in states])
+        sampled, kids = None, 0  # the sampled layout; the most children a chained round's one-hot trees may have
         if sampler is Sampler.GREEDY:
-            block = self._verify_block(bb, tb)
-            cols = (2 * tb, 2 * tb + 1)  # n, slot
+            block, cols = self._verify_block(bb, tb), (2 * tb, 2 * tb + 1)  # n, slot
         else:
             sets_width, siblings = self._sets_shape(items, states, tb)
-            block = self._sampled_block(bb, tb, sets_width)
-            cols = (3 * tb, 3 * tb + 1)
+            sampled = SampledColumns(tb, sets_width)
+            block, cols = self._sampled_block(bb, tb, sets_width), (sampled.n, sampled.n + 1)
+            # chained rounds' one-hot sets are built on the device; a q rule row's q comes from the host
+            kids = 0 if any(it.tree.q is not None for it in items) else min(siblings, sets_width)
         a = block.numpy()
         pack_trees(a, [it.tree for it in items], sizes, tb)
         a[:b, 0] = [st.pending for _, st in states]
@@ -388,7 +391,7 @@ class Verifier:
             if shallow:
                 step = functools.partial(self._verify_step, max_depth=SHALLOW_DEPTH)
         else:
-            self._pack_sampled(a, items, states, SampledColumns(tb, sets_width))
+            self._pack_sampled(a, items, states, sampled)
             key, step = self._sampled_variant(bb, tb, sampler, shallow, sets_width, siblings)
         accepted: list[Accepted] = []
         grown = lengths + deepest + 1  # [B] each sequence's length after this round, at most
@@ -399,7 +402,7 @@ class Verifier:
                 # copies: the next replay rewrites the graph's buffers. A path holds at most deepest + 1 rows
                 accepted.append(Accepted(result=out.result[:b].clone(), kept=out.kept[:b, : deepest + 1].clone()))
                 chained = then(accepted[-1]) if then is not None else None
-                if chained is None or len(accepted) == rounds or sampler is not Sampler.GREEDY:
+                if chained is None or len(accepted) == rounds or (sampled is not None and chained.kids > kids):
                     break
                 deepest = chained.depth
                 rows = self.graphs.bucket(1 + chained.keep_max, self.tree_buckets)  # of the chained trees
@@ -408,7 +411,7 @@ class Verifier:
                 grown += deepest + 1
                 if chained.ready is not None:
                     torch.cuda.current_stream(self.device).wait_event(chained.ready)
-                block = chained_block(fed["packed"], accepted[-1].result, chained, tb)
+                block = chained_block(fed["packed"], accepted[-1].result, chained, tb, sampled)
         yield from self.graphs.launched()
         with self.graphs.on_stream():
             # [R, B, T + 1] the one host synchronisation of the call

@@ -94,7 +94,8 @@ def build(cfg: VerifierServiceConfig) -> Built:
     )
     n = auto_sequences(cfg.max_sequences, cfg.device, kv, cfg.gpu_memory_fraction)
     # one engine slot beyond n: the spare in which features are recomputed for a drafter catching up
-    engine_cfg = VerifierConfig(n + 1, cfg.max_context, cfg.max_tree_nodes, dtype, cfg.device, q_width=cfg.q_width)
+    width = max(cfg.top_k, cfg.q_width) if cfg.sampling_rule == "q" else cfg.top_k  # a sampled tree row's set
+    engine_cfg = VerifierConfig(n + 1, cfg.max_context, cfg.max_tree_nodes, dtype, cfg.device, q_width=width)
     engine = make_verifier(ckpt, engine_cfg, graphs=cfg.graphs)  # CUDA graphs on a GPU, eager on CPU
     drafter, limits = None, None
     if cfg.draft_here:

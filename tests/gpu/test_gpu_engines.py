@@ -2,7 +2,8 @@
 same steps run eagerly with the PyTorch reference kernels, and float32 greedy speculative decoding equals
 plain decoding (8 prompts x 64 tokens). Sampling on the device: the acceptance's kernels make the host
 rule's decisions on the same random numbers, sampled graphs equal the reference, a seed reproduces a
-sequence, greedy rows beside sampling rows are unchanged, and the drafting after a sampled verify chains.
+sequence, greedy rows beside sampling rows are unchanged, the drafting after a sampled verify chains, and
+one-hot sampled rounds chained on the device commit the tokens of one round a call.
 
     PYTHONPATH=. python -m pytest -q tests/gpu -m gpu
 """
@@ -26,7 +27,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 DEV = torch.device("cuda")
 GRAPHS = GraphConfig(batch_buckets=(1, 2, 4, 8), tree_buckets=(16, 32, 61))
-DRAFTING = DraftingConfig()  # top_k 10, steps 6, tree 60
+DRAFTING = DraftingConfig(sampling_rule="q")  # top_k 10, steps 6, tree 60; the q rule (one-hot: a test of its own)
 
 
 @pytest.fixture(scope="module")
@@ -420,3 +421,35 @@ def test_drafting_after_a_sampled_verify_on_graphs(f32, prompts) -> None:
         assert trees[0].q is None and trees[1].q is not None
     for eng in (gv, gd, ed):
         eng.release(ids)
+
+
+def test_chained_one_hot_rounds_on_graphs_equal_one_round_a_call(f32, prompts) -> None:
+    """The engine core on the captured graphs with the one-hot rule: a greedy and three sampling sequences (top-p,
+    temperature alone, top-k) commit the same tokens with up to four rounds a verifier call (the chained rounds'
+    sets built on the device) as with one (the host packs them), and the first did chain."""
+    from common.engine.core import CoreConfig, EngineCore
+    from common.policy import FixedPolicy, Shape
+    from common.sequence import Request
+
+    verifier, _, head = f32
+    onehot = DraftingConfig(sampling_rule="onehot")
+    drafter = Eagle3Drafter(head, verifier.model.embed_tokens, onehot, 8, 512, DEV, graphs=True, graph_cfg=GRAPHS)
+    samplings = [SamplingConfig(), HOT, SamplingConfig(temperature=0.7, seed=5), SamplingConfig(1.0, top_k=50, seed=9)]
+    settled, settle = [], drafter.settle_after
+    drafter.settle_after = lambda h: settled.append(h) or settle(h)
+    got = []
+    for rounds in (4, 1):
+        core = EngineCore(verifier, drafter, FixedPolicy(Shape(6, 60)), CoreConfig(4, rounds_per_step=rounds))
+        for i, s in enumerate(samplings):
+            core.add(Request(f"c{i}", prompts[i], s, max_new=64))
+        out: dict[str, list[int]] = {}
+        for _ in range(500):
+            for o in core.step():
+                out[o.seq_id] = out.get(o.seq_id, []) + o.tokens
+            if not core.seqs:
+                break
+        got.append(out)
+        if rounds == 4:
+            chained = len(settled)
+    assert chained > 0 and len(settled) == chained
+    assert got[0] == got[1] and all(len(t) == 64 for t in got[0].values())
