@@ -122,7 +122,7 @@ def main() -> None:
     verifier = Verifier(ckpt, vcfg, graphs=True, graph_cfg=gc)
     head, _ = load_eagle3(args.head)
     head.to(device=dev, dtype=verifier.model.embed_tokens.weight.dtype).eval()
-    drafting = DraftingConfig()
+    drafting = DraftingConfig(sampling_rule="q")  # the q rule's proposal and trees too (one-hot trees: greedy ones)
     drafter = Eagle3Drafter(
         head, verifier.model.embed_tokens, drafting, max_b + 8, 2048, dev, graphs=True, graph_cfg=gc
     )
