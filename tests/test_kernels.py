@@ -539,9 +539,86 @@ def _on(x):
     return type(x)(**{f.name: _on(getattr(x, f.name)) for f in dataclasses.fields(x)})
 
 
+def _threshold_rows(cfgs: list[SamplingConfig], v: int):
+    """The sequences' sampling columns as an engine packs them (top_k 0 -> V, top_p 1 -> 2), on DEV."""
+    from common.kernels.sampling import SamplingRows
+
+    cols = torch.stack([torch.from_numpy(SamplingRows.pack(cfg, 3 + i, v)) for i, cfg in enumerate(cfgs)])
+    return _on(SamplingRows.unpack(cols, torch.zeros(len(cfgs), dtype=torch.int64)))
+
+
+def _check_threshold(x: torch.Tensor, rows, per: int = 1):
+    """The sort-free kernel against the reference's sort: theta exactly, logz to 1e-5 relative."""
+    from common.kernels import sampling
+
+    got = sampling_ops().target_threshold(x, rows, per)
+    want = sampling.target_threshold(x, rows, per)
+    assert torch.equal(got.theta, want.theta), (got.theta, want.theta)
+    torch.testing.assert_close(got.logz, want.logz, rtol=1e-5, atol=1e-6)
+    return got
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_target_threshold_random_rows(dtype):
+    """Random rows, two a sequence: top-p alone (once beyond the tail bound's reach), top-k alone, both, top-k
+    1, filters off; temperatures 0.7 and 1.5 and a greedy row's 1; a flat row whose cut lies far below the
+    max, under 0; -inf entries; V not a multiple of the block."""
+    g = torch.Generator().manual_seed(31)
+    v = 1500
+    cfgs = [
+        SamplingConfig(temperature=0.7, top_p=0.9),
+        SamplingConfig(temperature=1.5, top_p=0.9995),
+        SamplingConfig(temperature=1.5, top_k=40),
+        SamplingConfig(temperature=0.7, top_k=300, top_p=0.8),
+        SamplingConfig(temperature=1.0, top_k=1, top_p=0.5),
+        SamplingConfig(temperature=0.0, top_k=7, top_p=0.6),
+        SamplingConfig(temperature=1.5),
+    ]
+    x = torch.randn(2 * len(cfgs), v, generator=g) * 3
+    x[1] *= 0.1
+    x[3, :50] = -torch.inf
+    x[12, 7] = -torch.inf  # filters off: theta -inf, the row's minimum
+    _check_threshold(x.to(DEV, dtype), _threshold_rows(cfgs, v), per=2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_target_threshold_hand_made_rows(dtype):
+    """Rows whose cuts are known: ties at the top-p cut (sampling.target_threshold's example) and at the k-th
+    value, all kept; -0.0 and 0.0 tied at the k-th; one token with almost all the mass, under a top_p beyond
+    the tail bound's reach too; every value equal; filters off (theta the minimum, the unfiltered logz)."""
+    from common.kernels import sampling
+
+    g = torch.Generator().manual_seed(32)
+    v = 300
+    x = torch.full((7, v), -30.0)
+    x[0, [5, 90, 17, 200]] = torch.tensor([2.0, 1.0, 1.0, 0.0])  # cumulative .48 .65 .83: the cut at a 1
+    x[1, [3, 4, 50, 51, 52, 53, 54, 55]] = torch.tensor([5.0, 4.0, 3.0, 3.0, 3.0, 3.0, 3.0, 3.0])
+    x[2, [9, 10, 11, 12, 13]] = torch.tensor([1.0, 0.0, -0.0, 0.0, -0.0])
+    x[3:5] = torch.randn(2, v, generator=g)
+    x[3:5, 123] = 30.0
+    x[5] = 1.5
+    x[6] = torch.randn(v, generator=g) * 3
+    cfgs = [
+        SamplingConfig(temperature=1.0, top_p=0.7),
+        SamplingConfig(temperature=0.7, top_k=4),  # the 4th value is one of six 3.0s
+        SamplingConfig(temperature=1.5, top_k=3),  # 1, then four zeros of both signs
+        SamplingConfig(temperature=0.7, top_p=0.9),
+        SamplingConfig(temperature=1.5, top_p=0.99999),
+        SamplingConfig(temperature=0.7, top_k=2, top_p=0.5),
+        SamplingConfig(temperature=1.5),
+    ]
+    x = x.to(DEV, dtype)
+    got = _check_threshold(x, _threshold_rows(cfgs, v))
+    assert got.theta[:6].tolist() == [1.0, 3.0, 0.0, 30.0, 30.0, 1.5]
+    assert got.theta[6] == x[6].float().min()
+    assert [int((x[i] >= got.theta[i]).sum()) for i in range(3)] == [3, 8, 5]  # every tie kept
+    temp = torch.tensor([1.5], device=DEV)
+    torch.testing.assert_close(got.logz[6:], sampling.row_logz(x[6:], temp), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("filtered", [False, True])
 def test_target_and_sampled_acceptance(filtered):
-    """The target's threshold and normaliser after the sort, and the fused acceptance (one program a tree:
+    """The target's threshold and normaliser (no sort), and the fused acceptance (one program a tree:
     the walk, the bonus, the result) against the reference's every-row decisions: both rules, trees of no
     nodes to t - 1, the same random numbers; tokens up to the bonus and the path's rows."""
     from common.kernels import sampling

@@ -1,8 +1,8 @@
 """Sampling steps on the device, composed of common.kernels' operations: a batch's next tokens (plain
 decoding, the prefill's first token) and the lossless acceptance of sampled trees (the verify step). Both
 run inside the verifier's captured graphs: static shapes, no host synchronisation, random numbers from
-each sequence's seed and counter (common.kernels.sampling). On a GPU each is a few launches: the sort of
-the logits when a row has top-k or top-p, then one Triton kernel for the target, one for the draw or the
+each sequence's seed and counter (common.kernels.sampling). On a GPU each is two Triton kernels: one for
+the target (its threshold searched without a sort when a row has top-k or top-p), one for the draw or the
 acceptance.
 
 Greedy rows keep the argmax the caller computed (bit for bit the greedy step's).
@@ -18,7 +18,7 @@ from common.kernels.sampling import SamplingRows, Target, TreeSets
 
 def target(logits: torch.Tensor, rows: SamplingRows, per: int, filtered: bool) -> Target:
     """Each row's target: logits [R, V], row r of sequence r // per. filtered False: no sequence has top-k or
-    top-p (no theta, one pass for the normaliser); True: a sort of every row (sampling.target_threshold)."""
+    top-p (no theta, one pass for the normaliser); True: each row's threshold (sampling.target_threshold)."""
     if filtered:
         return kernels.target_threshold(logits, rows, per)
     return Target(theta=None, logz=kernels.row_logz(logits, rows.temperature, per))
