@@ -84,7 +84,7 @@ class Chained:
     keep_max: int  # max(keep), known to the host
     depth: int  # a bound on the trees' depth, known to the host
     ready: object  # a CUDA event after which they may be read (None on CPU)
-    kids: int  # a bound on any node's children (the drafter's top_k), known to the host
+    kids: int  # a bound on any node's children (the drafter's top_k, the most nodes kept), known to the host
 
 
 @dataclass(frozen=True)

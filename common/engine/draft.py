@@ -458,7 +458,8 @@ class Eagle3Drafter:
             tokens, parents = tree[:, 0].long(), tree[:, 1].long()  # [b, N] each, for a chained verify
             keep = torch.tensor(keeps).to(self.device, non_blocking=True)  # [b]
             done = self.graphs.event()
-        chained = Chained(tokens, parents, keep, max(keeps), depth, done, self.drafting.top_k)  # depth: a bound
+        kids = min(self.drafting.top_k, max(keeps))  # a node's children: at most top_k, and the tree's nodes
+        chained = Chained(tokens, parents, keep, max(keeps), depth, done, kids)  # depth: a bound
         wall = time.perf_counter() - t0
         return AfterVerify(list(items), tree, took, m, ahead, chained, sampled, q, start, done, wall)
 
