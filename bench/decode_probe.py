@@ -1,8 +1,9 @@
 """Engine-step probe on the real model: kernels per step (torch.profiler over one eager run of the step
 function that the graph captures) and CUDA graph replay time of plain decoding, greedy and sampling, at
 several batch sizes; multi-step decoding of a batch of 16, all greedy against half sampling; the draft's
-whole proposal, greedy against a batch with a sampling row; and the verification of trees, greedy against
-sampling (the one-hot rule's trees and the q rule's), each at a stated context length.
+whole proposal, greedy against a batch with a sampling row; the verification of trees, greedy against
+sampling (the one-hot rule's trees and the q rule's), each at a stated context length; and the sampled verify's
+two kernels alone (the top-p threshold, the one-hot acceptance), each replayed from a graph of its launch.
 
     PYTHONPATH=. python -m bench.decode_probe --out DIR [--context 256] [--batches 1,16,64] [-v]
 
@@ -35,7 +36,9 @@ from common.engine.base import PrefillInput, ProposeInput, VerifyInput
 from common.engine.cuda_graphs import GraphConfig
 from common.engine.draft import Eagle3Drafter
 from common.engine.verifier import SampledColumns, Sampler, Verifier, VerifierConfig, pack_trees, tree_depth
-from common.kernels.sampling import SamplingRows
+from common.engine.verifier_parts import onehot_sets
+from common.kernels import accept_sampled, speculative, tree_mask
+from common.kernels.sampling import RULE_ONEHOT, SamplingRows, TreeSets
 
 log = logging.getLogger("bench.decode_probe")
 DEFAULT_HEAD = Path(__file__).resolve().parents[1] / "models" / "eagle3-smollm2"
@@ -213,6 +216,8 @@ def main() -> None:
         if name != base:
             relative(rows, name, base)
 
+    rows += _kernel_rows(plain_trees, vocab, dev)
+
     decode1 = next(r for r in rows if r["step"] == "decode B=1")["replay_ms"]
     for r in rows:
         r["x_decode_b1"] = r["replay_ms"] / decode1 if r["replay_ms"] and decode1 else None
@@ -277,6 +282,45 @@ def _verify_inputs(verifier: Verifier, items: list[VerifyInput], bb: int, tb: in
         verifier._pack_sampled(a, items, states, SampledColumns(tb, w))
         key, step = verifier._sampled_variant(bb, tb, sampler, shallow, w, s)
     return key, step, block
+
+
+def _kernel_rows(trees: list, vocab: int, dev: str, t: int = 64, w: int = 10) -> list[dict]:
+    """The sampled verify's two kernels alone, each replayed from a CUDA graph of its one launch: the top-p
+    target of B trees' t rows, and the one-hot acceptance of B drafted trees with sets w wide (the default
+    drafter's top_k), on random logits (randn x 3)."""
+    out = []
+    for b in (1, 16):
+        a = np.zeros((b, 2 * t), dtype=np.int64)
+        a[:, t:] = np.arange(t)
+        pack_trees(a, trees[:b], np.array([tr.size for tr in trees[:b]]), t)
+        ids, par = torch.from_numpy(a[:, :t]).to(dev), torch.from_numpy(a[:, t:]).to(dev)
+        pos, set_ids, q = onehot_sets(ids, par, w)
+        rule = torch.full((b,), RULE_ONEHOT, device=dev)
+        sets = TreeSets(set_ids.view(b, t, w), q.view(torch.float32).view(b, t, w), pos, rule)
+        logits = (torch.randn(b, t, vocab, device=dev) * 3).to(torch.bfloat16 if dev == "cuda" else torch.float32)
+        draw = np.stack([SamplingRows.pack(HOT, 1000 + i, vocab) for i in range(b)])
+        rows = SamplingRows.unpack(torch.from_numpy(draw).to(dev), torch.full((b,), 300, device=dev))
+        anc, depth = tree_mask(par)
+        flat = logits.view(b * t, vocab)
+        tgt = speculative.target(flat, rows, t, True)
+        steps = {
+            f"threshold, top-p 0.9, {b * t} rows": functools.partial(speculative.target, flat, rows, t, True),
+            f"accept one-hot B={b}, 61 rows, sets {w} wide": functools.partial(
+                accept_sampled, ids, par, anc, depth, logits, sets, tgt, rows, w
+            ),
+        }
+        for name, fn in steps.items():
+            replay = None
+            if dev == "cuda":
+                fn()  # compiled before the capture
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    fn()
+                replay = timed(graph.replay)
+            else:
+                fn()
+            out.append({"step": name, "kernels": 1, "replay_ms": replay})
+    return out
 
 
 def _decode_same_length(verifier: Verifier, ids: list[str], steps: int) -> None:

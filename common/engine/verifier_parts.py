@@ -224,8 +224,7 @@ def onehot_sets(ids: torch.Tensor, parent_rows: torch.Tensor, w: int) -> tuple[t
     earlier = rows[None, :] < rows[:, None]  # [T, T]: i before j
     first = ~(same & earlier).any(-1)  # [K, T] no earlier sibling has its token
     distinct = (sib & earlier & first[:, None, :]).sum(-1)  # [K, T] distinct tokens among the earlier siblings
-    firsts = (same | torch.eye(t, dtype=torch.bool, device=ids.device)).int().argmax(-1)  # [K, T] its token's first
-    rank = distinct.gather(1, firsts)  # [K, T]
+    rank = distinct.gather(1, same.int().argmax(-1))  # [K, T] its token's first's (a node is its own sibling)
     # roots and padding rows write 0 to cell 0 (amax: a child's token or 1 there wins; a repeat writes its first's)
     cell = torch.where(node, parent_rows * w + rank, 0)  # [K, T]
     set_ids = ids.new_zeros(k, t * w).scatter_reduce(1, cell, torch.where(node, ids, 0), "amax")
