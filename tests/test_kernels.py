@@ -618,8 +618,8 @@ def test_target_threshold_hand_made_rows(dtype):
 
 @pytest.mark.parametrize("filtered", [False, True])
 def test_target_and_sampled_acceptance(filtered):
-    """The target's threshold and normaliser (no sort), and the fused acceptance (one program a tree:
-    the walk, the bonus, the result) against the reference's every-row decisions: both rules, trees of no
+    """The target's threshold and normaliser (no sort), and the fused acceptance (the walk, the bonus's
+    chunks, the bonus) against the reference's every-row decisions: both rules, trees of no
     nodes to t - 1, the same random numbers; tokens up to the bonus and the path's rows."""
     from common.kernels import sampling
 
@@ -642,3 +642,29 @@ def test_target_and_sampled_acceptance(filtered):
         c = int(want[0][i, 0])
         assert got[0][i, : c + 2].tolist() == want[0][i, : c + 2].tolist()
     assert int(want[0][:, 0].max()) >= 1  # some tree accepts: the walk goes below a root
+
+
+def test_sampled_acceptance_bonus_chunks():
+    """The bonus's draw off the set split over chunks of the vocabulary (V not a multiple of the chunk):
+    trees whose best off-set key lies in a later chunk (a +inf logit in the last, partial one), tied across
+    chunks (+inf in two: the smaller column wins, as in one pass), the rest random; against the reference."""
+    from common.kernels import sampling
+
+    chunk = sampling_ops().BONUS_CHUNK
+    b, t, w, v = 6, 9, 8, 2 * chunk + 300
+    packed, sets, logits, rows = _sampled_trees(b, t, w, v, seed=27)
+    tied = {0: [chunk + 5, 2 * chunk + 7], 1: [v - 3], 2: [3, 2 * chunk + 1], 3: [2 * chunk - 1, chunk + 2]}
+    for i, cols in tied.items():  # +inf in every row: no target mass at the sets, the bonus at the root
+        assert not set(cols) & set(sets.ids[i, 0].tolist())
+        logits[i, :, cols] = torch.inf
+    packed, sets, logits, rows = (_on(x) for x in (packed, sets, logits, rows))
+    ids, parent_rows = packed[:, :t], packed[:, t : 2 * t]
+    target = sampling.Target(theta=None, logz=sampling.row_logz(logits.view(b * t, v), rows.temperature, t))
+    anc, depth = reference.tree_mask(parent_rows)
+    got = sampling_ops().accept_sampled(ids, parent_rows, anc, depth, logits, sets, target, rows, t - 1)
+    want = sampling.accept_sampled(ids, parent_rows, anc, depth, logits, sets, target, rows, t - 1)
+    assert torch.equal(got[1], want[1])
+    for i in range(b):
+        c = int(want[0][i, 0])
+        assert got[0][i, : c + 2].tolist() == want[0][i, : c + 2].tolist()
+    assert [got[0][i, :2].tolist() for i in tied] == [[0, min(cols)] for cols in tied.values()]

@@ -1,7 +1,7 @@
-"""Triton kernels of common.kernels.sampling, one launch where PyTorch needs tens: the random numbers are
-computed in the kernels (the same int64 arithmetic as sampling.mix32, so the same bits), and each program
-keeps its row in registers. Shapes and meaning are the reference functions'; numerics match them up to
-the order of float32 sums.
+"""Triton kernels of common.kernels.sampling, one launch (three for the acceptance) where PyTorch needs tens:
+the random numbers are computed in the kernels (the same int64 arithmetic as sampling.mix32, so the same
+bits), and each program keeps its row (or its chunk of one) in registers. Shapes and meaning are the
+reference functions'; numerics match them up to the order of float32 sums.
 """
 
 from __future__ import annotations
@@ -367,19 +367,23 @@ def draft_children(
 # ---- The sampled tree acceptance ----------------------------------------------------------------------------
 # PyTorch (sampling.accept_sampled) decides every row at once: the children table, the targets at the sets,
 # about 25 launches per sibling rank, the path, the bonus's gathers and two draws: about 110 launches. Here
-# one program per tree walks from the root as the host rule does: at each row its children in sibling order
-# (the set's residual in registers), the accepted child's row next; then the bonus at the last row, one
-# pass over its logits (the set's tokens left out, their residual's keys beside), and the result's tokens.
-@triton.jit(do_not_specialize=["T", "V", "W", "s_tb", "s_xb", "s_xt", "s_sb", "s_st", "s_qb", "s_qt"])
-def _accept_kernel(
+# three launches. _walk_kernel, one program (one warp) per tree, walks from the root as the host rule does:
+# at each row its children in sibling order (the set's residual in registers), the accepted child's row
+# next; it writes the result's count and path tokens, src, and for the bonus the path's last row and the
+# best key of its set's residual (and that token). _out_kernel, (tree, chunk of BONUS_CHUNK columns)
+# programs, draws over the last row's logits with the set's tokens left out: each chunk's best key and its
+# first column. _bonus_kernel, one program per tree, takes the chunks' best (the largest key, then the
+# smallest column: the first maximum of one pass) against the set's, and writes the bonus.
+@triton.jit(do_not_specialize=["T", "W", "s_tb", "s_xb", "s_xt", "s_sb", "s_st", "s_qb", "s_qt"])
+def _walk_kernel(
     ids_ptr, par_ptr, pos_ptr, s_tb,
     x_ptr, s_xb, s_xt,
     sid_ptr, sq_ptr, s_sb, s_st, s_qb, s_qt,
     theta_ptr, logz_ptr,
     temp_ptr, rule_ptr, seed_ptr, counter_ptr, s_t, s_r, s_s, s_c,
-    res_ptr, src_ptr,
-    T, V, W,
-    THETA: tl.constexpr, BT: tl.constexpr, BW: tl.constexpr, BV: tl.constexpr,
+    res_ptr, src_ptr, last_ptr, best_ptr,
+    T, W,
+    THETA: tl.constexpr, BT: tl.constexpr, BW: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     i = tl.arange(0, BT)
@@ -400,6 +404,7 @@ def _accept_kernel(
     row = tl.full([], 0, tl.int32)
     count = tl.full([], 0, tl.int32)
     path = tl.zeros([BT], dtype=tl.int32)  # path[k]: the row at depth k (k <= count)
+    after = tl.zeros([BT], dtype=tl.int32)  # after[k]: path[k + 1] (k < count)
     r = tl.zeros([BW], dtype=tl.float32)  # the residual at the set of the row last decided
     p = tl.zeros([BW], dtype=tl.float32)  # its target at the set
     outside = tl.full([], 0.0, tl.float32)
@@ -440,9 +445,11 @@ def _accept_kernel(
             left = tl.where(out & at, 0.0, left)
         count += accepted
         path = tl.where(i == count, chosen, path)
+        after = tl.where(i + 1 == count, chosen, after)  # unchanged unless accepted (then path[count])
         row = chosen
         going = accepted
-    # the bonus at the path's last row: its residual (the target itself when rounding left no mass)
+    # the bonus's part at the path's last row's set: its residual (the target itself when rounding left no
+    # mass), keys log r + logz + the tokens' noise (units of the off-set keys, logit / T + noise)
     r = tl.where(outside + tl.sum(r, axis=0) > 0, r, p)
     sid = tl.load(sid_ptr + b * s_sb + row * s_st + w, mask=okw, other=0)
     held = okw & (tl.load(sq_ptr + b * s_qb + row * s_qt + w, mask=okw, other=0.0) > 0)
@@ -450,34 +457,73 @@ def _accept_kernel(
     k_in = tl.where(held & (r > 0), tl.log(tl.where(r > 0, r, 1.0)) + logz + _gumbel(key_token, sid), float("-inf"))
     best_in = tl.max(k_in, axis=0)
     tok_in = tl.sum(tl.where(w == tl.min(tl.where(k_in == best_in, w, BW), axis=0), sid, 0), axis=0)
+    tl.store(last_ptr + 2 * b, row.to(tl.int64))
+    tl.store(last_ptr + 2 * b + 1, tok_in)
+    tl.store(best_ptr + b, best_in)
+    # the result: tokens along the path, filler as reference.path_result's; the bonus at `count` comes later
+    src = tl.where(i <= count, path, i)
+    nxt = tl.where(i + 1 <= count, after, i + 1)
+    nxt = tl.where(i + 1 < T, nxt, 0)
+    tok = tl.load(ids_ptr + b * s_tb + nxt, mask=ok, other=0)
+    tl.store(src_ptr + b * T + i, src.to(tl.int64), mask=ok)
+    tl.store(res_ptr + b * (T + 1) + 1 + i, tok, mask=ok & (i != count))
+    tl.store(res_ptr + b * (T + 1), count.to(tl.int64))
+
+
+@triton.jit(do_not_specialize=["T", "V", "W", "s_xb", "s_xt", "s_sb", "s_st", "s_qb", "s_qt", "s_t", "s_s", "s_c"])
+def _out_kernel(
+    x_ptr, s_xb, s_xt,
+    sid_ptr, sq_ptr, s_sb, s_st, s_qb, s_qt,
+    theta_ptr, temp_ptr, seed_ptr, counter_ptr, s_t, s_s, s_c,
+    last_ptr, key_ptr, col_ptr,
+    T, V, W,
+    THETA: tl.constexpr, BW: tl.constexpr, CHUNK: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    c = tl.program_id(1)
+    row = tl.load(last_ptr + 2 * b)  # int64
+    temp = tl.load(temp_ptr + b * s_t)
+    t = tl.where(temp > 0, temp, 1.0)
+    key_token = _row_key(tl.load(seed_ptr + b * s_s), tl.load(counter_ptr + b * s_c), TOKEN)
     theta = float("-inf")
     if THETA:
         theta = tl.load(theta_ptr + b * T + row)
-    xr = xb + row.to(tl.int64) * s_xt
-    best_out = tl.full([], float("-inf"), tl.float32)
-    tok_out = tl.full([], 0, tl.int64)
-    for start in range(0, V, BV):
-        cols = start + tl.arange(0, BV)
-        x = tl.load(xr + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
-        in_set = tl.max(((cols[:, None] == sid[None, :]) & held[None, :]).to(tl.int32), axis=1) > 0
-        k = tl.where(
-            (cols < V) & (in_set == 0) & (x >= theta), x / t + _gumbel(key_token, cols.to(tl.int64)), float("-inf")
-        )
-        m = tl.max(k, axis=0)
-        at = tl.min(tl.where(k == m, cols, V), axis=0).to(tl.int64)
-        take = m > best_out
-        tok_out = tl.where(take, at, tok_out)
-        best_out = tl.where(take, m, best_out)
-    bonus = tl.where(best_in > best_out, tok_in, tok_out)
-    # the result: tokens along the path, the bonus at `count`, filler as reference.path_result's
-    src = tl.where(i <= count, path, i)
-    after = tl.sum(tl.where(i[None, :] == (i + 1)[:, None], path[None, :], 0), axis=1)  # [BT] path[k + 1]
-    nxt = tl.where(i + 1 <= count, after, i + 1)
-    nxt = tl.where(i + 1 < T, nxt, 0)
-    tok = tl.where(i == count, bonus, tl.load(ids_ptr + b * s_tb + nxt, mask=ok, other=0))
-    tl.store(src_ptr + b * T + i, src.to(tl.int64), mask=ok)
-    tl.store(res_ptr + b * (T + 1) + 1 + i, tok, mask=ok)
-    tl.store(res_ptr + b * (T + 1), count.to(tl.int64))
+    cols = c * CHUNK + tl.arange(0, CHUNK)
+    ok = cols < V
+    x = tl.load(x_ptr + b.to(tl.int64) * s_xb + row * s_xt + cols, mask=ok, other=float("-inf")).to(tl.float32)
+    # the set's tokens (q > 0) left out: one scalar test a set entry, no [CHUNK, W] broadcast
+    in_set = cols < 0
+    for j in tl.static_range(BW):
+        sj = tl.load(sid_ptr + b * s_sb + row * s_st + j, mask=j < W, other=-1)
+        qj = tl.load(sq_ptr + b * s_qb + row * s_qt + j, mask=j < W, other=0.0)
+        in_set = in_set | (cols == tl.where((qj > 0) & (sj >= 0) & (sj < V), sj, -1).to(tl.int32))
+    k = tl.where(ok & (in_set == 0) & (x >= theta), x / t + _gumbel(key_token, cols.to(tl.int64)), float("-inf"))
+    m = tl.max(k, axis=0)
+    # the chunk's first maximum (chunk 0's column 0 when every key is -inf: the one pass's token then)
+    at = tl.min(tl.where(k == m, cols, V), axis=0)
+    nc = tl.num_programs(1)
+    tl.store(key_ptr + b * nc + c, m)
+    tl.store(col_ptr + b * nc + c, at)
+
+
+@triton.jit(do_not_specialize=["T", "NC"])
+def _bonus_kernel(res_ptr, last_ptr, best_ptr, key_ptr, col_ptr, T, NC, BNC: tl.constexpr):
+    b = tl.program_id(0)
+    j = tl.arange(0, BNC)
+    k = tl.load(key_ptr + b * NC + j, mask=j < NC, other=float("-inf"))
+    best_out = tl.max(k, axis=0)
+    col = tl.load(col_ptr + b * NC + j, mask=j < NC, other=0)
+    tok_out = tl.min(tl.where((j < NC) & (k == best_out), col, 2147483647), axis=0).to(tl.int64)
+    bonus = tl.where(tl.load(best_ptr + b) > best_out, tl.load(last_ptr + 2 * b + 1), tok_out)
+    count = tl.load(res_ptr + b * (T + 1))
+    tl.store(res_ptr + b * (T + 1) + 1 + count, bonus)
+
+
+# Columns a program of _out_kernel: at V 49,152, 24 chunks a tree (B 1 keeps 24 SMs busy, B 16 384 programs),
+# each 8 warps with 8 columns a thread (one 16-byte load of bfloat16 logits), its W set tests per column
+# and one reduction. Smaller chunks spread B 1 wider but repeat each program's fixed work (the row key, W set
+# loads); not yet timed against 1024 or 4096 on a GPU.
+BONUS_CHUNK = 2048
 
 
 def accept_sampled(
@@ -494,23 +540,38 @@ def accept_sampled(
     """See sampling.accept_sampled (anc, depth and siblings unused: the walk follows the tree's rows). ids,
     parent_rows, sets.pos [B, T] int64 sharing one row stride (an input block's columns), unit stride on T;
     logits [B, T, V] and sets.ids, sets.q [B, T, W] with unit stride on the last dimension; the [B] inputs
-    any stride."""
+    any stride. Three launches, fixed shapes (CUDA graphs)."""
     b, t, v = logits.shape
     w = sets.ids.shape[-1]
-    result = torch.empty((b, t + 1), dtype=torch.int64, device=ids.device)
-    src = torch.empty((b, t), dtype=torch.int64, device=ids.device)
+    dev = ids.device
+    chunk = min(BONUS_CHUNK, triton.next_power_of_2(v))
+    nc = triton.cdiv(v, chunk)
+    result = torch.empty((b, t + 1), dtype=torch.int64, device=dev)
+    src = torch.empty((b, t), dtype=torch.int64, device=dev)
+    last = torch.empty((b, 2), dtype=torch.int64, device=dev)  # the path's last row, the set's best token
+    best_in = torch.empty(b, dtype=torch.float32, device=dev)  # the set's best key
+    key = torch.empty((b, nc), dtype=torch.float32, device=dev)  # each chunk's best key off the set
+    col = torch.empty((b, nc), dtype=torch.int32, device=dev)  # and its column
     theta = target.logz if target.theta is None else target.theta  # unread without a theta
-    _accept_kernel[(b,)](
+    bw = triton.next_power_of_2(w)
+    _walk_kernel[(b,)](
         ids, parent_rows, sets.pos, ids.stride(0),
         logits, logits.stride(0), logits.stride(1),
         sets.ids, sets.q, sets.ids.stride(0), sets.ids.stride(1), sets.q.stride(0), sets.q.stride(1),
         theta, target.logz,
         rows.temperature, sets.rule, rows.seed, rows.counter,
         rows.temperature.stride(0), sets.rule.stride(0), rows.seed.stride(0), rows.counter.stride(0),
-        result, src, t, v, w,
-        THETA=target.theta is not None, BT=max(16, triton.next_power_of_2(t)), BW=triton.next_power_of_2(w),
-        # the bonus's pass over the vocabulary dominates (the walk is a few rows): 8 warps. On an H100, one-hot
-        # 60-node trees, V 49,152: 204 us a tree at W 10 (1, 2, 4 warps: 693, 420, 301), 260 at W 32
-        BV=256, num_warps=8,
+        result, src, last, best_in, t, w,
+        THETA=target.theta is not None, BT=max(16, triton.next_power_of_2(t)), BW=bw,
+        num_warps=1,  # a few rows of [T] and [W] vectors: warp shuffles, no shared-memory reductions
     )  # fmt: skip
+    _out_kernel[(b, nc)](
+        logits, logits.stride(0), logits.stride(1),
+        sets.ids, sets.q, sets.ids.stride(0), sets.ids.stride(1), sets.q.stride(0), sets.q.stride(1),
+        theta, rows.temperature, rows.seed, rows.counter,
+        rows.temperature.stride(0), rows.seed.stride(0), rows.counter.stride(0),
+        last, key, col, t, v, w,
+        THETA=target.theta is not None, BW=bw, CHUNK=chunk, num_warps=max(1, min(8, chunk // 256)),
+    )  # fmt: skip
+    _bonus_kernel[(b,)](result, last, best_in, key, col, t, nc, BNC=max(2, triton.next_power_of_2(nc)), num_warps=1)
     return result, src
