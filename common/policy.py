@@ -18,7 +18,8 @@ shape left unobserved relaxes toward the pooled figure: no estimate is condemned
 decay by verifications only (half-life pooled_half_life), so they stay the draft's recent acceptance on this
 traffic through any stretch of plain rounds (pinned trees feed them too). f_m (SequenceFactor) is how the
 sequence accepts against its band: accepted / expected over its last few verifications, shrunk toward 1 by
-seq_prior pseudo-verifications.
+seq_prior pseudo-verifications; rounds decided for it without a verification (plain calls) relax it toward 1
+(its counts halve in seq_relax such rounds), so that a sequence is never held plain by a bad stretch.
 
 Cost (CostModel), per batch bucket and shape: a batch maps to the smallest bucket >= it (the configured
 buckets plus the calibrated batches: the engines' graphs). A shape with steady rounds at the bucket costs
@@ -150,8 +151,9 @@ class PolicyConfig:
     prior_weight: float = 2.0  # pseudo-rounds of the pooled figure in every acceptance estimate
     half_life: float = 256.0  # rounds (calls to choose) in which a shape's acceptance counts halve
     pooled_half_life: float = 512.0  # verifications in which the pooled counts halve (they never decay by rounds)
-    seq_prior: float = 1.0  # pseudo-verifications at factor 1 in a sequence's factor
+    seq_prior: float = 4.0  # pseudo-verifications at factor 1 in a sequence's factor (one noisy round moves it little)
     seq_memory: float = 4.0  # a sequence's verifications in which its factor's counts halve
+    seq_relax: float = 8.0  # rounds decided for a sequence without verifying it in which its factor's counts halve
     cost_window: int = 8  # steady rounds in a cost median
     cost_memory: int = 512  # bucket rounds after which a cost sample is dropped (when a newer one comes)
     retry_base: int = 16  # bucket rounds before a shape left unrun is tried again
@@ -170,8 +172,8 @@ class PolicyConfig:
             raise ValueError(f"buckets must be batch sizes >= 1, got {self.buckets}")
         if not 0 < self.prior < 1 or not self.prior_weight > 0 or not self.seq_prior > 0:
             raise ValueError("prior must be in (0, 1), prior_weight and seq_prior > 0")
-        if not self.half_life > 0 or not self.seq_memory > 0 or not self.pooled_half_life > 0:
-            raise ValueError("half_life, pooled_half_life and seq_memory must be > 0")
+        if min(self.half_life, self.seq_memory, self.pooled_half_life, self.seq_relax) <= 0:
+            raise ValueError("half_life, pooled_half_life, seq_memory and seq_relax must be > 0")
         if not 0 <= self.margin < 1:
             raise ValueError(f"margin must be in [0, 1), got {self.margin}")
         if self.cost_window < 1 or self.cost_memory < 1 or self.try_rounds < 1:
@@ -197,6 +199,7 @@ class AdaptivePolicy:
         self.acceptance = AcceptanceTable(cfg, self.clock)
         self.seqs: dict[str, SequenceFactor] = {}
         self.keep = 0.5 ** (1 / cfg.seq_memory)  # a factor's weight on its earlier counts per verification
+        self.relax = 0.5 ** (1 / cfg.seq_relax)  # and per round without a verification
         self.round = 0  # calls to choose
         self.plain_steps = 1  # the last choose's (for estimates)
         self.round_expected: dict[str, list[float]] = {}  # band -> [menu] E, as the last choose saw it
@@ -278,10 +281,14 @@ class AdaptivePolicy:
     ) -> list[float | None]:
         """[plain, *menu] rates (None: no cost known)."""
         # members' factors by band: [a1 (greedy), b1 (mid), a2 (greedy)] -> {greedy: [f_a1, f_a2], mid: [f_b1]}
-        seqs = self.seqs
+        seqs, c = self.seqs, self.cfg.seq_prior
         groups: dict[str, list[float]] = {}
         for m in members:
             sf = seqs.get(m.seq_id)
+            if sf is not None and keep:  # choose's round: one without a verification since the last relaxes it
+                if not sf.seen:
+                    sf.relax(self.relax, c)
+                sf.seen = False
             f = 1.0 if sf is None else sf.value
             g = groups.get(m.band)
             if g is None:

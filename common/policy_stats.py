@@ -294,19 +294,31 @@ class CostModel:
 class SequenceFactor:
     """How a sequence accepts against its band: value = (n * A / X + c) / (n + c), A and X its accepted and
     expected (its band's E at the time) drafted tokens and n its verifications, each verification weighing
-    the earlier ones by keep = 0.5^(1 / seq_memory); c = seq_prior pseudo-verifications at 1. It moves only
-    when the sequence is verified: a sequence that went plain keeps its figure until a tree runs again (a
-    due retry at the latest). (c 1, keep .5) E .7, accepting 0: A 0, X .7, n 1 -> value (0 + 1) / 2 = .5;
-    then E .6, accepting 1: A 1, X .35 + .6 = .95, n 1.5 -> (1.5 * 1 / .95 + 1) / 2.5 = 1.03."""
+    the earlier ones by keep = 0.5^(1 / seq_memory); c = seq_prior pseudo-verifications at 1. A round it is
+    decided for without a verification since the last one (a plain call) weighs its counts by relax =
+    0.5^(1 / seq_relax), so a sequence that went plain drifts back to its band's figure and a tree runs for
+    it again: no sequence is held plain by a bad stretch. (c 1, keep .5, relax .5) E .7, accepting 0: A 0,
+    X .7, n 1 -> value (0 + 1) / 2 = .5; a plain round: A 0, X .35, n .5 -> 1 / 1.5 = .667; then E .6,
+    accepting 1: A 1, X .175 + .6 = .775, n 1.25 -> (1.25 * 1 / .775 + 1) / 2.25 = 1.34."""
 
-    __slots__ = ("accepted", "expected", "count", "value")
+    __slots__ = ("accepted", "expected", "count", "value", "seen")
 
     def __init__(self) -> None:
         self.accepted, self.expected, self.count, self.value = 0.0, 0.0, 0.0, 1.0
+        self.seen = True  # verified since the last round decided for it
 
     def add(self, accepted: int, expected: float, keep: float, c: float) -> None:
         self.accepted = self.accepted * keep + accepted
         self.expected = self.expected * keep + expected
         self.count = self.count * keep + 1
+        self.seen = True
+        self._update(c)
+
+    def relax(self, relax: float, c: float) -> None:
+        """A round decided for it after one without a verification of it: its counts weigh `relax` less."""
+        self.accepted, self.expected, self.count = self.accepted * relax, self.expected * relax, self.count * relax
+        self._update(c)
+
+    def _update(self, c: float) -> None:
         ratio = self.accepted / self.expected if self.expected > 0 else 1.0
         self.value = (self.count * ratio + c) / (self.count + c)

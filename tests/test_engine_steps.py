@@ -625,3 +625,32 @@ def test_one_hot_sets_built_on_the_device_are_the_hosts() -> None:
     assert pos.tolist() == want.pos.tolist()
     assert set_ids.tolist() == want.ids.reshape(len(trees), -1).tolist()
     assert q.view(torch.float32).tolist() == want.q.reshape(len(trees), -1).tolist()
+
+
+def test_each_round_is_handed_over_as_it_is_read(verifiers, drafters) -> None:
+    """verify_rounds_steps(each=...): each chained round's outputs reach the caller once read, in order, with the
+    call's launched rounds, and are the outputs the call returns; when each is called for round r, the verifier
+    has counted rounds 0..r of every sequence (its room shrinks by each round's tokens)."""
+    from common.engine.base import LaunchAfter
+
+    v, _ = verifiers
+    exact, _ = drafters
+    ids = ["e1", "e2"]
+    outs = [v.prefill(PrefillInput(s, p, SamplingConfig())) for s, p in zip(ids, PROMPTS)]
+    trees = exact.propose([ProposeInput.after_prefill(s, p, o, 8) for s, p, o in zip(ids, PROMPTS, outs)])
+    room = v.room(ids)
+    seen = []
+
+    def each(r: int, launched: int, results: list) -> None:
+        used = [sum(len(x[i].tokens) for _, _, x in seen) + len(results[i].tokens) for i in range(len(ids))]
+        assert v.room(ids) == [a - u for a, u in zip(room, used)]
+        seen.append((r, launched, results))
+
+    chain = LaunchAfter(exact, [ProposeAfter(s, 8) for s in ids])
+    got = finish(v.verify_rounds_steps([VerifyInput(s, t) for s, t in zip(ids, trees)], 3, chain, each))
+    assert len(got) == 3 and [(r, n) for r, n, _ in seen] == [(0, 3), (1, 3), (2, 3)]
+    assert all(x is y for (_, _, x), y in zip(seen, got))
+    for h in chain.handles:
+        exact.settle_after(h)
+    exact.release(ids)
+    v.release(ids)

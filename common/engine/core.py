@@ -11,7 +11,8 @@ One step (EngineCore.step):
         trees = the drafting launched behind the last verify (the device chain), or a propose
         verify every sequence's tree at once; launch the next trees behind it on the device, and verify those
             there too, round after round, the host reading none of it (not past a q rule row's tree)
-        commit each round's tokens by each sequence's token rules; its output goes out
+        commit each round's tokens by each sequence's token rules as soon as the host has them (the call's later
+            rounds run on meanwhile); its output goes out
       or, when the shape is plain, `plain_steps` decoding steps with one host synchronisation (the step's last)
     release the finished ones, hand the step's outputs over (FINISHED)
 
@@ -38,7 +39,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -55,6 +55,7 @@ from common.engine.base import (
     VerifyInput,
     finish,
 )
+from common.engine.core_parts import CoreConfig, Draft, Snapshot
 from common.errors import PeerUnavailable, UnknownSequence
 from common.policy import PLAIN, Choice, Member, Shape
 from common.rounds import start_shift
@@ -67,47 +68,6 @@ JOINING_TOKENS = 8  # a propose of more new tokens than a round's (a prompt, a c
 NO_TREE = Tree(
     tokens=np.zeros(0, dtype=np.int64), parents=np.zeros(0, dtype=np.int64), probs=np.zeros(0, dtype=np.float32)
 )
-
-
-@dataclass(frozen=True)
-class CoreConfig:
-    max_sequences: int  # generations holding a slot at once (the verifier has one more: the spare)
-    prefill_chunk: int = 512  # prompt tokens prefilled per step (0: every waiting prompt whole)
-    plain_steps: int = 8  # decoding steps per host synchronisation in a plain step
-    # speculative rounds per step: admission, prefill, releases and the outputs' hand-over come once per step,
-    # as a plain step's 8 decoding steps share them (a plain round ends the step)
-    rounds_per_step: int = 4
-    draft_retry_s: float = 1.0  # after a drafter failure, catching up is tried again no sooner than this
-
-    def __post_init__(self) -> None:
-        if self.max_sequences < 1:
-            raise ValueError(f"max_sequences must be >= 1, got {self.max_sequences}")
-        if self.prefill_chunk < 0 or not 1 <= self.plain_steps <= 64 or self.draft_retry_s <= 0:
-            raise ValueError("prefill_chunk must be >= 0, plain_steps in [1, 64], draft_retry_s > 0")
-        if not 1 <= self.rounds_per_step <= 64:
-            raise ValueError(f"rounds_per_step must be in [1, 64], got {self.rounds_per_step}")
-
-
-@dataclass(slots=True)
-class Draft:
-    """What the drafter has not seen of a speculative sequence."""
-
-    tokens: list[int] = field(default_factory=list)  # [n] committed since it last saw the sequence
-    hidden: list[torch.Tensor] = field(default_factory=list)  # their features, in chunks [n_i, 3H]
-    start: ProposeInput | None = None  # the drafter does not hold it: its whole context (after a prefill)
-    lost: bool = False  # the drafter lost it: caught up once the drafter answers again
-    dead: bool = False  # the drafter cannot follow it (its context is full for the drafter): plain from now on
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    """The core's state for Info and the metrics (read from another thread: a copy)."""
-
-    running: int
-    waiting: int
-    degraded: bool  # the drafter is down: speculation waits for it
-    choices: dict[Shape, int]  # rounds per shape since start (PLAIN: plain steps)
-    estimates: list  # the policy's (common.policy.Estimate)
 
 
 class EngineCore:
@@ -362,24 +322,12 @@ class EngineCore:
             chain = LaunchAfter(self.drafter, [ProposeAfter(s.seq_id, n.nodes, n.depth) for s, n in chained])
         sampled = any(s.band != "greedy" for s, _ in order)
         inputs = [VerifyInput(s.seq_id, trees[s.seq_id] if t is not NO_TREE else NO_TREE) for s, t in order]
-        try:
-            t3 = self.clock()
-            by_round = finish(self.verifier.verify_rounds_steps(inputs, rounds, chain))
-        except Exception as e:  # noqa: BLE001 - the round's sequences fail; the core goes on
-            log.exception("a verify of %d sequences failed", len(order))
-            for s, _ in order:
-                self._fail(s, e)
-            return 0
-        t4 = self.clock()
-        done = len(by_round)
-        handles = chain.handles if chain is not None else []
-        for h in handles[: done - 1]:  # launches a chained round verified: the host never read them
-            self.drafter.settle_after(h)
-        launched = len(handles) == done  # the last round's next trees are on their way
-        self._next = choice
-        self._launch = (handles[-1], {s.seq_id: i for i, (s, _) in enumerate(chained)}) if launched else None
-        follow = [self._following(s) for s, _ in order]
-        for r, results in enumerate(by_round):
+        follow, committing = [self._following(s) for s, _ in order], [0.0]
+
+        def commit(r: int, done: int, results: list) -> None:
+            """Round r's tokens by each sequence's rules, while the call's later rounds run on the device."""
+            c0 = self.clock()
+            launched = chain is not None and len(chain.handles) == done  # the last round's next trees are coming
             drafting = len(chained) if r < done - 1 or launched else 0  # rows whose tokens the drafter has
             for i, ((s, t), out) in enumerate(zip(order, results)):
                 if s.status is not Status.RUNNING:  # it stopped in an earlier round of the call
@@ -393,13 +341,29 @@ class EngineCore:
                     d = self.drafts[s.seq_id]
                     d.tokens += tokens
                     d.hidden.append(out.hidden)
-        t5 = self.clock()
+            committing[0] += self.clock() - c0
+
+        try:
+            t3 = self.clock()
+            done = len(finish(self.verifier.verify_rounds_steps(inputs, rounds, chain, commit)))
+        except Exception as e:  # noqa: BLE001 - the round's sequences fail; the core goes on
+            log.exception("a verify of %d sequences failed", len(order))
+            for s, _ in order:
+                self._fail(s, e)
+            return 0
+        t4 = self.clock()
+        handles = chain.handles if chain is not None else []
+        for h in handles[: done - 1]:  # launches a chained round verified: the host never read them
+            self.drafter.settle_after(h)
+        self._next = choice
+        launched = len(handles) == done
+        self._launch = (handles[-1], {s.seq_id: i for i, (s, _) in enumerate(chained)}) if launched else None
         times = self.times
         times["choose"] += t1 - t0 + t3 - t2
         times["trees"] += t2 - t1 - joining_s
         times["joining"] += joining_s
-        times["verify"] += t4 - t3
-        times["commit"] += t5 - t4
+        times["verify"] += t4 - t3 - committing[0]  # the device's rounds, less the commits they hid
+        times["commit"] += committing[0]
         times["rounds"] += done
         drafted = Shape(max(t.depth for _, t in spec), max(t.nodes for _, t in spec))
         self.choices[drafted] += done

@@ -240,6 +240,17 @@ class CudaGraphManager:
             event.record(self.stream)
             yield event
 
+    def to_host(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """A copy of t on the host, queued on the engine's stream behind the work queued so far (pinned memory,
+        no wait), with the event after which it may be read; on CPU a copy at once and None."""
+        if self.stream is None:
+            return t.clone(), None
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record(self.stream)
+        return host, ready
+
     def event(self) -> torch.cuda.Event | None:
         """A timing event recorded on the engine's stream after the work queued so far; None on CPU."""
         if self.stream is None:

@@ -54,6 +54,7 @@ from common.engine.verifier_parts import (  # noqa: F401 - callers import these 
     VerifierSeq,
     VerifyStep,
     chained_block,
+    pack_sampled,
     pack_trees,
     prefill_groups,
     torch_dtype,
@@ -61,11 +62,11 @@ from common.engine.verifier_parts import (  # noqa: F401 - callers import these 
 )
 from common.errors import CapacityExhausted, InvalidRequest, UnknownSequence
 from common.kernels import speculative
-from common.kernels.sampling import RULE_GREEDY, RULE_ONEHOT, RULE_Q, SamplingRows, TreeSets
+from common.kernels.sampling import RULE_GREEDY, SamplingRows, TreeSets
 from common.model.llama import Batch, ForwardOutput, KVCache, LlamaModel
 from common.sampling import VERIFIER_SALT, sequence_seed
 from common.slots import SlotTable, check_unique
-from common.tree import row_sets, widest
+from common.tree import widest
 from common.weights import Checkpoint
 
 log = logging.getLogger(__name__)
@@ -349,16 +350,22 @@ class Verifier:
 
     @torch.inference_mode()  # a generator: torch enters the mode at each resume
     def verify_rounds_steps(
-        self, items: list[VerifyInput], rounds: int = 1, then: Callable[[Accepted], Chained | None] | None = None
+        self,
+        items: list[VerifyInput],
+        rounds: int = 1,
+        then: Callable[[Accepted], Chained | None] | None = None,
+        each: Callable[[int, int, list[VerifyOutput]], None] | None = None,
     ) -> Steps[list[list[VerifyOutput]]]:
-        """Up to `rounds` verifications of the items' rows with one host synchronisation, as steps: each is
-        launched, then (on a GPU) the call yields until all are done, then reads their results and commits.
-        then(accepted): called after each launch with copies of its acceptance on the device (its rows those of
-        items); it returns the next trees of the first rows drafted on the device (Chained), which the next
-        round verifies without the host (chained_block), or None: the call ends after this round, as it does
-        when a round that might not fit, or one whose rows' sets the device cannot build (a q rule row's),
-        would follow. A tree of no nodes gets one token, as a decode step would. Returns each round's outputs,
-        in order."""
+        """Up to `rounds` verifications of the items' rows, launched back to back, as steps: (on a GPU) the call
+        yields until a round's result has reached the host, reads it and commits it, round after round, while
+        the later rounds run on the device. then(accepted): called after each launch with copies of its
+        acceptance on the device (its rows those of items); it returns the next trees of the first rows drafted
+        on the device (Chained), which the next round verifies without the host (chained_block), or None: the
+        call ends after this round, as it does when a round that might not fit, or one whose rows' sets the
+        device cannot build (a q rule row's), would follow. each(r, launched, outputs): called with each round's
+        outputs as soon as they are read (the caller's bookkeeping of round r overlaps the device's later
+        rounds; launched: the call's rounds). A tree of no nodes gets one token, as a decode step would.
+        Returns each round's outputs, in order."""
         check_unique([it.seq_id for it in items])
         states = [self._ready(it.seq_id) for it in items]
         b = len(items)
@@ -391,9 +398,10 @@ class Verifier:
             if shallow:
                 step = functools.partial(self._verify_step, max_depth=SHALLOW_DEPTH)
         else:
-            self._pack_sampled(a, items, states, sampled)
+            pack_sampled(a, [it.tree for it in items], [st for _, st in states], sampled)
             key, step = self._sampled_variant(bb, tb, sampler, shallow, sets_width, siblings)
         accepted: list[Accepted] = []
+        reads: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []  # each round's [B, T + 1] on the host
         grown = lengths + deepest + 1  # [B] each sequence's length after this round, at most
         with self.graphs.on_stream():
             while True:
@@ -401,6 +409,7 @@ class Verifier:
                 out = self.graphs.replay(key, step, fed)
                 # copies: the next replay rewrites the graph's buffers. A path holds at most deepest + 1 rows
                 accepted.append(Accepted(result=out.result[:b].clone(), kept=out.kept[:b, : deepest + 1].clone()))
+                reads.append(self.graphs.to_host(accepted[-1].result))
                 chained = then(accepted[-1]) if then is not None else None
                 if chained is None or len(accepted) == rounds or (sampled is not None and chained.kids > kids):
                     break
@@ -412,19 +421,18 @@ class Verifier:
                 if chained.ready is not None:
                     torch.cuda.current_stream(self.device).wait_event(chained.ready)
                 block = chained_block(fed["packed"], accepted[-1].result, chained, tb, sampled)
-        yield from self.graphs.launched()
-        with self.graphs.on_stream():
-            # [R, B, T + 1] the one host synchronisation of the call
-            results = torch.stack([acc.result for acc in accepted]).cpu().numpy()
-            outputs: list[list[VerifyOutput]] = []
-            for result, acc in zip(results, accepted):
-                counts = (result[:, 0] + 1).tolist()  # [B] tokens of each sequence
-                outputs.append(
-                    [VerifyOutput(result[i, 1 : c + 1].tolist(), acc.kept[i, :c]) for i, c in enumerate(counts)]
-                )
-                for (_, st), c, out in zip(states, counts, outputs[-1]):
-                    st.length, st.pending = st.length + c, out.tokens[-1]
-            return outputs
+        outputs: list[list[VerifyOutput]] = []
+        for r, ((host, ready), acc) in enumerate(zip(reads, accepted)):
+            if ready is not None:
+                yield ready  # round r's result is on the host; the later rounds run on
+            result = host.numpy()  # [B, T + 1]
+            counts = (result[:, 0] + 1).tolist()  # [B] tokens of each sequence
+            outputs.append([VerifyOutput(result[i, 1 : c + 1].tolist(), acc.kept[i, :c]) for i, c in enumerate(counts)])
+            for (_, st), c, out in zip(states, counts, outputs[-1]):
+                st.length, st.pending = st.length + c, out.tokens[-1]
+            if each is not None:
+                each(r, len(accepted), outputs[-1])
+        return outputs
 
     # ---- sampled verification (a row samples: Sampler.TEMPERATURE or FILTERED) ----
     def _siblings(self, tb: int) -> int:
@@ -450,20 +458,6 @@ class Verifier:
         a[:, cols.n + 1] = self.trash_slot
         a[:, cols.draw : cols.ids] = self._greedy_draw
         return torch.from_numpy(a)
-
-    def _pack_sampled(
-        self, a: np.ndarray, items: list[VerifyInput], states: list[tuple[int, VerifierSeq]], cols: SampledColumns
-    ) -> None:
-        """Each row's rule and sampling, and the sampling rows' sets (common.tree.row_sets), into a sampled
-        block a [bb, C] whose trees are packed."""
-        b = len(items)
-        hot = [i for i, (_, st) in enumerate(states) if not st.sampling.greedy]
-        a[:b, cols.draw : cols.ids] = np.stack([st.draw for _, st in states])
-        a[hot, cols.n + 2] = [RULE_Q if items[i].tree.q is not None else RULE_ONEHOT for i in hot]
-        sets = row_sets([items[i].tree for i in hot], cols.t, cols.w)
-        a[hot, cols.pos : cols.n] = sets.pos
-        a[hot, cols.ids : cols.q] = sets.ids.reshape(len(hot), -1)
-        a[hot, cols.q : cols.end] = sets.q.reshape(len(hot), -1).view(np.int64)
 
     def _sampled_variant(
         self, bb: int, tb: int, sampler: Sampler, shallow: bool, w: int, s: int

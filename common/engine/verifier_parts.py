@@ -12,8 +12,8 @@ import torch
 
 from common.config import SamplingConfig
 from common.engine.base import Chained
-from common.kernels.sampling import SamplingRows
-from common.tree import Tree, node_positions
+from common.kernels.sampling import RULE_ONEHOT, RULE_Q, SamplingRows
+from common.tree import Tree, node_positions, row_sets
 
 
 def prefill_groups(lengths: list[int], waste: float = 1.5, max_rows: int | None = None) -> list[list[int]]:
@@ -242,3 +242,16 @@ def pack_trees(a: np.ndarray, trees: list[Tree], sizes: np.ndarray, tb: int) -> 
     item, node = node_positions(sizes)  # [N] each
     a[item, node + 1] = np.concatenate([t.tokens for t in trees])
     a[item, tb + node + 1] = np.concatenate([t.parents for t in trees]) + 1
+
+
+def pack_sampled(a: np.ndarray, trees: list[Tree], states: list[VerifierSeq], cols: SampledColumns) -> None:
+    """Each row's rule and sampling, and the sampling rows' sets (common.tree.row_sets), into a sampled block
+    a [bb, C] whose trees are packed (trees and states: its rows')."""
+    b = len(trees)
+    hot = [i for i, st in enumerate(states) if not st.sampling.greedy]
+    a[:b, cols.draw : cols.ids] = np.stack([st.draw for st in states])
+    a[hot, cols.n + 2] = [RULE_Q if trees[i].q is not None else RULE_ONEHOT for i in hot]
+    sets = row_sets([trees[i] for i in hot], cols.t, cols.w)
+    a[hot, cols.pos : cols.n] = sets.pos
+    a[hot, cols.ids : cols.q] = sets.ids.reshape(len(hot), -1)
+    a[hot, cols.q : cols.end] = sets.q.reshape(len(hot), -1).view(np.int64)

@@ -26,7 +26,11 @@ from common.tree import Tree
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 DEV = torch.device("cuda")
-GRAPHS = GraphConfig(batch_buckets=(1, 2, 4, 8), tree_buckets=(16, 32, 61))
+# few buckets, so that the float32 captures take little of a bounded GPU run (the shapes the tests reach)
+GRAPHS = GraphConfig(
+    batch_buckets=(1, 4), tree_buckets=(16, 32, 61), depth_buckets=(3,), prefill_buckets=(64, 256),
+    prefill_batch_buckets=(1, 8),
+)  # fmt: skip
 DRAFTING = DraftingConfig(sampling_rule="q")  # top_k 10, steps 6, tree 60; the q rule (one-hot: a test of its own)
 
 

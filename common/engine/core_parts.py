@@ -1,0 +1,51 @@
+"""The engine core's configuration and per-sequence records (common/engine/core.py runs the rounds)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from common.engine.base import ProposeInput
+from common.policy import Shape
+
+
+@dataclass(frozen=True)
+class CoreConfig:
+    max_sequences: int  # generations holding a slot at once (the verifier has one more: the spare)
+    prefill_chunk: int = 512  # prompt tokens prefilled per step (0: every waiting prompt whole)
+    plain_steps: int = 8  # decoding steps per host synchronisation in a plain step
+    # speculative rounds per step: admission, prefill, releases and the outputs' hand-over come once per step,
+    # as a plain step's 8 decoding steps share them (a plain round ends the step)
+    rounds_per_step: int = 4
+    draft_retry_s: float = 1.0  # after a drafter failure, catching up is tried again no sooner than this
+
+    def __post_init__(self) -> None:
+        if self.max_sequences < 1:
+            raise ValueError(f"max_sequences must be >= 1, got {self.max_sequences}")
+        if self.prefill_chunk < 0 or not 1 <= self.plain_steps <= 64 or self.draft_retry_s <= 0:
+            raise ValueError("prefill_chunk must be >= 0, plain_steps in [1, 64], draft_retry_s > 0")
+        if not 1 <= self.rounds_per_step <= 64:
+            raise ValueError(f"rounds_per_step must be in [1, 64], got {self.rounds_per_step}")
+
+
+@dataclass(slots=True)
+class Draft:
+    """What the drafter has not seen of a speculative sequence."""
+
+    tokens: list[int] = field(default_factory=list)  # [n] committed since it last saw the sequence
+    hidden: list[torch.Tensor] = field(default_factory=list)  # their features, in chunks [n_i, 3H]
+    start: ProposeInput | None = None  # the drafter does not hold it: its whole context (after a prefill)
+    lost: bool = False  # the drafter lost it: caught up once the drafter answers again
+    dead: bool = False  # the drafter cannot follow it (its context is full for the drafter): plain from now on
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The core's state for Info and the metrics (read from another thread: a copy)."""
+
+    running: int
+    waiting: int
+    degraded: bool  # the drafter is down: speculation waits for it
+    choices: dict[Shape, int]  # rounds per shape since start (PLAIN: plain steps)
+    estimates: list  # the policy's (common.policy.Estimate)
