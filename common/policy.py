@@ -36,8 +36,10 @@ goes back to retry_base; not the best, it doubles (up to retry_cap). A cell not 
 interval is due: it is tried (Choice.explored) even when its estimate is far below the best, for up to
 try_rounds rounds until one is reported steady (the first tree round after plain ones is a catch-up round
 the core does not report). A cell that never ran at a bucket where its cost is unknown or borrowed from
-another bucket is due at once. One cell is tried at a time per bucket, the most overdue first, and tries
-begin retry_base rounds apart at least. With the default menu a bucket's exploration share falls to about 1%
+another bucket is due at once. One cell is tried at a time per bucket, the most overdue first; a try
+begins retry_base rounds after the last one began, or at once after a tree round at the bucket (the drafter
+follows every row then: no catch-up to pay), so that the cells due at a bucket where plain wins are tried
+one after another behind a single catch-up. With the default menu a bucket's exploration share falls to about 1%
 as the intervals reach the cap (6 shapes of at most 2 rounds each per 1024 rounds; tests/test_policy.py
 measures it).
 
@@ -235,9 +237,11 @@ class AdaptivePolicy:
         if bk.last_pick is not None:  # judge the shape that ran last: still the best, or its wait doubles
             cell = bk.cells[bk.last_pick]
             cell.interval = self.cfg.retry_base if bk.last_pick == best else min(2 * cell.interval, self.cfg.retry_cap)
-        # one try at a time, and none within retry_base rounds of the last one began: at 64 sequences a try
-        # from plain costs its rounds and the catching up of every row
-        pick = self._due(bk, best, rates, costs) if bk.rounds - bk.tried_at >= self.cfg.retry_base else None
+        # one try at a time, and from plain none within retry_base rounds of the last one began: at 64 sequences
+        # a try from plain costs its rounds and the catching up of every row; after a tree round it costs its own
+        on_trees = bk.last_pick is not None and bk.last_pick > 0
+        spaced = on_trees or bk.rounds - bk.tried_at >= self.cfg.retry_base
+        pick = self._due(bk, best, rates, costs) if spaced else None
         if pick is not None:
             bk.trying, bk.try_left, bk.try_seen, bk.tried_at = pick, self.cfg.try_rounds - 1, False, bk.rounds
         elif best is None:

@@ -134,24 +134,28 @@ def test_plain_steps_per_call_amortise_the_plain_overhead() -> None:
 def test_batch_64_history_is_not_charged_to_batch_1() -> None:
     """Issue 32. Batch 64 (calibrated: decode 12, 4x4 4 + 20 ms) with 60 ms of tree overhead: plain 64 / 13 ms
     = 4,923 tok/s against 4x4 at most 64 * 5 / 84 ms = 3,810 (every draft accepted): plain there once a tree
-    round was reported (round 2; round 1 is a catch-up). Batch 1 has no rounds yet: it borrows bucket 64's
-    overheads (60 ms tree, 1 ms plain): 4x4 at most 5 / 78 ms = 64 against plain 1 / 11 ms = 91 is its best
-    estimate; but its trees never ran there on a borrowed cost, so they are due at once: 4x4 (the better
-    tree) runs round 1, reported (the round before it, bucket 64's last, was a try of 4x4: no catch-up);
-    bucket 1 now has its own 0 ms overhead: 4x4 is the best from round 2 on; plain, never run at bucket 1
-    and borrowed, is tried no sooner than retry_base (16) rounds after the last try began: round 17. Bound:
-    1 round."""
+    round was reported (round 2; round 1 is a catch-up). Its trees are tried on their doubling waits (32, 64,
+    128, 256 rounds from their last run), both behind one catch-up: 1x1's try from plain (a catch-up round,
+    then a steady one: 33-34, 98-99, 227-228, 484-485), then 4x4 at once after that tree round (35, 100, 229,
+    486). Batch 1 has no rounds yet: it borrows bucket 64's overheads (60 ms tree, 1 ms plain): 4x4 at most
+    5 / 78 ms = 64 against plain 1 / 11 ms = 91 is its best estimate; but its trees never ran there on a
+    borrowed cost, so they are due at once: 4x4 (the better tree) runs rounds 1 (a catch-up: bucket 64's last
+    rounds were plain) and 2; bucket 1 now has its own 0 ms overhead: 4x4 is the best from then on; plain,
+    never run at bucket 1 and borrowed, is tried at once after that tree round (3); 1x1, due after retry_base
+    rounds, at 16. Bound: 0 rounds of plain but its try."""
     costs = table(1) + table(64, decode=12, verify2=14, verify5=20)
     p = AdaptivePolicy(PolicyConfig(menu=(CHAIN1, CHAIN4)), costs)
     core = Core(p)
     at64 = core.run(64, 500, lambda r: 4, spec_overhead=60 * MS, plain_overhead=1 * MS)
-    assert sum(c.shape.plain for c in at64) >= 480  # all but the first two rounds and the retries
     assert all(c.shape.plain for c in at64[2:] if not c.explored)
+    tries = [(i + 1, c.shape) for i, c in enumerate(at64[2:], 2) if c.explored]
+    assert tries == [(r + k, CHAIN1 if k < 2 else CHAIN4) for r in (33, 98, 227, 484) for k in range(3)]
     at1 = core.run(1, 200, lambda r: 4, plain_overhead=1 * MS)
-    assert at64[-1] == Choice(CHAIN4, True)
     assert [(i + 1, c) for i, c in enumerate(at1[:20]) if c.explored] == [
         (1, Choice(CHAIN4, True)),
-        (17, Choice(PLAIN, True)),
+        (2, Choice(CHAIN4, True)),
+        (3, Choice(PLAIN, True)),
+        (16, Choice(CHAIN1, True)),
     ]
     assert all(c.shape == CHAIN4 for c in at1 if not c.explored)
     by_bucket = {(e.batch, e.shape): e for e in p.estimates()}
@@ -161,14 +165,14 @@ def test_batch_64_history_is_not_charged_to_batch_1() -> None:
 
 def test_a_bucket_with_its_own_history_switches_back_at_once() -> None:
     """As above, but batch 1 ran first: 20 rounds, 1x1 at first (prior .5: 1.5 / 12 ms = 125 against 4x4 107.6),
-    with 4x4 and plain due at round 16, both never run: the better estimate first (4x4 at 16; plain waits for
-    round 32, retry_base after that try began). Bucket 1 has its own tree overhead: after the 500 rounds at 64
+    with 4x4 and plain due at round 16, both never run: the better estimate first (4x4 at 16), then plain at
+    once (17: after a tree round a try pays no catch-up). Bucket 1 has its own tree overhead: after the 500 rounds at 64
     its very first round is a tree again. Bound: 0 rounds."""
     costs = table(1) + table(64, decode=12, verify2=14, verify5=20)
     p = AdaptivePolicy(PolicyConfig(menu=(CHAIN1, CHAIN4)), costs)
     core = Core(p)
     before = core.run(1, 20, lambda r: 4)
-    assert [(i + 1, c.shape) for i, c in enumerate(before) if c.explored] == [(16, CHAIN4)]
+    assert [(i + 1, c.shape) for i, c in enumerate(before) if c.explored] == [(16, CHAIN4), (17, PLAIN)]
     core.run(64, 500, lambda r: 4, spec_overhead=60 * MS, plain_overhead=1 * MS)
     after = core.run(1, 100, lambda r: 4)
     assert not after[0].explored and not after[0].shape.plain
