@@ -15,6 +15,8 @@ gets element i mod 48):
   3x8          a small tree, pinned                {"tree": {"depth": 3, "nodes": 8}}
   default-0.7  (--sampled) temperature 0.7, top-p 0.9, seed = the prompt's index
   plain-0.7    (--sampled) the same, speculative false
+  mixed        (--sampled) every other prompt as default-0.7, the others as default: a batch half greedy, half
+               sampled (its ratio is over default's, the all-greedy batch)
 History: a phase per --concurrency entry (default 1,16,64,1: the last measures c=1 after the bursts). In a phase
 every kind runs once, n = max(48, 4 x c) requests with c in flight, in an order rotated by one from phase to phase
 so that drift favours no kind. Before the phases every kind runs untimed (--warm-up 8 requests, 4 in flight), then
@@ -65,6 +67,7 @@ class Kind:
     fields: dict
     baseline: str
     seeded: bool = False  # seed = the prompt's index, the same for the default and the plain sampled kinds
+    odd: dict = field(default_factory=dict)  # fields the odd-numbered prompts add besides (a mixed workload)
 
 
 KINDS = {
@@ -76,10 +79,11 @@ KINDS = {
         Kind("3x8", {"tree": {"depth": 3, "nodes": 8}}, "plain"),
         Kind("default-0.7", dict(SAMPLING), "plain-0.7", seeded=True),
         Kind("plain-0.7", {"speculative": False, **SAMPLING}, "plain-0.7", seeded=True),
+        Kind("mixed", {}, "default", seeded=True, odd=dict(SAMPLING)),
     )
 }
 GREEDY = ("default", "plain", "6x60", "3x8")
-SAMPLED = ("default-0.7", "plain-0.7")
+SAMPLED = ("default-0.7", "plain-0.7", "mixed")
 
 
 @dataclass(frozen=True)
@@ -112,6 +116,8 @@ def requests(kind: Kind, prompts: list[Prompt], max_tokens: int) -> list[dict]:
     for i, p in enumerate(prompts):
         message = {"messages": [{"role": "user", "content": p.text}], "max_tokens": max_tokens}
         message.update(copy.deepcopy(kind.fields))
+        if i % 2:
+            message.update(copy.deepcopy(kind.odd))
         if kind.seeded:
             message["seed"] = i
         out.append(message)
@@ -225,7 +231,7 @@ def markdown(rows: list[Row], counted: dict[str, dict], meta: dict) -> str:
         "",
         "req/s: OK requests / ghz's total time; p50 / p99: latency of the OK requests; tok/s: req/s x the mean",
         "completion tokens of the requests sent (counted once per kind at c=1); / plain: req/s over plain's in the",
-        "same phase (sampled kinds: over plain-0.7's).",
+        "same phase (sampled kinds: over plain-0.7's; mixed: over default's).",
         "",
         "| phase | c | kind | requests | ok | errors | req/s | tok/s | p50 ms | p99 ms | / plain |",
         "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",

@@ -61,6 +61,9 @@ def test_each_kinds_data_file_is_the_prompts_as_requests_in_round_robin_order():
     for kind in ("default-0.7", "plain-0.7"):  # per-prompt seeds, the same for both
         assert [(m["temperature"], m["top_p"], m["seed"]) for m in msgs[kind]] == [(0.7, 0.9, i) for i in range(3)]
     assert "speculative" not in msgs["default-0.7"][0] and msgs["plain-0.7"][0]["speculative"] is False
+    # mixed: the odd prompts sample (as default-0.7), the even ones are greedy default requests
+    assert [m.get("temperature") for m in msgs["mixed"]] == [None, 0.7, None]
+    assert msgs["mixed"][1] == msgs["default-0.7"][1] and KINDS["mixed"].baseline == "default"
     assert not any("ignore_eos" in m for ms in msgs.values() for m in ms)  # EOS stops every request
     msgs["6x60"][0]["tree"]["depth"] = 1  # a message's tree is its own, not the kind's
     assert KINDS["6x60"].fields["tree"]["depth"] == 6
