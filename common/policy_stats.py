@@ -299,7 +299,7 @@ class SequenceFactor:
     0.5^(1 / seq_relax), so a sequence that went plain drifts back to its band's figure and a tree runs for
     it again: no sequence is held plain by a bad stretch. (c 1, keep .5, relax .5) E .7, accepting 0: A 0,
     X .7, n 1 -> value (0 + 1) / 2 = .5; a plain round: A 0, X .35, n .5 -> 1 / 1.5 = .667; then E .6,
-    accepting 1: A 1, X .175 + .6 = .775, n 1.25 -> (1.25 * 1 / .775 + 1) / 2.25 = 1.34."""
+    accepting 1: A 1, X .175 + .6 = .775, n 1.25 -> (1.25 * 1 / .775 + 1) / 2.25 = 1.16."""
 
     __slots__ = ("accepted", "expected", "count", "value", "seen")
 

@@ -242,7 +242,8 @@ class CudaGraphManager:
 
     def to_host(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """A copy of t on the host, queued on the engine's stream behind the work queued so far (pinned memory,
-        no wait), with the event after which it may be read; on CPU a copy at once and None."""
+        no wait), with the event after which it may be read; on CPU a copy at once and None. Called inside
+        on_stream (the copy goes on the current stream, the event on the engine's)."""
         if self.stream is None:
             return t.clone(), None
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
