@@ -223,6 +223,7 @@ class AdaptivePolicy:
         costs = self.variants[sampled]
         bk = costs.of(batch or len(members))
         bk.rounds += 1
+        self._relax(members)
         rates = self._rates(members, plain_steps, bk, costs, keep=True)
         best, top = None, -1.0
         for i, r in enumerate(rates):  # ties: the first of plain, *menu; plain's rate counts margin more
@@ -253,6 +254,17 @@ class AdaptivePolicy:
         cell.last_run, cell.has_run = bk.rounds, True
         bk.last_pick = pick
         return Choice(self.shapes[pick], explored=pick != best)
+
+    def _relax(self, members: Sequence[Member]) -> None:
+        """A round decided for the members: each not verified since the last one decided for it relaxes toward 1
+        (SequenceFactor.relax)."""
+        c = self.cfg.seq_prior
+        for m in members:
+            sf = self.seqs.get(m.seq_id)
+            if sf is not None:
+                if not sf.seen:
+                    sf.relax(self.relax, c)
+                sf.seen = False
 
     def _due(self, bk: Bucket, best: int | None, rates: list[float | None], costs: CostModel) -> int | None:
         """The cell to try, other than the best, or None: first one that never ran here and whose cost here
@@ -285,14 +297,10 @@ class AdaptivePolicy:
     ) -> list[float | None]:
         """[plain, *menu] rates (None: no cost known)."""
         # members' factors by band: [a1 (greedy), b1 (mid), a2 (greedy)] -> {greedy: [f_a1, f_a2], mid: [f_b1]}
-        seqs, c = self.seqs, self.cfg.seq_prior
+        seqs = self.seqs
         groups: dict[str, list[float]] = {}
         for m in members:
             sf = seqs.get(m.seq_id)
-            if sf is not None and keep:  # choose's round: one without a verification since the last relaxes it
-                if not sf.seen:
-                    sf.relax(self.relax, c)
-                sf.seen = False
             f = 1.0 if sf is None else sf.value
             g = groups.get(m.band)
             if g is None:

@@ -616,6 +616,21 @@ def test_target_threshold_hand_made_rows(dtype):
     torch.testing.assert_close(got.logz[6:], sampling.row_logz(x[6:], temp), rtol=1e-5, atol=1e-6)
 
 
+def _accepted_as_the_reference(ids, parent_rows, logits, sets, target, rows, t):
+    """The fused acceptance of trees up to t - 1 children a row against the reference's: the same path rows,
+    and each tree's tokens up to its bonus. Returns both (result, src)."""
+    from common.kernels import sampling
+
+    anc, depth = reference.tree_mask(parent_rows)
+    got = sampling_ops().accept_sampled(ids, parent_rows, anc, depth, logits, sets, target, rows, t - 1)
+    want = sampling.accept_sampled(ids, parent_rows, anc, depth, logits, sets, target, rows, t - 1)
+    assert torch.equal(got[1], want[1])
+    for i in range(ids.shape[0]):
+        c = int(want[0][i, 0])
+        assert got[0][i, : c + 2].tolist() == want[0][i, : c + 2].tolist()
+    return got, want
+
+
 @pytest.mark.parametrize("filtered", [False, True])
 def test_target_and_sampled_acceptance(filtered):
     """The target's threshold and normaliser (no sort), and the fused acceptance (the walk, the bonus's
@@ -634,13 +649,7 @@ def test_target_and_sampled_acceptance(filtered):
     else:
         want_t = sampling.Target(theta=None, logz=sampling.row_logz(logits.view(b * t, v), rows.temperature, t))
         torch.testing.assert_close(sampling_ops().row_logz(logits.view(b * t, v), rows.temperature, t), want_t.logz)
-    anc, depth = reference.tree_mask(parent_rows)
-    got = sampling_ops().accept_sampled(ids, parent_rows, anc, depth, logits, sets, want_t, rows, t - 1)
-    want = sampling.accept_sampled(ids, parent_rows, anc, depth, logits, sets, want_t, rows, t - 1)
-    assert torch.equal(got[1], want[1])
-    for i in range(b):
-        c = int(want[0][i, 0])
-        assert got[0][i, : c + 2].tolist() == want[0][i, : c + 2].tolist()
+    _, want = _accepted_as_the_reference(ids, parent_rows, logits, sets, want_t, rows, t)
     assert int(want[0][:, 0].max()) >= 1  # some tree accepts: the walk goes below a root
 
 
@@ -660,11 +669,5 @@ def test_sampled_acceptance_bonus_chunks():
     packed, sets, logits, rows = (_on(x) for x in (packed, sets, logits, rows))
     ids, parent_rows = packed[:, :t], packed[:, t : 2 * t]
     target = sampling.Target(theta=None, logz=sampling.row_logz(logits.view(b * t, v), rows.temperature, t))
-    anc, depth = reference.tree_mask(parent_rows)
-    got = sampling_ops().accept_sampled(ids, parent_rows, anc, depth, logits, sets, target, rows, t - 1)
-    want = sampling.accept_sampled(ids, parent_rows, anc, depth, logits, sets, target, rows, t - 1)
-    assert torch.equal(got[1], want[1])
-    for i in range(b):
-        c = int(want[0][i, 0])
-        assert got[0][i, : c + 2].tolist() == want[0][i, : c + 2].tolist()
+    got, want = _accepted_as_the_reference(ids, parent_rows, logits, sets, target, rows, t)
     assert [got[0][i, :2].tolist() for i in tied] == [[0, min(cols)] for cols in tied.values()]
