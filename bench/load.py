@@ -25,7 +25,8 @@ requests only).
 Figures: requests/s = OK requests / ghz's total time; p50 / p99 latency of the OK requests; tok/s = requests/s x
 the mean completion tokens of the requests the run sent (from that count: greedy output does not depend on the
 load, up to bf16 near-ties); and each kind's requests/s over plain's in the same phase (the sampled kinds over
-plain-0.7's), the figure of merit. GetModelInfo is saved whole after every phase (the policy's choices so far).
+plain-0.7's), the figure of merit. GetModelInfo is saved whole after every phase (the policy's choices so far),
+and its engine_time read after every run: where the verifier's engine thread spent that run (a table of its own).
 Writes OUT/load.json, OUT/load.md (also printed), OUT/commands.txt (every ghz command line as run), OUT/data/
 (the data files) and, with a stack of its own, OUT/stack.log.
 """
@@ -57,6 +58,7 @@ CATEGORIES = ("chat", "code", "math", "qa", "summarization", "writing")
 CALL = "specdec.v1.Generation.Complete"
 WARM_UP_CONCURRENCY = 4  # each kind's untimed ghz run before the phases: --warm-up requests, at most 4 in flight
 SAMPLING = {"temperature": 0.7, "top_p": 0.9}
+ENGINE_SNAPSHOT_S = 0.6  # the verifier's engine thread wakes every 0.5 s when idle, and snapshots its state
 
 
 @dataclass(frozen=True)
@@ -173,6 +175,7 @@ class Row:
     ratio: float | None = None  # req_s over the baseline kind's in the same phase
     failure: str | None = None  # why ghz gave no report
     error_kinds: dict | None = None  # ghz's errorDistribution
+    engine: dict | None = None  # the verifier's engine time over the run (engine_spent)
 
 
 def row_from_report(run: Run, report: dict) -> Row:
@@ -199,6 +202,39 @@ def row_from_report(run: Run, report: dict) -> Row:
 def failed_row(run: Run, why: str) -> Row:
     return Row(
         run.phase, run.concurrency, run.kind, run.requests, 0, run.requests, 0.0, 0.0, None, None, None, failure=why
+    )
+
+
+ROUND_PHASES = ("choose", "trees", "joining", "verify", "commit")  # a speculative call's parts (engine_time)
+PLAIN_PHASES = ("plain", "plain_commit")
+
+
+def engine_spent(before: dict, after: dict) -> dict[str, float]:
+    """GetModelInfo.engine_time's growth between two reads ({phase: seconds}, the counts rounds and plain_calls)."""
+    return {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0) > 0}
+
+
+def engine_line(r: Row) -> str | None:
+    """A run's row of the engine table: busy seconds, each phase's share of them, ms a speculative round and a
+    plain call. {idle 1, setup 1, verify 2, commit 1, rounds 10} -> busy 4.0 s, setup 25%, verify 50%, commit 25%,
+    0.30 s / 10 = 300 ms a round."""
+    e = r.engine
+    if not e:
+        return None
+    busy = sum(v for k, v in e.items() if k not in ("idle", "rounds", "plain_calls"))
+    if busy <= 0:
+        return None
+    rounds, calls = e.get("rounds", 0), e.get("plain_calls", 0)
+
+    def share(*keys: str) -> str:
+        return f"{100 * sum(e.get(k, 0.0) for k in keys) / busy:.0f}%"
+
+    per_round = _f(1e3 * sum(e.get(k, 0.0) for k in ROUND_PHASES) / rounds, 2) if rounds else "-"
+    per_call = _f(1e3 * sum(e.get(k, 0.0) for k in PLAIN_PHASES) / calls, 2) if calls else "-"
+    return (
+        f"| {r.phase} | {r.concurrency} | {r.kind} | {busy:.2f} | {_f(e.get('idle'), 2)} | {share('setup')} "
+        f"| {share('choose', 'trees')} | {share('joining')} | {share('verify')} | {share('commit')} "
+        f"| {share(*PLAIN_PHASES)} | {share('retire')} | {rounds:.0f} | {per_round} | {calls:.0f} | {per_call} |"
     )
 
 
@@ -242,6 +278,21 @@ def markdown(rows: list[Row], counted: dict[str, dict], meta: dict) -> str:
             f"| {r.phase} | {r.concurrency} | {r.kind} | {r.requests} | {r.ok} | {r.errors} | {_f(r.req_s, 2)} "
             f"| {_f(r.tok_s)} | {_f(r.p50_ms)} | {_f(r.p99_ms)} | {ratio} |"
         )
+    engine = [line for r in rows if (line := engine_line(r))]
+    if engine:
+        lines += [
+            "",
+            "Where the verifier's engine thread spent each run (GetModelInfo.engine_time before and after it): busy",
+            "seconds, idle seconds, each phase's share of the busy time (trees: the policy's choice and reading or",
+            "proposing the trees; joining: prompts' and catch-ups' proposes; verify: the device's rounds, less the",
+            "commits they hid; plain: plain calls and their commits), then the speculative rounds and ms a round (its",
+            "call's choose, trees, joining, verify and commit shared by its rounds), the plain calls and ms a call.",
+            "",
+            "| phase | c | kind | busy s | idle s | setup | trees | joining | verify | commit | plain | retire "
+            "| rounds | ms a round | plain calls | ms a call |",
+            "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            *engine,
+        ]
     failures = [r for r in rows if r.failure or r.error_kinds]
     for r in failures:
         lines.append(f"\nPhase {r.phase}, {r.kind}: {r.failure or r.error_kinds}")
@@ -297,11 +348,14 @@ class Ghz:
 def run_phases(ghz: Ghz, client: Client, files: dict[str, Path], runs: list[Run]) -> tuple[list[Row], list[dict]]:
     """The timed runs in order; after each phase, GetModelInfo whole."""
     rows, phases = [], []
+    engine = client.engine_time()
     for phase in sorted({r.phase for r in runs}):
         in_phase = [r for r in runs if r.phase == phase]
         for run in in_phase:
             report, why = ghz.run(files[run.kind], run.concurrency, run.requests, str(run))
             rows.append(failed_row(run, why) if why else row_from_report(run, report))
+            before, engine = engine, client.engine_time()
+            rows[-1].engine = engine_spent(before, engine)
             log.info(
                 "%s: %d/%d OK, %.2f req/s, p50 %s ms",
                 run,
@@ -350,6 +404,12 @@ class Client:
 
         info = self._stub.GetModelInfo(self._pb.ModelInfoRequest(), timeout=30)
         return json_format.MessageToDict(info, preserving_proto_field_name=True)
+
+    def engine_time(self) -> dict[str, float]:
+        """GetModelInfo.engine_time once the engine has been idle long enough to report it (its snapshot is
+        refreshed every ENGINE_SNAPSHOT_S while idle)."""
+        time.sleep(ENGINE_SNAPSHOT_S)
+        return dict(self._stub.GetModelInfo(self._pb.ModelInfoRequest(), timeout=30).engine_time)
 
     def close(self) -> None:
         self._channel.close()

@@ -83,8 +83,9 @@ class EngineCore:
         self.seqs: dict[str, Sequence] = {}  # every sequence not yet released, oldest first
         self.drafts: dict[str, Draft] = {}  # speculative sequences: what their drafter has not seen
         self.choices: collections.Counter[Shape] = collections.Counter()
-        # where the steps' time goes (seconds by phase, and the rounds and plain calls counted): bench.engine_bench
-        # reports it per round; a few clock reads a step
+        # where the engine thread's time goes (seconds by phase: idle, setup, choose, trees, joining, verify,
+        # commit, plain, plain_commit, retire; and the counts rounds and plain_calls): bench.engine_bench reports it
+        # per round, Info and bench.load per run; a few clock reads a step
         self.times: collections.Counter[str] = collections.Counter()
         self.degraded = False  # the drafter failed: every sequence plain until it answers again
         self._retry_at = 0.0
@@ -108,7 +109,9 @@ class EngineCore:
     def wait(self, timeout: float | None = None) -> None:
         """Block while there is nothing to do (no sequence, nothing in the inbox), at most `timeout` seconds."""
         if not self.seqs and not self._inbox:
+            t0 = self.clock()
             self._wake.wait(timeout)
+            self.times["idle"] += self.clock() - t0
         self._wake.clear()
 
     def drafter_down(self) -> None:
@@ -152,6 +155,7 @@ class EngineCore:
             degraded=self.degraded,
             choices=dict(self.choices),
             estimates=self.policy.estimates(self.policy.bands()) if hasattr(self.policy, "bands") else [],
+            times=dict(self.times),
         )
 
     # ---- one step (the engine thread) ----

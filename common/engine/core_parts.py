@@ -49,3 +49,6 @@ class Snapshot:
     degraded: bool  # the drafter is down: speculation waits for it
     choices: dict[Shape, int]  # rounds per shape since start (PLAIN: plain steps)
     estimates: list  # the policy's (common.policy.Estimate)
+    # where the engine thread's time went since start (EngineCore.times): seconds by phase, and the counts
+    # 'rounds' (tree rounds) and 'plain_calls'
+    times: dict[str, float] = field(default_factory=dict)

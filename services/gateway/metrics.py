@@ -69,6 +69,13 @@ class Metrics:
         self.policy_rounds = Gauge(
             "specdec_policy_rounds", "Rounds the policy ran per tree since the verifier started", ["tree"], registry=r
         )
+        self.engine_time = Gauge(
+            "specdec_engine_seconds",
+            "Seconds the verifier's engine thread spent per phase since it started (GetModelInfo.engine_time; "
+            "the phases 'rounds' and 'plain_calls' are counts)",
+            ["phase"],
+            registry=r,
+        )
         self._per_pos: list = []  # label children, resolved once
 
     def serve(self, port: int, addr: str) -> None:
@@ -88,13 +95,16 @@ class Metrics:
                 child.inc(n)
 
     def policy(self, info) -> None:
-        """The verifier's Info: its policy's estimates and choices, and whether the draft is down."""
+        """The verifier's Info: its policy's estimates and choices, where its engine's time went, and whether the
+        draft is down."""
         self.degraded.set(1 if info.speculation_degraded else 0)
         for e in info.policy_estimates:
             if e.HasField("tokens_per_s"):
                 self.policy_rate.labels(batch=str(e.batch), tree=_tree(e.tree), band=e.band).set(e.tokens_per_s)
         for c in info.policy_choices:
             self.policy_rounds.labels(tree=_tree(c.tree)).set(c.rounds)
+        for phase, v in info.engine_time.items():
+            self.engine_time.labels(phase=phase).set(v)
 
 
 def _tree(t) -> str:

@@ -109,6 +109,7 @@ class GenerationServicer(gpb_grpc.GenerationServicer):
                 speculation_policy=info.speculation_policy,
                 policy_choices=info.policy_choices,
                 policy_estimates=info.policy_estimates,
+                engine_time=info.engine_time,
             )
         except Exception as e:  # noqa: BLE001 - the boundary
             await _abort(context, e)

@@ -301,6 +301,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                 for s, n in sorted(snap.choices.items())
             ],
             policy_estimates=[_estimate(e) for e in snap.estimates],
+            engine_time=snap.times,
         )
 
     async def drain(self) -> None:
