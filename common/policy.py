@@ -31,17 +31,20 @@ has (never a figure shared by every batch size). A batch or size past the calibr
 from the largest; one between takes the next larger (the graph that runs).
 
 Exploration without an absorbing state. Each (bucket, shape) cell has a retry interval, retry_base bucket
-rounds at first. Every run of a cell is judged at its bucket's next round: still the best, the interval
-goes back to retry_base; not the best, it doubles (up to retry_cap). A cell not run at its bucket for its
-interval is due: it is tried (Choice.explored) even when its estimate is far below the best, for up to
-try_rounds rounds until one is reported steady (the first tree round after plain ones is a catch-up round
-the core does not report). A cell that never ran at a bucket where its cost is unknown or borrowed from
-another bucket is due at once. One cell is tried at a time per bucket, the most overdue first; a try
-begins retry_base rounds after the last one began, or at once after a tree round at the bucket (the drafter
-follows every row then: no catch-up to pay), so that the cells due at a bucket where plain wins are tried
-one after another behind a single catch-up. With the default menu a bucket's exploration share falls to about 1%
-as the intervals reach the cap (6 shapes of at most 2 rounds each per 1024 rounds; tests/test_policy.py
-measures it).
+rounds at first. Every run of a cell is judged at its bucket's next round: still the best, the interval goes
+back to retry_base; not the best, it grows to 2 x interval x lag^2 (up to retry_cap), lag the best's score over
+the cell's: a near miss is retried about twice as late, a shape at half the best's rate eight times as late
+(less likely to have become the best, and its try loses more). A cell not run at its bucket for its interval is
+due: it is tried (Choice.explored) even when its estimate is far below the best, for up to try_rounds rounds
+until one is reported steady (the first tree round after plain ones is a catch-up round the core does not
+report); the core runs a try's calls as many rounds as any other. A cell that never ran at a bucket where its
+cost is unknown or borrowed from another bucket is due at once; one that never ran on this bucket's own costs waits
+interval x lag^2. One cell is tried at a time per bucket, the
+most overdue first; a try begins retry_base rounds after the last one began, or at once after a tree round at
+the bucket (the drafter follows every row then: no catch-up to pay), so that the cells due at a bucket where
+plain wins are tried one after another behind a single catch-up. With the default menu a bucket's exploration
+share falls to about 1% as the intervals reach the cap (6 shapes of at most 2 rounds each per 1024 rounds;
+tests/test_policy.py measures it).
 
 Worked example (tests/test_policy.py::test_the_docstring_example). Calibration at batch 1: decode 10 ms,
 verify of 2 / 5 rows 11 / 14 ms, propose of depth 1 / 4 1 / 4 ms; menu (1x1, 4x4), prior 0.6 per level,
@@ -53,8 +56,9 @@ overhead is 15 - 12 = 3 ms. 1x1 costs its own median, 15 ms: 106.7; 4x4 its cali
 21 ms: 109.8; plain 100 -> 4x4. Batch 8, never observed, charges its trees bucket 1's 3 ms (the nearest).
 Plain calls of 8 steps measured at 88 ms give bucket 1 a plain overhead of 88 - 80 = 8 ms: plain_steps 8 ->
 8 / 88 ms = 90.9, plain_steps 1 -> 1 / 18 ms = 55.6. Retries: a shape that never ran at a bucket (its cost
-there from calibration) is due at the bucket's round 16; if it is not the best after that run, it waits 32
-rounds, then 64, ... up to 1024 (test_a_due_shape_is_retried_with_a_doubling_wait).
+there from calibration) is due at the bucket's round 16; if it came out at a third of the best's rate after
+that run, it waits 2 x 16 x 3^2 = 288 rounds, then the cap, 1024; at 95% of it, 2 x 16 x 1.108 = 36, then 80
+(test_a_due_shape_waits_longer_the_further_below_the_best_it_came_out).
 
 What the caller guarantees: observe_round gets steady rounds only (no prefill, no joiner's first propose,
 no catch-up after plain rounds), timed on the device (not a loop wall holding other work), and choose and
@@ -159,7 +163,7 @@ class PolicyConfig:
     cost_window: int = 8  # steady rounds in a cost median
     cost_memory: int = 512  # bucket rounds after which a cost sample is dropped (when a newer one comes)
     retry_base: int = 16  # bucket rounds before a shape left unrun is tried again
-    retry_cap: int = 1024  # the longest retry interval (each failed try doubles it)
+    retry_cap: int = 1024  # the longest retry interval (each failed try multiplies it by 2 x lag^2)
     try_rounds: int = 2  # rounds a try lasts at most, until one is reported steady
     seed: int = 0  # orders cells due in the same round with equal estimates
     # a tree is chosen over plain only when its rate beats plain's by this share: what a tree round's cost sample
@@ -225,9 +229,9 @@ class AdaptivePolicy:
         bk.rounds += 1
         self._relax(members)
         rates = self._rates(members, plain_steps, bk, costs, keep=True)
+        scores = [None if r is None else r * (1 + self.cfg.margin) if i == 0 else r for i, r in enumerate(rates)]
         best, top = None, -1.0
-        for i, r in enumerate(rates):  # ties: the first of plain, *menu; plain's rate counts margin more
-            score = None if r is None else r * (1 + self.cfg.margin) if i == 0 else r
+        for i, score in enumerate(scores):  # ties: the first of plain, *menu; plain's rate counts margin more
             if score is not None and score > top:
                 best, top = i, score
         if bk.trying is not None and bk.trying != best and not bk.try_seen and bk.try_left > 0:
@@ -235,14 +239,16 @@ class AdaptivePolicy:
             bk.cells[bk.trying].last_run = bk.rounds
             return Choice(self.shapes[bk.trying], explored=True)
         bk.trying = None
-        if bk.last_pick is not None:  # judge the shape that ran last: still the best, or its wait doubles
-            cell = bk.cells[bk.last_pick]
-            cell.interval = self.cfg.retry_base if bk.last_pick == best else min(2 * cell.interval, self.cfg.retry_cap)
+        if bk.last_pick is not None:  # judge the shape that ran last: still the best, or its wait grows
+            cell, score = bk.cells[bk.last_pick], scores[bk.last_pick]
+            lag = top / score if score else 2.0  # how far below the best it came out (>= 1)
+            grown = math.ceil(2 * cell.interval * max(1.0, lag) ** 2)
+            cell.interval = self.cfg.retry_base if bk.last_pick == best else min(grown, self.cfg.retry_cap)
         # one try at a time, and from plain none within retry_base rounds of the last one began: at 64 sequences
         # a try from plain costs its rounds and the catching up of every row; after a tree round it costs its own
         on_trees = bk.last_pick is not None and bk.last_pick > 0
         spaced = on_trees or bk.rounds - bk.tried_at >= self.cfg.retry_base
-        pick = self._due(bk, best, rates, costs) if spaced else None
+        pick = self._due(bk, best, scores, costs) if spaced else None
         if pick is not None:
             bk.trying, bk.try_left, bk.try_seen, bk.tried_at = pick, self.cfg.try_rounds - 1, False, bk.rounds
         elif best is None:
@@ -266,13 +272,19 @@ class AdaptivePolicy:
                     sf.relax(self.relax, c)
                 sf.seen = False
 
-    def _due(self, bk: Bucket, best: int | None, rates: list[float | None], costs: CostModel) -> int | None:
+    def _due(self, bk: Bucket, best: int | None, scores: list[float | None], costs: CostModel) -> int | None:
         """The cell to try, other than the best, or None: first one that never ran here and whose cost here
-        is unknown or borrowed from another bucket (the best rate first), then the most overdue."""
+        is unknown or borrowed from another bucket (the best score first), then the most overdue. A cell that
+        never ran here on a cost of this bucket's own waits its interval x lag^2 (lag: the best's score over
+        its own), as if judged."""
         borrowed = [costs.overhead(bk, plain)[1] == "nearest" for plain in (False, True)]  # [tree, plain]
+        top = scores[best] if best is not None else None
         pick, key = None, None
         for i, cell in enumerate(bk.cells):
-            late, rate = bk.rounds - cell.last_run - cell.interval, rates[i]
+            rate, wait = scores[i], cell.interval
+            if not cell.has_run and top and rate:
+                wait = math.ceil(wait * max(1.0, top / rate) ** 2)
+            late = bk.rounds - cell.last_run - wait
             stale = not cell.has_run and not cell.window.samples and (rate is None or borrowed[i == 0])
             if i == best or (late < 0 and not stale):
                 continue

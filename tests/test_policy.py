@@ -134,28 +134,33 @@ def test_plain_steps_per_call_amortise_the_plain_overhead() -> None:
 def test_batch_64_history_is_not_charged_to_batch_1() -> None:
     """Issue 32. Batch 64 (calibrated: decode 12, 4x4 4 + 20 ms) with 60 ms of tree overhead: plain 64 / 13 ms
     = 4,923 tok/s against 4x4 at most 64 * 5 / 84 ms = 3,810 (every draft accepted): plain there once a tree
-    round was reported (round 2; round 1 is a catch-up). Its trees are tried on their doubling waits (32, 64,
-    128, 256 rounds from their last run), both behind one catch-up: 1x1's try from plain (a catch-up round,
-    then a steady one: 33-34, 98-99, 227-228, 484-485), then 4x4 at once after that tree round (35, 100, 229,
-    486). Batch 1 has no rounds yet: it borrows bucket 64's overheads (60 ms tree, 1 ms plain): 4x4 at most
-    5 / 78 ms = 64 against plain 1 / 11 ms = 91 is its best estimate; but its trees never ran there on a
-    borrowed cost, so they are due at once: 4x4 (the better tree) runs rounds 1 (a catch-up: bucket 64's last
-    rounds were plain) and 2; bucket 1 now has its own 0 ms overhead: 4x4 is the best from then on; plain,
-    never run at bucket 1 and borrowed, is tried at once after that tree round (3); 1x1, due after retry_base
-    rounds, at 16. Bound: 0 rounds of plain but its try."""
+    round was reported (round 2; round 1, 1x1's, is a catch-up). Each tree's wait grows by its lag behind the
+    best when judged (2 x wait x lag^2): 1x1's after round 1 to 33 (1% behind 4x4 on calibration), 4x4's after
+    round 2 to 76 (plain's calibrated 64 / 12 ms = 5,333 tok/s, 5,867 with the margin, over 3,810: lag 1.54).
+    Each try from plain is a catch-up round and a steady one: 1x1 at 34-35, 4x4 at 78-79. Judged against
+    plain's measured 4,923 (5,415 with the margin): 1x1 at 64 * 2 / 75 ms = 1,707 (lag 3.17) waits 2 x 33 x
+    3.17^2 = 665 rounds (past 500), 4x4 (lag 1.42) 2 x 76 x 1.42^2 = 308: 387-388. Batch 1 has no rounds
+    yet: it borrows bucket 64's overheads (60 ms tree, 1 ms plain): 4x4 at most 5 / 78 ms = 64 against plain
+    1 / 11 ms = 91 is its best estimate; but its trees never ran there on a borrowed cost, so they are due at
+    once: 4x4 (the better tree) runs rounds 1 (a catch-up: bucket 64's last rounds were plain) and 2; bucket 1
+    now has its own 0 ms overhead: 4x4 is the best from then on (5 / 18 ms = 277.8); plain, never run at bucket
+    1 and borrowed, is tried at once after that tree round (3); 1x1 (2 / 12 ms = 166.7, never run: its wait
+    16 x (277.8 / 166.7)^2 = 44.4) at 45, then 2 x 16 x 2.78 = 89 rounds later, at 134. Bound: 0 rounds of
+    plain but its try."""
     costs = table(1) + table(64, decode=12, verify2=14, verify5=20)
     p = AdaptivePolicy(PolicyConfig(menu=(CHAIN1, CHAIN4)), costs)
     core = Core(p)
     at64 = core.run(64, 500, lambda r: 4, spec_overhead=60 * MS, plain_overhead=1 * MS)
     assert all(c.shape.plain for c in at64[2:] if not c.explored)
     tries = [(i + 1, c.shape) for i, c in enumerate(at64[2:], 2) if c.explored]
-    assert tries == [(r + k, CHAIN1 if k < 2 else CHAIN4) for r in (33, 98, 227, 484) for k in range(3)]
+    assert tries == [(34, CHAIN1), (35, CHAIN1), (78, CHAIN4), (79, CHAIN4), (387, CHAIN4), (388, CHAIN4)]
     at1 = core.run(1, 200, lambda r: 4, plain_overhead=1 * MS)
-    assert [(i + 1, c) for i, c in enumerate(at1[:20]) if c.explored] == [
+    assert [(i + 1, c) for i, c in enumerate(at1) if c.explored] == [
         (1, Choice(CHAIN4, True)),
         (2, Choice(CHAIN4, True)),
         (3, Choice(PLAIN, True)),
-        (16, Choice(CHAIN1, True)),
+        (45, Choice(CHAIN1, True)),
+        (134, Choice(CHAIN1, True)),
     ]
     assert all(c.shape == CHAIN4 for c in at1 if not c.explored)
     by_bucket = {(e.batch, e.shape): e for e in p.estimates()}
@@ -164,15 +169,17 @@ def test_batch_64_history_is_not_charged_to_batch_1() -> None:
 
 
 def test_a_bucket_with_its_own_history_switches_back_at_once() -> None:
-    """As above, but batch 1 ran first: 20 rounds, 1x1 at first (prior .5: 1.5 / 12 ms = 125 against 4x4 107.6),
-    with 4x4 and plain due at round 16, both never run: the better estimate first (4x4 at 16), then plain at
-    once (17: after a tree round a try pays no catch-up). Bucket 1 has its own tree overhead: after the 500 rounds at 64
-    its very first round is a tree again. Bound: 0 rounds."""
+    """As above, but batch 1 ran first: 120 rounds, 1x1 at first (prior .5: 1.5 / 12 ms = 125 against 4x4 107.6,
+    then 2 / 12 ms = 166.7 as it accepts every draft), 4x4 never run and a little behind (2.875 / 18 ms = 159.7
+    with levels 2-4 at the prior: lag 1.04, its wait 16 x 1.09 = 18), tried at 19 and the best from then on
+    (5 / 18 ms = 277.8); 1x1, the best when judged at 19, is due 16 rounds after its last (34); plain, never
+    run, waits 16 x (277.8 / 110)^2 = 102. Bucket 1 has its own costs: after the 500 rounds at 64 its very first
+    round is a tree again. Bound: 0 rounds."""
     costs = table(1) + table(64, decode=12, verify2=14, verify5=20)
     p = AdaptivePolicy(PolicyConfig(menu=(CHAIN1, CHAIN4)), costs)
     core = Core(p)
-    before = core.run(1, 20, lambda r: 4)
-    assert [(i + 1, c.shape) for i, c in enumerate(before) if c.explored] == [(16, CHAIN4), (17, PLAIN)]
+    before = core.run(1, 120, lambda r: 4)
+    assert [(i + 1, c.shape) for i, c in enumerate(before) if c.explored] == [(19, CHAIN4), (34, CHAIN1), (102, PLAIN)]
     core.run(64, 500, lambda r: 4, spec_overhead=60 * MS, plain_overhead=1 * MS)
     after = core.run(1, 100, lambda r: 4)
     assert not after[0].explored and not after[0].shape.plain
@@ -205,21 +212,31 @@ def test_a_text_whose_acceptance_drops_and_recovers_moves_the_choice_both_ways()
     assert all(s == CHAIN4 for s, r in zip(best, rounds) if r >= back)
 
 
-def test_a_due_shape_is_retried_with_a_doubling_wait() -> None:
-    """1x1 far below plain (verify 30 ms, alpha .01: 1.01 / 31 ms = 32.6 tok/s against 100). It never ran at
-    bucket 1 and its cost is calibration, so it is due at the bucket's round 16 (retry_base). Not the best
-    after that run: the wait doubles to 32 -> round 48, then 64 -> 112, 128 -> 240.
-    With catch-up rounds unreported each try lasts 2 rounds (16-17), and the wait counts from its last:
-    17 + 32 = 49 (49-50), 50 + 64 = 114 (114-115)."""
+def test_a_due_shape_waits_longer_the_further_below_the_best_it_came_out() -> None:
+    """Far: 1x1 at verify 30 ms, alpha .01 and accepting nothing: 1.0046 / 31 ms = 32.4 tok/s against plain's
+    100 (110 with the margin: lag 3.40). It never ran at bucket 1 and its cost is calibration, so it is due at
+    the bucket's round 16 x 3.38^2 = 183 (retry_base x lag^2 for a cell never run: 1.01 / 31 ms before any
+    round); judged after it, its wait grows to 2 x 16 x 3.40^2 = 370 -> round 553, then to the cap, 1024 ->
+    1577. With catch-up rounds unreported each try lasts 2 rounds (183-184) and the wait counts from its last:
+    184 + 371 = 555 (555-556), 556 + 1024 = 1580 (1580-1581).
+    Near: 1x1 at verify 11 ms, margin 0, alpha .15 (fed): 1.15 / 12 ms = 95.8 against 100 (lag 1.044: first due
+    at 16 x 1.09 = 18); its round accepts nothing, so the sequence's factor is (0 + 4) / (1 + 4) = .8 when
+    judged: 1.12 / 12 ms = 93.3, lag 1.071, wait 2 x 16 x 1.148 = 37 -> round 55, then 2 x 37 x 1.15 ~ 86 (the
+    factor back near 1) -> 141."""
     cfg = PolicyConfig(menu=(CHAIN1,), prior=0.01)
     p = AdaptivePolicy(cfg, table(verify2=30))
     assert p.rates(members(1), 1)[CHAIN1] == pytest.approx(1.01 / 0.031)
-    choices = drive(p, 1, 250, lambda r: 0, catch_up=False)
-    assert [i + 1 for i, c in enumerate(choices) if c.explored] == [16, 48, 112, 240]
+    choices = drive(p, 1, 1700, lambda r: 0, catch_up=False)
+    assert [i + 1 for i, c in enumerate(choices) if c.explored] == [183, 553, 1577]
     assert all(c.shape == CHAIN1 for c in choices if c.explored)
     p = AdaptivePolicy(cfg, table(verify2=30))
-    choices = drive(p, 1, 120, lambda r: 0)
-    assert [i + 1 for i, c in enumerate(choices) if c.explored] == [16, 17, 49, 50, 114, 115]
+    choices = drive(p, 1, 1700, lambda r: 0)
+    assert [i + 1 for i, c in enumerate(choices) if c.explored] == [183, 184, 555, 556, 1580, 1581]
+    p = AdaptivePolicy(PolicyConfig(menu=(CHAIN1,), margin=0.0), table(verify2=11))
+    feed(p, 0.15, shapes=(CHAIN1,))
+    assert p.rates(members(1), 1)[CHAIN1] == pytest.approx(1.15 / 0.012, rel=1e-3)
+    choices = drive(p, 1, 300, lambda r: 0, catch_up=False)
+    assert [i + 1 for i, c in enumerate(choices) if c.explored] == [18, 55, 141]
 
 
 def test_exploration_stays_a_small_share_of_rounds() -> None:

@@ -315,7 +315,10 @@ class EngineCore:
         # behind each chained round's)
         choice = self._choose(running)
         nxt = choice.shape
-        rounds = 1 if choice.explored else rounds  # a try of a shape not the best: one round (the next call's)
+        # a try of a shape not the best (choice.explored) begins with the next call: this one runs a round, and
+        # the try's calls as many as any (its cost sample a steady call's, the host work shared by every round;
+        # a try of one-round calls was charged a whole call a round and never looked as cheap as it runs)
+        rounds = 1 if choice.explored and nxt != shape else rounds
         going = [(s, t, self._tree(s, nxt)) for s, t in spec]
         chained = [(s, n) for s, _, n in going if not n.plain]
         rest = [(s, t) for s, t, n in going if n.plain] + [(s, NO_TREE) for s in plain]
