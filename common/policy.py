@@ -36,8 +36,8 @@ back to retry_base; not the best, it grows to 2 x interval x lag^2 (up to retry_
 the cell's: a near miss is retried about twice as late, a shape at half the best's rate eight times as late
 (less likely to have become the best, and its try loses more). A cell not run at its bucket for its interval is
 due: it is tried (Choice.explored) even when its estimate is far below the best, for up to try_rounds rounds
-until one is reported steady (the first tree round after plain ones is a catch-up round the core does not
-report); the core runs a try's calls as many rounds as any other. A cell that never ran at a bucket where its
+until one is reported steady (the core decides a call's successor before it runs, and a call cut short is not
+reported); the core runs a try's calls as many rounds as any other. A cell that never ran at a bucket where its
 cost is unknown or borrowed from another bucket is due at once; one that never ran on this bucket's own costs waits
 interval x lag^2. One cell is tried at a time per bucket, the
 most overdue first; a try begins retry_base rounds after the last one began, or at once after a tree round at
@@ -60,10 +60,11 @@ there from calibration) is due at the bucket's round 16; if it came out at a thi
 that run, it waits 2 x 16 x 3^2 = 288 rounds, then the cap, 1024; at 95% of it, 2 x 16 x 1.108 = 36, then 80
 (test_a_due_shape_waits_longer_the_further_below_the_best_it_came_out).
 
-What the caller guarantees: observe_round gets steady rounds only (no prefill, no joiner's first propose,
-no catch-up after plain rounds), timed on the device (not a loop wall holding other work), and choose and
-observe_round see the same batch (choose's `batch` when pinned sequences ride along). estimates() tells an
-operator why: per bucket and shape the rate, seconds and tokens compared, and where the cost comes from.
+What the caller guarantees: observe_round gets steady rounds only (calls that ran every round they asked
+for, no prefill, no catch-up proposes after plain rounds; common/engine/core.py), not a loop wall holding
+other work, and choose and observe_round see the same batch (choose's `batch` when pinned sequences ride
+along). estimates() tells an operator why: per bucket and shape the rate, seconds and tokens compared, and
+where the cost comes from.
 """
 
 from __future__ import annotations

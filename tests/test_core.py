@@ -152,8 +152,24 @@ def test_shapes_switching_every_round_keep_the_output(engines, plain):
     for i, n in enumerate((16, 12, 10, 16)):
         assert got[f"s{i}"][0] == plain[i][:n], i
     shapes = {s for _, s, _ in policy.rounds}
-    assert PLAIN in shapes and len(shapes) > 2  # steady rounds of several shapes were reported
+    assert PLAIN in shapes  # plain calls are reported; tree calls here are cut short or mix two shapes: not
     check_free(core)
+
+
+def test_the_policy_is_told_the_cost_of_whole_calls_only(engines, plain):
+    """A shape a call: with one round a call every call is whole and pure, so each shape the policy picked is
+    reported (the first tree call after the prompts, every row joining, too: its catch-up left out); with four
+    rounds a call and the next shape another, a call runs its shape once and the next one's chained behind it,
+    so no tree call is reported, only the plain ones."""
+    v, d = engines
+    shapes = [PLAIN, Shape(1, 1), TREE, Shape(2, 4)]
+    for rounds, reported in ((1, set(shapes)), (4, {PLAIN})):
+        policy = Cycle(shapes)
+        core = EngineCore(v, d, policy, CoreConfig(max_sequences=2, plain_steps=2, rounds_per_step=rounds))
+        got = run(core, {0: [req(0, 16), req(1, 16)]})
+        assert [got[f"s{i}"][0] for i in range(2)] == [plain[0][:16], plain[1][:16]]
+        assert {s for _, s, _ in policy.rounds} == reported, rounds
+        check_free(core)
 
 
 class Flaky:

@@ -28,8 +28,10 @@ device chain declined, a joiner's prompt) they wait here and go with its next pr
 (a remote draft service down) loses every sequence: they go on plainly, and once it answers again each is
 caught up from features recomputed over its whole context in the verifier's spare slot.
 
-The policy (common/policy.py) sees steady rounds' costs, with their joiners' first proposes, without the step's
-prefill; the first round after a plain stretch (every row catching up) teaches it nothing.
+The policy (common/policy.py) sees the cost of each call that ran every round it asked for, with its joiners'
+first proposes, without the step's prefill or the catch-up proposes of a call after a plain stretch (every
+row catching up); a call cut short (before a try, or the last of a tree stretch: no trees chained behind it)
+teaches it nothing, its host work shared by fewer rounds than any steady call's.
 """
 
 from __future__ import annotations
@@ -304,7 +306,7 @@ class EngineCore:
         speccing = {id(s) for s, _ in spec}
         plain = [s for (s, _), room in zip(rows, rooms) if id(s) not in speccing and room >= 1]
         t1 = self.clock()
-        trees, steady, joining_s = self._trees(spec)
+        trees, catch_up, joining_s = self._trees(spec)
         t2 = self.clock()
         spec = [(s, t) for s, t in spec if s.seq_id in trees]
         plain += [s for s, _ in rows if id(s) in speccing and s.seq_id not in trees and s.status is Status.RUNNING]
@@ -375,14 +377,17 @@ class EngineCore:
         drafted = Shape(max(t.depth for _, t in spec), max(t.nodes for _, t in spec))
         self.choices[drafted] += done
         pure = not plain and all(t == shape for _, t in spec) and (done == 1 or all(n == shape for _, n in chained))
-        self._observe(t0, len(order), drafted, 1, steady and pure, setup_s, sampled, done)
+        whole = done == rounds  # not cut short: its host work shared by as many rounds as any call's
+        other_s = setup_s + (joining_s if catch_up else 0.0)
+        self._observe(t0, len(order), drafted, 1, whole and pure, other_s, sampled, done)
         return done
 
     def _trees(self, spec: list[tuple[Sequence, Shape]]) -> tuple[dict[str, Tree], bool, float]:
         """The trees of this round's drafting rows ({seq_id: tree}; a row missing: the drafter failed it), whether
-        the round is steady, and the seconds spent on joining rows. A joining row is a joiner's prompt, or a
-        sequence caught up after a plain stretch or a drafter failure: its propose runs a long accept pass, in a
-        call of its own; a round that has nothing but joining rows (the first after plain steps) is not steady."""
+        the round catches up every row, and the seconds spent on joining rows. A joining row is a joiner's prompt,
+        or a sequence caught up after a plain stretch or a drafter failure: its propose runs a long accept pass,
+        in a call of its own; a round that has nothing but joining rows (the first after plain steps) is a
+        catch-up."""
         trees = self._settle_launch()
         todo = [(s, t, self._propose_input(s, t)) for s, t in spec if s.seq_id not in trees]
         joining = [x for x in todo if x[2].start or len(x[2].token_ids) > JOINING_TOKENS]
@@ -391,7 +396,7 @@ class EngineCore:
         self._propose(joining, trees)
         joining_s = self.clock() - t0
         self._propose(going, trees)
-        return trees, len(joining) < len(spec), joining_s
+        return trees, len(joining) == len(spec), joining_s
 
     def _propose(self, todo: list[tuple[Sequence, Shape, ProposeInput]], trees: dict[str, Tree]) -> None:
         """The drafter's trees for these rows, into `trees` (none when it fails: they go on plainly)."""
@@ -483,8 +488,8 @@ class EngineCore:
         rounds: int = 1,
     ) -> None:
         """A round's cost for the policy: from the end of the call before (the host work between calls is this
-        one's too) less the step's other work (other_s: admission, prefill, catching up), shared by
-        the call's rounds, when both calls ran back to back and this one is steady."""
+        one's too) less the step's other work (other_s: admission, prefill, a catch-up's proposes), shared by
+        the call's rounds, when both calls ran back to back and this one is steady (not cut short)."""
         end = self.clock()
         last, self._last_end = self._last_end, end
         if steady and last is not None and t0 - last < 0.05 + other_s:
