@@ -18,7 +18,8 @@ gets element i mod 48):
   mixed        (--sampled) every other prompt as default-0.7, the others as default: a batch half greedy, half
                sampled (its ratio is over default's, the all-greedy batch)
 History: a phase per --concurrency entry (default 1,16,64,1: the last measures c=1 after the bursts). In a phase
-every kind runs once, n = max(48, 4 x c) requests with c in flight, in an order rotated by one from phase to phase
+every kind runs once, n = max(48, 16 x c) requests with c in flight (RUN_LENGTH x c: runs of 64 at c=16 lasted
+half a second and swung +-15% from run to run), in an order rotated by one from phase to phase
 so that drift favours no kind. Before the phases every kind runs untimed (--warm-up 8 requests, 4 in flight), then
 a Python client sends each kind's 48 requests once, one at a time, to count their completion tokens (ghz counts
 requests only).
@@ -58,6 +59,7 @@ CATEGORIES = ("chat", "code", "math", "qa", "summarization", "writing")
 CALL = "specdec.v1.Generation.Complete"
 WARM_UP_CONCURRENCY = 4  # each kind's untimed ghz run before the phases: --warm-up requests, at most 4 in flight
 SAMPLING = {"temperature": 0.7, "top_p": 0.9}
+RUN_LENGTH = 16  # requests a run per request in flight (at least the prompts): 256 at c=16, 1,024 at c=64
 ENGINE_SNAPSHOT_S = 0.6  # the verifier's engine thread wakes every 0.5 s when idle, and snapshots its state
 
 
@@ -141,12 +143,12 @@ class Run:
 
 def schedule(concurrency: list[int], kinds: list[str], prompts: int, requests: int | None = None) -> list[Run]:
     """Every kind once a phase, the order rotated by one from phase to phase: kinds [a, b, c], concurrency
-    [1, 16, 1] -> a b c | b c a | c a b. A run sends `requests` (at least c) or max(prompts, 4 x c)."""
+    [1, 16, 1] -> a b c | b c a | c a b. A run sends `requests` (at least c) or max(prompts, RUN_LENGTH x c)."""
     runs = []
     for phase, c in enumerate(concurrency, 1):
         k = (phase - 1) % len(kinds)
         for kind in kinds[k:] + kinds[:k]:
-            runs.append(Run(phase, c, kind, max(requests, c) if requests else max(prompts, 4 * c)))
+            runs.append(Run(phase, c, kind, max(requests, c) if requests else max(prompts, RUN_LENGTH * c)))
     return runs
 
 
@@ -557,7 +559,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--concurrency", default="1,16,64,1", help="the phases' concurrency, in order")
     p.add_argument("--kinds", default=",".join(GREEDY), help=f"of {', '.join(KINDS)}")
     p.add_argument("--sampled", action="store_true", help="add " + " and ".join(SAMPLED))
-    p.add_argument("--requests", type=int, default=None, help="requests a run (default max(prompts, 4 x c))")
+    p.add_argument("--requests", type=int, default=None, help="requests a run (default max(prompts, 16 x c))")
     p.add_argument("--prompts-file", type=Path, default=PROMPTS)
     p.add_argument("--prompts", type=int, default=None, help="the first N prompts only (interleaved by category)")
     p.add_argument("--max-tokens", type=int, default=128)
