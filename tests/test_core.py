@@ -62,12 +62,14 @@ class Cycle:
     def __init__(self, shapes):
         self.shapes = itertools.cycle(shapes)
         self.rounds: list = []  # observe_round's calls
+        self.seconds: list[float] = []  # and the costs they reported
 
     def choose(self, members, plain_steps, batch=None, sampled=False):
         return Choice(next(self.shapes))
 
     def observe_round(self, batch, shape, seconds, steps=1, sampled=False):
         self.rounds.append((batch, shape, steps))
+        self.seconds.append(seconds)
 
     def observe(self, seq_id, band, shape, accepted):
         pass
@@ -170,6 +172,33 @@ def test_the_policy_is_told_the_cost_of_whole_calls_only(engines, plain):
         assert [got[f"s{i}"][0] for i in range(2)] == [plain[0][:16], plain[1][:16]]
         assert {s for _, s, _ in policy.rounds} == reported, rounds
         check_free(core)
+
+
+class Ticks:
+    """A clock that moves 10 us a read, and the test adds idle time to t itself."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        self.t += 1e-5
+        return self.t
+
+
+def test_idle_time_between_requests_is_no_calls_cost(engines, plain):
+    """One request at a time, 40 ms idle between them (under the 50 ms within which two calls count as back to
+    back): every cost the policy is told is a few clock reads (10 us each), none holds the idle time: after an
+    idle wait the next call is not timed from the last one before it."""
+    v, d = engines
+    clock, policy = Ticks(), Cycle([PLAIN, TREE])
+    core = EngineCore(v, d, policy, CoreConfig(max_sequences=2, plain_steps=2, rounds_per_step=2), clock=clock)
+    for i in range(3):
+        got = run(core, {0: [req(i, 8)]})
+        assert got[f"s{i}"][0] == plain[i][:8], i
+        clock.t += 0.04
+        core.wait(0.001)
+    assert policy.seconds and max(policy.seconds) < 0.005, policy.seconds
+    check_free(core)
 
 
 class Flaky:

@@ -114,6 +114,7 @@ class EngineCore:
             t0 = self.clock()
             self._wake.wait(timeout)
             self.times["idle"] += self.clock() - t0
+            self._last_end = None  # the next call's cost does not run from before the idle time
         self._wake.clear()
 
     def drafter_down(self) -> None:
