@@ -242,7 +242,7 @@ class AdaptivePolicy:
         bk.trying = None
         if bk.last_pick is not None:  # judge the shape that ran last: still the best, or its wait grows
             cell, score = bk.cells[bk.last_pick], scores[bk.last_pick]
-            lag = top / score if score else 2.0  # how far below the best it came out (>= 1)
+            lag = top / score if score else 1.0  # how far below the best it came out (>= 1; no cost known: 1)
             grown = math.ceil(2 * cell.interval * max(1.0, lag) ** 2)
             cell.interval = self.cfg.retry_base if bk.last_pick == best else min(grown, self.cfg.retry_cap)
         # one try at a time, and from plain none within retry_base rounds of the last one began: at 64 sequences

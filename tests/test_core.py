@@ -174,6 +174,28 @@ def test_the_policy_is_told_the_cost_of_whole_calls_only(engines, plain):
         check_free(core)
 
 
+def test_a_try_is_costed_by_a_whole_call_not_the_one_cut_before_it(engines, plain, monkeypatch):
+    """A policy trying 2x4 (explored) for two calls after every two 3x8 ones: the call before each try is cut to
+    one round and ends its step, so the try's calls run the two rounds of a fresh step; every tree cost the
+    policy is told comes from a call of two rounds (a cut call's one round would carry a whole call's host
+    work)."""
+    v, d = engines
+    policy = Cycle([TREE, TREE, Shape(2, 4), Shape(2, 4)])
+    tries = policy.choose
+    monkeypatch.setattr(policy, "choose", lambda *a, **k: (c := tries(*a, **k)) and Choice(c.shape, c.shape != TREE))
+    core = EngineCore(v, d, policy, CoreConfig(max_sequences=2, plain_steps=2, rounds_per_step=2))
+    told = []
+    observe = core._observe
+    monkeypatch.setattr(core, "_observe", lambda *a, **k: told.append((a[2], a[4], a[7])) or observe(*a, **k))
+    got = run(core, {0: [req(0, 16), req(1, 16)]})
+    assert [got[f"s{i}"][0] for i in range(2)] == [plain[0][:16], plain[1][:16]]
+    reported = [(shape, rounds) for shape, steady, rounds in told if steady and not shape.plain]
+    assert any(rounds == 1 for shape, steady, rounds in told if not shape.plain), told  # cut calls ran
+    assert reported and all(rounds == 2 for _, rounds in reported), told
+    assert Shape(2, 4) in {shape for shape, _ in reported}, told
+    check_free(core)
+
+
 class Ticks:
     """A clock that moves 10 us a read, and the test adds idle time to t itself."""
 

@@ -178,6 +178,8 @@ class EngineCore:
             done = self._round(running, news, setup_s, left)
             if not done:
                 break  # a plain round (its steps are the step's), or a failed verify
+            if done < left:
+                break  # a call cut short (a try next, or nothing chained): the next begins a step of whole rounds
             left -= done
             setup_s = 0.0
             running = [s for s in running if s.status is Status.RUNNING]
@@ -321,7 +323,7 @@ class EngineCore:
         # a try of a shape not the best (choice.explored) begins with the next call: this one runs a round, and
         # the try's calls as many as any (its cost sample a steady call's, the host work shared by every round;
         # a try of one-round calls was charged a whole call a round and never looked as cheap as it runs)
-        rounds = 1 if choice.explored and nxt != shape else rounds
+        asked, rounds = rounds, 1 if choice.explored and nxt != shape else rounds
         going = [(s, t, self._tree(s, nxt)) for s, t in spec]
         chained = [(s, n) for s, _, n in going if not n.plain]
         rest = [(s, t) for s, t, n in going if n.plain] + [(s, NO_TREE) for s in plain]
@@ -378,9 +380,9 @@ class EngineCore:
         drafted = Shape(max(t.depth for _, t in spec), max(t.nodes for _, t in spec))
         self.choices[drafted] += done
         pure = not plain and all(t == shape for _, t in spec) and (done == 1 or all(n == shape for _, n in chained))
-        whole = done == rounds  # not cut short: its host work shared by as many rounds as any call's
+        whole = done == asked  # not cut short: its host work shared by as many rounds as any call's
         other_s = setup_s + (joining_s if catch_up else 0.0)
-        self._observe(t0, len(order), drafted, 1, whole and pure, other_s, sampled, done)
+        self._observe(t0, len(order), drafted, 1, whole and pure, other_s, sampled, done, gap_s=setup_s)
         return done
 
     def _trees(self, spec: list[tuple[Sequence, Shape]]) -> tuple[dict[str, Tree], bool, float]:
@@ -487,13 +489,16 @@ class EngineCore:
         other_s: float,
         sampled: bool,
         rounds: int = 1,
+        gap_s: float | None = None,
     ) -> None:
         """A round's cost for the policy: from the end of the call before (the host work between calls is this
         one's too) less the step's other work (other_s: admission, prefill, a catch-up's proposes), shared by
-        the call's rounds, when both calls ran back to back and this one is steady (not cut short)."""
+        the call's rounds, when both calls ran back to back (the gap before t0 within 50 ms and gap_s, the work
+        before it: other_s by default) and this one is steady (not cut short)."""
         end = self.clock()
         last, self._last_end = self._last_end, end
-        if steady and last is not None and t0 - last < 0.05 + other_s:
+        gap_s = other_s if gap_s is None else gap_s
+        if steady and last is not None and t0 - last < 0.05 + gap_s:
             self.policy.observe_round(batch, shape, max(end - last - other_s, 1e-6) / rounds, steps, sampled)
 
     # ---- failures ----
