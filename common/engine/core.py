@@ -6,7 +6,8 @@ One step (EngineCore.step):
 
     admit waiting requests while slots are free          (WAITING -> PREFILLING)
     prefill up to `prefill_chunk` prompt tokens           (-> RUNNING with its first token)
-    up to `rounds_per_step` rounds for every running sequence, in verifier calls of one host synchronisation:
+    up to `rounds_per_step` rounds for every running sequence, in verifier calls of one host synchronisation
+    (a call cut short, before a try or with nothing chained behind it, ends the step):
         shape = the policy's (decided when the last call was launched, or now)
         trees = the drafting launched behind the last verify (the device chain), or a propose
         verify every sequence's tree at once; launch the next trees behind it on the device, and verify those
