@@ -154,3 +154,4 @@ def test_the_engine_table_from_two_reads_of_engine_time():
     assert engine_line(r) in md
     r.engine = {"idle": 2.0}  # an idle run: no line
     assert engine_line(r) is None
+    assert engine_spent({}, {"verify": 3.0}) == {} and engine_spent({"verify": 1.0}, {}) == {}  # a read failed

@@ -38,5 +38,6 @@ def test_the_policys_estimates_become_gauges() -> None:
     assert get("specdec_policy_tokens_per_second", {"batch": "16", "tree": "plain", "band": "greedy"}) is None
     assert get("specdec_policy_rounds", {"tree": "plain"}) == 7
     assert get("specdec_engine_seconds", {"phase": "verify"}) == 1.25
-    assert get("specdec_engine_seconds", {"phase": "rounds"}) == 40.0
+    assert get("specdec_engine_calls", {"kind": "rounds"}) == 40.0
+    assert get("specdec_engine_seconds", {"phase": "rounds"}) is None
     assert get("specdec_speculation_degraded") == 1

@@ -71,9 +71,14 @@ class Metrics:
         )
         self.engine_time = Gauge(
             "specdec_engine_seconds",
-            "Seconds the verifier's engine thread spent per phase since it started (GetModelInfo.engine_time; "
-            "the phases 'rounds' and 'plain_calls' are counts)",
+            "Seconds the verifier's engine thread spent per phase since it started (GetModelInfo.engine_time)",
             ["phase"],
+            registry=r,
+        )
+        self.engine_calls = Gauge(
+            "specdec_engine_calls",
+            "Speculative rounds ('rounds') and plain decoding calls ('plain_calls') since the verifier started",
+            ["kind"],
             registry=r,
         )
         self._per_pos: list = []  # label children, resolved once
@@ -104,7 +109,13 @@ class Metrics:
         for c in info.policy_choices:
             self.policy_rounds.labels(tree=_tree(c.tree)).set(c.rounds)
         for phase, v in info.engine_time.items():
-            self.engine_time.labels(phase=phase).set(v)
+            if phase in ENGINE_COUNTS:
+                self.engine_calls.labels(kind=phase).set(v)
+            else:
+                self.engine_time.labels(phase=phase).set(v)
+
+
+ENGINE_COUNTS = ("rounds", "plain_calls")  # GetModelInfo.engine_time's counts; its other entries are seconds
 
 
 def _tree(t) -> str:
