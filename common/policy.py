@@ -30,21 +30,20 @@ rounds of the same kind (tree / plain) at this bucket, or, when it has none, at 
 has (never a figure shared by every batch size). A batch or size past the calibrated ones scales linearly
 from the largest; one between takes the next larger (the graph that runs).
 
-Exploration without an absorbing state. Each (bucket, shape) cell has a retry interval, retry_base bucket
-rounds at first. Every run of a cell is judged at its bucket's next round: still the best, the interval goes
-back to retry_base; not the best, it grows to 2 x interval x lag^2 (up to retry_cap), lag the best's score over
-the cell's: a near miss is retried about twice as late, a shape at half the best's rate eight times as late
-(less likely to have become the best, and its try loses more). A cell not run at its bucket for its interval is
-due: it is tried (Choice.explored) even when its estimate is far below the best, for up to try_rounds rounds
-until one is reported steady (the core decides a call's successor before it runs, and a call cut short is not
-reported); the core runs a try's calls as many rounds as any other. A cell that never ran at a bucket where its
-cost is unknown or borrowed from another bucket is due at once; one that never ran on this bucket's own costs waits
-interval x lag^2. One cell is tried at a time per bucket, the
-most overdue first; a try begins retry_base rounds after the last one began, or at once after a tree round at
-the bucket (the drafter follows every row then: no catch-up to pay), so that the cells due at a bucket where
-plain wins are tried one after another behind a single catch-up. With the default menu a bucket's exploration
-share falls to about 1% as the intervals reach the cap (6 shapes of at most 2 rounds each per 1024 rounds;
-tests/test_policy.py measures it).
+Exploration without an absorbing state. Each (bucket, shape) cell has a retry interval, retry_base bucket rounds
+at first. Every run of a cell is judged at its bucket's next round: still the best, the interval goes back to
+retry_base; not the best, it grows to 2 x interval x lag^2 (up to retry_cap), lag the best's score over the
+cell's: a near miss is retried about twice as late, a shape at half the best's rate eight times as late (less
+likely to have become the best, and its try loses more). A cell not run at its bucket for its interval is due: it
+is tried (Choice.explored) even when its estimate is far below the best, for up to try_rounds rounds until one is
+reported steady (the core decides a call's successor before it runs, and a call cut short is not reported); the
+core runs a try's calls as many rounds as any other. A cell that never ran at a bucket where its cost is unknown
+or borrowed from another bucket is due at once; one that never ran on this bucket's own costs waits interval x
+lag^2. One cell is tried at a time per bucket, the most overdue first; a try begins retry_base rounds after the
+last one began, or at once after a tree round at the bucket (the drafter follows every row then: no catch-up to
+pay), so that the cells due at a bucket where plain wins are tried one after another behind a single catch-up.
+With the default menu a bucket's exploration share falls to about 1% as the intervals reach the cap (6 shapes of
+at most 2 rounds each per 1024 rounds; tests/test_policy.py measures it).
 
 Worked example (tests/test_policy.py::test_the_docstring_example). Calibration at batch 1: decode 10 ms,
 verify of 2 / 5 rows 11 / 14 ms, propose of depth 1 / 4 1 / 4 ms; menu (1x1, 4x4), prior 0.6 per level,
@@ -241,9 +240,8 @@ class AdaptivePolicy:
             return Choice(self.shapes[bk.trying], explored=True)
         bk.trying = None
         if bk.last_pick is not None:  # judge the shape that ran last: still the best, or its wait grows
-            cell, score = bk.cells[bk.last_pick], scores[bk.last_pick]
-            lag = top / score if score else 1.0  # how far below the best it came out (>= 1; no cost known: 1)
-            grown = math.ceil(2 * cell.interval * max(1.0, lag) ** 2)
+            cell = bk.cells[bk.last_pick]
+            grown = _lagged(2 * cell.interval, top, scores[bk.last_pick])
             cell.interval = self.cfg.retry_base if bk.last_pick == best else min(grown, self.cfg.retry_cap)
         # one try at a time, and from plain none within retry_base rounds of the last one began: at 64 sequences
         # a try from plain costs its rounds and the catching up of every row; after a tree round it costs its own
@@ -282,14 +280,12 @@ class AdaptivePolicy:
         top = scores[best] if best is not None else None
         pick, key = None, None
         for i, cell in enumerate(bk.cells):
-            rate, wait = scores[i], cell.interval
-            if not cell.has_run and top and rate:
-                wait = math.ceil(wait * max(1.0, top / rate) ** 2)
-            late = bk.rounds - cell.last_run - wait
-            stale = not cell.has_run and not cell.window.samples and (rate is None or borrowed[i == 0])
+            score = scores[i]
+            late = bk.rounds - cell.last_run - (cell.interval if cell.has_run else _lagged(cell.interval, top, score))
+            stale = not cell.has_run and not cell.window.samples and (score is None or borrowed[i == 0])
             if i == best or (late < 0 and not stale):
                 continue
-            k = (stale, late, math.inf if rate is None else rate, cell.tiebreak)
+            k = (stale, late, math.inf if score is None else score, cell.tiebreak)
             if key is None or k > key:
                 pick, key = i, k
         return pick
@@ -415,6 +411,13 @@ class AdaptivePolicy:
                     out.append(Estimate(size, shape, rate, seconds, tokens, n, stale, b, costs.source(bk, i)))
         out.sort(key=lambda e: (e.batch, e.shape, BANDS.index(e.band)))
         return out
+
+
+def _lagged(wait: float, top: float | None, score: float | None) -> int:
+    """wait x lag^2, lag = top / score (how far below the best's score a cell's is; 1 when either is unknown or
+    the cell is the better): 16, 120, 60 -> 64."""
+    lag = top / score if top and score else 1.0
+    return math.ceil(wait * max(1.0, lag) ** 2)
 
 
 class Policy(Protocol):
