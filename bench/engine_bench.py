@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from common.config import SamplingConfig
+from common.engine.core_parts import PLAIN_PHASES, ROUND_PHASES
 from common.policy import Shape
 from common.sequence import Finish, Request
 
@@ -59,7 +60,7 @@ def prompts(tok) -> list[list[int]]:
 def run(core, load: list[list[int]], method: str, c: int, n: int, max_new: int, sampling: SamplingConfig, eos: int):
     """One closed-loop run of n requests, c in flight."""
     tree = Shape.parse(method.split(":", 1)[1]) if method.startswith("tree:") else None
-    before, times_before = dict(core.choices), dict(core.times)
+    before, times_before, calls_before = dict(core.choices), dict(core.times), dict(core.calls)
     started: dict[str, float] = {}
     tokens: dict[str, int] = {}
     per_request: list[float] = []
@@ -90,13 +91,13 @@ def run(core, load: list[list[int]], method: str, c: int, n: int, max_new: int, 
     total = sum(tokens.values())
     choices = {str(s): k - before.get(s, 0) for s, k in core.choices.items() if k - before.get(s, 0)}
     spent = {k: v - times_before.get(k, 0) for k, v in core.times.items()}
-    per = {"rounds": ("choose", "trees", "joining", "verify", "commit"), "plain_calls": ("plain", "plain_commit")}
+    calls = {k: v - calls_before.get(k, 0) for k, v in core.calls.items()}
     phases = {}
-    for count, names in per.items():
+    for count, names in (("rounds", ROUND_PHASES), ("plain_calls", PLAIN_PHASES)):
         for name in names:
-            if spent.get(count):
-                phases[name] = round(1e3 * spent.get(name, 0.0) / spent[count], 3)
-    phases["steps"] = spent.get("rounds", 0) + spent.get("plain_calls", 0)
+            if calls.get(count):
+                phases[name] = round(1e3 * spent.get(name, 0.0) / calls[count], 3)
+    phases["steps"] = calls.get("rounds", 0) + calls.get("plain_calls", 0)
     for name in ("setup", "retire"):
         phases[name] = round(1e3 * spent.get(name, 0.0) / max(phases["steps"], 1), 3)
     return RunResult(

@@ -18,8 +18,8 @@ gets element i mod 48):
   mixed        (--sampled) every other prompt as default-0.7, the others as default: a batch half greedy, half
                sampled (its ratio is over default's, the all-greedy batch)
 History: a phase per --concurrency entry (default 1,16,64,1: the last measures c=1 after the bursts). In a phase
-every kind runs once, n = max(48, 16 x c) requests with c in flight (RUN_LENGTH x c: runs of 64 at c=16 lasted
-half a second and swung +-15% from run to run), in an order rotated by one from phase to phase
+every kind runs once, n = max(48, 16 x c) requests with c in flight (RUN_LENGTH x c: a run under a second long
+swings by +-15% from run to run), in an order rotated by one from phase to phase
 so that drift favours no kind. Before the phases every kind runs untimed (--warm-up 8 requests, 4 in flight), then
 a Python client sends each kind's 48 requests once, one at a time, to count their completion tokens (ghz counts
 requests only).
@@ -27,7 +27,8 @@ Figures: requests/s = OK requests / ghz's total time; p50 / p99 latency of the O
 the mean completion tokens of the requests the run sent (from that count: greedy output does not depend on the
 load, up to bf16 near-ties); and each kind's requests/s over plain's in the same phase (the sampled kinds over
 plain-0.7's), the figure of merit. GetModelInfo is saved whole after every phase (the policy's choices so far),
-and its engine_time read after every run: where the verifier's engine thread spent that run (a table of its own).
+and its engine_time and engine_calls read after every run: where the verifier's engine thread spent that run (a
+table of its own).
 Writes OUT/load.json, OUT/load.md (also printed), OUT/commands.txt (every ghz command line as run), OUT/data/
 (the data files) and, with a stack of its own, OUT/stack.log.
 """
@@ -52,6 +53,8 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from common.engine.core_parts import PLAIN_PHASES, ROUND_PHASES
+
 log = logging.getLogger("bench.load")
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = Path(__file__).resolve().parent / "prompts" / "heldout-mixed.jsonl"
@@ -60,7 +63,6 @@ CALL = "specdec.v1.Generation.Complete"
 WARM_UP_CONCURRENCY = 4  # each kind's untimed ghz run before the phases: --warm-up requests, at most 4 in flight
 SAMPLING = {"temperature": 0.7, "top_p": 0.9}
 RUN_LENGTH = 16  # requests a run per request in flight (at least the prompts): 256 at c=16, 1,024 at c=64
-ENGINE_SNAPSHOT_S = 0.6  # the verifier's engine thread wakes every 0.5 s when idle, and snapshots its state
 
 
 @dataclass(frozen=True)
@@ -177,7 +179,8 @@ class Row:
     ratio: float | None = None  # req_s over the baseline kind's in the same phase
     failure: str | None = None  # why ghz gave no report
     error_kinds: dict | None = None  # ghz's errorDistribution
-    engine: dict | None = None  # the verifier's engine time over the run (engine_spent)
+    engine: dict | None = None  # the verifier's engine_time over the run (engine_spent), seconds by phase
+    calls: dict | None = None  # and its engine_calls (rounds, plain_calls)
 
 
 def row_from_report(run: Run, report: dict) -> Row:
@@ -207,13 +210,9 @@ def failed_row(run: Run, why: str) -> Row:
     )
 
 
-ROUND_PHASES = ("choose", "trees", "joining", "verify", "commit")  # a speculative call's parts (engine_time)
-PLAIN_PHASES = ("plain", "plain_commit")
-
-
 def engine_spent(before: dict, after: dict) -> dict[str, float]:
-    """GetModelInfo.engine_time's growth between two reads ({phase: seconds}, the counts rounds and plain_calls);
-    {} when either read failed ({})."""
+    """The growth of GetModelInfo.engine_time (or engine_calls) between two reads; {} when either read failed
+    ({})."""
     if not before or not after:
         return {}
     return {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0) > 0}
@@ -221,15 +220,15 @@ def engine_spent(before: dict, after: dict) -> dict[str, float]:
 
 def engine_line(r: Row) -> str | None:
     """A run's row of the engine table: busy seconds, each phase's share of them, ms a speculative round and a
-    plain call. {idle 1, setup 1, verify 2, commit 1, rounds 10} -> busy 4.0 s, setup 25%, verify 50%, commit 25%,
-    0.30 s / 10 = 300 ms a round."""
+    plain call. {idle 1, setup 1, verify 2, commit 1}, {rounds 10} -> busy 4.0 s (idle left out), setup 25%,
+    verify 50%, commit 25%, 3 s / 10 = 300 ms a round."""
     e = r.engine
     if not e:
         return None
-    busy = sum(v for k, v in e.items() if k not in ("idle", "rounds", "plain_calls"))
+    busy = sum(v for k, v in e.items() if k != "idle")
     if busy <= 0:
         return None
-    rounds, calls = e.get("rounds", 0), e.get("plain_calls", 0)
+    rounds, calls = (r.calls or {}).get("rounds", 0), (r.calls or {}).get("plain_calls", 0)
 
     def share(*keys: str) -> str:
         return f"{100 * sum(e.get(k, 0.0) for k in keys) / busy:.0f}%"
@@ -237,7 +236,7 @@ def engine_line(r: Row) -> str | None:
     per_round = _f(1e3 * sum(e.get(k, 0.0) for k in ROUND_PHASES) / rounds, 2) if rounds else "-"
     per_call = _f(1e3 * sum(e.get(k, 0.0) for k in PLAIN_PHASES) / calls, 2) if calls else "-"
     return (
-        f"| {r.phase} | {r.concurrency} | {r.kind} | {busy:.2f} | {_f(e.get('idle'), 2)} | {share('setup')} "
+        f"| {r.phase} | {r.concurrency} | {r.kind} | {busy:.2f} | {share('setup')} "
         f"| {share('choose', 'trees')} | {share('joining')} | {share('verify')} | {share('commit')} "
         f"| {share(*PLAIN_PHASES)} | {share('retire')} | {rounds:.0f} | {per_round} | {calls:.0f} | {per_call} |"
     )
@@ -288,14 +287,14 @@ def markdown(rows: list[Row], counted: dict[str, dict], meta: dict) -> str:
         lines += [
             "",
             "Where the verifier's engine thread spent each run (GetModelInfo.engine_time before and after it): busy",
-            "seconds, idle seconds, each phase's share of the busy time (trees: the policy's choice and reading or",
+            "seconds (idle left out), each phase's share of them (trees: the policy's choice and reading or",
             "proposing the trees; joining: prompts' and catch-ups' proposes; verify: the device's rounds, less the",
             "commits they hid; plain: plain calls and their commits), then the speculative rounds and ms a round (its",
             "call's choose, trees, joining, verify and commit shared by its rounds), the plain calls and ms a call.",
             "",
-            "| phase | c | kind | busy s | idle s | setup | trees | joining | verify | commit | plain | retire "
+            "| phase | c | kind | busy s | setup | trees | joining | verify | commit | plain | retire "
             "| rounds | ms a round | plain calls | ms a call |",
-            "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
             *engine,
         ]
     failures = [r for r in rows if r.failure or r.error_kinds]
@@ -353,14 +352,14 @@ class Ghz:
 def run_phases(ghz: Ghz, client: Client, files: dict[str, Path], runs: list[Run]) -> tuple[list[Row], list[dict]]:
     """The timed runs in order; after each phase, GetModelInfo whole."""
     rows, phases = [], []
-    engine = client.engine_time()
+    engine = client.engine()
     for phase in sorted({r.phase for r in runs}):
         in_phase = [r for r in runs if r.phase == phase]
         for run in in_phase:
             report, why = ghz.run(files[run.kind], run.concurrency, run.requests, str(run))
             rows.append(failed_row(run, why) if why else row_from_report(run, report))
-            before, engine = engine, client.engine_time()
-            rows[-1].engine = engine_spent(before, engine)
+            before, engine = engine, client.engine()  # the verifier's snapshot is of its last step: no wait
+            rows[-1].engine, rows[-1].calls = (engine_spent(a, b) for a, b in zip(before, engine, strict=True))
             log.info(
                 "%s: %d/%d OK, %.2f req/s, p50 %s ms",
                 run,
@@ -410,17 +409,16 @@ class Client:
         info = self._stub.GetModelInfo(self._pb.ModelInfoRequest(), timeout=30)
         return json_format.MessageToDict(info, preserving_proto_field_name=True)
 
-    def engine_time(self) -> dict[str, float]:
-        """GetModelInfo.engine_time once the engine has been idle long enough to report it (its snapshot is
-        refreshed every ENGINE_SNAPSHOT_S while idle)."""
+    def engine(self) -> tuple[dict[str, float], dict[str, int]]:
+        """GetModelInfo's engine_time and engine_calls; ({}, {}) when it fails."""
         import grpc
 
-        time.sleep(ENGINE_SNAPSHOT_S)
         try:
-            return dict(self._stub.GetModelInfo(self._pb.ModelInfoRequest(), timeout=30).engine_time)
+            info = self._stub.GetModelInfo(self._pb.ModelInfoRequest(), timeout=30)
         except grpc.RpcError as e:  # a verifier down after a run: that run's engine table row is left out
-            log.warning("GetModelInfo.engine_time: %s", e.code().name)
-            return {}
+            log.warning("GetModelInfo for the engine's time: %s", e.code().name)
+            return {}, {}
+        return dict(info.engine_time), dict(info.engine_calls)
 
     def close(self) -> None:
         self._channel.close()

@@ -110,8 +110,8 @@ def test_the_policy_on_keeps_greedy_output(stack, heldout):
     assert (0, 0) in chosen and len(chosen) > 1, chosen  # plain steps and at least one tree
     buckets = {e.batch for e in info.policy_estimates if e.HasField("tokens_per_s")}
     assert 1 in buckets or 2 in buckets or 4 in buckets, info.policy_estimates
-    spent = dict(info.engine_time)
-    assert spent["rounds"] >= 1 and spent["plain_calls"] >= 1 and spent["verify"] > 0 and spent["plain"] > 0, spent
+    spent, calls = dict(info.engine_time), dict(info.engine_calls)
+    assert calls["rounds"] >= 1 and calls["plain_calls"] >= 1 and spent["verify"] > 0 and spent["plain"] > 0, spent
 
 
 def test_chunked_prefill_and_the_draft_in_the_verifiers_process_equal_plain_greedy(heldout):

@@ -86,10 +86,11 @@ class EngineCore:
         self.seqs: dict[str, Sequence] = {}  # every sequence not yet released, oldest first
         self.drafts: dict[str, Draft] = {}  # speculative sequences: what their drafter has not seen
         self.choices: collections.Counter[Shape] = collections.Counter()
-        # where the engine thread's time goes (seconds by phase: idle, setup, choose, trees, joining, verify,
-        # commit, plain, plain_commit, retire; and the counts rounds and plain_calls): bench.engine_bench reports it
+        # where the engine thread's time goes (seconds by phase: core_parts.ROUND_PHASES, PLAIN_PHASES, idle, setup,
+        # retire) and its calls counted (rounds: speculative rounds; plain_calls): bench.engine_bench reports them
         # per round, Info and bench.load per run; a few clock reads a step
         self.times: collections.Counter[str] = collections.Counter()
+        self.calls: collections.Counter[str] = collections.Counter()
         self.degraded = False  # the drafter failed: every sequence plain until it answers again
         self._retry_at = 0.0
         self._launch: tuple[object, dict[str, int]] | None = None  # the chained drafting and its rows by seq id
@@ -160,6 +161,7 @@ class EngineCore:
             choices=dict(self.choices),
             estimates=self.policy.estimates(self.policy.bands()) if hasattr(self.policy, "bands") else [],
             times=dict(self.times),
+            calls=dict(self.calls),
         )
 
     # ---- one step (the engine thread) ----
@@ -186,8 +188,10 @@ class EngineCore:
             running = [s for s in running if s.status is Status.RUNNING]
         t2 = self.clock()
         outs = self._retire(news)
-        self._take_snapshot()
-        self.times["retire"] += self.clock() - t2
+        t3 = self.clock()
+        self.times["retire"] += t3 - t2
+        self._take_snapshot()  # after the step's rounds and releases: a reader after its outputs sees them
+        self.times["retire"] += self.clock() - t3  # the snapshot's own time (in the next one)
         return outs
 
     def _take_inbox(self) -> None:
@@ -321,9 +325,9 @@ class EngineCore:
         # behind each chained round's)
         choice = self._choose(running)
         nxt = choice.shape
-        # a try of a shape not the best (choice.explored) begins with the next call: this one runs a round, and
-        # the try's calls as many as any (its cost sample a steady call's, the host work shared by every round;
-        # a try of one-round calls was charged a whole call a round and never looked as cheap as it runs)
+        # a try of a shape not the best (choice.explored) begins with the next call: this one runs a round and
+        # ends the step, and the try's calls run as many as any (its cost sample a steady call's, the host work
+        # shared by every round)
         asked, rounds = rounds, 1 if choice.explored and nxt != shape else rounds
         going = [(s, t, self._tree(s, nxt)) for s, t in spec]
         chained = [(s, n) for s, _, n in going if not n.plain]
@@ -377,13 +381,13 @@ class EngineCore:
         times["joining"] += joining_s
         times["verify"] += t4 - t3 - committing[0]  # the device's rounds, less the commits they hid
         times["commit"] += committing[0]
-        times["rounds"] += done
+        self.calls["rounds"] += done
         drafted = Shape(max(t.depth for _, t in spec), max(t.nodes for _, t in spec))
         self.choices[drafted] += done
         pure = not plain and all(t == shape for _, t in spec) and (done == 1 or all(n == shape for _, n in chained))
         whole = done == asked  # not cut short: its host work shared by as many rounds as any call's
-        other_s = setup_s + (joining_s if catch_up else 0.0)
-        self._observe(t0, len(order), drafted, 1, whole and pure, other_s, sampled, done, gap_s=setup_s)
+        catching_up = joining_s if catch_up else 0.0
+        self._observe(t0, len(order), drafted, 1, whole and pure, setup_s, sampled, done, catching_up)
         return done
 
     def _trees(self, spec: list[tuple[Sequence, Shape]]) -> tuple[dict[str, Tree], bool, float]:
@@ -472,7 +476,7 @@ class EngineCore:
         self.choices[PLAIN] += 1
         self.times["plain"] += t2 - t1
         self.times["plain_commit"] += self.clock() - t2
-        self.times["plain_calls"] += 1
+        self.calls["plain_calls"] += 1
         pure = all(s.req.tree is None for s in seqs)
         self._observe(t0, len(seqs), PLAIN, took, pure, setup_s, any(s.band != "greedy" for s in seqs))
 
@@ -487,20 +491,20 @@ class EngineCore:
         shape: Shape,
         steps: int,
         steady: bool,
-        other_s: float,
+        setup_s: float,
         sampled: bool,
         rounds: int = 1,
-        gap_s: float | None = None,
+        catching_up_s: float = 0.0,
     ) -> None:
         """A round's cost for the policy: from the end of the call before (the host work between calls is this
-        one's too) less the step's other work (other_s: admission, prefill, a catch-up's proposes), shared by
-        the call's rounds, when both calls ran back to back (the gap before t0 within 50 ms and gap_s, the work
-        before it: other_s by default) and this one is steady (not cut short)."""
+        one's too) less the step's setup (admission, prefill: setup_s, before t0) and a catch-up's proposes
+        (catching_up_s, inside the call), shared by the call's rounds, when both calls ran back to back (at most
+        50 ms besides the setup between them) and this one is steady (not cut short)."""
         end = self.clock()
         last, self._last_end = self._last_end, end
-        gap_s = other_s if gap_s is None else gap_s
-        if steady and last is not None and t0 - last < 0.05 + gap_s:
-            self.policy.observe_round(batch, shape, max(end - last - other_s, 1e-6) / rounds, steps, sampled)
+        if steady and last is not None and t0 - last < 0.05 + setup_s:
+            seconds = max(end - last - setup_s - catching_up_s, 1e-6) / rounds
+            self.policy.observe_round(batch, shape, seconds, steps, sampled)
 
     # ---- failures ----
     @staticmethod

@@ -9,6 +9,11 @@ import torch
 from common.engine.base import ProposeInput
 from common.policy import Shape
 
+# EngineCore.times' phases of a speculative call and of a plain call (their counts: EngineCore.calls' 'rounds' and
+# 'plain_calls'); besides them: idle, setup (admission, prefill, catching up a drafter), retire
+ROUND_PHASES = ("choose", "trees", "joining", "verify", "commit")
+PLAIN_PHASES = ("plain", "plain_commit")
+
 
 @dataclass(frozen=True)
 class CoreConfig:
@@ -49,6 +54,5 @@ class Snapshot:
     degraded: bool  # the drafter is down: speculation waits for it
     choices: dict[Shape, int]  # rounds per shape since start (PLAIN: plain steps)
     estimates: list  # the policy's (common.policy.Estimate)
-    # where the engine thread's time went since start (EngineCore.times): seconds by phase, and the counts
-    # 'rounds' (tree rounds) and 'plain_calls'
-    times: dict[str, float] = field(default_factory=dict)
+    times: dict[str, float] = field(default_factory=dict)  # EngineCore.times: seconds by phase since start
+    calls: dict[str, int] = field(default_factory=dict)  # EngineCore.calls: rounds and plain_calls since start

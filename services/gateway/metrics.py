@@ -77,7 +77,8 @@ class Metrics:
         )
         self.engine_calls = Gauge(
             "specdec_engine_calls",
-            "Speculative rounds ('rounds') and plain decoding calls ('plain_calls') since the verifier started",
+            "The verifier's speculative rounds ('rounds') and plain decoding calls ('plain_calls') since it started "
+            "(GetModelInfo.engine_calls)",
             ["kind"],
             registry=r,
         )
@@ -109,13 +110,9 @@ class Metrics:
         for c in info.policy_choices:
             self.policy_rounds.labels(tree=_tree(c.tree)).set(c.rounds)
         for phase, v in info.engine_time.items():
-            if phase in ENGINE_COUNTS:
-                self.engine_calls.labels(kind=phase).set(v)
-            else:
-                self.engine_time.labels(phase=phase).set(v)
-
-
-ENGINE_COUNTS = ("rounds", "plain_calls")  # GetModelInfo.engine_time's counts; its other entries are seconds
+            self.engine_time.labels(phase=phase).set(v)
+        for kind, n in info.engine_calls.items():
+            self.engine_calls.labels(kind=kind).set(n)
 
 
 def _tree(t) -> str:

@@ -110,6 +110,7 @@ class GenerationServicer(gpb_grpc.GenerationServicer):
                 policy_choices=info.policy_choices,
                 policy_estimates=info.policy_estimates,
                 engine_time=info.engine_time,
+                engine_calls=info.engine_calls,
             )
         except Exception as e:  # noqa: BLE001 - the boundary
             await _abort(context, e)

@@ -302,6 +302,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             ],
             policy_estimates=[_estimate(e) for e in snap.estimates],
             engine_time=snap.times,
+            engine_calls=snap.calls,
         )
 
     async def drain(self) -> None:
