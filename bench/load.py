@@ -85,6 +85,8 @@ KINDS = {
         Kind("3x8", {"tree": {"depth": 3, "nodes": 8}}, "plain"),
         Kind("default-0.7", dict(SAMPLING), "plain-0.7", seeded=True),
         Kind("plain-0.7", {"speculative": False, **SAMPLING}, "plain-0.7", seeded=True),
+        Kind("3x8-0.7", {"tree": {"depth": 3, "nodes": 8}, **SAMPLING}, "plain-0.7", seeded=True),
+        Kind("6x60-0.7", {"tree": {"depth": 6, "nodes": 60}, **SAMPLING}, "plain-0.7", seeded=True),
         Kind("mixed", {}, "default", seeded=True, odd=dict(SAMPLING)),
     )
 }

@@ -30,6 +30,10 @@ rounds of the same kind (tree / plain) at this bucket, or, when it has none, at 
 has (never a figure shared by every batch size). A batch or size past the calibrated ones scales linearly
 from the largest; one between takes the next larger (the graph that runs).
 
+A bucket's menu: the shapes whose rows over the bucket's batch (batch x (nodes + 1)) stay within max_rows (640): at
+64 sequences 1x1, 2x4 and 3x8, at 16 all but 6x60. A larger tree there costs the device more rows than its extra
+tokens pay for, and each try of it costs a round of that price (PolicyConfig.max_rows has the figures).
+
 Exploration without an absorbing state. Each (bucket, shape) cell has a retry interval, retry_base bucket rounds
 at first. Every run of a cell is judged at its bucket's next round: still the best, the interval goes back to
 retry_base; not the best, it grows to 2 x interval x lag^2 (up to retry_cap), lag the best's score over the
@@ -170,6 +174,12 @@ class PolicyConfig:
     # leaves out (rows that stopped mid-call, the step's prefill shared by fewer tokens). On an H100 at 64
     # sequences the estimates put 3x8 4% above plain where the engine measured it 4% below.
     margin: float = 0.1
+    # tree rows a round verifies at most, over its bucket's batch (batch x (nodes + 1)): a shape past it is off that
+    # bucket's menu, never chosen nor tried there. Through the gateway on an H200 at 64 sequences, a pinned 3x8
+    # (576 rows) ran 1.10x plain while the default, spreading its rounds over 4x16 (1,088) and 6x32 (2,112) and
+    # trying 6x60 (3,904), ran 0.93x; at 16 a pinned 6x60 (976) lost to 3x8 in every run (1.12-1.21x against
+    # 1.19-1.47x). 640: every shape to batch 10, 6x32 to 16, 4x16 to 32, 3x8 to 64, 2x4 to 128.
+    max_rows: int = 640
 
     def __post_init__(self) -> None:
         if not self.menu or any(s.plain for s in self.menu) or len(set(self.menu)) != len(self.menu):
@@ -184,6 +194,8 @@ class PolicyConfig:
             raise ValueError(f"margin must be in [0, 1), got {self.margin}")
         if self.cost_window < 1 or self.cost_memory < 1 or self.try_rounds < 1:
             raise ValueError("cost_window, cost_memory and try_rounds must be >= 1")
+        if self.max_rows < 1:
+            raise ValueError(f"max_rows must be >= 1, got {self.max_rows}")
         if not 1 <= self.retry_base <= self.retry_cap:
             raise ValueError(f"need 1 <= retry_base <= retry_cap, got {self.retry_base}, {self.retry_cap}")
 
@@ -283,7 +295,7 @@ class AdaptivePolicy:
             score = scores[i]
             late = bk.rounds - cell.last_run - (cell.interval if cell.has_run else _lagged(cell.interval, top, score))
             stale = not cell.has_run and not cell.window.samples and (score is None or borrowed[i == 0])
-            if i == best or (late < 0 and not stale):
+            if i == best or (late < 0 and not stale) or not bk.on_menu[i]:
                 continue
             k = (stale, late, math.inf if score is None else score, cell.tiebreak)
             if key is None or k > key:
@@ -304,7 +316,7 @@ class AdaptivePolicy:
     def _rates(
         self, members: Sequence[Member], steps: int, bk: Bucket, costs: CostModel, keep: bool
     ) -> list[float | None]:
-        """[plain, *menu] rates (None: no cost known)."""
+        """[plain, *menu] rates (None: no cost known, or off the bucket's menu)."""
         # members' factors by band: [a1 (greedy), b1 (mid), a2 (greedy)] -> {greedy: [f_a1, f_a2], mid: [f_b1]}
         seqs = self.seqs
         groups: dict[str, list[float]] = {}
@@ -325,7 +337,7 @@ class AdaptivePolicy:
         out: list[float | None] = [None if plain is None else n * steps / plain]
         over = costs.overhead(bk, False)[0]
         for i, shape in enumerate(self.cfg.menu):
-            seconds = costs.seconds(bk, i + 1, 1, over)
+            seconds = costs.seconds(bk, i + 1, 1, over) if bk.on_menu[i + 1] else None
             if seconds is None:
                 out.append(None)
                 continue
@@ -354,18 +366,28 @@ class AdaptivePolicy:
 
     def observe(self, seq_id: str, band: str, shape: Shape, accepted: int) -> None:
         """One sequence's verification of a tree of `shape`: `accepted` drafted tokens (bonus excluded)."""
-        if shape.plain:
-            return
-        if band not in BANDS or not 0 <= accepted <= shape.depth:
-            raise ValueError(f"need a band of {BANDS} and 0 <= accepted <= {shape.depth}, got {band!r}, {accepted}")
-        i = self.acceptance.index.get(shape)
-        kept = self.round_expected.get(band)
-        e = kept[i] if kept is not None and i is not None else self.acceptance.expected_of(band, shape)
-        sf = self.seqs.get(seq_id)
-        if sf is None:
-            sf = self.seqs[seq_id] = SequenceFactor()
-        sf.add(accepted, e, self.keep, self.cfg.seq_prior)
-        self.acceptance.observe(band, shape, accepted)
+        self.observe_verified([(seq_id, band, shape, accepted)])
+
+    def observe_verified(self, rows: Iterable[tuple[str, str, Shape, int]]) -> None:
+        """A round's verifications, (seq id, band, shape, accepted drafted tokens) each: observe's, with each (band,
+        shape)'s expected figure (a sequence factor's yardstick) as it stood before the round, looked up once (a
+        pinned shape's E costs a pass over the levels: once, not once a sequence, at 64 of them)."""
+        expected: dict[tuple[str, Shape], float] = {}
+        for seq_id, band, shape, accepted in rows:
+            if shape.plain:
+                continue
+            if band not in BANDS or not 0 <= accepted <= shape.depth:
+                raise ValueError(f"need a band of {BANDS} and 0 <= accepted <= {shape.depth}, got {band!r}, {accepted}")
+            e = expected.get((band, shape))
+            if e is None:
+                i, kept = self.acceptance.index.get(shape), self.round_expected.get(band)
+                e = kept[i] if kept is not None and i is not None else self.acceptance.expected_of(band, shape)
+                expected[band, shape] = e
+            sf = self.seqs.get(seq_id)
+            if sf is None:
+                sf = self.seqs[seq_id] = SequenceFactor()
+            sf.add(accepted, e, self.keep, self.cfg.seq_prior)
+            self.acceptance.observe(band, shape, accepted)
 
     def forget(self, seq_id: str) -> None:
         self.seqs.pop(seq_id, None)
@@ -387,7 +409,7 @@ class AdaptivePolicy:
         return [b for b in BANDS if b == "greedy" or b in self.acceptance.reached_sum]
 
     def estimates(self, bands: Sequence[str] = ("greedy",)) -> list[Estimate]:
-        """Per bucket with calibration or rounds, per band asked for, per shape (plain and the menu): the rate
+        """Per bucket with calibration or rounds, per band asked for, per shape on its menu: the rate
         of a round of `batch` fresh sequences of the band as choose would see it now, sorted by (batch,
         shape, band). Plain's per-step figures share its call's overhead over the last choose's plain_steps. The
         greedy band's costs are those of greedy batches, the other bands' those of batches that sample."""
@@ -399,7 +421,7 @@ class AdaptivePolicy:
                 if size not in costs.calibrated and bk.rounds == 0:
                     continue
                 over = (costs.overhead(bk, True)[0], costs.overhead(bk, False)[0])
-                for i in order:
+                for i in (i for i in order if bk.on_menu[i]):
                     shape, cell = self.shapes[i], bk.cells[i]
                     seconds = costs.seconds(bk, i, steps, over[i > 0])
                     if seconds is not None and i == 0:
@@ -431,7 +453,7 @@ class Policy(Protocol):
     def observe_round(
         self, batch: int, shape: Shape, seconds: float, steps: int = 1, sampled: bool = False
     ) -> None: ...
-    def observe(self, seq_id: str, band: str, shape: Shape, accepted: int) -> None: ...
+    def observe_verified(self, rows: Iterable[tuple[str, str, Shape, int]]) -> None: ...
     def forget(self, seq_id: str) -> None: ...
     def estimates(self, bands: Sequence[str] = ("greedy",)) -> list[Estimate]: ...
 
@@ -457,7 +479,7 @@ class FixedPolicy:
     def observe_round(self, batch: int, shape: Shape, seconds: float, steps: int = 1, sampled: bool = False) -> None:
         pass
 
-    def observe(self, seq_id: str, band: str, shape: Shape, accepted: int) -> None:
+    def observe_verified(self, rows: Iterable[tuple[str, str, Shape, int]]) -> None:
         pass
 
     def forget(self, seq_id: str) -> None:

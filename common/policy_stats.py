@@ -195,12 +195,17 @@ class Cell:
 
 
 class Bucket:
-    """A batch bucket: per shape (lists follow CostModel.shapes: plain, then the menu) its cell and its
-    calibration (tree: seconds of a round; plain: of one decode step; None: not calibrated), its tree
+    """A batch bucket: per shape (lists follow CostModel.shapes: plain, then the menu) its cell, its
+    calibration (tree: seconds of a round; plain: of one decode step; None: not calibrated) and whether it is
+    on the bucket's menu (within the policy's max_rows: at 64 with 640 rows, 3x8 is, 4x16 is not), its tree
     overhead (plain's is its plain cell), its round count and the try under way."""
 
-    def __init__(self, size: int, cells: list[Cell], cal: list[float | None], cfg: PolicyConfig) -> None:
+    def __init__(
+        self, size: int, cells: list[Cell], cal: list[float | None], cfg: PolicyConfig, shapes: tuple[Shape, ...]
+    ) -> None:
         self.size, self.cells, self.cal = size, cells, cal
+        # per shape: on this bucket's menu (plain always; a tree within max_rows over the bucket's batch)
+        self.on_menu = [s.plain or size * (s.nodes + 1) <= cfg.max_rows for s in shapes]
         self.overhead = Window(cfg.cost_window, cfg.cost_memory)  # tree rounds: seconds - calibration
         self.rounds = 0  # calls to choose for this bucket
         self.nearest: list[Bucket] = []  # the other buckets, nearest first (log2 distance, then smaller)
@@ -227,7 +232,7 @@ class CostModel:
         self.buckets: dict[int, Bucket] = {}
         for b in self.sizes:
             cal = [self.calibration(b, s) for s in self.shapes]
-            self.buckets[b] = Bucket(b, [Cell(cfg, rng.random()) for _ in self.shapes], cal, cfg)
+            self.buckets[b] = Bucket(b, [Cell(cfg, rng.random()) for _ in self.shapes], cal, cfg, self.shapes)
         for bk in self.buckets.values():
             others = [o for o in self.buckets.values() if o is not bk]
             bk.nearest = sorted(others, key=lambda o, b=bk.size: (abs(math.log2(o.size / b)), o.size))

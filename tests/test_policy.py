@@ -403,7 +403,7 @@ def test_fixed_policy() -> None:
     p = FixedPolicy(CHAIN4)
     assert p.choose(members(3), 8) == Choice(CHAIN4)
     p.observe_round(3, CHAIN4, 0.01)
-    p.observe("s0", "greedy", CHAIN4, 2)
+    p.observe_verified([("s0", "greedy", CHAIN4, 2)])
     p.forget("s0")
     assert p.estimates() == [] and p.rates(members(3), 8) == {}
 
@@ -520,3 +520,40 @@ def test_plain_keeps_the_batch_unless_a_tree_beats_it_by_the_margin() -> None:
             feed(p, accepted)
             assert p.rates(members(1), 1)[CHAIN1] == pytest.approx((1 + accepted) / 0.012, 1e-3)
             assert p.choose(members(1), 1).shape == want, (accepted, margin)
+
+
+def test_a_tree_past_max_rows_is_off_its_buckets_menu() -> None:
+    """max_rows 40, table() at batches 8 and 16, every level accepting 0.9 (E 4x4 = .9 + .81 + .729 + .6561 =
+    3.0951, 1x1 .9). Batch 8: 4x4 verifies 8 x 5 = 40 rows (on the menu): 8 x 4.0951 / 18 ms = 1,820 tok/s over
+    1x1's 8 x 1.9 / 12 ms = 1,267 -> 4x4. Batch 16: 4x4 would be 80 rows (off), 1x1 32: 16 x 1.9 / 12 ms = 2,533
+    over plain's 1,600 (1,760 with the margin) -> 1x1, and over 300 rounds 4x4 is never chosen nor tried there,
+    while estimates and rates leave it out at 16 only."""
+    p = AdaptivePolicy(PolicyConfig(menu=(CHAIN1, CHAIN4), prior_weight=1e-9, max_rows=40), table(8) + table(16))
+    feed(p, 0.9)
+    assert p.rates(members(8), 1)[CHAIN4] == pytest.approx(8 * 4.0951 / 0.018, 1e-3)
+    assert p.choose(members(8), 1).shape == CHAIN4
+    assert set(p.rates(members(16), 1)) == {PLAIN, CHAIN1}
+    assert p.rates(members(16), 1)[CHAIN1] == pytest.approx(16 * 1.9 / 0.012, 1e-3)
+    choices = drive(p, 16, 300, lambda r: 4)
+    assert choices[0].shape == CHAIN1 and all(c.shape != CHAIN4 for c in choices)
+    shapes = {(e.batch, e.shape) for e in p.estimates()}
+    assert (8, CHAIN4) in shapes and (16, CHAIN4) not in shapes and (16, CHAIN1) in shapes
+
+
+def test_a_rounds_verifications_share_the_expected_figure_before_it() -> None:
+    """observe_verified, menu 1x1 and 4x4: a pinned 2x2 (off the menu, so E is the pooled figure: prior .5 a
+    level, nothing seen -> .5 + .25 = .75) verified for b (accepting 0) then a (accepting 2) in one round: a's
+    factor measures 2 against .75, (1 x 2 / .75 + 4) / 5 = 1.333 (seq_prior 4), b's 0 against it, 4 / 5 = .8. One
+    by one, a would be measured against the E after b's miss (level 1: (0 + 2 x .5) / (1 + 2) = .333, E .333 +
+    .167 = .5): (2 / .5 + 4) / 5 = 1.6. The acceptance counts take both: level 1 reached twice and passed once,
+    level 2 reached and passed once."""
+    two = Shape(2, 2)
+    p = AdaptivePolicy(PolicyConfig(menu=(CHAIN1, CHAIN4)), table())
+    p.observe_verified([("b", "greedy", two, 0), ("a", "greedy", two, 2)])
+    assert p.factor("a") == pytest.approx(4 / 3) and p.factor("b") == pytest.approx(0.8)
+    assert p.acceptance.reached_sum["greedy"][:2] == pytest.approx([2, 1], 1e-2)
+    assert p.acceptance.passed_sum["greedy"][:2] == pytest.approx([1, 1], 1e-2)
+    one = AdaptivePolicy(PolicyConfig(menu=(CHAIN1, CHAIN4)), table())
+    one.observe("b", "greedy", two, 0)
+    one.observe("a", "greedy", two, 2)
+    assert one.factor("a") == pytest.approx(1.6)

@@ -346,18 +346,20 @@ class EngineCore:
             c0 = self.clock()
             launched = chain is not None and len(chain.handles) == done  # the last round's next trees are coming
             drafting = len(chained) if r < done - 1 or launched else 0  # rows whose tokens the drafter has
+            verified = []  # every tree teaches the policy what the draft accepts, pinned ones too
             for i, ((s, t), out) in enumerate(zip(order, results)):
                 if s.status is not Status.RUNNING:  # it stopped in an earlier round of the call
                     continue
                 tokens, tree = out.tokens, t if r == 0 else later[i]
-                if tree is not NO_TREE:  # every tree teaches the policy what the draft accepts, pinned ones too
+                if tree is not NO_TREE:
                     s.count_round(trees[s.seq_id].size if r == 0 else tree.nodes, len(tokens) - 1)
-                    self.policy.observe(s.seq_id, s.band, tree, min(len(tokens) - 1, tree.depth))
+                    verified.append((s.seq_id, s.band, tree, min(len(tokens) - 1, tree.depth)))
                 news[s.seq_id] = news.get(s.seq_id, []) + s.commit(tokens)
                 if follow[i] and i >= drafting:
                     d = self.drafts[s.seq_id]
                     d.tokens += tokens
                     d.hidden.append(out.hidden)
+            self.policy.observe_verified(verified)
             committing[0] += self.clock() - c0
 
         try:
