@@ -36,7 +36,7 @@ from common.engine.base import PrefillInput, ProposeInput, VerifyInput
 from common.engine.cuda_graphs import GraphConfig
 from common.engine.draft import Eagle3Drafter
 from common.engine.verifier import SampledColumns, Sampler, Verifier, VerifierConfig, pack_trees, tree_depth
-from common.engine.verifier_parts import onehot_sets
+from common.engine.verifier_parts import onehot_sets, pack_sampled
 from common.kernels import accept_sampled, speculative, tree_mask
 from common.kernels.sampling import RULE_ONEHOT, SamplingRows, TreeSets
 
@@ -279,7 +279,7 @@ def _verify_inputs(verifier: Verifier, items: list[VerifyInput], bb: int, tb: in
         key = ("verify", bb, tb, shallow)
         step = functools.partial(verifier._verify_step, max_depth=8 if shallow else None)
     else:
-        verifier._pack_sampled(a, items, states, SampledColumns(tb, w))
+        pack_sampled(a, [it.tree for it in items], [st for _, st in states], SampledColumns(tb, w))
         key, step = verifier._sampled_variant(bb, tb, sampler, shallow, w, s)
     return key, step, block
 

@@ -109,3 +109,21 @@ def test_sampling_runs_on_the_device_and_a_seed_reproduces_it(verifier):
     assert other != [firsts[0], *out[0].tokens, *dec.tokens[0]][: len(other)]
     assert greedy == plain(verifier, "g2", len(greedy))
     verifier.release(["g", "g2", "s3"])
+
+
+def test_the_decode_probes_verify_blocks_run_as_the_engines(verifier):
+    """bench.decode_probe times verify graphs on blocks it packs the way verify_rounds_steps does: for a greedy
+    batch and one with a sampling row it gets the engine's graph keys (("verify", B, T, shallow), the sampled one
+    with its variant after), and each step runs on its block, its result one row a sequence."""
+    from bench.decode_probe import _verify_inputs
+
+    hot = SamplingConfig(temperature=0.7, top_p=0.9, seed=1)
+    for s, c in (("p1", SamplingConfig()), ("p2", hot)):
+        verifier.prefill(PrefillInput(s, PROMPT, c))
+    tree = Tree(np.array([198, 504, 1, 6376]), np.array([-1, 0, 0, -1]), np.ones(4, np.float32))
+    for ids in (["p1"], ["p1", "p2"]):
+        key, step, block = _verify_inputs(verifier, [VerifyInput(s, tree) for s in ids], len(ids), 8)
+        assert key[:4] == ("verify", len(ids), 8, True) and (len(key) == 4) == (ids == ["p1"])  # sampled: + variant
+        out = step(packed=block)
+        assert out.result.shape[0] == len(ids)
+    verifier.release(["p1", "p2"])
