@@ -99,27 +99,38 @@ class AcceptanceTable:
             for v in table:
                 v[:] = [x * s for x in v]
 
-    def observe(self, band: str, shape: Shape, accepted: int) -> None:
+    def observe(self, band: str, shape: Shape, accepted: Sequence[int]) -> None:
+        """A round's verifications of `shape` in `band`, the drafted tokens each accepted (each in [0, depth]). A
+        level is reached up to the first rejected one and passed below it: accepted [2, 0] of 3x8 -> level 1
+        reached 2 passed 1, level 2 reached 1 passed 1, level 3 reached 1 passed 0. The pooled counts decay once a
+        verification, the round's taken together (they weigh alike)."""
+        if not accepted:
+            return
         if band not in self.reached:
             for t in (self.reached, self.passed):
                 t[band] = [[0.0] * s.depth for s in self.menu]
         self.levels = max(self.levels, shape.depth)
+        decay = self.pooled_decay ** len(accepted)
         for t in (self.reached_sum, self.passed_sum):
             v = t.setdefault(band, [])
             v.extend([0.0] * (self.levels - len(v)))
-            v[:] = [x * self.pooled_decay for x in v]
+            v[:] = [x * decay for x in v]
+        at_least = [0] * (shape.depth + 2)  # [level]: verifications that accepted level or more tokens
+        for a in accepted:
+            at_least[a] += 1
+        for level in range(shape.depth - 1, -1, -1):
+            at_least[level] += at_least[level + 1]
         rs, ps = self.reached_sum[band], self.passed_sum[band]
         i = self.index.get(shape)
         r, p = (self.reached[band][i], self.passed[band][i]) if i is not None else (None, None)
         one = 1 / self.clock.scale
-        for level in range(min(accepted + 1, shape.depth)):  # reached: up to the first rejected level
-            rs[level] += 1
-            if r is not None:
-                r[level] += one
-            if accepted > level:
-                ps[level] += 1
-                if p is not None:
-                    p[level] += one
+        for level in range(shape.depth):  # reached: accepted >= level; passed: accepted > level
+            reached, passed = at_least[level], at_least[level + 1]
+            rs[level] += reached
+            ps[level] += passed
+            if r is not None and p is not None:
+                r[level] += reached * one
+                p[level] += passed * one
 
     def pooled(self, band: str) -> list[float]:
         """[levels] the band's acceptance per level over every shape, leaning on the greedy band's, which

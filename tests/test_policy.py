@@ -340,9 +340,9 @@ def test_unobserved_acceptance_relaxes_toward_the_pooled_figure() -> None:
 
 
 def test_acceptance_counts_per_level_as_in_the_docstrings() -> None:
-    """AcceptanceTable: 3x8 accepting 2 then 0 -> level 1 reached 2 passed 1, level 2 reached 1 passed 1,
-    level 3 reached 1 passed 0: alpha (.5, 1, 0), E = .5 + .5 * 1 + 0 = 1 (prior weight ~0, no round in
-    between). Clock, half-life 1: 1 added at round 0 and 1 at round 1 are worth 1.5 at round 1.
+    """AcceptanceTable: 3x8 accepting 2 then 0 (one by one, or in one round) -> level 1 reached 2 passed 1,
+    level 2 reached 1 passed 1, level 3 reached 1 passed 0: alpha (.5, 1, 0), E = .5 + .5 * 1 + 0 = 1 (prior
+    weight ~0, no round in between). Clock, half-life 1: 1 added at round 0 and 1 at round 1 are worth 1.5 at round 1.
     SequenceFactor (seq_prior 1, seq_memory 1): E .7 accepting 0 -> .5; then E .6 accepting 1 -> 1.03."""
     shape = Shape(3, 8)
     p = AdaptivePolicy(PolicyConfig(menu=(shape,), prior_weight=1e-9, seq_memory=1), table())
@@ -350,6 +350,9 @@ def test_acceptance_counts_per_level_as_in_the_docstrings() -> None:
     p.observe("x", "greedy", shape, 0)
     assert p.acceptance.alphas("greedy", shape) == pytest.approx([0.5, 1.0, 0.0])
     assert p.acceptance.expected("greedy") == pytest.approx([1.0])
+    one_round = AdaptivePolicy(PolicyConfig(menu=(shape,), prior_weight=1e-9, seq_memory=1), table())
+    one_round.observe_verified([("x", "greedy", shape, 2), ("y", "greedy", shape, 0)])  # the same counts
+    assert one_round.acceptance.alphas("greedy", shape) == pytest.approx([0.5, 1.0, 0.0])
     clock, total = Clock(1), 0.0
     for now in (0, 1):
         clock.advance(now)
