@@ -178,7 +178,7 @@ class PolicyConfig:
     # bucket's menu, never chosen nor tried there. Through the gateway on an H200 at 64 sequences, a pinned 3x8
     # (576 rows) ran 1.10x plain while the default, spreading its rounds over 4x16 (1,088) and 6x32 (2,112) and
     # trying 6x60 (3,904), ran 0.93x; at 16 a pinned 6x60 (976) lost to 3x8 in every run (1.12-1.21x against
-    # 1.19-1.47x). 640: every shape to batch 10, 6x32 to 16, 4x16 to 32, 3x8 to 64, 2x4 to 128.
+    # 1.19-1.47x). 640: every shape up to 8 sequences, 6x32 to 16, 4x16 to 32, 3x8 to 64, 2x4 to 128.
     max_rows: int = 640
 
     def __post_init__(self) -> None:
