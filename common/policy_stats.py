@@ -103,7 +103,8 @@ class AcceptanceTable:
         """A round's verifications of `shape` in `band`, the drafted tokens each accepted (each in [0, depth]). A
         level is reached up to the first rejected one and passed below it: accepted [2, 0] of 3x8 -> level 1
         reached 2 passed 1, level 2 reached 1 passed 1, level 3 reached 1 passed 0. The pooled counts decay once a
-        verification, the round's taken together (they weigh alike)."""
+        verification, the call's taken together (they weigh alike; the policy calls once a round per band and
+        shape)."""
         if not accepted:
             return
         if band not in self.reached:

@@ -447,6 +447,9 @@ def test_bad_inputs_raise() -> None:
         Member("a", "lukewarm")
     with pytest.raises(ValueError):
         p.observe("a", "greedy", CHAIN1, 2)  # more than the depth
+    with pytest.raises(ValueError):  # a round with one bad row changes nothing
+        p.observe_verified([("b", "greedy", CHAIN1, 0), ("a", "greedy", CHAIN1, 2)])
+    assert p.factor("b") == 1.0 and "greedy" not in p.acceptance.reached_sum
     with pytest.raises(ValueError):
         p.observe_round(1, CHAIN1, float("nan"))
     with pytest.raises(ValueError):
