@@ -129,7 +129,7 @@ class AcceptanceTable:
             reached, passed = at_least[level], at_least[level + 1]
             rs[level] += reached
             ps[level] += passed
-            if r is not None and p is not None:
+            if r is not None and p is not None:  # a menu shape (both lists), not one pinned off the menu
                 r[level] += reached * one
                 p[level] += passed * one
 

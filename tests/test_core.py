@@ -154,7 +154,7 @@ def test_shapes_switching_every_round_keep_the_output(engines, plain):
     for i, n in enumerate((16, 12, 10, 16)):
         assert got[f"s{i}"][0] == plain[i][:n], i
     shapes = {s for _, s, _ in policy.rounds}
-    assert PLAIN in shapes  # plain calls are reported; tree calls here are cut short or mix two shapes: not
+    assert PLAIN in shapes  # plain calls are reported (the tree calls here, cut short or of mixed shapes, are not)
     check_free(core)
 
 
