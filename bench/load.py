@@ -18,7 +18,7 @@ gets element i mod 48):
   mixed        (--sampled) every other prompt as default-0.7, the others as default: a batch half greedy, half
                sampled (its ratio is over default's, the all-greedy batch)
 History: a phase per --concurrency entry (default 1,16,64,1: the last measures c=1 after the bursts). In a phase
-every kind runs once, n = max(48, 16 x c) requests with c in flight (RUN_LENGTH x c: a run under a second long
+every kind runs once, n = max(48, 32 x c) requests with c in flight (RUN_LENGTH x c: a run under a second long
 swings by +-15% from run to run), in an order rotated by one from phase to phase
 so that drift favours no kind. Before the phases every kind runs untimed (--warm-up 8 requests, 4 in flight), then
 a Python client sends each kind's 48 requests once, one at a time, to count their completion tokens (ghz counts
@@ -62,7 +62,7 @@ CATEGORIES = ("chat", "code", "math", "qa", "summarization", "writing")
 CALL = "specdec.v1.Generation.Complete"
 WARM_UP_CONCURRENCY = 4  # each kind's untimed ghz run before the phases: --warm-up requests, at most 4 in flight
 SAMPLING = {"temperature": 0.7, "top_p": 0.9}
-RUN_LENGTH = 16  # requests a run per request in flight (at least the prompts): 256 at c=16, 1,024 at c=64
+RUN_LENGTH = 32  # requests a run per request in flight (at least the prompts): 512 at c=16, 2,048 at c=64
 
 
 @dataclass(frozen=True)

@@ -75,7 +75,7 @@ def test_phases_rotate_the_kinds_and_size_each_run():
     runs = schedule([1, 16, 64, 1], ["a", "b", "c", "d"], prompts=48)
     order = ["".join(r.kind for r in runs if r.phase == p) for p in (1, 2, 3, 4)]
     assert order == ["abcd", "bcda", "cdab", "dabc"]
-    assert [r.requests for r in runs if r.kind == "a"] == [48, 256, 1024, 48]  # max(48, 16 x c)
+    assert [r.requests for r in runs if r.kind == "a"] == [48, 512, 2048, 48]  # max(48, 32 x c)
     assert [r.requests for r in schedule([1, 2], ["a"], prompts=4, requests=4)] == [4, 4]
     assert [r.requests for r in schedule([8], ["a"], prompts=4, requests=4)] == [8]  # ghz needs n >= c
 

@@ -554,6 +554,21 @@ def test_batched_prefill_equals_one_prefill_each(verifiers) -> None:
     padded.release(["a"])
 
 
+def test_prefill_groups_read_back_in_the_callers_order(verifiers) -> None:
+    """Prompts that go in several forwards (prefill_groups: longest first) are read in one synchronisation and
+    handed back in the order asked: each row's token and features are its own prompt's."""
+    _, padded = verifiers
+    short, long = PROMPTS[2][:2], PROMPTS[0] + PROMPTS[1]  # 2 and 30 tokens: a group each
+    assert prefill_groups([len(short), len(long)]) == [[1], [0]]
+    want = [padded.prefill(PrefillInput(s, p, SamplingConfig())) for s, p in (("s-ref", short), ("l-ref", long))]
+    outs = padded.prefill_batch([PrefillInput("s", short, SamplingConfig()), PrefillInput("l", long, SamplingConfig())])
+    assert [o.next_token for o in outs] == [w.next_token for w in want]
+    assert [o.hidden.shape[0] for o in outs] == [2, 30]
+    torch.testing.assert_close(outs[1].hidden, want[1].hidden, rtol=1e-4, atol=1e-3)
+    assert padded.decode_many(["s", "l"], 3).tokens == padded.decode_many(["s-ref", "l-ref"], 3).tokens
+    padded.release(["s", "l", "s-ref", "l-ref"])
+
+
 def test_tree_depth_and_bounded_ancestors() -> None:
     """tree_depth finds the deepest row; with that bound, fewer doubling rounds give the same ancestors."""
     from common.engine.verifier import tree_depth

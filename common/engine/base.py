@@ -87,10 +87,17 @@ class Chained:
     kids: int  # a bound on any node's children (the drafter's top_k, the most nodes kept), known to the host
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class VerifyOutput:
     tokens: list[int]  # [num_accepted + 1] accepted drafted tokens, then the bonus token
-    hidden: torch.Tensor  # [num_accepted + 1, 3H] features of the root and each accepted node
+    kept: torch.Tensor  # [B, P, 3H] the round's features of every row's accepted path (shared by its outputs)
+    row: int  # this output's row of kept
+
+    @property
+    def hidden(self) -> torch.Tensor:
+        """[num_accepted + 1, 3H] features of the root and each accepted node: a view taken when asked (a round
+        at 64 sequences makes 64 outputs; the core reads the features of the few the drafter has not seen)."""
+        return self.kept[self.row, : len(self.tokens)]
 
 
 @dataclass(frozen=True)

@@ -427,8 +427,11 @@ class Eagle3Drafter:
         depth = self.drafting.steps if noise else depth  # sampled variants: the drafter's depth only
         block = self._accept_block(bb, length)
         a = block.numpy()  # [bb, L + 5]: the host's columns; the tokens and their count come from the device
-        for i, (it, (slot, st)) in enumerate(zip(items, states)):
-            a[i, length:] = (st.length, 0, slot, self._keep(it), self._depth(it))
+        keeps = [self._keep(it) for it in items]
+        a[:b, length] = [st.length for _, st in states]
+        a[:b, length + 2] = [slot for slot, _ in states]
+        a[:b, length + 3] = keeps
+        a[:b, length + 4] = [self._depth(it) for it in items]
         t0 = time.perf_counter()
         with self.graphs.after_caller() as stream:
             for t in (accepted.result, accepted.kept):  # made on the verifier's stream, read on this one
@@ -454,9 +457,8 @@ class Eagle3Drafter:
             tree = out.tree[:b].clone()  # outlives the next replay
             sampled = [i for i, (_, st) in enumerate(states) if noise and not st.sampling.greedy]
             q = self._q_rows(out, sampled)
-            keeps = [self._keep(it) for it in items]
             tokens, parents = tree[:, 0].long(), tree[:, 1].long()  # [b, N] each, for a chained verify
-            keep = torch.tensor(keeps).to(self.device, non_blocking=True)  # [b]
+            keep = packed[:b, length + 3]  # [b] (the block's copy on the device)
             done = self.graphs.event()
         kids = min(self.drafting.top_k, max(keeps))  # a node's children: at most top_k, and the tree's nodes
         chained = Chained(tokens, parents, keep, max(keeps), depth, done, kids)  # depth: a bound

@@ -136,29 +136,29 @@ def trees_of(
     d2t [Vd]: the head's draft -> base id offsets.
     Example: parents [-1, -1, 0], q rows of the nodes [1, 2, -1] -> tree rows with children [0, 1],
     q rows [0, 1] (the root's is 0)."""
+    b, n = len(keeps), res.shape[2]
+    # the batch's columns converted once (rows are views of them): at 64 sequences a round reads 64 trees
+    tokens, parents_all, probs = res[:b, 0].astype(np.int64), res[:b, 1].astype(np.int64), res[:b, 2].astype(np.float32)
+    cols = np.arange(n)
+    kept = cols[None, :] < np.asarray(keeps)[:, None]  # [B, N]
+    if (kept & (parents_all >= cols[None, :])).any():
+        raise ValueError("tree selection dropped a parent while keeping its child")
+    where = {i: j for j, i in enumerate(sampled)}  # row -> its q row
     trees = []
     for i, keep in enumerate(keeps):
-        parents = res[i, 1, :keep].astype(np.int64)
-        if (parents >= np.arange(keep)).any():
-            raise ValueError("tree selection dropped a parent while keeping its child")
-        nodes, draft_q = np.arange(keep), None
-        if i in sampled:  # drop the draws from outside q (probability 0) and what hangs below them
-            nodes, parents = drop_subtrees(parents, res[i, 2, :keep] == 0)
-            rows = np.unique(parents + 1)  # [R] tree rows with children, ascending
-            q_rows = np.where(rows == 0, 0, res[i, 3, nodes[np.maximum(rows - 1, 0)]]).astype(np.int64)
-            if (q_rows < 0).any():
-                raise ValueError("a kept node has children but was never expanded")
-            j = sampled.index(i)
-            q_ids = q[0][j, q_rows]  # [R, W] draft ids
-            draft_q = DraftQ(rows=rows, ids=q_ids + d2t[q_ids], probs=q[1][j, q_rows])
-        trees.append(
-            Tree(
-                tokens=res[i, 0, nodes].astype(np.int64),
-                parents=parents,
-                probs=res[i, 2, nodes].astype(np.float32),
-                q=draft_q,
-            )
-        )
+        j = where.get(i)
+        if j is None:  # top-k children: the first keep nodes
+            trees.append(Tree(tokens=tokens[i, :keep], parents=parents_all[i, :keep], probs=probs[i, :keep]))
+            continue
+        # drop the draws from outside q (probability 0) and what hangs below them
+        nodes, parents = drop_subtrees(parents_all[i, :keep], res[i, 2, :keep] == 0)
+        rows = np.unique(parents + 1)  # [R] tree rows with children, ascending
+        q_rows = np.where(rows == 0, 0, res[i, 3, nodes[np.maximum(rows - 1, 0)]]).astype(np.int64)
+        if (q_rows < 0).any():
+            raise ValueError("a kept node has children but was never expanded")
+        q_ids = q[0][j, q_rows]  # [R, W] draft ids
+        draft_q = DraftQ(rows=rows, ids=q_ids + d2t[q_ids], probs=q[1][j, q_rows])
+        trees.append(Tree(tokens=tokens[i, nodes], parents=parents, probs=probs[i, nodes], q=draft_q))
     return trees
 
 

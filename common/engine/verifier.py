@@ -164,11 +164,21 @@ class Verifier:
                 total = self.seqs.get(it.seq_id)[1].length + len(it.token_ids)
                 if total >= self.cfg.max_context:
                     raise InvalidRequest(f"prompt has {total} tokens; the context holds {self.cfg.max_context}")
-            outs: dict[str, PrefillOutput] = {}
-            with self.graphs.on_stream():
-                for group in prefill_groups([len(it.token_ids) for it in items], max_rows=self._prefill_rows_max):
-                    outs.update(self._prefill_rows([items[i] for i in group]))
-            return [outs[it.seq_id] for it in items]
+            groups = prefill_groups([len(it.token_ids) for it in items], max_rows=self._prefill_rows_max)
+            with self.graphs.on_stream():  # every group's forward queued, then one host synchronisation for all
+                launched = [self._prefill_rows([items[i] for i in group]) for group in groups]
+                tokens = torch.cat([chosen for _, chosen in launched]).tolist()
+            outs: list[PrefillOutput | None] = [None] * len(items)
+            rows = [(i, row) for group, (aux, _) in zip(groups, launched) for i, row in zip(group, aux)]
+            for (i, row), token in zip(rows, tokens):  # tokens: in the groups' order, as rows
+                it = items[i]
+                n, st = len(it.token_ids), self.seqs.get(it.seq_id)[1]
+                st.length += n
+                next_token = None
+                if not it.more:
+                    st.pending = next_token = token
+                outs[i] = PrefillOutput(next_token=next_token, hidden=row[:n])
+            return outs
         except BaseException:
             self.release(mine)
             raise
@@ -201,8 +211,10 @@ class Verifier:
         logits = self.model.logits(last)  # [B, V]
         return PrefillStep(logits=logits, greedy=logits.argmax(-1), aux=out.aux)
 
-    def _prefill_rows(self, items: list[PrefillInput]) -> dict[str, PrefillOutput]:
-        """One step over the items' rows, padded to the longest (and on a GPU to their buckets)."""
+    def _prefill_rows(self, items: list[PrefillInput]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One step over the items' rows, padded to the longest (and on a GPU to their buckets), queued: (aux
+        [B, T, 3H] each row's features, chosen [B] its next token on the device), copies that outlive the next
+        replay. The caller reads every group's tokens at once."""
         b, t = len(items), max(len(it.token_ids) for it in items)
         bb, tb = self.graphs.bucket(b, self.prefill_batch_buckets), self.graphs.bucket(t, self.prefill_buckets)
         slots, states = zip(*(self.seqs.get(it.seq_id) for it in items))
@@ -213,8 +225,9 @@ class Verifier:
             a[i, tb], a[i, tb + 1], a[i, tb + 2] = st.length, slot, len(it.token_ids)
         key = ("prefill", bb, tb)
         out = self.graphs.run(key, self._prefill_step, {"packed": block})
-        aux = out.aux[:b, :t].clone() if self.graphs.is_captured(key) else out.aux  # outlives the next replay
-        chosen = out.greedy[:b]
+        captured = self.graphs.is_captured(key)
+        aux = out.aux[:b, :t].clone() if captured else out.aux
+        chosen = out.greedy[:b].clone() if captured else out.greedy[:b]
         hot = [i for i, (it, st) in enumerate(zip(items, states)) if not it.more and not st.sampling.greedy]
         if hot:  # drawn on the device at the last prompt position (the counter), eagerly
             rows = SamplingRows.unpack(
@@ -224,16 +237,7 @@ class Verifier:
             at = self._t(np.array(hot))
             filtered = Sampler.of([states[i].sampling for i in hot]) is Sampler.FILTERED
             chosen = chosen.index_copy(0, at, speculative.sample_next(out.logits[at], chosen[at], rows, filtered))
-        tokens = chosen.tolist()  # the call's one host synchronisation
-        done = {}
-        for i, (it, st) in enumerate(zip(items, states)):
-            n = len(it.token_ids)
-            st.length += n
-            next_token = None
-            if not it.more:
-                st.pending = next_token = tokens[i]
-            done[it.seq_id] = PrefillOutput(next_token=next_token, hidden=aux[i, :n])
-        return done
+        return aux, chosen
 
     def _prefilling(self, seq_id: str) -> VerifierSeq | None:
         """The state of a sequence whose prompt is partly prefilled (pending -1), None for a new id; an id
@@ -425,11 +429,10 @@ class Verifier:
         for r, ((host, ready), acc) in enumerate(zip(reads, accepted)):
             if ready is not None:
                 yield ready  # round r's result is on the host; the later rounds run on
-            result = host.numpy()  # [B, T + 1]
-            counts = (result[:, 0] + 1).tolist()  # [B] tokens of each sequence
-            outputs.append([VerifyOutput(result[i, 1 : c + 1].tolist(), acc.kept[i, :c]) for i, c in enumerate(counts)])
-            for (_, st), c, out in zip(states, counts, outputs[-1]):
-                st.length, st.pending = st.length + c, out.tokens[-1]
+            rows = host.tolist()  # [B][T + 1]: each row's count c, then its c tokens (one conversion for the batch)
+            outputs.append([VerifyOutput(row[1 : row[0] + 2], acc.kept, i) for i, row in enumerate(rows)])
+            for (_, st), out in zip(states, outputs[-1]):
+                st.length, st.pending = st.length + len(out.tokens), out.tokens[-1]
             if each is not None:
                 each(r, len(accepted), outputs[-1])
         return outputs
