@@ -223,6 +223,30 @@ def test_idle_time_between_requests_is_no_calls_cost(engines, plain):
     check_free(core)
 
 
+def test_a_catch_ups_inputs_are_no_part_of_its_calls_cost(engines, plain, monkeypatch):
+    """Plain calls of 10 steps, then a tree call: every row catches up (more new tokens than a round's). Building
+    a joining row's propose input (its features concatenated: one chunk a plain call) is catch-up work: a clock
+    that jumps 1 s at each shows in no cost the policy is told (every call whole: one round a step)."""
+    v, d = engines
+    clock, policy = Ticks(), Cycle([PLAIN, TREE])
+    core = EngineCore(v, d, policy, CoreConfig(max_sequences=2, plain_steps=10, rounds_per_step=1), clock=clock)
+    build, joined = core._propose_input, []
+
+    def slow(s, t):
+        it = build(s, t)
+        if it.start or len(it.token_ids) > 8:
+            joined.append(s.seq_id)
+            clock.t += 1.0
+        return it
+
+    monkeypatch.setattr(core, "_propose_input", slow)
+    got = run(core, {0: [req(0, 40), req(1, 40)]})
+    assert [got[f"s{i}"][0][:16] for i in range(2)] == [plain[0], plain[1]]  # the reference's 16 tokens
+    assert len(joined) > 2 and TREE in {shape for _, shape, _ in policy.rounds}, (joined, policy.rounds)
+    assert max(policy.seconds) < 0.5, policy.seconds
+    check_free(core)
+
+
 class Flaky:
     """The EAGLE drafter behind a link that goes down: proposes fail while `down`, and available() says so."""
 
