@@ -428,10 +428,8 @@ class Eagle3Drafter:
         block = self._accept_block(bb, length)
         a = block.numpy()  # [bb, L + 5]: the host's columns; the tokens and their count come from the device
         keeps = [self._keep(it) for it in items]
-        a[:b, length] = [st.length for _, st in states]
-        a[:b, length + 2] = [slot for slot, _ in states]
-        a[:b, length + 3] = keeps
-        a[:b, length + 4] = [self._depth(it) for it in items]
+        a[:b, length], a[:b, length + 2] = [st.length for _, st in states], [slot for slot, _ in states]
+        a[:b, length + 3], a[:b, length + 4] = keeps, [self._depth(it) for it in items]
         t0 = time.perf_counter()
         with self.graphs.after_caller() as stream:
             for t in (accepted.result, accepted.kept):  # made on the verifier's stream, read on this one
