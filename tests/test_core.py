@@ -299,6 +299,44 @@ def test_a_drafter_that_fails_costs_nothing_and_speculation_resumes(engines, pla
     check_free(core)
 
 
+class DownAtJoin(Flaky):
+    """The drafter goes down during the propose of a joiner's prompt (once armed)."""
+
+    armed = False
+
+    def propose(self, items):
+        if self.armed and any(it.start for it in items):
+            self.down, self.armed = True, False
+        return super().propose(items)
+
+
+def test_a_drafter_lost_during_a_joiners_propose_fails_no_request(engines, plain):
+    """A sequence runs on trees; a second joins and the drafter goes down during the joiner's propose: the other
+    rows' proposes (built before it) fail plainly too, no step raises; once the drafter is back both are caught up,
+    and both get the base model's tokens."""
+    v, d = engines
+    flaky = DownAtJoin(d)
+    core = EngineCore(v, flaky, FixedPolicy(TREE), CoreConfig(max_sequences=2, rounds_per_step=1, draft_retry_s=1e-3))
+    core.add(req(0, 16))
+    got = {}
+    for _ in range(3):
+        for o in core.step():
+            got[o.seq_id] = got.get(o.seq_id, []) + o.tokens
+    flaky.armed = True
+    core.add(req(1, 16))
+    degraded = False
+    for _ in range(60):
+        for o in core.step():
+            got[o.seq_id] = got.get(o.seq_id, []) + o.tokens
+        if core.degraded:
+            degraded, flaky.down = True, False  # it answers again from the next step on
+        if not core.seqs:
+            break
+    assert degraded and flaky.fails >= 1 and [got["s0"], got["s1"]] == [plain[0], plain[1]]
+    d.release(["s0", "s1"])  # a drafter that went down lost what it held (a restarted process); this double kept it
+    check_free(core)
+
+
 def test_abort_and_a_one_token_budget(engines, plain):
     v, d = engines
     core = EngineCore(v, d, FixedPolicy(TREE), CoreConfig(max_sequences=4, rounds_per_step=1))

@@ -564,7 +564,8 @@ def test_prefill_groups_read_back_in_the_callers_order(verifiers) -> None:
     outs = padded.prefill_batch([PrefillInput("s", short, SamplingConfig()), PrefillInput("l", long, SamplingConfig())])
     assert [o.next_token for o in outs] == [w.next_token for w in want]
     assert [o.hidden.shape[0] for o in outs] == [2, 30]
-    torch.testing.assert_close(outs[1].hidden, want[1].hidden, rtol=1e-4, atol=1e-3)
+    for o, w in zip(outs, want):  # the file's padded-vs-exact tolerance
+        torch.testing.assert_close(o.hidden, w.hidden, rtol=1e-4, atol=1e-3)
     assert padded.decode_many(["s", "l"], 3).tokens == padded.decode_many(["s-ref", "l-ref"], 3).tokens
     padded.release(["s", "l", "s-ref", "l-ref"])
 

@@ -401,13 +401,15 @@ class EngineCore:
         trees = self._settle_launch()
         todo = [(s, t) for s, t in spec if s.seq_id not in trees]
         joins = [(d := self.drafts[s.seq_id]).start is not None or len(d.tokens) > JOINING_TOKENS for s, _ in todo]
-        # a joining row's input (its features since the drafter last saw it: after a plain stretch, one chunk a
-        # plain call to concatenate) is joining work too: left out of the call's cost sample with its propose
+        # the other rows' inputs first: a joining propose that fails loses every row's features (_lose). A joining
+        # row's input (its features since the drafter last saw it: after a plain stretch, one chunk a plain call
+        # to concatenate) is joining work: left out of the call's cost sample with its propose
+        going = [(s, t, self._propose_input(s, t)) for (s, t), j in zip(todo, joins) if not j]
         t0 = self.clock()
         joining = [(s, t, self._propose_input(s, t)) for (s, t), j in zip(todo, joins) if j]
         self._propose(joining, trees)
         joining_s = self.clock() - t0
-        self._propose([(s, t, self._propose_input(s, t)) for (s, t), j in zip(todo, joins) if not j], trees)
+        self._propose(going, trees)
         return trees, len(joining) == len(spec), joining_s
 
     def _propose(self, todo: list[tuple[Sequence, Shape, ProposeInput]], trees: dict[str, Tree]) -> None:

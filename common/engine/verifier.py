@@ -224,7 +224,10 @@ class Verifier:
             a[i, : len(it.token_ids)] = it.token_ids
             a[i, tb], a[i, tb + 1], a[i, tb + 2] = st.length, slot, len(it.token_ids)
         key = ("prefill", bb, tb)
-        out = self.graphs.run(key, self._prefill_step, {"packed": block})
+        # on a GPU a pinned copy of its own: the graph's staging buffer would be rewritten by the next group of the
+        # same key before this group's copy has run (the groups are read once, after all are queued)
+        packed = block.pin_memory().to(self.device, non_blocking=True) if self.graphs.stream is not None else block
+        out = self.graphs.run(key, self._prefill_step, {"packed": packed})
         captured = self.graphs.is_captured(key)
         aux = out.aux[:b, :t].clone() if captured else out.aux
         chosen = out.greedy[:b].clone() if captured else out.greedy[:b]

@@ -218,6 +218,23 @@ def test_float32_speculative_equals_plain(f32, prompts) -> None:
     assert _speculative(verifier, oracle, prompts, 64, 8) == plain
 
 
+def test_prefill_groups_of_one_graph_each_read_their_own_prompt(f32, prompts) -> None:
+    """Three prompts that prefill_groups puts in three forwards of the same captured graph (one row, 64 columns),
+    all queued before the one read: each group's input is its own (the graph's staging buffer is rewritten by the
+    next group's feed while the copy before it may still wait behind a replay), so each prompt gets the token,
+    features and cache its own prefill gives."""
+    verifier, _, _ = f32
+    chosen = [prompts[0][:2], prompts[1][:30], prompts[2][:8]]  # prefill_groups -> [[1], [2], [0]]
+    want = [verifier.prefill(PrefillInput(f"ref{i}", p, SamplingConfig())) for i, p in enumerate(chosen)]
+    got = verifier.prefill_batch([PrefillInput(f"grp{i}", p, SamplingConfig()) for i, p in enumerate(chosen)])
+    assert [o.next_token for o in got] == [w.next_token for w in want]
+    for o, w in zip(got, want):
+        torch.testing.assert_close(o.hidden, w.hidden)
+    refs, grps = [f"ref{i}" for i in range(3)], [f"grp{i}" for i in range(3)]
+    assert verifier.decode_many(grps, 4).tokens == verifier.decode_many(refs, 4).tokens
+    verifier.release(refs + grps)
+
+
 def test_steps_yield_until_the_device_is_done(f32, prompts) -> None:
     """On a GPU, propose_steps, verify_steps and decode_many_steps yield an event once their work is launched
     (the services' event loop polls it while it answers other calls); driven as steps, with the other engine
