@@ -568,7 +568,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--concurrency", default="1,16,64,1", help="the phases' concurrency, in order")
     p.add_argument("--kinds", default=",".join(GREEDY), help=f"of {', '.join(KINDS)}")
     p.add_argument("--sampled", action="store_true", help="add " + " and ".join(SAMPLED))
-    p.add_argument("--requests", type=int, default=None, help="requests a run (default max(prompts, 16 x c))")
+    p.add_argument("--requests", type=int, default=None, help=f"requests a run (default max(prompts, {RUN_LENGTH} c))")
     p.add_argument("--prompts-file", type=Path, default=PROMPTS)
     p.add_argument("--prompts", type=int, default=None, help="the first N prompts only (interleaved by category)")
     p.add_argument("--max-tokens", type=int, default=128)
