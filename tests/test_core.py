@@ -196,6 +196,26 @@ def test_a_try_is_costed_by_a_whole_call_not_the_one_cut_before_it(engines, plai
     check_free(core)
 
 
+def test_a_call_over_the_same_rows_resumes_the_trees_drafted_behind_the_last(engines, plain, monkeypatch):
+    """Two requests on a pinned 3x8, two rounds a call: once both run, each call's first round verifies the trees
+    drafted behind the last call's last round on the device (resume: no host read), until a row stops; the
+    tokens are plain decoding's, and a call whose rows changed (the second request joining) reads its trees."""
+    v, d = engines
+    calls = []
+    verify = v.verify_rounds_steps
+
+    def told(*a, **k):
+        calls.append(k.get("resume", False))
+        return verify(*a, **k)
+
+    monkeypatch.setattr(v, "verify_rounds_steps", told)
+    core = EngineCore(v, d, FixedPolicy(TREE), CoreConfig(max_sequences=2, rounds_per_step=2))
+    got = run(core, {0: [req(0, 16)], 1: [req(1, 16)]})
+    assert [got[f"s{i}"][0] for i in range(2)] == [plain[0], plain[1]]
+    assert calls[:2] == [False, False] and sum(calls) >= 2, calls  # the first calls read; later ones resume
+    check_free(core)
+
+
 class Ticks:
     """A clock that moves 10 us a read, and the test adds idle time to t itself."""
 
@@ -387,8 +407,10 @@ def test_the_policy_hears_of_steady_rounds_only(engines):
 
 def test_sampled_rounds_chain_on_the_device_with_the_hosts_tokens(engines, plain):
     """Seeded requests at temperature 0.7 (top-p 0.9) beside a greedy one, one-hot trees: up to four rounds a
-    verifier call, each chained round's sets built on the device (verifier_parts.onehot_sets), give the tokens
-    of one round a call, whose sets the host packs (common.tree.row_sets); the greedy one stays plain decoding's."""
+    verifier call, each chained round's sets built on the device (verifier_parts.onehot_sets), the first round of
+    a call over the same rows resumed there too, give the tokens of rounds whose trees the host reads and whose
+    sets it packs (common.tree.row_sets: a drafter that never drafts behind a verify); the greedy one stays
+    plain decoding's."""
     v, d = engines
     assert d.drafting.sampling_rule == "onehot"
     hot = [SamplingConfig(temperature=0.7, top_p=0.9, seed=11), SamplingConfig(temperature=0.7, seed=5)]
@@ -396,16 +418,16 @@ def test_sampled_rounds_chain_on_the_device_with_the_hosts_tokens(engines, plain
     settle = d.settle_after
     d.settle_after = lambda h: settled.append(h) or settle(h)
     try:
-        for rounds in (4, 1):
-            core = EngineCore(v, d, FixedPolicy(TREE), CoreConfig(max_sequences=4, rounds_per_step=rounds))
+        for drafter in (d, Flaky(d)):  # Flaky: launch_after declines, every tree read and packed by the host
+            core = EngineCore(v, drafter, FixedPolicy(TREE), CoreConfig(max_sequences=4, rounds_per_step=4))
             reqs = [Request(f"s{i}", PROMPTS[i], s, max_new=16) for i, s in enumerate(hot)] + [req(2)]
             got.append(run(core, {0: reqs}))
             check_free(core)
-            if rounds == 4:
+            if drafter is d:
                 assert settled, "no round was chained"
                 chained = len(settled)
     finally:
         d.settle_after = settle
-    assert len(settled) == chained  # one round a call: nothing chained
+    assert len(settled) == chained  # the host's rounds: nothing chained
     assert got[0] == got[1]
     assert got[0]["s2"][0] == plain[2] and got[0]["s0"][0] != plain[0]

@@ -9,7 +9,8 @@ One step (EngineCore.step):
     up to `rounds_per_step` rounds for every running sequence, in verifier calls of one host synchronisation
     (a call cut short, before a try or with nothing chained behind it, ends the step):
         shape = the policy's (decided when the last call was launched, or now)
-        trees = the drafting launched behind the last verify (the device chain), or a propose
+        trees = the drafting launched behind the last verify (the device chain): verified there when the call's rows
+            are the last call's (resumed), else read; or a propose
         verify every sequence's tree at once; launch the next trees behind it on the device, and verify those
             there too, round after round, the host reading none of it (not past a q rule row's tree)
         commit each round's tokens by each sequence's token rules as soon as the host has them (the call's later
@@ -46,7 +47,6 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from common.config import SamplingConfig
 from common.engine.base import (
     Drafter,
     LaunchAfter,
@@ -58,22 +58,19 @@ from common.engine.base import (
     VerifyInput,
     finish,
 )
+from common.engine.core_drafts import DraftSupply
 from common.engine.core_parts import CoreConfig, Draft, Snapshot
-from common.errors import PeerUnavailable, UnknownSequence
 from common.policy import PLAIN, Choice, Member, Shape
-from common.rounds import start_shift
 from common.sequence import Finish, Request, SeqOutput, Sequence, Status, output
 from common.tree import Tree
 
 log = logging.getLogger(__name__)
-SPARE_ID = "~features"  # the verifier's spare slot: features recomputed for a drafter catching up
-JOINING_TOKENS = 8  # a propose of more new tokens than a round's (a prompt, a catch-up) joins in a call of its own
 NO_TREE = Tree(
     tokens=np.zeros(0, dtype=np.int64), parents=np.zeros(0, dtype=np.int64), probs=np.zeros(0, dtype=np.float32)
 )
 
 
-class EngineCore:
+class EngineCore(DraftSupply):
     def __init__(
         self,
         verifier: VerifierEngine,
@@ -314,10 +311,12 @@ class EngineCore:
         speccing = {id(s) for s, _ in spec}
         plain = [s for (s, _), room in zip(rows, rooms) if id(s) not in speccing and room >= 1]
         t1 = self.clock()
-        trees, catch_up, joining_s = self._trees(spec)
+        resumed = self._resumable(spec, plain)  # the trees drafted behind the last call: verified on the device
+        trees, catch_up, joining_s = ({}, False, 0.0) if resumed is not None else self._trees(spec)
         t2 = self.clock()
-        spec = [(s, t) for s, t in spec if s.seq_id in trees]
-        plain += [s for s, _ in rows if id(s) in speccing and s.seq_id not in trees and s.status is Status.RUNNING]
+        if resumed is None:
+            spec = [(s, t) for s, t in spec if s.seq_id in trees]
+            plain += [s for s, _ in rows if id(s) in speccing and s.seq_id not in trees and s.status is Status.RUNNING]
         if not spec:
             self._plain(plain, news, t0, setup_s)
             return 0
@@ -336,9 +335,12 @@ class EngineCore:
         later = [n for _, n in chained] + [NO_TREE] * len(rest)  # each row's tree in the chained rounds
         chain = None
         if self.drafter is not None and chained:
-            chain = LaunchAfter(self.drafter, [ProposeAfter(s.seq_id, n.nodes, n.depth) for s, n in chained])
+            items = [ProposeAfter(s.seq_id, n.nodes, n.depth) for s, n in chained]
+            chain = LaunchAfter(self.drafter, items, after=resumed)
         sampled = any(s.band != "greedy" for s, _ in order)
-        inputs = [VerifyInput(s.seq_id, trees[s.seq_id] if t is not NO_TREE else NO_TREE) for s, t in order]
+        inputs = [
+            VerifyInput(s.seq_id, trees.get(s.seq_id, NO_TREE) if t is not NO_TREE else NO_TREE) for s, t in order
+        ]
         follow, committing = [self._following(s) for s, _ in order], [0.0]
 
         def commit(r: int, done: int, results: list) -> None:
@@ -351,8 +353,9 @@ class EngineCore:
                 if s.status is not Status.RUNNING:  # it stopped in an earlier round of the call
                     continue
                 tokens, tree = out.tokens, t if r == 0 else later[i]
-                if tree is not NO_TREE:
-                    s.count_round(trees[s.seq_id].size if r == 0 else tree.nodes, len(tokens) - 1)
+                if tree is not NO_TREE:  # its drafted nodes: the host's tree's, or (on the device) the shape's
+                    first = trees.get(s.seq_id) if r == 0 else None
+                    s.count_round(tree.nodes if first is None else first.size, len(tokens) - 1)
                     verified.append((s.seq_id, s.band, tree, min(len(tokens) - 1, tree.depth)))
                 news[s.seq_id] = news.get(s.seq_id, []) + s.commit(tokens)
                 if follow[i] and i >= drafting:
@@ -364,7 +367,8 @@ class EngineCore:
 
         try:
             t3 = self.clock()
-            done = len(finish(self.verifier.verify_rounds_steps(inputs, rounds, chain, commit)))
+            resume = resumed is not None
+            done = len(finish(self.verifier.verify_rounds_steps(inputs, rounds, chain, commit, resume=resume)))
         except Exception as e:  # noqa: BLE001 - the round's sequences fail; the core goes on
             log.exception("a verify of %d sequences failed", len(order))
             for s, _ in order:
@@ -372,7 +376,7 @@ class EngineCore:
             return 0
         t4 = self.clock()
         handles = chain.handles if chain is not None else []
-        for h in handles[: done - 1]:  # launches a chained round verified: the host never read them
+        for h in [resumed] * (resumed is not None) + handles[: done - 1]:  # launches verified, never read
             self.drafter.settle_after(h)
         self._next = choice
         launched = len(handles) == done
@@ -391,62 +395,6 @@ class EngineCore:
         catching_up = joining_s if catch_up else 0.0
         self._observe(t0, len(order), drafted, 1, whole and pure, setup_s, sampled, done, catching_up)
         return done
-
-    def _trees(self, spec: list[tuple[Sequence, Shape]]) -> tuple[dict[str, Tree], bool, float]:
-        """The trees of this round's drafting rows ({seq_id: tree}; a row missing: the drafter failed it), whether
-        the round catches up every row, and the seconds spent on joining rows. A joining row is a joiner's prompt,
-        or a sequence caught up after a plain stretch or a drafter failure: its propose runs a long accept pass,
-        in a call of its own; a round that has nothing but joining rows (the first after plain steps) is a
-        catch-up."""
-        trees = self._settle_launch()
-        todo = [(s, t) for s, t in spec if s.seq_id not in trees]
-        joins = [(d := self.drafts[s.seq_id]).start is not None or len(d.tokens) > JOINING_TOKENS for s, _ in todo]
-        # the other rows' inputs first: a joining propose that fails loses every row's features (_lose). A joining
-        # row's input (its features since the drafter last saw it: after a plain stretch, one chunk a plain call
-        # to concatenate) is joining work: left out of the call's cost sample with its propose
-        going = [(s, t, self._propose_input(s, t)) for (s, t), j in zip(todo, joins) if not j]
-        t0 = self.clock()
-        joining = [(s, t, self._propose_input(s, t)) for (s, t), j in zip(todo, joins) if j]
-        self._propose(joining, trees)
-        joining_s = self.clock() - t0
-        self._propose(going, trees)
-        return trees, len(joining) == len(spec), joining_s
-
-    def _propose(self, todo: list[tuple[Sequence, Shape, ProposeInput]], trees: dict[str, Tree]) -> None:
-        """The drafter's trees for these rows, into `trees` (none when it fails: they go on plainly)."""
-        if not todo:
-            return
-        try:
-            proposed = self.drafter.propose([it for _, _, it in todo])
-        except Exception as e:  # noqa: BLE001 - a drafter failure never fails a request: they go on plainly
-            self._lose([s for s, _, _ in todo], e)
-            return
-        for (s, _, _), tree in zip(todo, proposed):
-            trees[s.seq_id] = tree
-            d = self.drafts[s.seq_id]
-            d.tokens, d.hidden, d.start = [], [], None
-
-    def _propose_input(self, s: Sequence, t: Shape) -> ProposeInput:
-        """Its next propose: what the drafter has not seen (after a start item, the whole context: a joiner's
-        prompt, or a sequence caught up, with what it committed since)."""
-        d = self.drafts[s.seq_id]
-        st = d.start
-        if st is None:
-            hidden = torch.cat(d.hidden) if len(d.hidden) > 1 else d.hidden[0]  # [n, 3H]
-            return ProposeInput(s.seq_id, d.tokens, hidden, False, [], t.nodes, t.depth)
-        hidden = torch.cat([st.hidden, *d.hidden]) if d.hidden else st.hidden
-        tokens = st.token_ids + d.tokens
-        return ProposeInput(s.seq_id, tokens, hidden, True, st.context_prefix, t.nodes, t.depth, st.sampling)
-
-    def _settle_launch(self) -> dict[str, Tree]:
-        """The trees of the drafting launched behind the last verify, for its rows still running ({seq_id:
-        tree}): read even when a row does not draft this round, so that the drafter has its tokens."""
-        launch, self._launch = self._launch, None
-        if launch is None:
-            return {}
-        handle, rows = launch
-        read = [(sid, row) for sid, row in rows.items() if self.seqs[sid].status is Status.RUNNING]
-        return dict(zip([sid for sid, _ in read], self.drafter.read_after(handle, [row for _, row in read])))
 
     def _plain(self, seqs: list[Sequence], news: dict[str, list[int]], t0: float, setup_s: float) -> None:
         """`plain_steps` decoding steps (fewer near every sequence's budget) with one host synchronisation;
@@ -516,55 +464,6 @@ class EngineCore:
     @staticmethod
     def _fail(s: Sequence, e: BaseException) -> None:
         s.end(Finish.ERROR, e)
-
-    def _lose(self, seqs: list[Sequence], e: BaseException) -> None:
-        """The drafter failed these sequences; nobody's request fails for it. A peer that is down: every
-        sequence is lost and the core goes plain until it answers again (_recover). One that no longer knows
-        them (it restarted): they are lost, caught up at the next retry. Another error (a context full for the
-        drafter, a bad input): these go on plainly to their end."""
-        down = isinstance(e, PeerUnavailable)
-        log.warning("the drafter failed %d sequence(s) (%s): plain decoding%s", len(seqs), e,
-                    " until it is back" if down else "")  # fmt: skip
-        if down:
-            self.degraded = True
-            self._launch, self._next = None, None
-        recover = down or isinstance(e, UnknownSequence)
-        for d in self.drafts.values() if down else [self.drafts[s.seq_id] for s in seqs]:
-            d.start, d.tokens, d.hidden = None, [], []
-            d.lost, d.dead = recover, d.dead or not recover
-        if recover:
-            self._retry_at = min(self._retry_at, self.clock() + self.cfg.draft_retry_s) if not down else (
-                self.clock() + self.cfg.draft_retry_s)  # fmt: skip
-
-    def _recover(self) -> None:
-        """Every draft_retry_s while sequences are lost: when the drafter answers, catch each running one up
-        (the features of its context recomputed in the verifier's spare slot, as after a prefill of all but its
-        last token, which is the one it chose)."""
-        if self.drafter is None or self.clock() < self._retry_at:
-            return
-        lost = [(sid, d) for sid, d in self.drafts.items() if d.lost and self.seqs[sid].status is Status.RUNNING]
-        if not lost and not self.degraded:
-            return
-        self._retry_at = self.clock() + self.cfg.draft_retry_s
-        if not getattr(self.drafter, "available", lambda: True)():
-            return
-        if self.degraded:
-            log.info("the drafter answers again: catching up %d sequence(s)", len(lost))
-        self.degraded = False
-        try:  # a drafter that kept its state of them (it did not restart) starts them afresh
-            self.drafter.release([sid for sid, _ in lost])
-        except Exception as e:  # noqa: BLE001 - the start items restart them anyway on a draft service
-            log.warning("releasing %d lost sequence(s) on the drafter failed: %s", len(lost), e)
-        for sid, d in lost:
-            s = self.seqs[sid]
-            context = s.req.prompt_ids + s.tokens  # its last token is the next tree's root
-            try:
-                out = self.verifier.prefill(PrefillInput(SPARE_ID, context[:-1], SamplingConfig()))
-            finally:
-                self.verifier.release([SPARE_ID])
-            ids, prefix = start_shift(context[:-1], context[-1])
-            d.start = ProposeInput(sid, ids, out.hidden, True, prefix, 0, 0, s.req.sampling)
-            d.lost = False
 
     # ---- retire ----
     def _retire(self, news: dict[str, list[int]]) -> list[SeqOutput]:

@@ -15,7 +15,8 @@ token sets its acceptance follows); the step builds the tree mask and positions,
 draft's q: common.kernels.speculative), compacts the accepted path's K/V in every layer, and gathers the
 kept EAGLE features; the host reads back one [B, T + 1] block (accepted count, tokens). Plain decoding draws
 on the device too, several steps a call. Every draw is a function of the sequence's seed and the position
-(common.kernels.sampling): a seed reproduces a sequence on one speculation path. Its parts: verifier_parts.py."""
+(common.kernels.sampling): a seed reproduces a sequence on one speculation path. Its parts: verifier_parts.py,
+verifier_sampled.py (sampled verification)."""
 
 from __future__ import annotations
 
@@ -50,6 +51,7 @@ from common.engine.verifier_parts import (  # noqa: F401 - callers import these 
     PrefillStep,
     SampledColumns,
     Sampler,
+    Tail,
     VerifierConfig,
     VerifierSeq,
     VerifyStep,
@@ -60,19 +62,19 @@ from common.engine.verifier_parts import (  # noqa: F401 - callers import these 
     torch_dtype,
     tree_depth,
 )
+from common.engine.verifier_sampled import SampledVerify
 from common.errors import CapacityExhausted, InvalidRequest, UnknownSequence
 from common.kernels import speculative
-from common.kernels.sampling import RULE_GREEDY, SamplingRows, TreeSets
+from common.kernels.sampling import SamplingRows
 from common.model.llama import Batch, ForwardOutput, KVCache, LlamaModel
 from common.sampling import VERIFIER_SALT, sequence_seed
 from common.slots import SlotTable, check_unique
-from common.tree import widest
 from common.weights import Checkpoint
 
 log = logging.getLogger(__name__)
 
 
-class Verifier:
+class Verifier(SampledVerify):
     """The base model's engine. On CUDA with graphs on, verify and decode replay captured graphs."""
 
     def __init__(
@@ -99,6 +101,7 @@ class Verifier:
         )
         self.seqs: SlotTable[VerifierSeq] = SlotTable(cfg.max_sequences)
         self.set_width = cfg.q_width + cfg.q_width % 2  # W of the captured sampled verify (even: q's float32 pairs)
+        self._tail: Tail | None = None  # the last verify call's end, while its rows' next trees may be resumed
         self._greedy_draw = SamplingRows.pack(SamplingConfig(), 0, mcfg.vocab_size)  # [3] a padding row's
         c, name = cfg, ckpt.name
         self.info = EngineInfo(
@@ -150,6 +153,7 @@ class Verifier:
         a prefix, the same attention as one call over a whole prompt. All or nothing: when the call fails,
         every sequence it created or continued is freed."""
         check_unique([it.seq_id for it in items])
+        self._tail = None  # the next verify packs its trees from the host
         if any(not it.token_ids for it in items):
             raise InvalidRequest("prompt is empty")
         mine: list[str] = []  # created or continued here: freed if the call fails
@@ -286,36 +290,6 @@ class Verifier:
         result, src = kernels.accept_tree(ids, parent_rows, anc, depth, self.model.greedy(out.hidden), greedy)
         return self._compact(out.aux, result, src, slots, n)
 
-    def _verify_sampled_step(
-        self, packed: torch.Tensor, width: int, siblings: int, filtered: bool, max_depth: int | None = None
-    ) -> VerifyStep:
-        """packed [B, C] as SampledColumns lays it out for sets of `width` tokens; siblings: S, at least every
-        row's children; filtered: a row samples with top-k or top-p (Sampler.FILTERED). Greedy rows (rule 0)
-        are accepted as by _verify_step, bit for bit; the others by common.kernels.speculative's sampled
-        acceptance with their rule, seed and the root's position as the counter."""
-        b = packed.shape[0]
-        cols = SampledColumns.of(packed.shape[1], width)
-        t = cols.t
-        ids, parent_rows = packed[:, :t], packed[:, t : 2 * t]  # [B, T] each
-        n, slots, rule = packed[:, cols.n], packed[:, cols.n + 1], packed[:, cols.n + 2]  # [B] each
-        anc, depth, out = self._tree_forward(ids, parent_rows, n, slots, max_depth)
-        logits = self.model.lm_head(out.hidden)  # [B, T, V] (the greedy step's argmax is of these)
-        greedy = rule == RULE_GREEDY
-        g_result, g_src = kernels.accept_tree(ids, parent_rows, anc, depth, logits.argmax(-1), greedy.long())
-        sets = TreeSets(
-            ids=packed[:, cols.ids : cols.q].view(b, t, width),
-            q=packed[:, cols.q : cols.end].view(torch.float32).view(b, t, width),
-            pos=packed[:, cols.pos : cols.n],
-            rule=rule,
-        )
-        rows = SamplingRows.unpack(packed[:, cols.draw : cols.ids], n)
-        s_result, s_src = speculative.accept_sampled_tree(
-            ids, parent_rows, anc, depth, logits, sets, rows, siblings, filtered
-        )
-        result = torch.where(greedy[:, None], g_result, s_result)
-        src = torch.where(greedy[:, None], g_src, s_src)
-        return self._compact(out.aux, result, src, slots, n)
-
     def _tree_forward(
         self,
         ids: torch.Tensor,
@@ -355,6 +329,22 @@ class Verifier:
         outs = yield from self.verify_rounds_steps(items, 1, then)
         return outs[0]
 
+    def can_resume(self, seq_ids: list[str]) -> bool:
+        """Whether a call over these rows, in this order, may verify the trees drafted behind the last call's last
+        round without the host reading them (verify_rounds_steps(resume=True)): no engine call since but room,
+        the same rows, trees its graph takes and room for them."""
+        t = self._tail
+        if t is None or tuple(seq_ids) != t.ids:
+            return False
+        c = t.chained
+        lengths = np.fromiter((self.seqs.get(s)[1].length for s in seq_ids), dtype=np.int64, count=len(seq_ids))
+        fits = (t.cols is None or c.kids <= t.kids) and c.depth <= SHALLOW_DEPTH
+        return (
+            fits
+            and self.graphs.bucket(1 + c.keep_max, self.tree_buckets) == t.tb
+            and (lengths + t.tb <= self.capacity).all()
+        )
+
     @torch.inference_mode()  # a generator: torch enters the mode at each resume
     def verify_rounds_steps(
         self,
@@ -362,6 +352,7 @@ class Verifier:
         rounds: int = 1,
         then: Callable[[Accepted], Chained | None] | None = None,
         each: Callable[[int, int, list[VerifyOutput]], None] | None = None,
+        resume: bool = False,
     ) -> Steps[list[list[VerifyOutput]]]:
         """Up to `rounds` verifications of the items' rows, launched back to back, as steps: (on a GPU) the call
         yields until a round's result has reached the host, reads it and commits it, round after round, while
@@ -372,19 +363,86 @@ class Verifier:
         device cannot build (a q rule row's), would follow. each(r, launched, outputs): called with each round's
         outputs as soon as they are read (the caller's bookkeeping of round r overlaps the device's later
         rounds; launched: the call's rounds). A tree of no nodes gets one token, as a decode step would.
-        Returns each round's outputs, in order."""
-        check_unique([it.seq_id for it in items])
-        states = [self._ready(it.seq_id) for it in items]
+        resume: the first round verifies the trees the last call's then drafted behind its last round, on the
+        device as a chained round does (can_resume must hold; the items' trees are not read). Returns each
+        round's outputs, in order."""
+        ids = [it.seq_id for it in items]
+        check_unique(ids)
+        if resume and not self.can_resume(ids):
+            raise InvalidRequest("no trees to resume for these rows: the last call's were not drafted behind it")
+        tail, self._tail = (self._tail if resume else None), None
+        states = [self._ready(s) for s in ids]
+        b = len(items)
+        lengths = np.fromiter((st.length for _, st in states), dtype=np.int64, count=b)  # [B]
+        if tail is None:
+            block, deepest, key, step, tb, sampled, kids = self._verify_plan(items, states, lengths)
+        else:
+            block, deepest, key, step, tb, sampled, kids = (
+                None,
+                tail.chained.depth,
+                tail.key,
+                tail.step,
+                tail.tb,
+                tail.cols,
+                tail.kids,
+            )
+        accepted: list[Accepted] = []
+        reads: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []  # each round's [B, T + 1] on the host
+        grown = lengths + deepest + 1  # [B] each sequence's length after this round, at most
+        with self.graphs.on_stream():
+            if tail is not None:
+                if tail.chained.ready is not None:
+                    torch.cuda.current_stream(self.device).wait_event(tail.chained.ready)
+                block = chained_block(tail.block, tail.result, tail.chained, tb, sampled)
+            while True:
+                fed = self.graphs.feed(key, {"packed": block})
+                out = self.graphs.replay(key, step, fed)
+                # copies: the next replay rewrites the graph's buffers. A path holds at most deepest + 1 rows
+                accepted.append(Accepted(result=out.result[:b].clone(), kept=out.kept[:b, : deepest + 1].clone()))
+                reads.append(self.graphs.to_host(accepted[-1].result))
+                chained = then(accepted[-1]) if then is not None else None
+                if chained is not None and sampled is not None and chained.kids > kids:
+                    break
+                if chained is None or len(accepted) == rounds:
+                    if chained is not None:  # the next call over these rows may verify them on the device
+                        last = fed["packed"].clone()
+                        self._tail = Tail(tuple(ids), last, accepted[-1].result, chained, key, step, tb, sampled, kids)
+                    break
+                deepest = chained.depth
+                rows = self.graphs.bucket(1 + chained.keep_max, self.tree_buckets)  # of the chained trees
+                if deepest > SHALLOW_DEPTH or rows != tb or (grown + tb > self.capacity).any():
+                    break  # another graph (larger trees, or smaller ones padded), or no room: the host goes on
+                grown += deepest + 1
+                if chained.ready is not None:
+                    torch.cuda.current_stream(self.device).wait_event(chained.ready)
+                block = chained_block(fed["packed"], accepted[-1].result, chained, tb, sampled)
+        outputs: list[list[VerifyOutput]] = []
+        for r, ((host, ready), acc) in enumerate(zip(reads, accepted)):
+            if ready is not None:
+                yield ready  # round r's result is on the host; the later rounds run on
+            rows = host.tolist()  # [B][T + 1]: each row's count c, then its c tokens (one conversion for the batch)
+            outputs.append([VerifyOutput(row[1 : row[0] + 2], acc.kept, i) for i, row in enumerate(rows)])
+            for (_, st), out in zip(states, outputs[-1]):
+                st.length, st.pending = st.length + len(out.tokens), out.tokens[-1]
+            if each is not None:
+                each(r, len(accepted), outputs[-1])
+        return outputs
+
+    def _verify_plan(
+        self, items: list[VerifyInput], states: list[tuple[int, VerifierSeq]], lengths: np.ndarray
+    ) -> tuple[torch.Tensor, int, tuple, Callable[..., VerifyStep], int, SampledColumns | None, int]:
+        """The first round's verify block [BB, C] packed from the items' trees, their depth, the graph's key and
+        step, its tree bucket, the sampled layout (None: greedy) and the most children a chained round's one-hot
+        trees may have."""
         b = len(items)
         sizes = np.fromiter((it.tree.size for it in items), dtype=np.int64, count=b)  # [B]
-        lengths = np.fromiter((st.length for _, st in states), dtype=np.int64, count=b)  # [B]
         t = 1 + int(sizes.max())
         if (full := np.flatnonzero(lengths + t > self.capacity)).size:
             sid, n = items[int(full[0])].seq_id, lengths[int(full[0])]
             raise CapacityExhausted(f"sequence {sid!r} has no room for a {t}-row tree at length {n}")
         bb, tb = self.graphs.bucket(b, self.batch_buckets), self.graphs.bucket(t, self.tree_buckets)
         sampler = Sampler.of([st.sampling for _, st in states])
-        sampled, kids = None, 0  # the sampled layout; the most children a chained round's one-hot trees may have
+        sampled, kids = None, 0
         if sampler is Sampler.GREEDY:
             block, cols = self._verify_block(bb, tb), (2 * tb, 2 * tb + 1)  # n, slot
         else:
@@ -407,76 +465,7 @@ class Verifier:
         else:
             pack_sampled(a, [it.tree for it in items], [st for _, st in states], sampled)
             key, step = self._sampled_variant(bb, tb, sampler, shallow, sets_width, siblings)
-        accepted: list[Accepted] = []
-        reads: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []  # each round's [B, T + 1] on the host
-        grown = lengths + deepest + 1  # [B] each sequence's length after this round, at most
-        with self.graphs.on_stream():
-            while True:
-                fed = self.graphs.feed(key, {"packed": block})
-                out = self.graphs.replay(key, step, fed)
-                # copies: the next replay rewrites the graph's buffers. A path holds at most deepest + 1 rows
-                accepted.append(Accepted(result=out.result[:b].clone(), kept=out.kept[:b, : deepest + 1].clone()))
-                reads.append(self.graphs.to_host(accepted[-1].result))
-                chained = then(accepted[-1]) if then is not None else None
-                if chained is None or len(accepted) == rounds or (sampled is not None and chained.kids > kids):
-                    break
-                deepest = chained.depth
-                rows = self.graphs.bucket(1 + chained.keep_max, self.tree_buckets)  # of the chained trees
-                if deepest > SHALLOW_DEPTH or rows != tb or (grown + tb > self.capacity).any():
-                    break  # another graph (larger trees, or smaller ones padded), or no room: the host goes on
-                grown += deepest + 1
-                if chained.ready is not None:
-                    torch.cuda.current_stream(self.device).wait_event(chained.ready)
-                block = chained_block(fed["packed"], accepted[-1].result, chained, tb, sampled)
-        outputs: list[list[VerifyOutput]] = []
-        for r, ((host, ready), acc) in enumerate(zip(reads, accepted)):
-            if ready is not None:
-                yield ready  # round r's result is on the host; the later rounds run on
-            rows = host.tolist()  # [B][T + 1]: each row's count c, then its c tokens (one conversion for the batch)
-            outputs.append([VerifyOutput(row[1 : row[0] + 2], acc.kept, i) for i, row in enumerate(rows)])
-            for (_, st), out in zip(states, outputs[-1]):
-                st.length, st.pending = st.length + len(out.tokens), out.tokens[-1]
-            if each is not None:
-                each(r, len(accepted), outputs[-1])
-        return outputs
-
-    # ---- sampled verification (a row samples: Sampler.TEMPERATURE or FILTERED) ----
-    def _siblings(self, tb: int) -> int:
-        """S of the captured sampled verify of tb-row trees: SIBLINGS, or all a tree of tb rows may have (at
-        least 1: a batch of roots alone has tb 1 when not padded)."""
-        return max(1, min(SIBLINGS, tb - 1))
-
-    def _sets_shape(self, items: list[VerifyInput], states: list[tuple[int, VerifierSeq]], tb: int) -> tuple[int, int]:
-        """(W, S) the sampling rows' trees need: the captured set_width and _siblings(tb), or more (an eager
-        step) when a q or a row's children are wider. W is even."""
-        trees = [it.tree for it, (_, st) in zip(items, states) if not st.sampling.greedy]
-        kids = widest(trees)
-        need = max([kids] + [t.q.ids.shape[1] for t in trees if t.q is not None])
-        w = self.set_width if need <= self.set_width else need + need % 2
-        return w, max(self._siblings(tb), kids)
-
-    def _sampled_block(self, b: int, t: int, w: int) -> torch.Tensor:
-        """An all-padding sampled verify block [b, C] (SampledColumns): token 0, every row its own parent,
-        length 0, the trash slot, a greedy row, empty sets."""
-        cols = SampledColumns(t, w)
-        a = np.zeros((b, cols.end), dtype=np.int64)
-        a[:, t : 2 * t] = np.arange(t)
-        a[:, cols.n + 1] = self.trash_slot
-        a[:, cols.draw : cols.ids] = self._greedy_draw
-        return torch.from_numpy(a)
-
-    def _sampled_variant(
-        self, bb: int, tb: int, sampler: Sampler, shallow: bool, w: int, s: int
-    ) -> tuple[tuple, Callable[..., VerifyStep]]:
-        """The graph key and step of a sampled verify (captured: shallow trees, set_width, _siblings(tb))."""
-        step = functools.partial(
-            self._verify_sampled_step,
-            width=w,
-            siblings=s,
-            filtered=sampler is Sampler.FILTERED,
-            max_depth=SHALLOW_DEPTH if shallow else None,
-        )
-        return ("verify", bb, tb, shallow, sampler, w, s), step
+        return block, deepest, key, step, tb, sampled, kids
 
     # ---- plain decoding ----
     def _decode_block(self, b: int, sampler: Sampler = Sampler.GREEDY) -> torch.Tensor:
@@ -536,6 +525,7 @@ class Verifier:
         if steps < 1:
             raise InvalidRequest(f"decode steps must be >= 1, got {steps}")
         check_unique(seq_ids)
+        self._tail = None
         states = [self._ready(s) for s in seq_ids]
         for s, (_, st) in zip(seq_ids, states):
             if st.length + 1 > self.capacity:
@@ -573,6 +563,7 @@ class Verifier:
             return Decoded(tokens=result, hidden=features[:b] if features is not None else None)
 
     def release(self, seq_ids: list[str]) -> int:
+        self._tail = None
         return sum(self.seqs.release(s) for s in seq_ids)
 
     @torch.inference_mode()

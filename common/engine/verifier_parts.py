@@ -180,6 +180,24 @@ class DecodeStep:
 CPU_CALIBRATION_ROWS = 16  # tree rows measured at start-up on a CPU (see Verifier.step_costs)
 
 
+@dataclass(frozen=True)
+class Tail:
+    """The end of a verify call whose last round has its rows' next trees drafted behind it on the device (its
+    then's last Chained): what the next call over the same rows needs to verify those trees without the host
+    reading them (Verifier.can_resume). ids: its rows in order; block [BB, C] a copy of its last round's verify
+    block, result [B, T + 1] that round's acceptance; key, step, tb, cols, kids: its graph, as in the call."""
+
+    ids: tuple[str, ...]
+    block: torch.Tensor
+    result: torch.Tensor
+    chained: Chained
+    key: tuple
+    step: object
+    tb: int
+    cols: SampledColumns | None
+    kids: int
+
+
 def chained_block(
     prev: torch.Tensor, result: torch.Tensor, trees: Chained, tb: int, cols: SampledColumns | None = None
 ) -> torch.Tensor:

@@ -1,0 +1,148 @@
+"""The engine core's drafter side (a mixin of EngineCore, common/engine/core.py): the trees of a call's drafting
+rows (resumed on the device, read from the drafting launched behind the last verify, or proposed, joiners and
+catch-ups in a call of their own), what the drafter has not seen of a sequence, and a drafter's failures and
+recovery."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from common.config import SamplingConfig
+from common.engine.base import PrefillInput, ProposeInput
+from common.errors import PeerUnavailable, UnknownSequence
+from common.policy import Shape
+from common.rounds import start_shift
+from common.sequence import Sequence, Status
+from common.tree import Tree
+
+log = logging.getLogger(__name__)
+SPARE_ID = "~features"  # the verifier's spare slot: features recomputed for a drafter catching up
+JOINING_TOKENS = 8  # a propose of more new tokens than a round's (a prompt, a catch-up) joins in a call of its own
+
+
+class DraftSupply:
+    """EngineCore's methods that feed the drafter and take its trees (they use the core's drafter, verifier,
+    sequences, drafts, launch and clock)."""
+
+    def _resumable(self, spec: list[tuple[Sequence, Shape]], plain: list[Sequence]) -> object | None:
+        """The drafting launched behind the last call's last round, taken, when this call's rows are that call's in
+        order, each drafting the tree it was launched for, and the verifier can verify them there: no host read,
+        no propose (VerifierEngine.can_resume); else None (_trees reads them)."""
+        if self._launch is None or plain:
+            return None
+        handle, rows = self._launch
+        want = [(s.seq_id, i, t.nodes, t.depth) for i, (s, t) in enumerate(spec)]
+        if want != [(it.seq_id, rows.get(it.seq_id), it.max_nodes, it.max_depth) for it in handle.items]:
+            return None
+        if not self.verifier.can_resume([s.seq_id for s, _ in spec]):
+            return None
+        self._launch = None
+        return handle
+
+    def _trees(self, spec: list[tuple[Sequence, Shape]]) -> tuple[dict[str, Tree], bool, float]:
+        """The trees of this round's drafting rows ({seq_id: tree}; a row missing: the drafter failed it), whether
+        the round catches up every row, and the seconds spent on joining rows. A joining row is a joiner's prompt,
+        or a sequence caught up after a plain stretch or a drafter failure: its propose runs a long accept pass,
+        in a call of its own; a round that has nothing but joining rows (the first after plain steps) is a
+        catch-up."""
+        trees = self._settle_launch()
+        todo = [(s, t) for s, t in spec if s.seq_id not in trees]
+        joins = [(d := self.drafts[s.seq_id]).start is not None or len(d.tokens) > JOINING_TOKENS for s, _ in todo]
+        # the other rows' inputs first: a joining propose that fails loses every row's features (_lose). A joining
+        # row's input (its features since the drafter last saw it: after a plain stretch, one chunk a plain call
+        # to concatenate) is joining work: left out of the call's cost sample with its propose
+        going = [(s, t, self._propose_input(s, t)) for (s, t), j in zip(todo, joins) if not j]
+        t0 = self.clock()
+        joining = [(s, t, self._propose_input(s, t)) for (s, t), j in zip(todo, joins) if j]
+        self._propose(joining, trees)
+        joining_s = self.clock() - t0
+        self._propose(going, trees)
+        return trees, len(joining) == len(spec), joining_s
+
+    def _propose(self, todo: list[tuple[Sequence, Shape, ProposeInput]], trees: dict[str, Tree]) -> None:
+        """The drafter's trees for these rows, into `trees` (none when it fails: they go on plainly)."""
+        if not todo:
+            return
+        try:
+            proposed = self.drafter.propose([it for _, _, it in todo])
+        except Exception as e:  # noqa: BLE001 - a drafter failure never fails a request: they go on plainly
+            self._lose([s for s, _, _ in todo], e)
+            return
+        for (s, _, _), tree in zip(todo, proposed):
+            trees[s.seq_id] = tree
+            d = self.drafts[s.seq_id]
+            d.tokens, d.hidden, d.start = [], [], None
+
+    def _propose_input(self, s: Sequence, t: Shape) -> ProposeInput:
+        """Its next propose: what the drafter has not seen (after a start item, the whole context: a joiner's
+        prompt, or a sequence caught up, with what it committed since)."""
+        d = self.drafts[s.seq_id]
+        st = d.start
+        if st is None:
+            hidden = torch.cat(d.hidden) if len(d.hidden) > 1 else d.hidden[0]  # [n, 3H]
+            return ProposeInput(s.seq_id, d.tokens, hidden, False, [], t.nodes, t.depth)
+        hidden = torch.cat([st.hidden, *d.hidden]) if d.hidden else st.hidden
+        tokens = st.token_ids + d.tokens
+        return ProposeInput(s.seq_id, tokens, hidden, True, st.context_prefix, t.nodes, t.depth, st.sampling)
+
+    def _settle_launch(self) -> dict[str, Tree]:
+        """The trees of the drafting launched behind the last verify, for its rows still running ({seq_id:
+        tree}): read even when a row does not draft this round, so that the drafter has its tokens."""
+        launch, self._launch = self._launch, None
+        if launch is None:
+            return {}
+        handle, rows = launch
+        read = [(sid, row) for sid, row in rows.items() if self.seqs[sid].status is Status.RUNNING]
+        return dict(zip([sid for sid, _ in read], self.drafter.read_after(handle, [row for _, row in read])))
+
+    # ---- failures ----
+    def _lose(self, seqs: list[Sequence], e: BaseException) -> None:
+        """The drafter failed these sequences; nobody's request fails for it. A peer that is down: every
+        sequence is lost and the core goes plain until it answers again (_recover). One that no longer knows
+        them (it restarted): they are lost, caught up at the next retry. Another error (a context full for the
+        drafter, a bad input): these go on plainly to their end."""
+        down = isinstance(e, PeerUnavailable)
+        log.warning("the drafter failed %d sequence(s) (%s): plain decoding%s", len(seqs), e,
+                    " until it is back" if down else "")  # fmt: skip
+        if down:
+            self.degraded = True
+            self._launch, self._next = None, None
+        recover = down or isinstance(e, UnknownSequence)
+        for d in self.drafts.values() if down else [self.drafts[s.seq_id] for s in seqs]:
+            d.start, d.tokens, d.hidden = None, [], []
+            d.lost, d.dead = recover, d.dead or not recover
+        if recover:
+            self._retry_at = min(self._retry_at, self.clock() + self.cfg.draft_retry_s) if not down else (
+                self.clock() + self.cfg.draft_retry_s)  # fmt: skip
+
+    def _recover(self) -> None:
+        """Every draft_retry_s while sequences are lost: when the drafter answers, catch each running one up
+        (the features of its context recomputed in the verifier's spare slot, as after a prefill of all but its
+        last token, which is the one it chose)."""
+        if self.drafter is None or self.clock() < self._retry_at:
+            return
+        lost = [(sid, d) for sid, d in self.drafts.items() if d.lost and self.seqs[sid].status is Status.RUNNING]
+        if not lost and not self.degraded:
+            return
+        self._retry_at = self.clock() + self.cfg.draft_retry_s
+        if not getattr(self.drafter, "available", lambda: True)():
+            return
+        if self.degraded:
+            log.info("the drafter answers again: catching up %d sequence(s)", len(lost))
+        self.degraded = False
+        try:  # a drafter that kept its state of them (it did not restart) starts them afresh
+            self.drafter.release([sid for sid, _ in lost])
+        except Exception as e:  # noqa: BLE001 - the start items restart them anyway on a draft service
+            log.warning("releasing %d lost sequence(s) on the drafter failed: %s", len(lost), e)
+        for sid, d in lost:
+            s = self.seqs[sid]
+            context = s.req.prompt_ids + s.tokens  # its last token is the next tree's root
+            try:
+                out = self.verifier.prefill(PrefillInput(SPARE_ID, context[:-1], SamplingConfig()))
+            finally:
+                self.verifier.release([SPARE_ID])
+            ids, prefix = start_shift(context[:-1], context[-1])
+            d.start = ProposeInput(sid, ids, out.hidden, True, prefix, 0, 0, s.req.sampling)
+            d.lost = False
