@@ -586,14 +586,15 @@ def test_tree_depth_and_bounded_ancestors() -> None:
 
 def test_a_chained_rounds_block_is_the_last_ones_with_its_acceptance_and_the_drafted_trees() -> None:
     """chained_block's docstring example, worked by hand (tb 4, layout [B, 2T + 3]: tokens, parent rows, n, slot,
-    greedy), with a second row that does not draft (past the trees' K) and a padding row of the bucket."""
+    greedy), with a second row that does not draft (past the trees' K: the tree it verified last is dropped) and a
+    padding row of the bucket."""
     from common.engine.base import Chained
     from common.engine.verifier_parts import chained_block
 
     prev = torch.tensor(
         [
             [7, 3, 4, 0, 0, 0, 1, 3, 10, 5, 1],  # a tree [3, 4] under root 7 at n 10, slot 5
-            [2, 0, 0, 0, 0, 1, 2, 3, 20, 6, 1],  # a root alone (2 at n 20)
+            [2, 13, 0, 0, 0, 0, 2, 3, 20, 6, 1],  # a tree [13] under root 2 at n 20: this round's, not the next
             [0, 0, 0, 0, 0, 1, 2, 3, 0, 9, 1],  # padding (the trash slot)
         ]
     )

@@ -213,7 +213,7 @@ class LaunchAfter:
         k = len(self.items)
         if k < accepted.result.shape[0]:  # [B, ...] -> [k, ...]
             accepted = Accepted(result=accepted.result[:k], kept=accepted.kept[:k])
-        launched = self.drafter.launch_after(self.items, accepted, self.handle or self.after)
+        launched = self.drafter.launch_after(self.items, accepted, self.handles[-1] if self.handles else self.after)
         if launched is None:
             return None
         self.handles.append(launched)

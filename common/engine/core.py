@@ -333,6 +333,9 @@ class EngineCore(DraftSupply):
         rest = [(s, t) for s, t, n in going if n.plain] + [(s, NO_TREE) for s in plain]
         order = [(s, t) for s, t, n in going if not n.plain] + rest
         later = [n for _, n in chained] + [NO_TREE] * len(rest)  # each row's tree in the chained rounds
+        if resumed is not None and 0 < len(chained) < len(spec):  # the next drafting covers some rows: read them
+            trees = dict(zip([s.seq_id for s, _ in spec], self.drafter.read_after(resumed, list(range(len(spec))))))
+            resumed = None
         chain = None
         if self.drafter is not None and chained:
             items = [ProposeAfter(s.seq_id, n.nodes, n.depth) for s, n in chained]

@@ -389,6 +389,7 @@ class Verifier(SampledVerify):
         accepted: list[Accepted] = []
         reads: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []  # each round's [B, T + 1] on the host
         grown = lengths + deepest + 1  # [B] each sequence's length after this round, at most
+        ending = None  # the call's Tail, kept once every round is read
         with self.graphs.on_stream():
             if tail is not None:
                 if tail.chained.ready is not None:
@@ -406,7 +407,7 @@ class Verifier(SampledVerify):
                 if chained is None or len(accepted) == rounds:
                     if chained is not None:  # the next call over these rows may verify them on the device
                         last = fed["packed"].clone()
-                        self._tail = Tail(tuple(ids), last, accepted[-1].result, chained, key, step, tb, sampled, kids)
+                        ending = Tail(tuple(ids), last, accepted[-1].result, chained, key, step, tb, sampled, kids)
                     break
                 deepest = chained.depth
                 rows = self.graphs.bucket(1 + chained.keep_max, self.tree_buckets)  # of the chained trees
@@ -426,6 +427,7 @@ class Verifier(SampledVerify):
                 st.length, st.pending = st.length + len(out.tokens), out.tokens[-1]
             if each is not None:
                 each(r, len(accepted), outputs[-1])
+        self._tail = ending
         return outputs
 
     def _verify_plan(

@@ -219,11 +219,13 @@ def chained_block(
     kept = rows[None, :] <= trees.keep[:, None]  # [K, nodes]
     block[:k, 1 : 1 + nodes] = torch.where(kept, trees.tokens[:, :nodes], 0)
     block[:k, tb + 1 : tb + 1 + nodes] = torch.where(kept, trees.parents[:, :nodes] + 1, rows[None, :])
+    block[k:b, 1:tb] = 0  # rows past K: no tree (not the one they verified last)
+    block[k:b, tb + 1 : 2 * tb] = torch.arange(1, tb, device=prev.device)
     if cols is not None:
-        pos, ids, q = onehot_sets(block[:k, :tb], block[:k, tb : 2 * tb], cols.w)
-        block[:k, cols.pos : cols.n] = pos
-        block[:k, cols.ids : cols.q] = ids
-        block[:k, cols.q : cols.end] = q
+        pos, ids, q = onehot_sets(block[:b, :tb], block[:b, tb : 2 * tb], cols.w)
+        block[:b, cols.pos : cols.n] = pos
+        block[:b, cols.ids : cols.q] = ids
+        block[:b, cols.q : cols.end] = q
     return block
 
 
