@@ -617,6 +617,18 @@ def test_a_chained_rounds_block_is_the_last_ones_with_its_acceptance_and_the_dra
     assert prev[0, 0] == 7  # a new block: the graph's input buffer it came from is left alone
 
 
+def test_a_chained_tree_narrower_than_the_bucket_keeps_none_of_the_last_rounds_nodes() -> None:
+    """tb 4, the last round's tree [3, 4, 5] (a chain under root 7), the next tree one node wide (a depth-1 draft
+    of fewer nodes than the bucket's rows): rows 2 and 3 become padding, not the old nodes 4 and 5."""
+    from common.engine.base import Chained
+    from common.engine.verifier_parts import chained_block
+
+    prev = torch.tensor([[7, 3, 4, 5, 0, 0, 1, 2, 10, 5, 1]])
+    result = torch.tensor([[0, 8, 0, 0, 0]])  # nothing accepted: the bonus 8 is the next root
+    trees = Chained(torch.tensor([[11]]), torch.tensor([[-1]]), torch.tensor([1]), 1, 1, None, 1)
+    assert chained_block(prev, result, trees, 4).tolist() == [[8, 11, 0, 0, 0, 0, 2, 3, 11, 5, 1]]
+
+
 def test_one_hot_sets_built_on_the_device_are_the_hosts() -> None:
     """verifier_parts.onehot_sets (a chained sampled round's sets) = common.tree.row_sets of the same one-hot
     trees, on random trees with repeated sibling tokens, padding rows and the docstring's example."""

@@ -219,8 +219,11 @@ def chained_block(
     kept = rows[None, :] <= trees.keep[:, None]  # [K, nodes]
     block[:k, 1 : 1 + nodes] = torch.where(kept, trees.tokens[:, :nodes], 0)
     block[:k, tb + 1 : tb + 1 + nodes] = torch.where(kept, trees.parents[:, :nodes] + 1, rows[None, :])
+    pad = torch.arange(1, tb, device=prev.device)  # [tb - 1] rows 1.. as their own parents: padding
+    block[:k, 1 + nodes : tb] = 0  # trees narrower than the bucket: no node of the last round's past them
+    block[:k, tb + 1 + nodes : 2 * tb] = pad[nodes:]
     block[k:b, 1:tb] = 0  # rows past K: no tree (not the one they verified last)
-    block[k:b, tb + 1 : 2 * tb] = torch.arange(1, tb, device=prev.device)
+    block[k:b, tb + 1 : 2 * tb] = pad
     if cols is not None:
         pos, ids, q = onehot_sets(block[:b, :tb], block[:b, tb : 2 * tb], cols.w)
         block[:b, cols.pos : cols.n] = pos
