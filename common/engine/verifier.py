@@ -54,6 +54,7 @@ from common.engine.verifier_parts import (  # noqa: F401 - callers import these 
     Tail,
     VerifierConfig,
     VerifierSeq,
+    VerifyGraph,
     VerifyStep,
     chained_block,
     pack_sampled,
@@ -336,14 +337,8 @@ class Verifier(SampledVerify):
         t = self._tail
         if t is None or tuple(seq_ids) != t.ids:
             return False
-        c = t.chained
         lengths = np.fromiter((self.seqs.get(s)[1].length for s in seq_ids), dtype=np.int64, count=len(seq_ids))
-        fits = (t.cols is None or c.kids <= t.kids) and c.depth <= SHALLOW_DEPTH
-        return (
-            fits
-            and self.graphs.bucket(1 + c.keep_max, self.tree_buckets) == t.tb
-            and (lengths + t.tb <= self.capacity).all()
-        )
+        return self._chains(t.chained, t.graph, lengths)
 
     @torch.inference_mode()  # a generator: torch enters the mode at each resume
     def verify_rounds_steps(
@@ -375,48 +370,34 @@ class Verifier(SampledVerify):
         b = len(items)
         lengths = np.fromiter((st.length for _, st in states), dtype=np.int64, count=b)  # [B]
         if tail is None:
-            block, deepest, key, step, tb, sampled, kids = self._verify_plan(items, states, lengths)
+            block, deepest, g = self._verify_plan(items, states, lengths)
         else:
-            block, deepest, key, step, tb, sampled, kids = (
-                None,
-                tail.chained.depth,
-                tail.key,
-                tail.step,
-                tail.tb,
-                tail.cols,
-                tail.kids,
-            )
+            block, deepest, g = None, tail.chained.depth, tail.graph
         accepted: list[Accepted] = []
         reads: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []  # each round's [B, T + 1] on the host
         grown = lengths + deepest + 1  # [B] each sequence's length after this round, at most
         ending = None  # the call's Tail, kept once every round is read
         with self.graphs.on_stream():
             if tail is not None:
-                if tail.chained.ready is not None:
-                    torch.cuda.current_stream(self.device).wait_event(tail.chained.ready)
-                block = chained_block(tail.block, tail.result, tail.chained, tb, sampled)
+                block = self._chained_block(tail.block, tail.result, tail.chained, g)
             while True:
-                fed = self.graphs.feed(key, {"packed": block})
-                out = self.graphs.replay(key, step, fed)
+                fed = self.graphs.feed(g.key, {"packed": block})
+                out = self.graphs.replay(g.key, g.step, fed)
                 # copies: the next replay rewrites the graph's buffers. A path holds at most deepest + 1 rows
                 accepted.append(Accepted(result=out.result[:b].clone(), kept=out.kept[:b, : deepest + 1].clone()))
                 reads.append(self.graphs.to_host(accepted[-1].result))
                 chained = then(accepted[-1]) if then is not None else None
-                if chained is not None and sampled is not None and chained.kids > kids:
-                    break
+                if chained is not None and g.cols is not None and chained.kids > g.kids:
+                    break  # one-hot sets the device cannot build: the host goes on
                 if chained is None or len(accepted) == rounds:
                     if chained is not None:  # the next call over these rows may verify them on the device
-                        last = fed["packed"].clone()
-                        ending = Tail(tuple(ids), last, accepted[-1].result, chained, key, step, tb, sampled, kids)
+                        ending = Tail(tuple(ids), fed["packed"].clone(), accepted[-1].result, chained, g)
                     break
-                deepest = chained.depth
-                rows = self.graphs.bucket(1 + chained.keep_max, self.tree_buckets)  # of the chained trees
-                if deepest > SHALLOW_DEPTH or rows != tb or (grown + tb > self.capacity).any():
+                if not self._chains(chained, g, grown):
                     break  # another graph (larger trees, or smaller ones padded), or no room: the host goes on
+                deepest = chained.depth
                 grown += deepest + 1
-                if chained.ready is not None:
-                    torch.cuda.current_stream(self.device).wait_event(chained.ready)
-                block = chained_block(fed["packed"], accepted[-1].result, chained, tb, sampled)
+                block = self._chained_block(fed["packed"], accepted[-1].result, chained, g)
         outputs: list[list[VerifyOutput]] = []
         for r, ((host, ready), acc) in enumerate(zip(reads, accepted)):
             if ready is not None:
@@ -432,10 +413,8 @@ class Verifier(SampledVerify):
 
     def _verify_plan(
         self, items: list[VerifyInput], states: list[tuple[int, VerifierSeq]], lengths: np.ndarray
-    ) -> tuple[torch.Tensor, int, tuple, Callable[..., VerifyStep], int, SampledColumns | None, int]:
-        """The first round's verify block [BB, C] packed from the items' trees, their depth, the graph's key and
-        step, its tree bucket, the sampled layout (None: greedy) and the most children a chained round's one-hot
-        trees may have."""
+    ) -> tuple[torch.Tensor, int, VerifyGraph]:
+        """The first round's verify block [BB, C] packed from the items' trees, their depth, and its graph."""
         b = len(items)
         sizes = np.fromiter((it.tree.size for it in items), dtype=np.int64, count=b)  # [B]
         t = 1 + int(sizes.max())
@@ -467,7 +446,23 @@ class Verifier(SampledVerify):
         else:
             pack_sampled(a, [it.tree for it in items], [st for _, st in states], sampled)
             key, step = self._sampled_variant(bb, tb, sampler, shallow, sets_width, siblings)
-        return block, deepest, key, step, tb, sampled, kids
+        return block, deepest, VerifyGraph(key, step, tb, sampled, kids)
+
+    def _chains(self, chained: Chained, g: VerifyGraph, lengths: np.ndarray) -> bool:
+        """Whether trees drafted on the device go on in graph g: one-hot sets it can build, trees its bucket and
+        shallow depth take, room for them past lengths [B] (each sequence's length, at most)."""
+        if (g.cols is not None and chained.kids > g.kids) or chained.depth > SHALLOW_DEPTH:
+            return False
+        rows = self.graphs.bucket(1 + chained.keep_max, self.tree_buckets)
+        return rows == g.tb and not (lengths + g.tb > self.capacity).any()
+
+    def _chained_block(
+        self, prev: torch.Tensor, result: torch.Tensor, chained: Chained, g: VerifyGraph
+    ) -> torch.Tensor:
+        """The next round's block, built on the device once the trees drafted there are done (chained_block)."""
+        if chained.ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(chained.ready)
+        return chained_block(prev, result, chained, g.tb, g.cols)
 
     # ---- plain decoding ----
     def _decode_block(self, b: int, sampler: Sampler = Sampler.GREEDY) -> torch.Tensor:

@@ -181,21 +181,29 @@ CPU_CALIBRATION_ROWS = 16  # tree rows measured at start-up on a CPU (see Verifi
 
 
 @dataclass(frozen=True)
-class Tail:
-    """The end of a verify call whose last round has its rows' next trees drafted behind it on the device (its
-    then's last Chained): what the next call over the same rows needs to verify those trees without the host
-    reading them (Verifier.can_resume). ids: its rows in order; block [BB, C] a copy of its last round's verify
-    block, result [B, T + 1] that round's acceptance; key, step, tb, cols, kids: its graph, as in the call."""
+class VerifyGraph:
+    """The graph a verify call's rounds replay: its key and step, its tree bucket, the sampled layout (None:
+    greedy) and the most children a chained round's one-hot trees may have (kids)."""
 
-    ids: tuple[str, ...]
-    block: torch.Tensor
-    result: torch.Tensor
-    chained: Chained
     key: tuple
     step: object
     tb: int
     cols: SampledColumns | None
     kids: int
+
+
+@dataclass(frozen=True)
+class Tail:
+    """The end of a verify call whose last round has its rows' next trees drafted behind it on the device (its
+    then's last Chained): what the next call over the same rows needs to verify those trees without the host
+    reading them (Verifier.can_resume). ids: its rows in order; block [BB, C] a copy of its last round's verify
+    block, result [B, T + 1] that round's acceptance."""
+
+    ids: tuple[str, ...]
+    block: torch.Tensor
+    result: torch.Tensor
+    chained: Chained
+    graph: VerifyGraph
 
 
 def chained_block(
