@@ -196,41 +196,10 @@ def test_a_try_is_costed_by_a_whole_call_not_the_one_cut_before_it(engines, plai
     check_free(core)
 
 
-def test_a_call_over_the_same_rows_resumes_the_trees_drafted_behind_the_last(engines, plain, monkeypatch):
-    """Two requests on a pinned 3x8, two rounds a call: once both run, each call's first round verifies the trees
-    drafted behind the last call's last round on the device (resume: no host read), until a row stops; a call
-    whose rows changed (the second request joining) reads its trees. The tokens are plain decoding's, and the
-    rounds each request took are those of the same run with every tree read by the host (greedy trees are the
-    same wherever they are read: a wrong tree, or a launch counted twice, would change them)."""
-    v, d = engines
-    calls = []
-    verify = v.verify_rounds_steps
-
-    def told(*a, **k):
-        calls.append(k.get("resume", False))
-        return verify(*a, **k)
-
-    monkeypatch.setattr(v, "verify_rounds_steps", told)
-    runs = []
-    for resuming in (True, False):
-        if not resuming:
-            monkeypatch.setattr(v, "can_resume", lambda ids: False)
-        core = EngineCore(v, d, FixedPolicy(TREE), CoreConfig(max_sequences=2, rounds_per_step=2))
-        runs.append(run(core, {0: [req(0, 16)], 1: [req(1, 16)]}))
-        check_free(core)
-        if resuming:
-            assert calls[:2] == [False, False] and sum(calls) >= 2, calls  # the first calls read; later ones resume
-            calls.clear()
-    assert not any(calls)
-    assert [runs[0][f"s{i}"][0] for i in range(2)] == [plain[0], plain[1]]
-    assert runs[0] == runs[1]
-
-
 def test_a_pinned_row_beside_rows_that_go_plain_keeps_every_call_whole(engines, plain):
     """A request pinning 2x4 beside one the policy decides for, the policy choosing a tree twice, then plain,
     four rounds a call: when the next shape is plain for the policy's row only, the pinned row's trees go on
-    being drafted on the device while the other row verifies no tree (not its last one again), and a call that
-    could resume reads the trees instead (the next drafting covers the pinned row alone): both get plain
+    being drafted on the device while the other row verifies no tree (not its last one again): both get plain
     decoding's tokens and no request fails."""
     v, d = engines
     core = EngineCore(v, d, Cycle([TREE, TREE, PLAIN]), CoreConfig(max_sequences=2, rounds_per_step=4))
@@ -428,20 +397,17 @@ def test_the_policy_hears_of_steady_rounds_only(engines):
     assert len(policy.rounds) < spec_rounds  # the first round (the joiners' proposes) was left out
 
 
-def test_sampled_rounds_chain_on_the_device_with_the_hosts_tokens(engines, plain, monkeypatch):
+def test_sampled_rounds_chain_on_the_device_with_the_hosts_tokens(engines, plain):
     """Seeded requests at temperature 0.7 (top-p 0.9) beside a greedy one, one-hot trees: up to four rounds a
-    verifier call, each chained round's sets built on the device (verifier_parts.onehot_sets), the first round of
-    a call over the same rows resumed there too, give the tokens of rounds whose trees the host reads and whose
-    sets it packs (common.tree.row_sets: a drafter that never drafts behind a verify); the greedy one stays
-    plain decoding's."""
+    verifier call, each chained round's sets built on the device (verifier_parts.onehot_sets), give the tokens
+    of rounds whose trees the host reads and whose sets it packs (common.tree.row_sets: a drafter that never
+    drafts behind a verify); the greedy one stays plain decoding's."""
     v, d = engines
     assert d.drafting.sampling_rule == "onehot"
     hot = [SamplingConfig(temperature=0.7, top_p=0.9, seed=11), SamplingConfig(temperature=0.7, seed=5)]
-    got, settled, resumed = [], [], []
+    got, settled = [], []
     settle = d.settle_after
     d.settle_after = lambda h: settled.append(h) or settle(h)
-    verify = v.verify_rounds_steps
-    monkeypatch.setattr(v, "verify_rounds_steps", lambda *a, **k: resumed.append(k.get("resume")) or verify(*a, **k))
     try:
         for drafter in (d, Flaky(d)):  # Flaky: launch_after declines, every tree read and packed by the host
             core = EngineCore(v, drafter, FixedPolicy(TREE), CoreConfig(max_sequences=4, rounds_per_step=4))
@@ -449,7 +415,7 @@ def test_sampled_rounds_chain_on_the_device_with_the_hosts_tokens(engines, plain
             got.append(run(core, {0: reqs}))
             check_free(core)
             if drafter is d:
-                assert settled and any(resumed), "no round was chained, or no call resumed"
+                assert settled, "no round was chained"
                 chained = len(settled)
     finally:
         d.settle_after = settle

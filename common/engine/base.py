@@ -131,17 +131,14 @@ class VerifierEngine(Protocol):
     def verify_steps(
         self, items: list[VerifyInput], then: Callable[[Accepted], Chained | None] | None = None
     ) -> Steps[list[VerifyOutput]]: ...  # one round of verify_rounds_steps
-    # each(r, launched, outputs): round r's outputs as soon as the host has them, the later rounds running on;
-    # resume: the first round verifies the trees drafted behind the last call's last round, on the device
+    # each(r, launched, outputs): round r's outputs as soon as the host has them, the later rounds running on
     def verify_rounds_steps(
         self,
         items: list[VerifyInput],
         rounds: int = 1,
         then: Callable[[Accepted], Chained | None] | None = None,
         each: Callable[[int, int, list[VerifyOutput]], None] | None = None,
-        resume: bool = False,
     ) -> Steps[list[list[VerifyOutput]]]: ...
-    def can_resume(self, seq_ids: list[str]) -> bool: ...  # whether a call over these rows may resume
     def room(self, seq_ids: list[str]) -> list[int]: ...  # KV rows each sequence has left (trees up to that fit)
     def decode(self, seq_ids: list[str]) -> list[int]: ...
     def decode_many(self, seq_ids: list[str], steps: int, with_hidden: bool = False) -> Decoded: ...  # finish(...)
@@ -202,7 +199,6 @@ class LaunchAfter:
     drafter: object  # anything with launch_after: a Drafter, or the draft service of the process
     items: list[ProposeAfter]
     handles: list = field(default_factory=list)
-    after: object | None = None  # the launch whose trees the first round verifies on the device (a resumed call)
 
     @property
     def handle(self) -> object | None:
@@ -213,7 +209,7 @@ class LaunchAfter:
         k = len(self.items)
         if k < accepted.result.shape[0]:  # [B, ...] -> [k, ...]
             accepted = Accepted(result=accepted.result[:k], kept=accepted.kept[:k])
-        launched = self.drafter.launch_after(self.items, accepted, self.handles[-1] if self.handles else self.after)
+        launched = self.drafter.launch_after(self.items, accepted, self.handle)
         if launched is None:
             return None
         self.handles.append(launched)

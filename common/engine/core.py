@@ -9,8 +9,7 @@ One step (EngineCore.step):
     up to `rounds_per_step` rounds for every running sequence, in verifier calls of one host synchronisation
     (a call cut short, before a try or with nothing chained behind it, ends the step):
         shape = the policy's (decided when the last call was launched, or now)
-        trees = the drafting launched behind the last verify (the device chain): verified there when the call's rows
-            are the last call's (resumed), else read; or a propose
+        trees = the drafting launched behind the last verify (the device chain), or a propose
         verify every sequence's tree at once; launch the next trees behind it on the device, and verify those
             there too, round after round, the host reading none of it (not past a q rule row's tree)
         commit each round's tokens by each sequence's token rules as soon as the host has them (the call's later
@@ -311,12 +310,10 @@ class EngineCore(DraftSupply):
         speccing = {id(s) for s, _ in spec}
         plain = [s for (s, _), room in zip(rows, rooms) if id(s) not in speccing and room >= 1]
         t1 = self.clock()
-        resumed = self._resumable(spec, plain)  # the trees drafted behind the last call: verified on the device
-        trees, catch_up, joining_s = ({}, False, 0.0) if resumed is not None else self._trees(spec)
+        trees, catch_up, joining_s = self._trees(spec)
         t2 = self.clock()
-        if resumed is None:
-            spec = [(s, t) for s, t in spec if s.seq_id in trees]
-            plain += [s for s, _ in rows if id(s) in speccing and s.seq_id not in trees and s.status is Status.RUNNING]
+        spec = [(s, t) for s, t in spec if s.seq_id in trees]
+        plain += [s for s, _ in rows if id(s) in speccing and s.seq_id not in trees and s.status is Status.RUNNING]
         if not spec:
             self._plain(plain, news, t0, setup_s)
             return 0
@@ -333,17 +330,11 @@ class EngineCore(DraftSupply):
         rest = [(s, t) for s, t, n in going if n.plain] + [(s, NO_TREE) for s in plain]
         order = [(s, t) for s, t, n in going if not n.plain] + rest
         later = [n for _, n in chained] + [NO_TREE] * len(rest)  # each row's tree in the chained rounds
-        if resumed is not None and 0 < len(chained) < len(spec):  # the next drafting covers some rows: read them
-            trees = dict(zip([s.seq_id for s, _ in spec], self.drafter.read_after(resumed, list(range(len(spec))))))
-            resumed = None
         chain = None
         if self.drafter is not None and chained:
-            items = [ProposeAfter(s.seq_id, n.nodes, n.depth) for s, n in chained]
-            chain = LaunchAfter(self.drafter, items, after=resumed)
+            chain = LaunchAfter(self.drafter, [ProposeAfter(s.seq_id, n.nodes, n.depth) for s, n in chained])
         sampled = any(s.band != "greedy" for s, _ in order)
-        inputs = [
-            VerifyInput(s.seq_id, trees.get(s.seq_id, NO_TREE) if t is not NO_TREE else NO_TREE) for s, t in order
-        ]
+        inputs = [VerifyInput(s.seq_id, trees[s.seq_id] if t is not NO_TREE else NO_TREE) for s, t in order]
         follow, committing = [self._following(s) for s, _ in order], [0.0]
 
         def commit(r: int, done: int, results: list) -> None:
@@ -356,9 +347,8 @@ class EngineCore(DraftSupply):
                 if s.status is not Status.RUNNING:  # it stopped in an earlier round of the call
                     continue
                 tokens, tree = out.tokens, t if r == 0 else later[i]
-                if tree is not NO_TREE:  # its drafted nodes: the host's tree's, or (on the device) the shape's
-                    first = trees.get(s.seq_id) if r == 0 else None
-                    s.count_round(tree.nodes if first is None else first.size, len(tokens) - 1)
+                if tree is not NO_TREE:
+                    s.count_round(trees[s.seq_id].size if r == 0 else tree.nodes, len(tokens) - 1)
                     verified.append((s.seq_id, s.band, tree, min(len(tokens) - 1, tree.depth)))
                 news[s.seq_id] = news.get(s.seq_id, []) + s.commit(tokens)
                 if follow[i] and i >= drafting:
@@ -370,8 +360,7 @@ class EngineCore(DraftSupply):
 
         try:
             t3 = self.clock()
-            resume = resumed is not None
-            done = len(finish(self.verifier.verify_rounds_steps(inputs, rounds, chain, commit, resume=resume)))
+            done = len(finish(self.verifier.verify_rounds_steps(inputs, rounds, chain, commit)))
         except Exception as e:  # noqa: BLE001 - the round's sequences fail; the core goes on
             log.exception("a verify of %d sequences failed", len(order))
             for s, _ in order:
@@ -379,7 +368,7 @@ class EngineCore(DraftSupply):
             return 0
         t4 = self.clock()
         handles = chain.handles if chain is not None else []
-        for h in [resumed] * (resumed is not None) + handles[: done - 1]:  # launches verified, never read
+        for h in handles[: done - 1]:  # launches a chained round verified: the host never read them
             self.drafter.settle_after(h)
         self._next = choice
         launched = len(handles) == done

@@ -1,7 +1,6 @@
 """The engine core's drafter side (a mixin of EngineCore, common/engine/core.py): the trees of a call's drafting
-rows (resumed on the device, read from the drafting launched behind the last verify, or proposed, joiners and
-catch-ups in a call of their own), what the drafter has not seen of a sequence, and a drafter's failures and
-recovery."""
+rows (read from the drafting launched behind the last verify, or proposed, joiners and catch-ups in a call of
+their own), what the drafter has not seen of a sequence, and a drafter's failures and recovery."""
 
 from __future__ import annotations
 
@@ -25,21 +24,6 @@ JOINING_TOKENS = 8  # a propose of more new tokens than a round's (a prompt, a c
 class DraftSupply:
     """EngineCore's methods that feed the drafter and take its trees (they use the core's drafter, verifier,
     sequences, drafts, launch and clock)."""
-
-    def _resumable(self, spec: list[tuple[Sequence, Shape]], plain: list[Sequence]) -> object | None:
-        """The drafting launched behind the last call's last round, taken, when this call's rows are that call's in
-        order, each drafting the tree it was launched for, and the verifier can verify them there: no host read,
-        no propose (VerifierEngine.can_resume); else None (_trees reads them)."""
-        if self._launch is None or plain:
-            return None
-        handle, rows = self._launch
-        want = [(s.seq_id, i, t.nodes, t.depth) for i, (s, t) in enumerate(spec)]
-        if want != [(it.seq_id, rows.get(it.seq_id), it.max_nodes, it.max_depth) for it in handle.items]:
-            return None
-        if not self.verifier.can_resume([s.seq_id for s, _ in spec]):
-            return None
-        self._launch = None
-        return handle
 
     def _trees(self, spec: list[tuple[Sequence, Shape]]) -> tuple[dict[str, Tree], bool, float]:
         """The trees of this round's drafting rows ({seq_id: tree}; a row missing: the drafter failed it), whether

@@ -403,7 +403,7 @@ class Eagle3Drafter:
         rows that sample draw their children on the device (the sampled variant, at the drafter's depth). None,
         with nothing queued, when a sequence is unknown or too near the end of the draft context. On a GPU the
         drafting waits for the work queued on the caller's stream, the caller not for it. after: the launch whose
-        trees this verify verified (a chained or resumed round): the lengths follow from it on the device; it is
+        trees this verify verified (a chained round): the lengths follow from it on the device; it is
         settled (settle_after) before this one is read. ahead: tokens of `after` and of the uncounted launches
         before it (the host counts them in launch order), at most."""
         states, ahead = [], 0 if after is None else self.max_new * max(0, after.serial - self._counted)

@@ -51,7 +51,6 @@ from common.engine.verifier_parts import (  # noqa: F401 - callers import these 
     PrefillStep,
     SampledColumns,
     Sampler,
-    Tail,
     VerifierConfig,
     VerifierSeq,
     VerifyGraph,
@@ -102,7 +101,6 @@ class Verifier(SampledVerify):
         )
         self.seqs: SlotTable[VerifierSeq] = SlotTable(cfg.max_sequences)
         self.set_width = cfg.q_width + cfg.q_width % 2  # W of the captured sampled verify (even: q's float32 pairs)
-        self._tail: Tail | None = None  # the last verify call's end, while its rows' next trees may be resumed
         self._greedy_draw = SamplingRows.pack(SamplingConfig(), 0, mcfg.vocab_size)  # [3] a padding row's
         c, name = cfg, ckpt.name
         self.info = EngineInfo(
@@ -154,7 +152,6 @@ class Verifier(SampledVerify):
         a prefix, the same attention as one call over a whole prompt. All or nothing: when the call fails,
         every sequence it created or continued is freed."""
         check_unique([it.seq_id for it in items])
-        self._tail = None  # the next verify packs its trees from the host
         if any(not it.token_ids for it in items):
             raise InvalidRequest("prompt is empty")
         mine: list[str] = []  # created or continued here: freed if the call fails
@@ -330,16 +327,6 @@ class Verifier(SampledVerify):
         outs = yield from self.verify_rounds_steps(items, 1, then)
         return outs[0]
 
-    def can_resume(self, seq_ids: list[str]) -> bool:
-        """Whether a call over these rows, in this order, may verify the trees drafted behind the last call's last
-        round without the host reading them (verify_rounds_steps(resume=True)): no engine call since but room,
-        the same rows, trees its graph takes and room for them."""
-        t = self._tail
-        if t is None or tuple(seq_ids) != t.ids:
-            return False
-        lengths = np.fromiter((self.seqs.get(s)[1].length for s in seq_ids), dtype=np.int64, count=len(seq_ids))
-        return self._chains(t.chained, t.graph, lengths)
-
     @torch.inference_mode()  # a generator: torch enters the mode at each resume
     def verify_rounds_steps(
         self,
@@ -347,7 +334,6 @@ class Verifier(SampledVerify):
         rounds: int = 1,
         then: Callable[[Accepted], Chained | None] | None = None,
         each: Callable[[int, int, list[VerifyOutput]], None] | None = None,
-        resume: bool = False,
     ) -> Steps[list[list[VerifyOutput]]]:
         """Up to `rounds` verifications of the items' rows, launched back to back, as steps: (on a GPU) the call
         yields until a round's result has reached the host, reads it and commits it, round after round, while
@@ -357,29 +343,18 @@ class Verifier(SampledVerify):
         call ends after this round, as it does when a round that might not fit, or one whose rows' sets the
         device cannot build (a q rule row's), would follow. each(r, launched, outputs): called with each round's
         outputs as soon as they are read (the caller's bookkeeping of round r overlaps the device's later
-        rounds; launched: the call's rounds). A tree of no nodes gets one token, as a decode step would.
-        resume: the first round verifies the trees the last call's then drafted behind its last round, on the
-        device as a chained round does (can_resume must hold; the items' trees are not read). Returns each
-        round's outputs, in order."""
+        rounds; launched: the call's rounds). A tree of no nodes gets one token, as a decode step would. Returns
+        each round's outputs, in order."""
         ids = [it.seq_id for it in items]
         check_unique(ids)
-        if resume and not self.can_resume(ids):
-            raise InvalidRequest("no trees to resume for these rows: the last call's were not drafted behind it")
-        tail, self._tail = (self._tail if resume else None), None
         states = [self._ready(s) for s in ids]
         b = len(items)
         lengths = np.fromiter((st.length for _, st in states), dtype=np.int64, count=b)  # [B]
-        if tail is None:
-            block, deepest, g = self._verify_plan(items, states, lengths)
-        else:
-            block, deepest, g = None, tail.chained.depth, tail.graph
+        block, deepest, g = self._verify_plan(items, states, lengths)
         accepted: list[Accepted] = []
         reads: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []  # each round's [B, T + 1] on the host
         grown = lengths + deepest + 1  # [B] each sequence's length after this round, at most
-        ending = None  # the call's Tail, kept once every round is read
         with self.graphs.on_stream():
-            if tail is not None:
-                block = self._chained_block(tail.block, tail.result, tail.chained, g)
             while True:
                 fed = self.graphs.feed(g.key, {"packed": block})
                 out = self.graphs.replay(g.key, g.step, fed)
@@ -390,8 +365,6 @@ class Verifier(SampledVerify):
                 if chained is not None and g.cols is not None and chained.kids > g.kids:
                     break  # one-hot sets the device cannot build: the host goes on
                 if chained is None or len(accepted) == rounds:
-                    if chained is not None:  # the next call over these rows may verify them on the device
-                        ending = Tail(tuple(ids), fed["packed"].clone(), accepted[-1].result, chained, g)
                     break
                 if not self._chains(chained, g, grown):
                     break  # another graph (larger trees, or smaller ones padded), or no room: the host goes on
@@ -408,7 +381,6 @@ class Verifier(SampledVerify):
                 st.length, st.pending = st.length + len(out.tokens), out.tokens[-1]
             if each is not None:
                 each(r, len(accepted), outputs[-1])
-        self._tail = ending
         return outputs
 
     def _verify_plan(
@@ -522,7 +494,6 @@ class Verifier(SampledVerify):
         if steps < 1:
             raise InvalidRequest(f"decode steps must be >= 1, got {steps}")
         check_unique(seq_ids)
-        self._tail = None
         states = [self._ready(s) for s in seq_ids]
         for s, (_, st) in zip(seq_ids, states):
             if st.length + 1 > self.capacity:
@@ -560,7 +531,6 @@ class Verifier(SampledVerify):
             return Decoded(tokens=result, hidden=features[:b] if features is not None else None)
 
     def release(self, seq_ids: list[str]) -> int:
-        self._tail = None
         return sum(self.seqs.release(s) for s in seq_ids)
 
     @torch.inference_mode()

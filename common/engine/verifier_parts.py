@@ -192,20 +192,6 @@ class VerifyGraph:
     kids: int
 
 
-@dataclass(frozen=True)
-class Tail:
-    """The end of a verify call whose last round has its rows' next trees drafted behind it on the device (its
-    then's last Chained): what the next call over the same rows needs to verify those trees without the host
-    reading them (Verifier.can_resume). ids: its rows in order; block [BB, C] a copy of its last round's verify
-    block, result [B, T + 1] that round's acceptance."""
-
-    ids: tuple[str, ...]
-    block: torch.Tensor
-    result: torch.Tensor
-    chained: Chained
-    graph: VerifyGraph
-
-
 def chained_block(
     prev: torch.Tensor, result: torch.Tensor, trees: Chained, tb: int, cols: SampledColumns | None = None
 ) -> torch.Tensor:
