@@ -13,7 +13,7 @@ import torch
 
 from common.config import DraftingConfig, SamplingConfig
 from common.engine.base import PrefillInput
-from common.engine.core import CoreConfig, EngineCore
+from common.engine.core import AHEAD, CoreConfig, EngineCore
 from common.engine.draft import Eagle3Drafter
 from common.engine.verifier import Verifier, VerifierConfig
 from common.errors import PeerUnavailable
@@ -183,7 +183,8 @@ def test_a_try_is_costed_by_a_whole_call_not_the_one_cut_before_it(engines, plai
     policy = Cycle([TREE, TREE, Shape(2, 4), Shape(2, 4)])
     tries = policy.choose
     monkeypatch.setattr(policy, "choose", lambda *a, **k: (c := tries(*a, **k)) and Choice(c.shape, c.shape != TREE))
-    core = EngineCore(v, d, policy, CoreConfig(max_sequences=2, plain_steps=2, rounds_per_step=2))
+    cfg = CoreConfig(max_sequences=2, plain_steps=2, rounds_per_step=2, call_rounds=2)  # calls of 2 rounds at most
+    core = EngineCore(v, d, policy, cfg)
     told = []
     observe = core._observe
     monkeypatch.setattr(core, "_observe", lambda *a, **k: told.append((a[2], a[4], a[7])) or observe(*a, **k))
@@ -193,6 +194,56 @@ def test_a_try_is_costed_by_a_whole_call_not_the_one_cut_before_it(engines, plai
     assert any(rounds == 1 for shape, steady, rounds in told if not shape.plain), told  # cut calls ran
     assert reported and all(rounds == 2 for _, rounds in reported), told
     assert Shape(2, 4) in {shape for shape, _ in reported}, told
+    check_free(core)
+
+
+def test_a_lone_batch_goes_on_in_one_call_its_tokens_going_out_as_it_goes(engines, plain, monkeypatch):
+    """Two rounds a step, calls of up to 8: a request alone runs on past its call's two rounds, the verifier
+    launching one round behind the last as the core reads each (AHEAD launched beyond the one read), its tokens
+    going out every two rounds (publish), unfinished; a request arriving mid-call (at the first publish) ends
+    the call within AHEAD + 1 rounds, and the two then share calls. Both get plain decoding's tokens, in order."""
+    v, d = engines
+    calls = []  # (rows, rounds asked, rounds run, the rounds launched when each round was read)
+    verify = v.verify_rounds_steps
+
+    def counted(items, rounds=1, then=None, each=None):
+        seen = []
+
+        def told(r, launched, outs):
+            seen.append(launched)
+            return each(r, launched, outs)
+
+        out = yield from verify(items, rounds, then, told if each is not None else None)
+        calls.append((len(items), rounds, len(out), seen))
+        return out
+
+    monkeypatch.setattr(v, "verify_rounds_steps", counted)
+    core = EngineCore(v, d, FixedPolicy(TREE), CoreConfig(max_sequences=2, rounds_per_step=2, call_rounds=8))
+    stream, published = [], []
+
+    def publish(outs):
+        if not published:
+            core.add(req(1))  # arrives while s0's call goes on
+        published.append(len(calls))
+        stream.extend(outs)
+
+    core.publish = publish
+    core.add(req(0))
+    for _ in range(100):
+        if not core.seqs and not core._inbox:
+            break
+        stream.extend(core.step())
+    tokens = {}
+    for o in stream:
+        tokens.setdefault(o.seq_id, []).extend(o.tokens)
+    assert tokens == {"s0": plain[0], "s1": plain[1]}
+    assert [o.finish for o in stream if o.seq_id == "s0"][-1] is Finish.LENGTH
+    assert all(o.finish is Finish.NONE for o in stream[: len(published)])  # mid-call outputs: nothing finished
+    first = calls[published[0]]  # the call that went on when s1 arrived
+    assert first[0] == 1 and 2 < first[2] <= 2 + AHEAD  # past its 2 rounds; ended within AHEAD + 1 of the arrival
+    assert any(n == 2 and ran > 2 for n, _, ran, _ in calls[published[0] + 1 :])  # then both, going on together
+    for _, asked, ran, seen in calls:
+        assert ran <= 8 and all(k - r - 1 <= max(AHEAD, asked - 1) for r, k in enumerate(seen)), calls
     check_free(core)
 
 
@@ -390,7 +441,7 @@ def test_the_policy_hears_of_steady_rounds_only(engines):
     v, d = engines
     policy = Cycle([TREE])
     torch.manual_seed(0)
-    core = EngineCore(v, d, policy, CoreConfig(max_sequences=4))
+    core = EngineCore(v, d, policy, CoreConfig(max_sequences=4, call_rounds=4))  # calls of 4 rounds at most
     run(core, {0: [req(0, 12), req(1, 12)]})
     assert policy.rounds and all(shape == TREE for _, shape, _ in policy.rounds)
     spec_rounds = sum(n for s, n in core.choices.items() if not s.plain)

@@ -683,3 +683,34 @@ def test_each_round_is_handed_over_as_it_is_read(verifiers, drafters) -> None:
         exact.settle_after(h)
     exact.release(ids)
     v.release(ids)
+
+
+def test_a_caller_that_asks_for_more_rounds_gets_them_launched_behind_the_last(verifiers, drafters) -> None:
+    """each returning True launches one more round behind the last (while the chain goes on): a call of 2 rounds
+    whose caller asks after rounds 0 and 1 runs 4, launched as it reads (2, 3, 4, 4 when each round is read),
+    with the tokens of a call of 4 rounds over the same trees."""
+    from common.engine.base import LaunchAfter
+
+    v, _ = verifiers
+    exact, _ = drafters
+    runs = []
+    for tag, rounds, asking in (("a", 2, 2), ("b", 4, 0)):
+        ids = [f"{tag}1", f"{tag}2"]
+        outs = [v.prefill(PrefillInput(s, p, SamplingConfig())) for s, p in zip(ids, PROMPTS)]
+        trees = exact.propose([ProposeInput.after_prefill(s, p, o, 8) for s, p, o in zip(ids, PROMPTS, outs)])
+        seen = []
+
+        def each(r: int, launched: int, results: list, asking=asking, seen=seen) -> bool:
+            seen.append(launched)
+            return r < asking
+
+        chain = LaunchAfter(exact, [ProposeAfter(s, 8) for s in ids])
+        got = finish(v.verify_rounds_steps([VerifyInput(s, t) for s, t in zip(ids, trees)], rounds, chain, each))
+        runs.append(([[o.tokens for o in outs] for outs in got], seen))
+        for h in chain.handles[:-1]:
+            exact.settle_after(h)
+        exact.release(ids)
+        v.release(ids)
+    (asked, seen), (whole, _) = runs
+    assert seen == [2, 3, 4, 4] and len(asked) == 4
+    assert asked == whole

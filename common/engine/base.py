@@ -131,13 +131,14 @@ class VerifierEngine(Protocol):
     def verify_steps(
         self, items: list[VerifyInput], then: Callable[[Accepted], Chained | None] | None = None
     ) -> Steps[list[VerifyOutput]]: ...  # one round of verify_rounds_steps
-    # each(r, launched, outputs): round r's outputs as soon as the host has them, the later rounds running on
+    # each(r, launched, outputs): round r's outputs as soon as the host has them, the later rounds running on;
+    # True launches one more round behind the last (while the chain goes on)
     def verify_rounds_steps(
         self,
         items: list[VerifyInput],
         rounds: int = 1,
         then: Callable[[Accepted], Chained | None] | None = None,
-        each: Callable[[int, int, list[VerifyOutput]], None] | None = None,
+        each: Callable[[int, int, list[VerifyOutput]], bool] | None = None,
     ) -> Steps[list[list[VerifyOutput]]]: ...
     def room(self, seq_ids: list[str]) -> list[int]: ...  # KV rows each sequence has left (trees up to that fit)
     def decode(self, seq_ids: list[str]) -> list[int]: ...

@@ -13,7 +13,10 @@ One step (EngineCore.step):
         verify every sequence's tree at once; launch the next trees behind it on the device, and verify those
             there too, round after round, the host reading none of it (not past a q rule row's tree)
         commit each round's tokens by each sequence's token rules as soon as the host has them (the call's later
-            rounds run on meanwhile); its output goes out
+            rounds run on meanwhile); its output goes out. While the call's rows are all there is (none stopped,
+            nothing waiting), each round read launches one more behind the last (AHEAD launched beyond the one
+            read, up to call_rounds a call): the device is not left idle between calls, and the tokens go out
+            every rounds_per_step rounds (publish)
       or, when the shape is plain, `plain_steps` decoding steps with one host synchronisation (the step's last)
     release the finished ones, hand the step's outputs over (FINISHED)
 
@@ -64,6 +67,7 @@ from common.sequence import Finish, Request, SeqOutput, Sequence, Status, output
 from common.tree import Tree
 
 log = logging.getLogger(__name__)
+AHEAD = 2  # rounds a call that goes on keeps launched beyond the one the host reads (each about a round's device time)
 NO_TREE = Tree(
     tokens=np.zeros(0, dtype=np.int64), parents=np.zeros(0, dtype=np.int64), probs=np.zeros(0, dtype=np.float32)
 )
@@ -96,6 +100,9 @@ class EngineCore(DraftSupply):
         self._wake = threading.Event()
         self._snapshot = Snapshot(0, 0, False, {}, [])
         self._snapshot_at = -1.0
+        # the outputs of a call that goes on, every rounds_per_step rounds (the service routes them to their
+        # streams); None: they go out with the step's
+        self.publish: Callable[[list[SeqOutput]], None] | None = None
 
     # ---- the service's side (any thread) ----
     def add(self, req: Request) -> None:
@@ -336,9 +343,12 @@ class EngineCore(DraftSupply):
         sampled = any(s.band != "greedy" for s, _ in order)
         inputs = [VerifyInput(s.seq_id, trees[s.seq_id] if t is not NO_TREE else NO_TREE) for s, t in order]
         follow, committing = [self._following(s) for s, _ in order], [0.0]
+        extend = chain is not None and rounds > 1  # a try's call runs its round alone
 
-        def commit(r: int, done: int, results: list) -> None:
-            """Round r's tokens by each sequence's rules, while the call's later rounds run on the device."""
+        def commit(r: int, done: int, results: list) -> bool:
+            """Round r's tokens by each sequence's rules, while the call's later rounds run on the device; whether
+            the call goes on (one more round launched behind the last): every row running, nothing else waiting,
+            no try, fewer than call_rounds rounds and fewer than AHEAD launched beyond this one."""
             c0 = self.clock()
             launched = chain is not None and len(chain.handles) == done  # the last round's next trees are coming
             drafting = len(chained) if r < done - 1 or launched else 0  # rows whose tokens the drafter has
@@ -356,7 +366,12 @@ class EngineCore(DraftSupply):
                     d.tokens += tokens
                     d.hidden.append(out.hidden)
             self.policy.observe_verified(verified)
+            alone = extend and len(self.seqs) == len(order) and not self._inbox  # nothing else waits
+            alone = alone and all(s.status is Status.RUNNING for s, _ in order)
+            if self.publish is not None and r + 1 < done and (r + 1) % self.cfg.rounds_per_step == 0:
+                self._publish(news)  # a call gone on past rounds_per_step: its tokens so far go out
             committing[0] += self.clock() - c0
+            return alone and done - r - 1 < AHEAD and done < self.cfg.call_rounds
 
         try:
             t3 = self.clock()
@@ -383,7 +398,7 @@ class EngineCore(DraftSupply):
         drafted = Shape(max(t.depth for _, t in spec), max(t.nodes for _, t in spec))
         self.choices[drafted] += done
         pure = not plain and all(t == shape for _, t in spec) and (done == 1 or all(n == shape for _, n in chained))
-        whole = done == asked  # not cut short: its host work shared by as many rounds as any call's
+        whole = done >= asked  # not cut short: its host work shared by as many rounds as any call's
         catching_up = joining_s if catch_up else 0.0
         self._observe(t0, len(order), drafted, 1, whole and pure, setup_s, sampled, done, catching_up)
         return done
@@ -456,6 +471,13 @@ class EngineCore(DraftSupply):
     @staticmethod
     def _fail(s: Sequence, e: BaseException) -> None:
         s.end(Finish.ERROR, e)
+
+    def _publish(self, news: dict[str, list[int]]) -> None:
+        """The tokens of a call that goes on, out now for its running sequences (a finished one's go with the
+        step's outputs, its finish with them)."""
+        going = [sid for sid in news if self.seqs[sid].status is Status.RUNNING]
+        if going:
+            self.publish([output(self.seqs[sid], news.pop(sid)) for sid in going])
 
     # ---- retire ----
     def _retire(self, news: dict[str, list[int]]) -> list[SeqOutput]:

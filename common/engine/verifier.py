@@ -333,9 +333,9 @@ class Verifier(SampledVerify):
         items: list[VerifyInput],
         rounds: int = 1,
         then: Callable[[Accepted], Chained | None] | None = None,
-        each: Callable[[int, int, list[VerifyOutput]], None] | None = None,
+        each: Callable[[int, int, list[VerifyOutput]], bool] | None = None,
     ) -> Steps[list[list[VerifyOutput]]]:
-        """Up to `rounds` verifications of the items' rows, launched back to back, as steps: (on a GPU) the call
+        """Up to `rounds` verifications of the items' rows launched back to back, as steps: (on a GPU) the call
         yields until a round's result has reached the host, reads it and commits it, round after round, while
         the later rounds run on the device. then(accepted): called after each launch with copies of its
         acceptance on the device (its rows those of items); it returns the next trees of the first rows drafted
@@ -343,8 +343,10 @@ class Verifier(SampledVerify):
         call ends after this round, as it does when a round that might not fit, or one whose rows' sets the
         device cannot build (a q rule row's), would follow. each(r, launched, outputs): called with each round's
         outputs as soon as they are read (the caller's bookkeeping of round r overlaps the device's later
-        rounds; launched: the call's rounds). A tree of no nodes gets one token, as a decode step would. Returns
-        each round's outputs, in order."""
+        rounds; launched: the call's rounds so far); when it returns True, one more round is launched behind
+        the last, the chain permitting, so that a caller that keeps asking keeps the device fed across what
+        would be calls. A tree of no nodes gets one token, as a decode step would. Returns each round's
+        outputs, in order."""
         ids = [it.seq_id for it in items]
         check_unique(ids)
         states = [self._ready(s) for s in ids]
@@ -353,34 +355,40 @@ class Verifier(SampledVerify):
         block, deepest, g = self._verify_plan(items, states, lengths)
         accepted: list[Accepted] = []
         reads: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []  # each round's [B, T + 1] on the host
-        grown = lengths + deepest + 1  # [B] each sequence's length after this round, at most
-        with self.graphs.on_stream():
-            while True:
+        grown = lengths + deepest + 1  # [B] each sequence's length after the launched rounds, at most
+
+        def launch(block: torch.Tensor | None, after: tuple | None = None) -> tuple | None:
+            """One round: `block`, or the one built on the device from `after` (the last round's block, its
+            acceptance and the trees drafted behind it) -> the next round's `after`, or None: the chain ends."""
+            nonlocal grown
+            with self.graphs.on_stream():
+                if block is None:
+                    block = self._chained_block(*after, g)
                 fed = self.graphs.feed(g.key, {"packed": block})
                 out = self.graphs.replay(g.key, g.step, fed)
                 # copies: the next replay rewrites the graph's buffers. A path holds at most deepest + 1 rows
-                accepted.append(Accepted(result=out.result[:b].clone(), kept=out.kept[:b, : deepest + 1].clone()))
+                depth = deepest if after is None else after[2].depth
+                accepted.append(Accepted(result=out.result[:b].clone(), kept=out.kept[:b, : depth + 1].clone()))
                 reads.append(self.graphs.to_host(accepted[-1].result))
                 chained = then(accepted[-1]) if then is not None else None
-                if chained is not None and g.cols is not None and chained.kids > g.kids:
-                    break  # one-hot sets the device cannot build: the host goes on
-                if chained is None or len(accepted) == rounds:
-                    break
-                if not self._chains(chained, g, grown):
-                    break  # another graph (larger trees, or smaller ones padded), or no room: the host goes on
-                deepest = chained.depth
-                grown += deepest + 1
-                block = self._chained_block(fed["packed"], accepted[-1].result, chained, g)
+            if chained is None or not self._chains(chained, g, grown):
+                return None  # one-hot sets the device cannot build, another graph, or no room: the host goes on
+            grown += chained.depth + 1
+            return fed["packed"], accepted[-1].result, chained
+
+        nxt = launch(block)
+        while nxt is not None and len(accepted) < rounds:
+            nxt = launch(None, nxt)
         outputs: list[list[VerifyOutput]] = []
-        for r, ((host, ready), acc) in enumerate(zip(reads, accepted)):
+        for r, ((host, ready), acc) in enumerate(zip(reads, accepted)):  # reads grows while the caller asks
             if ready is not None:
                 yield ready  # round r's result is on the host; the later rounds run on
             rows = host.tolist()  # [B][T + 1]: each row's count c, then its c tokens (one conversion for the batch)
             outputs.append([VerifyOutput(row[1 : row[0] + 2], acc.kept, i) for i, row in enumerate(rows)])
             for (_, st), out in zip(states, outputs[-1]):
                 st.length, st.pending = st.length + len(out.tokens), out.tokens[-1]
-            if each is not None:
-                each(r, len(accepted), outputs[-1])
+            if each is not None and each(r, len(accepted), outputs[-1]) and nxt is not None:
+                nxt = launch(None, nxt)
         return outputs
 
     def _verify_plan(

@@ -34,6 +34,7 @@ class VerifierServiceConfig(Serving, EngineKnobs, DraftingKnobs):
     prefill_chunk: int = knob(512, "prompt tokens prefilled per engine step; longer prompts go in chunks (0: whole)")
     plain_steps: int = knob(8, "decoding steps per host synchronisation when the policy decodes plainly")
     rounds_per_step: int = knob(4, "speculative rounds per engine step (admission, prefill and outputs once a step)")
+    call_rounds: int = knob(32, "rounds one verifier call may run on while its batch is all there is")
     policy_menu: str = knob(
         "", "trees the speculation policy chooses from, DEPTHxNODES comma-separated ('' = the default menu)"
     )
@@ -122,7 +123,9 @@ def build(cfg: VerifierServiceConfig) -> Built:
         costs += [StepCost(c.kind, c.batch, c.size, c.seconds) for c in drafter.step_costs()]
         shapes = menu(cfg, limits.top_k, limits.steps, limits.verify_tree_size)
     policy = AdaptivePolicy(PolicyConfig(menu=shapes) if shapes else PolicyConfig(), costs)
-    core_cfg = CoreConfig(n, cfg.prefill_chunk, cfg.plain_steps, cfg.rounds_per_step, cfg.draft_retry)
+    core_cfg = CoreConfig(
+        n, cfg.prefill_chunk, cfg.plain_steps, cfg.rounds_per_step, cfg.draft_retry, call_rounds=cfg.call_rounds
+    )
     core = EngineCore(engine, drafter, policy, core_cfg)
     if cfg.draft and drafter.info is None:
         core.drafter_down()

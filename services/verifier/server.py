@@ -110,6 +110,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
     def start(self) -> None:
         """Run the core on its own thread; each step's outputs reach their streams on this event loop."""
         self._loop = asyncio.get_running_loop()
+        self.core.publish = lambda outs: self._loop.call_soon_threadsafe(self._route, outs)  # a call going on
         self._thread = threading.Thread(target=self._run, name="engine-core", daemon=True)
         self._thread.start()
 
