@@ -2,7 +2,7 @@
 
     python -m bench.engine_bench --device cuda --out DIR [--concurrency 1,16,64] \\
         [--methods plain,policy,tree:6x60,tree:3x8] [--max-new-tokens 128] [--requests N] [--temperature 0.7]
-        [--rounds-per-step 4]
+        [--rounds-per-step 4] [--profile]
 
 The engines and the core are built as `python -m services.verifier --draft-here` builds them (services/verifier/
 __main__.py: build), the policy calibrated the same way. Each concurrency c runs each method in a closed loop: c
@@ -12,11 +12,15 @@ prompts (bench/prompts/heldout-mixed.jsonl) round-robin with the chat template, 
 tree). The policy's state carries over from one run to the next, as a server's does. Per run it prints and
 writes (DIR/engine_bench.json, .md): tokens/s in all and per request, rounds, mean acceptance length, the
 rounds per shape the core ran, and the ratio to plain at that concurrency (measured in the same process).
+--profile (CUDA) runs each (c, method) a second time under torch.profiler: the device's time a round or plain call
+(the CUDA kernels' summed durations over the core's steps) against the unprofiled run's wall a step, which says how
+much of a step the device is busy (the rest is host work it waits for), and the kernels that take the most.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import json
 import logging
@@ -50,6 +54,7 @@ class RunResult:
     # plain_commit), and per step (setup: admission and prefill; retire: releases and outputs)
     phases: dict
     ratio_to_plain: float | None = None
+    profile: dict | None = None  # --profile: device ms a step, its share of the wall a step, the top kernels
 
 
 def prompts(tok) -> list[list[int]]:
@@ -115,6 +120,51 @@ def run(core, load: list[list[int]], method: str, c: int, n: int, max_new: int, 
     )
 
 
+def profiled(core, load: list[list[int]], r: RunResult, max_new: int, sampling: SamplingConfig, eos: int) -> dict:
+    """r's run again under torch.profiler (CUDA kernels): the device's ms a step (a round or a plain call: the
+    kernels' summed durations over the core's steps), over r's unprofiled wall a step (the profiler slows the
+    host, not the kernels), and the 8 kernels that took the most."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        again = run(core, load, r.method, r.concurrency, r.requests, max_new, sampling, eos)
+        torch.cuda.synchronize()
+    kernels: collections.Counter[str] = collections.Counter()
+    counts: collections.Counter[str] = collections.Counter()
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            kernels[e.name[:80]] += e.time_range.elapsed_us()
+            counts[e.name[:80]] += 1
+    busy_ms = sum(kernels.values()) / 1e3
+    device = busy_ms / max(again.phases["steps"], 1)
+    wall = 1e3 * r.wall_s / max(r.phases["steps"], 1)
+    top = [{"kernel": k, "ms": round(us / 1e3, 1), "launches": counts[k]} for k, us in kernels.most_common(8)]
+    share = round(device / wall, 3)
+    return {
+        "device_ms_a_step": round(device, 3),
+        "wall_ms_a_step": round(wall, 3),
+        "device_share": share,
+        "top_kernels": top,
+    }
+
+
+def profile_table(results: list[RunResult]) -> str:
+    lines = [
+        "| c | method | device ms a step | wall ms a step | device busy | top kernels (ms in the profiled run) |",
+        "|---:|---|---:|---:|---:|---|",
+    ]
+    for r in results:
+        p = r.profile
+        top = ", ".join(f"{k['kernel']} {k['ms']}" for k in p["top_kernels"][:4])
+        lines.append(
+            f"| {r.concurrency} | {r.method} | {p['device_ms_a_step']:.3f} | {p['wall_ms_a_step']:.3f} | "
+            f"{p['device_share']:.0%} | {top} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def table(results: list[RunResult]) -> str:
     lines = [
         "| c | method | requests | tokens | tok/s total | tok/s per request | x plain | acceptance | rounds by shape "
@@ -145,7 +195,10 @@ def main() -> None:
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--max-context", type=int, default=1024)
     ap.add_argument("--rounds-per-step", type=int, default=None, help="the verifier's (default: its own)")
+    ap.add_argument("--profile", action="store_true", help="each run again under torch.profiler (CUDA)")
     args = ap.parse_args()
+    if args.profile and args.device == "cpu":
+        ap.error("--profile times CUDA kernels: it needs --device cuda")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     from common.model_path import default_model_path
     from common.tokenizer import Tokenizer
@@ -169,6 +222,8 @@ def main() -> None:
     for c in concurrency:
         n = args.requests or max(48, 4 * c)
         here = [run(built.core, load, m, c, n, args.max_new_tokens, sampling, tok.eos_token_id) for m in methods]
+        for r in here if args.profile else []:
+            r.profile = profiled(built.core, load, r, args.max_new_tokens, sampling, tok.eos_token_id)
         plain = next((r for r in here if r.method == "plain"), None)
         for r in here:
             r.ratio_to_plain = round(r.tok_s_total / plain.tok_s_total, 3) if plain else None
@@ -177,7 +232,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "engine_bench.json").write_text(json.dumps([asdict(r) for r in results], indent=1))
-    md = table(results)
+    md = table(results) + ("\n" + profile_table(results) if args.profile else "")
     (out / "engine_bench.md").write_text(md)
     sys.stdout.write(md)
 
