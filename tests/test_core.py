@@ -247,6 +247,27 @@ def test_a_lone_batch_goes_on_in_one_call_its_tokens_going_out_as_it_goes(engine
     check_free(core)
 
 
+def test_a_call_with_a_row_not_drafted_on_the_device_does_not_go_on(engines, plain, monkeypatch):
+    """A request pinning 3x8 beside one the policy keeps plain, calls of up to 8 rounds: the plain row rides in the
+    tree rounds as a row of no tree (a token a round), so no call goes on past its rounds_per_step (2); both get
+    plain decoding's tokens."""
+    v, d = engines
+    ran = []
+    verify = v.verify_rounds_steps
+
+    def counted(items, rounds=1, then=None, each=None):
+        out = yield from verify(items, rounds, then, each)
+        ran.append(len(out))
+        return out
+
+    monkeypatch.setattr(v, "verify_rounds_steps", counted)
+    core = EngineCore(v, d, FixedPolicy(PLAIN), CoreConfig(max_sequences=2, rounds_per_step=2, call_rounds=8))
+    got = run(core, {0: [req(0, 16, tree=TREE), req(1, 16)]})
+    assert [got[f"s{i}"][0] for i in range(2)] == [plain[0], plain[1]]
+    assert ran and max(ran) <= 2, ran
+    check_free(core)
+
+
 def test_a_pinned_row_beside_rows_that_go_plain_keeps_every_call_whole(engines, plain):
     """A request pinning 2x4 beside one the policy decides for, the policy choosing a tree twice, then plain,
     four rounds a call: when the next shape is plain for the policy's row only, the pinned row's trees go on

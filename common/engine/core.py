@@ -347,8 +347,9 @@ class EngineCore(DraftSupply):
 
         def commit(r: int, done: int, results: list) -> bool:
             """Round r's tokens by each sequence's rules, while the call's later rounds run on the device; whether
-            the call goes on (one more round launched behind the last): every row running, nothing else waiting,
-            no try, fewer than call_rounds rounds and fewer than AHEAD launched beyond this one."""
+            the call goes on (one more round launched behind the last): every row running and drafted on the
+            device, nothing else waiting, no try, fewer than call_rounds rounds and fewer than AHEAD launched beyond
+            this one."""
             c0 = self.clock()
             launched = chain is not None and len(chain.handles) == done  # the last round's next trees are coming
             drafting = len(chained) if r < done - 1 or launched else 0  # rows whose tokens the drafter has
@@ -366,7 +367,9 @@ class EngineCore(DraftSupply):
                     d.tokens += tokens
                     d.hidden.append(out.hidden)
             self.policy.observe_verified(verified)
-            alone = extend and len(self.seqs) == len(order) and not self._inbox  # nothing else waits
+            # every row drafted on the device (a row without a tree would decode a token a round in a tree's verify)
+            # and nothing else waits
+            alone = extend and len(chained) == len(order) and len(self.seqs) == len(order) and not self._inbox
             alone = alone and all(s.status is Status.RUNNING for s, _ in order)
             if self.publish is not None and r + 1 < done and (r + 1) % self.cfg.rounds_per_step == 0:
                 self._publish(news)  # a call gone on past rounds_per_step: its tokens so far go out
@@ -477,7 +480,9 @@ class EngineCore(DraftSupply):
         step's outputs, its finish with them)."""
         going = [sid for sid in news if self.seqs[sid].status is Status.RUNNING]
         if going:
-            self.publish([output(self.seqs[sid], news.pop(sid)) for sid in going])
+            self.publish([output(self.seqs[sid], news[sid]) for sid in going])
+            for sid in going:  # out: not again with the step's (kept there should publish fail)
+                del news[sid]
 
     # ---- retire ----
     def _retire(self, news: dict[str, list[int]]) -> list[SeqOutput]:
