@@ -401,7 +401,7 @@ class EngineCore(DraftSupply):
         drafted = Shape(max(t.depth for _, t in spec), max(t.nodes for _, t in spec))
         self.choices[drafted] += done
         pure = not plain and all(t == shape for _, t in spec) and (done == 1 or all(n == shape for _, n in chained))
-        whole = done >= asked  # not cut short: its host work shared by as many rounds as any call's
+        whole = done >= asked  # not cut short: its host work shared by as many rounds as any call's, or more
         catching_up = joining_s if catch_up else 0.0
         self._observe(t0, len(order), drafted, 1, whole and pure, setup_s, sampled, done, catching_up)
         return done

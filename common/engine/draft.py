@@ -89,7 +89,6 @@ class Eagle3Drafter:
             raise ValueError(f"the draft reads {self.width} tokens per node; its vocabulary has {c.draft_vocab_size}")
         self.scratch = (steps - 1) * k
         self.max_new = steps + 1  # committed tokens per round: at most the tree's depth plus the bonus
-        self._launches = self._counted = 0  # launch_after's so far; the last whose tokens the host has counted
         self.tree_size = drafting.verify_tree_size
         self.max_context = max_context
         # a spare slot for batch padding rows; headroom so padded accept rows and scratch stay in the slot
@@ -159,8 +158,9 @@ class Eagle3Drafter:
         self.graphs.log_report()
 
     def _variants(self) -> list[tuple[int, bool]]:
-        """(depth bucket, sampled) of the captured steps, deepest first: top-k trees at every depth bucket; under
-        the q rule, sampled batches at the drafter's depth alone (shallower rows mask their deeper candidates)."""
+        """(depth bucket, sampled) of the captured steps, deepest first: top-k trees at every depth bucket;
+        under the q rule, batches with a sampling row at the drafter's depth alone (rows of shallower trees
+        mask their deeper candidates), which halves what sampling adds to capture."""
         greedy = [(d, False) for d in sorted(self.depth_buckets, reverse=True)]
         return ([(self.drafting.steps, True)] if self.drafting.sampling_rule == "q" else []) + greedy
 
@@ -401,12 +401,13 @@ class Eagle3Drafter:
         accepted: items[i]), the host reading none of it: its tokens and features become the accept pass's inputs
         there (padded to steps + 1 new tokens), then the propose step's replay (common.engine.base.Drafter);
         rows that sample draw their children on the device (the sampled variant, at the drafter's depth). None,
-        with nothing queued, when a sequence is unknown or too near the end of the draft context. On a GPU the
-        drafting waits for the work queued on the caller's stream, the caller not for it. after: the launch whose
-        trees this verify verified (a chained round): the lengths follow from it on the device; it is
-        settled (settle_after) before this one is read. ahead: tokens of `after` and of the uncounted launches
-        before it (the host counts them in launch order), at most."""
-        states, ahead = [], 0 if after is None else self.max_new * max(0, after.serial - self._counted)
+        with nothing queued, when a sequence is unknown or too near the end of the draft context: the caller
+        proposes from the verify's outputs. On a GPU, called on the caller's stream: the drafting waits for the
+        work queued there, the caller does not wait for it. after: the launch whose trees this verify verified
+        (a chained round): the lengths follow from it on the device; it is settled (settle_after) before this
+        one is read."""
+        states = []
+        ahead = 0 if after is None else after.ahead + self.max_new  # tokens the host has not counted yet, at most
         for it in items:
             try:
                 slot, st = self.seqs.get(it.seq_id)
@@ -427,8 +428,10 @@ class Eagle3Drafter:
         block = self._accept_block(bb, length)
         a = block.numpy()  # [bb, L + 5]: the host's columns; the tokens and their count come from the device
         keeps = [self._keep(it) for it in items]
-        a[:b, length], a[:b, length + 2] = [st.length for _, st in states], [slot for slot, _ in states]
-        a[:b, length + 3], a[:b, length + 4] = keeps, [self._depth(it) for it in items]
+        a[:b, length] = [st.length for _, st in states]
+        a[:b, length + 2] = [slot for slot, _ in states]
+        a[:b, length + 3] = keeps
+        a[:b, length + 4] = [self._depth(it) for it in items]
         t0 = time.perf_counter()
         with self.graphs.after_caller() as stream:
             for t in (accepted.result, accepted.kept):  # made on the verifier's stream, read on this one
@@ -460,14 +463,13 @@ class Eagle3Drafter:
         kids = min(self.drafting.top_k, max(keeps))  # a node's children: at most top_k, and the tree's nodes
         chained = Chained(tokens, parents, keep, max(keeps), depth, done, kids)  # depth: a bound
         wall = time.perf_counter() - t0
-        self._launches += 1
-        return AfterVerify(list(items), tree, took, m, self._launches, chained, sampled, q, start, done, wall)
+        return AfterVerify(list(items), tree, took, m, ahead, chained, sampled, q, start, done, wall)
 
     def settle_after(self, launched: AfterVerify) -> None:
-        """A launch whose trees a chained round verified, never read: its sequences count the tokens it took."""
+        """A launch whose trees a chained round verified (the host never read them): its sequences count the
+        tokens it took (read_after does so for the launch the host reads)."""
         for it, took in zip(launched.items, launched.took.tolist()):
             self.seqs.get(it.seq_id)[1].length += took
-        self._counted = max(self._counted, launched.serial)
 
     def read_after(self, launched: AfterVerify, rows: list[int]) -> list[Tree]:
         return finish(self.read_after_steps(launched, rows))
@@ -488,7 +490,6 @@ class Eagle3Drafter:
         trees = trees_of(tree[rows], [self._keep(launched.items[r]) for r in rows], sampled, q, self._d2t)
         for r, st in zip(rows, states):
             st.length += took[r]
-        self._counted = max(self._counted, launched.serial)
         return trees
 
     @torch.inference_mode()  # a generator: torch enters the mode at each resume

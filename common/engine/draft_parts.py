@@ -50,7 +50,7 @@ class AfterVerify:
     tree: torch.Tensor  # [B, 4, N] _expand_step's tree block, copied out of the graph's buffer
     took: torch.Tensor  # [B] new tokens each row took (the verify's accepted count + 1)
     m: torch.Tensor  # [B] each row's length before them
-    serial: int  # its number among the drafter's launches (the host counts their tokens in this order)
+    ahead: int  # tokens of earlier chained launches the host had not counted when this one launched, at most
     chained: Chained  # the trees, for a verify that reads them on the device
     sampled: list[int]  # rows whose children were drawn from q (they get q)
     q: tuple[torch.Tensor, torch.Tensor] | None  # DraftOut's q_ids, q_probs [len(sampled), Q, W] of those rows
