@@ -528,7 +528,11 @@ def sampled_acceptance_both_ways(device: str, dtype: torch.dtype, graphed: bool,
         if not graphed:
             plain, _ = torch_sampling.accept_sampled(*args)
         else:
-            torch_sampling.accept_sampled(*args)  # warm-up, then capture
+            side = torch.cuda.Stream()  # warm-up on a side stream (as torch.cuda.graphs asks), then capture
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                torch_sampling.accept_sampled(*args)
+            torch.cuda.current_stream().wait_stream(side)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
