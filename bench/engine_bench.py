@@ -2,7 +2,7 @@
 
     python -m bench.engine_bench --device cuda --out DIR [--concurrency 1,16,64] \\
         [--methods plain,policy,tree:6x60,tree:3x8] [--max-new-tokens 128] [--requests N] [--temperature 0.7]
-        [--rounds-per-step 4] [--profile]
+        [--rounds-per-step 4] [--call-rounds 32] [--profile]
 
 The engines and the core are built as `python -m services.verifier --draft-here` builds them (services/verifier/
 __main__.py: build), the policy calibrated the same way. Each concurrency c runs each method in a closed loop: c
@@ -195,6 +195,7 @@ def main() -> None:
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--max-context", type=int, default=1024)
     ap.add_argument("--rounds-per-step", type=int, default=None, help="the verifier's (default: its own)")
+    ap.add_argument("--call-rounds", type=int, default=None, help="the verifier's (4: no call goes on)")
     ap.add_argument("--profile", action="store_true", help="each run again under torch.profiler (CUDA)")
     args = ap.parse_args()
     if args.profile and args.device == "cpu":
@@ -210,6 +211,8 @@ def main() -> None:
     )
     if args.rounds_per_step is not None:
         cfg = dataclasses.replace(cfg, rounds_per_step=args.rounds_per_step)
+    if args.call_rounds is not None:
+        cfg = dataclasses.replace(cfg, call_rounds=args.call_rounds)
     built = build(cfg)
     tok = Tokenizer(default_model_path())
     load = prompts(tok)
