@@ -477,13 +477,12 @@ def test_chained_one_hot_rounds_on_graphs_equal_one_round_a_call(f32, prompts) -
 
 
 def sampled_acceptance_both_ways(device: str, dtype: torch.dtype, graphed: bool, v: int = 4096) -> tuple[list, list]:
-    """The committed tokens of a batch of sampled trees (one-hot and q, tests.test_device_sampling's random trees
-    with tokens of a v-token vocabulary) under random logits in `dtype` that favour the drafted tokens, accepted
-    by the Triton kernel (common.kernels.triton_sampling.accept_sampled) and by the PyTorch path
-    (common.kernels.sampling's, which common.kernels.accept_sampled takes when the sets are not laid out as the
-    trees), each from the same target
-    (speculative.target, top-p 0.9); graphed: the PyTorch path captured in a CUDA graph and replayed, as inside
-    the sampled verify."""
+    """The committed tokens and the compaction's source rows (src) of a batch of sampled trees (one-hot and q,
+    tests.test_device_sampling's random trees with tokens of a v-token vocabulary) under random logits in `dtype`
+    that favour the drafted tokens, accepted by the Triton kernel (common.kernels.triton_sampling.accept_sampled)
+    and by the PyTorch path (common.kernels.sampling's, which common.kernels.accept_sampled takes when the sets
+    are not laid out as the trees), each from the same target (speculative.target, top-p 0.9); graphed: the
+    PyTorch path captured in a CUDA graph and replayed, as inside the sampled verify."""
     from common.engine.verifier_parts import pack_trees
     from common.kernels import reference, speculative, triton_sampling
     from common.kernels import sampling as torch_sampling
@@ -524,9 +523,9 @@ def sampled_acceptance_both_ways(device: str, dtype: torch.dtype, graphed: bool,
         anc, depth = reference.tree_mask(parents)
         target = speculative.target(logits.view(b * t, v), rows, t, True)
         args = (ids, parents, anc, depth, logits, tree_sets, target, rows, kids)
-        fused, _ = triton_sampling.accept_sampled(*args)
+        fused, fused_src = triton_sampling.accept_sampled(*args)
         if not graphed:
-            plain, _ = torch_sampling.accept_sampled(*args)
+            plain, plain_src = torch_sampling.accept_sampled(*args)
         else:
             side = torch.cuda.Stream()  # warm-up on a side stream (as torch.cuda.graphs asks), then capture
             side.wait_stream(torch.cuda.current_stream())
@@ -536,17 +535,22 @@ def sampled_acceptance_both_ways(device: str, dtype: torch.dtype, graphed: bool,
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                plain, _ = torch_sampling.accept_sampled(*args)
+                plain, plain_src = torch_sampling.accept_sampled(*args)
             graph.replay()
             torch.cuda.synchronize()
-    committed = [[r[1 : r[0] + 2] for r in x.tolist()] for x in (fused, plain)]
-    return committed[0], committed[1]
+    # each tree's committed tokens and the rows its K/V compaction moves (src)
+    kept = [
+        [(r[1 : r[0] + 2], s) for r, s in zip(x.tolist(), y.tolist())]
+        for x, y in ((fused, fused_src), (plain, plain_src))
+    ]
+    return kept[0], kept[1]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("graphed", [False, True])
 def test_the_sampled_acceptance_kernel_and_its_pytorch_path_agree(dtype, graphed) -> None:
-    """The Triton acceptance and the PyTorch path commit the same tokens on the GPU, in float32 and bf16, the
+    """The Triton acceptance and the PyTorch path commit the same tokens and move the same K/V rows on the GPU, in
+    float32 and bf16, the
     PyTorch path eager and replayed from a graph. Run L (docs/decisions.md, 5044d05) sent the sampled verify's
     acceptance to the PyTorch path inside its graph on bf16 logits and the sampled default's mean acceptance fell
     from 3.15 to 2.13: one of the two is not the rule there."""
