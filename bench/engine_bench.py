@@ -14,7 +14,8 @@ writes (DIR/engine_bench.json, .md): tokens/s in all and per request, rounds, me
 rounds per shape the core ran, and the ratio to plain at that concurrency (measured in the same process).
 --profile (CUDA) runs each (c, method) a second time under torch.profiler: the device's time a round or plain call
 (the CUDA kernels' summed durations over the core's steps) against the unprofiled run's wall a step, which says how
-much of a step the device is busy (the rest is host work it waits for), and the kernels that take the most.
+much of a step the device is busy (the rest is host work it waits for), the host's launches a step (kernels launched
+one by one, outside a CUDA graph, and graph replays) and the kernels that take the most.
 """
 
 from __future__ import annotations
@@ -36,6 +37,14 @@ from common.sequence import Finish, Request
 
 log = logging.getLogger("bench.engine_bench")
 PROMPTS = Path(__file__).resolve().parent / "prompts" / "heldout-mixed.jsonl"
+# the host's CUDA calls --profile counts: a kernel launched on its own (the runtime's, or Triton's through the
+# driver) or a CUDA graph's replay
+LAUNCHES = {
+    "cudaLaunchKernel": "kernel",
+    "cuLaunchKernel": "kernel",
+    "cuLaunchKernelEx": "kernel",
+    "cudaGraphLaunch": "graph",
+}
 
 
 @dataclass
@@ -121,24 +130,30 @@ def run(core, load: list[list[int]], method: str, c: int, n: int, max_new: int, 
 
 
 def profiled(core, load: list[list[int]], r: RunResult, max_new: int, sampling: SamplingConfig, eos: int) -> dict:
-    """r's run again under torch.profiler (CUDA kernels): the device's ms a step (a round or a plain call: the
-    kernels' summed durations over the core's steps), over r's unprofiled wall a step (the profiler slows the
-    host, not the kernels), and the 8 kernels that took the most."""
+    """r's run again under torch.profiler (the CUDA kernels and the host's CUDA calls): the device's ms a step (a
+    round or a plain call: the kernels' summed durations over the core's steps), over r's unprofiled wall a step
+    (the profiler slows the host, not the kernels), the host's kernel launches and graph replays a step, and the 8
+    kernels that took the most."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         again = run(core, load, r.method, r.concurrency, r.requests, max_new, sampling, eos)
         torch.cuda.synchronize()
     kernels: collections.Counter[str] = collections.Counter()
     counts: collections.Counter[str] = collections.Counter()
+    # the host's launches: kernels one by one (the runtime's and Triton's), and graph replays
+    launches: collections.Counter[str] = collections.Counter()
     for e in prof.events():
         if e.device_type.name == "CUDA":
             kernels[e.name[:80]] += e.time_range.elapsed_us()
             counts[e.name[:80]] += 1
+        elif e.name in LAUNCHES:
+            launches[LAUNCHES[e.name]] += 1
+    steps = max(again.phases["steps"], 1)
     busy_ms = sum(kernels.values()) / 1e3
-    device = busy_ms / max(again.phases["steps"], 1)
+    device = busy_ms / steps
     wall = 1e3 * r.wall_s / max(r.phases["steps"], 1)
     top = [{"kernel": k, "ms": round(us / 1e3, 1), "launches": counts[k]} for k, us in kernels.most_common(8)]
     share = round(device / wall, 3)
@@ -146,21 +161,24 @@ def profiled(core, load: list[list[int]], r: RunResult, max_new: int, sampling: 
         "device_ms_a_step": round(device, 3),
         "wall_ms_a_step": round(wall, 3),
         "device_share": share,
+        "kernel_launches_a_step": round(launches["kernel"] / steps, 1),
+        "graph_replays_a_step": round(launches["graph"] / steps, 1),
         "top_kernels": top,
     }
 
 
 def profile_table(results: list[RunResult]) -> str:
     lines = [
-        "| c | method | device ms a step | wall ms a step | device busy | top kernels (ms in the profiled run) |",
-        "|---:|---|---:|---:|---:|---|",
+        "| c | method | device ms a step | wall ms a step | device busy | kernel launches a step "
+        "| graph replays a step | top kernels (ms in the profiled run) |",
+        "|---:|---|---:|---:|---:|---:|---:|---|",
     ]
     for r in results:
         p = r.profile
         top = ", ".join(f"{k['kernel']} {k['ms']}" for k in p["top_kernels"][:4])
         lines.append(
             f"| {r.concurrency} | {r.method} | {p['device_ms_a_step']:.3f} | {p['wall_ms_a_step']:.3f} | "
-            f"{p['device_share']:.0%} | {top} |"
+            f"{p['device_share']:.0%} | {p['kernel_launches_a_step']} | {p['graph_replays_a_step']} | {top} |"
         )
     return "\n".join(lines) + "\n"
 
