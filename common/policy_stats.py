@@ -222,6 +222,7 @@ class Bucket:
         self.rounds = 0  # calls to choose for this bucket
         self.nearest: list[Bucket] = []  # the other buckets, nearest first (log2 distance, then smaller)
         self.last_pick: int | None = None  # the shape (index) chosen last, judged at the next choose
+        self.on_trees = False  # the kind of its last pick that was not a try: plain needs the margin to leave it
         self.trying: int | None = None  # the shape being tried, its rounds left, whether one was steady
         self.try_left, self.try_seen = 0, False
         self.tried_at = -math.inf  # the round the last try began (tries begin retry_base rounds apart at most)
