@@ -28,7 +28,8 @@ seq_prior pseudo-verifications; rounds decided for it without a verification (pl
 
 Cost (CostModel), per batch bucket and shape: a batch maps to the smallest bucket >= it (the configured
 buckets plus the calibrated batches: the engines' graphs). A shape with steady rounds at the bucket costs
-the median of its recent ones (the last cost_window, none older than cost_memory bucket rounds). Without,
+the median of its recent ones (the last cost_window calls, none older than cost_memory bucket rounds, each call's
+seconds a round weighing its rounds: common.policy_stats.Window). Without,
 it costs its calibration (propose(depth) + verify(nodes + 1) step times; a plain call `plain_steps`
 decode steps) plus the bucket's overhead: the median of what calibration did not explain in recent steady
 rounds of the same kind (tree / plain) at this bucket, or, when it has none, at the nearest bucket that
@@ -169,7 +170,7 @@ class PolicyConfig:
     seq_prior: float = 4.0  # pseudo-verifications at factor 1 in a sequence's factor (one noisy round moves it little)
     seq_memory: float = 4.0  # a sequence's verifications in which its factor's counts halve
     seq_relax: float = 8.0  # rounds decided for a sequence without verifying it in which its factor's counts halve
-    cost_window: int = 8  # steady rounds in a cost median
+    cost_window: int = 8  # steady calls in a cost median
     cost_memory: int = 512  # bucket rounds after which a cost sample is dropped (when a newer one comes)
     retry_base: int = 16  # bucket rounds before a shape left unrun is tried again
     retry_cap: int = 1024  # the longest retry interval (each failed try multiplies it by 2 x lag^2)
@@ -357,17 +358,21 @@ class AdaptivePolicy:
         return out
 
     # ---- learning ----
-    def observe_round(self, batch: int, shape: Shape, seconds: float, steps: int = 1, sampled: bool = False) -> None:
-        """A steady round (module docstring: what the caller guarantees). PLAIN: `steps` decode steps took
-        `seconds` in all; a tree: one round (draft, verify, host bookkeeping). batch: sequences in the round;
-        sampled: one of them samples (choose's variant)."""
-        if batch < 1 or steps < 1 or not 0 <= seconds < math.inf:
+    def observe_round(
+        self, batch: int, shape: Shape, seconds: float, steps: int = 1, sampled: bool = False, rounds: int = 1
+    ) -> None:
+        """A steady call (module docstring: what the caller guarantees). PLAIN: `steps` decode steps took
+        `seconds` in all; a tree: each of its `rounds` rounds (draft, verify, host bookkeeping) took `seconds`, the
+        call's time shared (the sample weighs its rounds). batch: sequences in the round; sampled: one of them
+        samples (choose's variant)."""
+        if batch < 1 or steps < 1 or rounds < 1 or not 0 <= seconds < math.inf:
             raise ValueError(
-                f"a round needs batch, steps >= 1 and seconds in [0, inf), got {batch}, {steps}, {seconds}"
+                f"a call needs batch, steps, rounds >= 1 and seconds in [0, inf), got {batch}, {steps}, {rounds}, "
+                f"{seconds}"
             )
         costs = self.variants[sampled]
         bk = costs.of(batch)
-        costs.observe(bk, shape, seconds, steps)
+        costs.observe(bk, shape, seconds, steps, rounds)
         if bk.trying is not None and self.shapes[bk.trying] == shape:
             bk.try_seen = True
 
@@ -460,7 +465,7 @@ class Policy(Protocol):
         self, members: Sequence[Member], plain_steps: int, batch: int | None = None, sampled: bool = False
     ) -> Choice: ...
     def observe_round(
-        self, batch: int, shape: Shape, seconds: float, steps: int = 1, sampled: bool = False
+        self, batch: int, shape: Shape, seconds: float, steps: int = 1, sampled: bool = False, rounds: int = 1
     ) -> None: ...
     def observe_verified(self, rows: Iterable[tuple[str, str, Shape, int]]) -> None: ...
     def forget(self, seq_id: str) -> None: ...
@@ -485,7 +490,9 @@ class FixedPolicy:
     ) -> dict[Shape, float]:
         return {}
 
-    def observe_round(self, batch: int, shape: Shape, seconds: float, steps: int = 1, sampled: bool = False) -> None:
+    def observe_round(
+        self, batch: int, shape: Shape, seconds: float, steps: int = 1, sampled: bool = False, rounds: int = 1
+    ) -> None:
         pass
 
     def observe_verified(self, rows: Iterable[tuple[str, str, Shape, int]]) -> None:

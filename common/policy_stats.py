@@ -180,20 +180,32 @@ class AcceptanceTable:
 
 
 class Window:
-    """The median of the last `size` samples, none older than `memory` rounds when a newer one comes.
-    (size 3, memory 10): adds 5 @ 0, 9 @ 1, 6 @ 2 -> 6; then 4 @ 20 drops the three older -> 4."""
+    """The weighted median of the last `size` samples, none older than `memory` rounds when a newer one comes: the
+    value below and above which half the samples' weight lies (the mean of the two values at an exact half). A
+    tree's cost sample is a call's seconds a round, weighing its rounds: a call of 32 rounds at 1.4 ms and one of 4
+    at 1.8 ms (its call's fixed work shared by fewer) price the shape at 1.4 ms, where a plain median of 8 such calls
+    swung with their mix (an H200 at one sequence: 6x60 1.56-1.82 ms, 6x32 1.46-1.79 ms, on the same device time).
+    (size 3, memory 10): adds 5 @ 0, 9 @ 1, 6 @ 2 (weight 1 each) -> 6; then 4 @ 20 drops the three older -> 4;
+    then 2 @ 21 weighing 3 -> 2 (weight 3 of 4 at 2)."""
 
     def __init__(self, size: int, memory: int) -> None:
-        self.samples: deque[tuple[int, float]] = deque(maxlen=size)  # (round, value), oldest first
+        self.samples: deque[tuple[int, float, float]] = deque(maxlen=size)  # (round, value, weight), oldest first
         self.memory, self.median = memory, 0.0
 
-    def add(self, now: int, x: float) -> None:
+    def add(self, now: int, x: float, weight: float = 1.0) -> None:
+        if not weight > 0:
+            raise ValueError(f"a sample's weight must be > 0, got {weight}")
         while self.samples and now - self.samples[0][0] > self.memory:
             self.samples.popleft()
-        self.samples.append((now, x))
-        v = sorted(x for _, x in self.samples)
-        n = len(v)
-        self.median = v[n // 2] if n % 2 else (v[n // 2 - 1] + v[n // 2]) / 2
+        self.samples.append((now, x, weight))
+        v = sorted((x, w) for _, x, w in self.samples)
+        half, below = sum(w for _, w in v) / 2, 0.0
+        for i, (x, w) in enumerate(v):
+            below += w
+            if below >= half:
+                exact = math.isclose(below, half) and i + 1 < len(v)
+                self.median = (x + v[i + 1][0]) / 2 if exact else x
+                return
 
 
 class Cell:
@@ -296,7 +308,9 @@ class CostModel:
             return "measured"
         return "unknown" if bk.cal[i] is None else self.overhead(bk, i == 0)[1]
 
-    def observe(self, bk: Bucket, shape: Shape, seconds: float, steps: int) -> None:
+    def observe(self, bk: Bucket, shape: Shape, seconds: float, steps: int, rounds: int = 1) -> None:
+        """A steady call's cost: seconds of one round (a tree, `rounds` of them in the call: its samples' weight) or
+        of `steps` plain steps."""
         i = self.index.get(shape)
         cal = self.calibration(bk.size, shape) if i is None else bk.cal[i]
         if shape.plain:
@@ -304,9 +318,9 @@ class CostModel:
         else:
             x = seconds if cal is None else seconds - cal
             if cal is not None:
-                bk.overhead.add(bk.rounds, x)
+                bk.overhead.add(bk.rounds, x, rounds)
         if i is not None:
-            bk.cells[i].window.add(bk.rounds, x)
+            bk.cells[i].window.add(bk.rounds, x, 1 if shape.plain else rounds)
 
 
 class SequenceFactor:

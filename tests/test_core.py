@@ -67,7 +67,7 @@ class Cycle:
     def choose(self, members, plain_steps, batch=None, sampled=False):
         return Choice(next(self.shapes))
 
-    def observe_round(self, batch, shape, seconds, steps=1, sampled=False):
+    def observe_round(self, batch, shape, seconds, steps=1, sampled=False, rounds=1):
         self.rounds.append((batch, shape, steps))
         self.seconds.append(seconds)
 

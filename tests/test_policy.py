@@ -391,7 +391,7 @@ def test_choose_takes_under_0_2_ms_for_64_members() -> None:
 
 def test_calibration_lookup_and_the_cost_window() -> None:
     """Step times: the next larger calibrated size (the graph that runs), linear past the largest; the same
-    for batches. Window: the median of the last samples, the older ones dropped after a gap."""
+    for batches. Window: the weighted median of the last samples, the older ones dropped after a gap."""
     model = CostModel(PolicyConfig(), table())
     assert model.step("verify", 1, 4) == pytest.approx(14 * MS)
     assert model.step("verify", 1, 10) == pytest.approx(28 * MS)
@@ -403,6 +403,22 @@ def test_calibration_lookup_and_the_cost_window() -> None:
     assert w.median == 6.0
     w.add(20, 4.0)
     assert w.median == 4.0 and len(w.samples) == 1
+    w.add(21, 2.0, weight=3)  # weight 3 of 4 at 2: 2; then 5 weighing 1: 1 + 3 = 4 of 5 at 2 or below -> 2
+    assert w.median == 2.0
+    w.add(22, 5.0)
+    assert w.median == 2.0
+    # a call of 32 rounds at 1.4 ms among short ones at 1.8 (3 of 4 rounds): 32 of 44 rounds at 1.4 -> 1.4, where
+    # the unweighted median of the four calls is 1.8
+    w = Window(8, memory=100)
+    for r, (x, n) in enumerate(((1.8, 4), (1.4, 32), (1.8, 4), (1.8, 4))):
+        w.add(r, x, n)
+    assert w.median == 1.4
+    w = Window(8, memory=100)
+    for r, (x, n) in enumerate(((1.0, 2), (3.0, 2))):  # an exact half: the mean of the two
+        w.add(r, x, n)
+    assert w.median == 2.0
+    with pytest.raises(ValueError):
+        w.add(3, 1.0, 0)
 
 
 def test_fixed_policy() -> None:

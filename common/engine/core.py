@@ -468,7 +468,7 @@ class EngineCore(DraftSupply):
         last, self._last_end = self._last_end, end
         if steady and last is not None and t0 - last < 0.05 + setup_s:
             seconds = max(end - last - setup_s - catching_up_s, 1e-6) / rounds
-            self.policy.observe_round(batch, shape, seconds, steps, sampled)
+            self.policy.observe_round(batch, shape, seconds, steps, sampled, rounds)
 
     # ---- failures ----
     @staticmethod
