@@ -268,6 +268,13 @@ def accept_tree(
     return reference.accept_tree(ids, parent_rows, anc, depth, target, greedy)
 
 
+def onehot_sets(ids: torch.Tensor, parent_rows: torch.Tensor, w: int) -> tuple[torch.Tensor, ...]:
+    """A batch of one-hot trees' sets: (pos [K, T], ids [K, T * W], q [K, T * W / 2]); see reference.onehot_sets."""
+    if use_triton(ids) and ids.shape[1] <= 128 and ids.stride(1) == 1 and parent_rows.stride(1) == 1:
+        return _ops().onehot_sets(ids, parent_rows, w)
+    return reference.onehot_sets(ids, parent_rows, w)
+
+
 def move_rows(kv: torch.Tensor, slots: torch.Tensor, n: torch.Tensor, src: torch.Tensor) -> None:
     """Move the accepted path's cache rows next to the root in every layer; see reference.move_rows."""
     if use_triton(kv) and kv.is_contiguous() and src.shape[1] <= 128:
