@@ -45,13 +45,20 @@ class SampledVerify:
         greedy = rule == RULE_GREEDY
         g_result, g_src = kernels.accept_tree(ids, parent_rows, anc, depth, logits.argmax(-1), greedy.long())
         # a one-hot row's sets follow from its tree: built here, in the graph, not by the host (its set columns are
-        # not packed); a q rule row's come from the block
+        # not packed), and written into the block's set columns, so that every tensor the acceptance reads shares
+        # the block's row stride (kernels.accept_sampled's fused kernel takes one); a q rule row's come packed
         hot = (rule == RULE_ONEHOT)[:, None]  # [B, 1]
         pos, set_ids, set_q = kernels.onehot_sets(ids, parent_rows, width)  # [B, T], [B, T * W], [B, T * W / 2]
+        for column, built in (
+            (slice(cols.pos, cols.n), pos),
+            (slice(cols.ids, cols.q), set_ids),
+            (slice(cols.q, cols.end), set_q),
+        ):
+            packed[:, column] = torch.where(hot, built, packed[:, column])
         sets = TreeSets(
-            ids=torch.where(hot, set_ids, packed[:, cols.ids : cols.q]).view(b, t, width),
-            q=torch.where(hot, set_q, packed[:, cols.q : cols.end]).view(torch.float32).view(b, t, width),
-            pos=torch.where(hot, pos, packed[:, cols.pos : cols.n]),
+            ids=packed[:, cols.ids : cols.q].view(b, t, width),
+            q=packed[:, cols.q : cols.end].view(torch.float32).view(b, t, width),
+            pos=packed[:, cols.pos : cols.n],
             rule=rule,
         )
         rows = SamplingRows.unpack(packed[:, cols.draw : cols.ids], n)

@@ -328,6 +328,13 @@ def draft_children(
     return sampling.draft_children(logp, ids, temperature, seed, counter, level, k)
 
 
+def sampled_layout(ids: torch.Tensor, parent_rows: torch.Tensor, logits: torch.Tensor, sets: sampling.TreeSets) -> bool:
+    """Whether accept_sampled's tensors are laid out as its fused kernel reads them: the tree's columns and the
+    sets' positions one row stride (a verify block's), unit strides along the last dimensions."""
+    flat = ids.stride(1) == 1 and parent_rows.stride(0) == ids.stride(0) == sets.pos.stride(0)
+    return flat and logits.stride(-1) == 1 and sets.ids.stride(-1) == 1 and sets.q.stride(-1) == 1
+
+
 def accept_sampled(
     ids: torch.Tensor,
     parent_rows: torch.Tensor,
@@ -340,8 +347,11 @@ def accept_sampled(
     siblings: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The sampled acceptance of a batch of trees: (result [B, T + 1], src [B, T]); see sampling.accept_sampled."""
-    flat = ids.stride(1) == 1 and parent_rows.stride(0) == ids.stride(0) == sets.pos.stride(0)
-    last = logits.stride(-1) == 1 and sets.ids.stride(-1) == 1 and sets.q.stride(-1) == 1
-    if use_triton(logits) and ids.shape[1] <= 128 and sets.ids.shape[-1] <= 256 and flat and last:
+    if (
+        use_triton(logits)
+        and ids.shape[1] <= 128
+        and sets.ids.shape[-1] <= 256
+        and sampled_layout(ids, parent_rows, logits, sets)
+    ):
         return _sampling_ops().accept_sampled(ids, parent_rows, anc, depth, logits, sets, target, rows, siblings)
     return sampling.accept_sampled(ids, parent_rows, anc, depth, logits, sets, target, rows, siblings)
