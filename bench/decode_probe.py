@@ -36,8 +36,8 @@ from common.engine.base import PrefillInput, ProposeInput, VerifyInput
 from common.engine.cuda_graphs import GraphConfig
 from common.engine.draft import Eagle3Drafter
 from common.engine.verifier import SampledColumns, Sampler, Verifier, VerifierConfig, pack_trees, tree_depth
-from common.engine.verifier_parts import onehot_sets, pack_sampled
-from common.kernels import accept_sampled, speculative, tree_mask
+from common.engine.verifier_parts import pack_sampled
+from common.kernels import accept_sampled, onehot_sets, speculative, tree_mask
 from common.kernels.sampling import RULE_ONEHOT, SamplingRows, TreeSets
 
 log = logging.getLogger("bench.decode_probe")

@@ -471,7 +471,7 @@ def test_the_policy_hears_of_steady_rounds_only(engines):
 
 def test_sampled_rounds_chain_on_the_device_with_the_hosts_tokens(engines, plain):
     """Seeded requests at temperature 0.7 (top-p 0.9) beside a greedy one, one-hot trees: up to four rounds a
-    verifier call, each chained round's sets built on the device (verifier_parts.onehot_sets), give the tokens
+    verifier call, each round's one-hot sets built in the verify (common.kernels.onehot_sets), give the tokens
     of rounds whose trees the host reads and whose sets it packs (common.tree.row_sets: a drafter that never
     drafts behind a verify); the greedy one stays plain decoding's."""
     v, d = engines

@@ -630,9 +630,10 @@ def test_a_chained_tree_narrower_than_the_bucket_keeps_none_of_the_last_rounds_n
 
 
 def test_one_hot_sets_built_on_the_device_are_the_hosts() -> None:
-    """verifier_parts.onehot_sets (a chained sampled round's sets) = common.tree.row_sets of the same one-hot
+    """common.kernels.reference.onehot_sets (a sampled verify's one-hot sets) = common.tree.row_sets of the same one-hot
     trees, on random trees with repeated sibling tokens, padding rows and the docstring's example."""
-    from common.engine.verifier_parts import onehot_sets, pack_trees
+    from common.engine.verifier_parts import pack_trees
+    from common.kernels.reference import onehot_sets
     from common.tree import row_sets
 
     ids = torch.tensor([[3, 7, 9, 7, 5]])
@@ -653,7 +654,24 @@ def test_one_hot_sets_built_on_the_device_are_the_hosts() -> None:
     want = row_sets(trees, t, w)
     assert pos.tolist() == want.pos.tolist()
     assert set_ids.tolist() == want.ids.reshape(len(trees), -1).tolist()
+
     assert q.view(torch.float32).tolist() == want.q.reshape(len(trees), -1).tolist()
+
+
+def test_one_hot_sets_of_a_row_wider_than_the_sets_stay_in_their_cells() -> None:
+    """A row with more distinct children than W (a greedy row's tree in a sampled verify: its sets are built and
+    never read) writes its first W children's tokens and no cell past them: the next row's set and the end of the
+    sets are untouched. ids [r, 7, 9, 5, 4], every node a child of the root but 4, whose parent is row 1; W 2 ->
+    the root's set [7, 9] (5 does not fit: pos 0, written nowhere), row 1's [4]."""
+    from common.kernels.reference import onehot_sets
+
+    pos, set_ids, q = onehot_sets(torch.tensor([[3, 7, 9, 5, 4]]), torch.tensor([[0, 0, 0, 0, 1]]), 2)
+    assert pos.tolist() == [[0, 0, 1, 0, 0]]
+    assert set_ids.tolist() == [[7, 9, 4, 0] + [0] * 6]
+    assert q.view(torch.float32).tolist() == [[1, 1, 1, 0] + [0] * 6]
+    # row 1 with three children: its third would land in row 2's first cell without the bound
+    pos, set_ids, _ = onehot_sets(torch.tensor([[3, 7, 6, 5, 4]]), torch.tensor([[0, 0, 1, 1, 1]]), 2)
+    assert set_ids.tolist() == [[7, 0, 6, 5] + [0] * 6] and pos.tolist() == [[0, 0, 0, 1, 0]]
 
 
 def test_each_round_is_handed_over_as_it_is_read(verifiers, drafters) -> None:

@@ -82,7 +82,7 @@ def fused_ops_count_once(monkeypatch):
     import common.kernels as kernels
 
     fused = ("add_rms_norm", "rope_kv_write", "swiglu", "attention", "topk_logprobs", "rope_attention")
-    tree = ("rms_norm_cat", "draft_level", "select_tree", "tree_mask", "accept_tree", "move_rows")
+    tree = ("rms_norm_cat", "draft_level", "select_tree", "tree_mask", "accept_tree", "move_rows", "onehot_sets")
     draws = ("sample_tokens", "row_logz", "target_threshold", "draft_children", "accept_sampled")
     for name in fused + tree + draws:
         fn = getattr(kernels, name)
@@ -226,8 +226,10 @@ def test_verify_step_kernel_count(verifier):
 def test_sampled_steps_kernel_count(verifier):
     """With a sampling row, a decode step adds its draw (one kernel; with top-k or top-p the sort and the
     threshold's kernel before it) to the greedy step, and a verify step adds the rows' targets (one kernel,
-    or the sort and one), the fused acceptance and the selection of greedy rows' results (6 in all):
-    greedy rows keep the greedy step's kernels and results."""
+    or the sort and one), the fused acceptance and the selection of greedy rows' results (6 in all), and the
+    one-hot rows' sets built from their trees (one kernel, on a GPU after two fills, and the choice of them
+    over the block's three set columns, written back into them: 8 more): greedy rows keep the greedy step's
+    kernels and results."""
     from common.engine.verifier import Sampler
 
     with torch.inference_mode():
@@ -242,4 +244,24 @@ def test_sampled_steps_kernel_count(verifier):
     assert len(decode[Sampler.TEMPERATURE]) == len(decode[Sampler.GREEDY]) + 1, decode
     assert len(decode[Sampler.FILTERED]) == len(decode[Sampler.GREEDY]) + 2, decode  # + the sort's own on a GPU
     for s, ops in verify.items():
-        assert len(ops) <= len(greedy) + 6, (s, sorted(ops))
+        assert len(ops) <= len(greedy) + 14, (s, sorted(ops))
+
+
+def test_the_sampled_acceptance_gets_the_layout_of_its_fused_kernel(verifier, monkeypatch):
+    """The sampled verify hands kernels.accept_sampled tensors its fused kernel reads (kernels.sampled_layout: one
+    row stride, the block's): otherwise it would take the PyTorch path on a GPU, one launch per operation (a
+    one-hot row's sets built as new tensors once did)."""
+    import common.kernels as kernels
+    from common.engine.verifier import Sampler
+
+    seen, real = [], kernels.accept_sampled
+
+    def spy(ids, parent_rows, anc, depth, logits, sets, *rest):
+        seen.append(kernels.sampled_layout(ids, parent_rows, logits, sets))
+        return real(ids, parent_rows, anc, depth, logits, sets, *rest)
+
+    monkeypatch.setattr(kernels, "accept_sampled", spy)
+    with torch.inference_mode():
+        _, step = verifier._sampled_variant(2, 9, Sampler.TEMPERATURE, True, 32, 8)
+        step(verifier._sampled_block(2, 9, 32))
+    assert seen == [True]

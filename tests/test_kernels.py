@@ -429,6 +429,22 @@ def test_tree_mask_and_acceptance(t):
     assert t == 5 or int(want_result[:, 0].max()) >= 3  # paths go deep: the test sees real compaction
 
 
+@pytest.mark.parametrize("t", [5, 33, 64])
+def test_one_hot_sets_equal_the_reference(t):
+    """The one-hot sets of random trees (a packed block's strided columns, as the sampled verify reads them;
+    tokens of 5 values: repeated siblings), W 16 and W 2 (rows wider than their sets), equal the reference's."""
+    packed = _packed_trees(6, t, seed=40 + t)
+    packed[:, 1:t] = torch.randint(0, 5, (6, t - 1), generator=torch.Generator().manual_seed(t))
+    packed = packed.to(DEV)
+    ids, parent_rows = packed[:, :t], packed[:, t : 2 * t]
+    for w in (16, 2):
+        got = ops().onehot_sets(ids, parent_rows, w)
+        want = reference.onehot_sets(ids, parent_rows, w)
+        for a, b in zip(got, want):
+            assert torch.equal(a, b), w
+    assert int(want[1].count_nonzero()) > 6  # the trees have sets to compare
+
+
 def test_move_rows_reads_before_writing():
     """Path rows that land where another path row is read from (src [0, 2, 4] moves row 4 to 2 after
     row 2 has moved to 1), in every layer, for two sequences at their own lengths; rows off the path and

@@ -196,13 +196,13 @@ def chained_block(
     prev: torch.Tensor, result: torch.Tensor, trees: Chained, tb: int, cols: SampledColumns | None = None
 ) -> torch.Tensor:
     """The next verify block of a chained round, built on the device: prev [BB, C] the block the last round
-    verified (T = tb; cols None: verifier._verify_step's layout [BB, 2T + 3], else the sampled one of cols, whose
-    one-hot rows' sets are rebuilt from the new trees: onehot_sets), result [B, T + 1] its acceptance (count c,
-    then the c accepted tokens and the bonus), trees the next trees of its first K rows (K <= B). Each of the B
-    rows' root becomes its last token and its length grows by c + 1; row k < K gets its first keep[k] nodes
-    (node j at row j + 1, its parent row parents[j] + 1), the other rows of those K a tree of padding (each its
-    own parent); rows past K keep none. Example, tb 4: prev root 7 at n 10, result [1, 8, 9, ...], a tree [5, 6]
-    with parents [-1, 0], keep 2 -> root 9 at n 12, tokens [9, 5, 6, 0], parent rows [0, 0, 1, 3]."""
+    verified (T = tb; cols None: verifier._verify_step's layout [BB, 2T + 3], else the sampled one of cols: its
+    rows are greedy or one-hot, whose sets the verify builds from the trees), result [B, T + 1] its acceptance
+    (count c, then the c accepted tokens and the bonus), trees the next trees of its first K rows (K <= B). Each
+    of the B rows' root becomes its last token and its length grows by c + 1; row k < K gets its first keep[k]
+    nodes (node j at row j + 1, its parent row parents[j] + 1), the other rows of those K a tree of padding (each
+    its own parent); rows past K keep none. Example, tb 4: prev root 7 at n 10, result [1, 8, 9, ...], a tree
+    [5, 6] with parents [-1, 0], keep 2 -> root 9 at n 12, tokens [9, 5, 6, 0], parent rows [0, 0, 1, 3]."""
     b, k = result.shape[0], trees.tokens.shape[0]
     nodes = min(trees.tokens.shape[1], tb - 1)
     block = prev.clone()
@@ -218,35 +218,7 @@ def chained_block(
     block[:k, tb + 1 + nodes : 2 * tb] = pad[nodes:]
     block[k:b, 1:tb] = 0  # rows past K: no tree (not the one they verified last)
     block[k:b, tb + 1 : 2 * tb] = pad
-    if cols is not None:
-        pos, ids, q = onehot_sets(block[:b, :tb], block[:b, tb : 2 * tb], cols.w)
-        block[:b, cols.pos : cols.n] = pos
-        block[:b, cols.ids : cols.q] = ids
-        block[:b, cols.q : cols.end] = q
     return block
-
-
-def onehot_sets(ids: torch.Tensor, parent_rows: torch.Tensor, w: int) -> tuple[torch.Tensor, ...]:
-    """common.tree.row_sets of one-hot trees, on the device: ids, parent_rows [K, T] a verify block's tree columns
-    (the root and padding rows name themselves) -> (pos [K, T], the sets' ids [K, T * W], their q [K, T * W / 2]
-    as float32 pairs in int64), W even and at least every row's distinct children. A row's set is its children's
-    distinct tokens in row order (q 1 each); a node's pos its token's place in its parent's set.
-    Example: ids [r, 7, 9, 7, 5], parent rows [0, 0, 0, 0, 1], W 2 -> the root's set [7, 9], row 1's [5]; pos
-    [0, 0, 1, 0, 0] (row 3 repeats 7: row 1's place)."""
-    k, t = ids.shape
-    rows = torch.arange(t, device=ids.device)
-    node = parent_rows != rows[None, :]  # [K, T]
-    sib = (parent_rows[:, :, None] == parent_rows[:, None, :]) & node[:, :, None] & node[:, None, :]  # [K, T, T]
-    same = sib & (ids[:, :, None] == ids[:, None, :])  # [K, j, i]: i a sibling of j with its token
-    earlier = rows[None, :] < rows[:, None]  # [T, T]: i before j
-    first = ~(same & earlier).any(-1)  # [K, T] no earlier sibling has its token
-    distinct = (sib & earlier & first[:, None, :]).sum(-1)  # [K, T] distinct tokens among the earlier siblings
-    rank = distinct.gather(1, same.int().argmax(-1))  # [K, T] its token's first's (a node is its own sibling)
-    # roots and padding rows write 0 to cell 0 (amax: a child's token or 1 there wins; a repeat writes its first's)
-    cell = torch.where(node, parent_rows * w + rank, 0)  # [K, T]
-    set_ids = ids.new_zeros(k, t * w).scatter_reduce(1, cell, torch.where(node, ids, 0), "amax")
-    q = torch.zeros(k, t * w, dtype=torch.float32, device=ids.device).scatter_reduce(1, cell, node.float(), "amax")
-    return torch.where(node, rank, 0), set_ids, q.view(torch.int64)
 
 
 def pack_trees(a: np.ndarray, trees: list[Tree], sizes: np.ndarray, tb: int) -> None:
@@ -262,13 +234,16 @@ def pack_trees(a: np.ndarray, trees: list[Tree], sizes: np.ndarray, tb: int) -> 
 
 
 def pack_sampled(a: np.ndarray, trees: list[Tree], states: list[VerifierSeq], cols: SampledColumns) -> None:
-    """Each row's rule and sampling, and the sampling rows' sets (common.tree.row_sets), into a sampled block
-    a [bb, C] whose trees are packed (trees and states: its rows')."""
+    """Each row's rule and sampling, and the q rule rows' sets (common.tree.row_sets), into a sampled block
+    a [bb, C] whose trees are packed (trees and states: its rows'); a one-hot row's sets the verify builds."""
     b = len(trees)
     hot = [i for i, st in enumerate(states) if not st.sampling.greedy]
     a[:b, cols.draw : cols.ids] = np.stack([st.draw for st in states])
     a[hot, cols.n + 2] = [RULE_Q if trees[i].q is not None else RULE_ONEHOT for i in hot]
-    sets = row_sets([trees[i] for i in hot], cols.t, cols.w)
-    a[hot, cols.pos : cols.n] = sets.pos
-    a[hot, cols.ids : cols.q] = sets.ids.reshape(len(hot), -1)
-    a[hot, cols.q : cols.end] = sets.q.reshape(len(hot), -1).view(np.int64)
+    drawn = [i for i in hot if trees[i].q is not None]
+    if not drawn:
+        return
+    sets = row_sets([trees[i] for i in drawn], cols.t, cols.w)
+    a[drawn, cols.pos : cols.n] = sets.pos
+    a[drawn, cols.ids : cols.q] = sets.ids.reshape(len(drawn), -1)
+    a[drawn, cols.q : cols.end] = sets.q.reshape(len(drawn), -1).view(np.int64)

@@ -13,9 +13,16 @@ import torch
 
 from common import kernels
 from common.engine.base import VerifyInput
-from common.engine.verifier_parts import SHALLOW_DEPTH, SIBLINGS, SampledColumns, Sampler, VerifierSeq, VerifyStep
+from common.engine.verifier_parts import (
+    SHALLOW_DEPTH,
+    SIBLINGS,
+    SampledColumns,
+    Sampler,
+    VerifierSeq,
+    VerifyStep,
+)
 from common.kernels import speculative
-from common.kernels.sampling import RULE_GREEDY, SamplingRows, TreeSets
+from common.kernels.sampling import RULE_GREEDY, RULE_ONEHOT, SamplingRows, TreeSets
 from common.tree import widest
 
 
@@ -26,7 +33,8 @@ class SampledVerify:
         """packed [B, C] as SampledColumns lays it out for sets of `width` tokens; siblings: S, at least every
         row's children; filtered: a row samples with top-k or top-p (Sampler.FILTERED). Greedy rows (rule 0)
         are accepted as by _verify_step, bit for bit; the others by common.kernels.speculative's sampled
-        acceptance with their rule, seed and the root's position as the counter."""
+        acceptance with their rule, seed and the root's position as the counter: a one-hot row's sets built here
+        from its tree (common.kernels.onehot_sets), a q rule row's read from the block."""
         b = packed.shape[0]
         cols = SampledColumns.of(packed.shape[1], width)
         t = cols.t
@@ -36,6 +44,17 @@ class SampledVerify:
         logits = self.model.lm_head(out.hidden)  # [B, T, V] (the greedy step's argmax is of these)
         greedy = rule == RULE_GREEDY
         g_result, g_src = kernels.accept_tree(ids, parent_rows, anc, depth, logits.argmax(-1), greedy.long())
+        # a one-hot row's sets follow from its tree: built here, in the graph, not by the host (its set columns are
+        # not packed), and written into the block's set columns, so that every tensor the acceptance reads shares
+        # the block's row stride (kernels.accept_sampled's fused kernel takes one); a q rule row's come packed
+        hot = (rule == RULE_ONEHOT)[:, None]  # [B, 1]
+        pos, set_ids, set_q = kernels.onehot_sets(ids, parent_rows, width)  # [B, T], [B, T * W], [B, T * W / 2]
+        for column, built in (
+            (slice(cols.pos, cols.n), pos),
+            (slice(cols.ids, cols.q), set_ids),
+            (slice(cols.q, cols.end), set_q),
+        ):
+            packed[:, column] = torch.where(hot, built, packed[:, column])
         sets = TreeSets(
             ids=packed[:, cols.ids : cols.q].view(b, t, width),
             q=packed[:, cols.q : cols.end].view(torch.float32).view(b, t, width),

@@ -268,6 +268,13 @@ def accept_tree(
     return reference.accept_tree(ids, parent_rows, anc, depth, target, greedy)
 
 
+def onehot_sets(ids: torch.Tensor, parent_rows: torch.Tensor, w: int) -> tuple[torch.Tensor, ...]:
+    """A batch of one-hot trees' sets: (pos [K, T], ids [K, T * W], q [K, T * W / 2]); see reference.onehot_sets."""
+    if use_triton(ids) and ids.shape[1] <= 128 and ids.stride(1) == 1 and parent_rows.stride(1) == 1:
+        return _ops().onehot_sets(ids, parent_rows, w)
+    return reference.onehot_sets(ids, parent_rows, w)
+
+
 def move_rows(kv: torch.Tensor, slots: torch.Tensor, n: torch.Tensor, src: torch.Tensor) -> None:
     """Move the accepted path's cache rows next to the root in every layer; see reference.move_rows."""
     if use_triton(kv) and kv.is_contiguous() and src.shape[1] <= 128:
@@ -321,6 +328,13 @@ def draft_children(
     return sampling.draft_children(logp, ids, temperature, seed, counter, level, k)
 
 
+def sampled_layout(ids: torch.Tensor, parent_rows: torch.Tensor, logits: torch.Tensor, sets: sampling.TreeSets) -> bool:
+    """Whether accept_sampled's tensors are laid out as its fused kernel reads them: the tree's columns and the
+    sets' positions one row stride (a verify block's), unit strides along the last dimensions."""
+    flat = ids.stride(1) == 1 and parent_rows.stride(0) == ids.stride(0) == sets.pos.stride(0)
+    return flat and logits.stride(-1) == 1 and sets.ids.stride(-1) == 1 and sets.q.stride(-1) == 1
+
+
 def accept_sampled(
     ids: torch.Tensor,
     parent_rows: torch.Tensor,
@@ -333,8 +347,11 @@ def accept_sampled(
     siblings: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The sampled acceptance of a batch of trees: (result [B, T + 1], src [B, T]); see sampling.accept_sampled."""
-    flat = ids.stride(1) == 1 and parent_rows.stride(0) == ids.stride(0) == sets.pos.stride(0)
-    last = logits.stride(-1) == 1 and sets.ids.stride(-1) == 1 and sets.q.stride(-1) == 1
-    if use_triton(logits) and ids.shape[1] <= 128 and sets.ids.shape[-1] <= 256 and flat and last:
+    if (
+        use_triton(logits)
+        and ids.shape[1] <= 128
+        and sets.ids.shape[-1] <= 256
+        and sampled_layout(ids, parent_rows, logits, sets)
+    ):
         return _sampling_ops().accept_sampled(ids, parent_rows, anc, depth, logits, sets, target, rows, siblings)
     return sampling.accept_sampled(ids, parent_rows, anc, depth, logits, sets, target, rows, siblings)

@@ -372,6 +372,32 @@ def tree_mask(parent_rows: torch.Tensor, max_depth: int | None = None) -> tuple[
     return anc, anc.sum(-1) - 1
 
 
+def onehot_sets(ids: torch.Tensor, parent_rows: torch.Tensor, w: int) -> tuple[torch.Tensor, ...]:
+    """common.tree.row_sets of one-hot trees, on the device (inside the sampled verify's graph): ids, parent_rows
+    [K, T] a verify block's tree columns (the root and padding rows name themselves) -> (pos [K, T], the sets' ids
+    [K, T * W], their q [K, T * W / 2] as float32 pairs in int64), W even. A row's set is its children's distinct
+    tokens in row order (q 1 each); a node's pos its token's place in its parent's set. A row with more than W
+    distinct children (a greedy row's tree, whose sets nobody reads) writes none past its W-th: never another
+    row's cells, never past the end.
+    Example: ids [r, 7, 9, 7, 5], parent rows [0, 0, 0, 0, 1], W 2 -> the root's set [7, 9], row 1's [5]; pos
+    [0, 0, 1, 0, 0] (row 3 repeats 7: row 1's place)."""
+    k, t = ids.shape
+    rows = torch.arange(t, device=ids.device)
+    node = parent_rows != rows[None, :]  # [K, T]
+    sib = (parent_rows[:, :, None] == parent_rows[:, None, :]) & node[:, :, None] & node[:, None, :]  # [K, T, T]
+    same = sib & (ids[:, :, None] == ids[:, None, :])  # [K, j, i]: i a sibling of j with its token
+    earlier = rows[None, :] < rows[:, None]  # [T, T]: i before j
+    first = ~(same & earlier).any(-1)  # [K, T] no earlier sibling has its token
+    distinct = (sib & earlier & first[:, None, :]).sum(-1)  # [K, T] distinct tokens among the earlier siblings
+    rank = distinct.gather(1, same.int().argmax(-1))  # [K, T] its token's first's (a node is its own sibling)
+    # roots and padding rows write 0 to cell 0 (amax: a child's token or 1 there wins; a repeat writes its first's)
+    fits = node & (rank < w)  # [K, T]
+    cell = torch.where(fits, parent_rows * w + rank, 0)  # [K, T]
+    set_ids = ids.new_zeros(k, t * w).scatter_reduce(1, cell, torch.where(fits, ids, 0), "amax")
+    q = torch.zeros(k, t * w, dtype=torch.float32, device=ids.device).scatter_reduce(1, cell, fits.float(), "amax")
+    return torch.where(fits, rank, 0), set_ids, q.view(torch.int64)
+
+
 def accept_tree(
     ids: torch.Tensor,
     parent_rows: torch.Tensor,

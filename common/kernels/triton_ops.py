@@ -582,10 +582,20 @@ from common.kernels.triton_tree import (  # noqa: E402
     accept_tree,
     draft_level,
     move_rows,
+    onehot_sets,
     rms_norm_cat,
     select_tree,
     topk_logprobs,
     tree_mask,
 )
 
-__all__ = ["accept_tree", "draft_level", "move_rows", "rms_norm_cat", "select_tree", "topk_logprobs", "tree_mask"]
+__all__ = [
+    "accept_tree",
+    "draft_level",
+    "move_rows",
+    "onehot_sets",
+    "rms_norm_cat",
+    "select_tree",
+    "topk_logprobs",
+    "tree_mask",
+]

@@ -410,6 +410,43 @@ def tree_mask(parent_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return anc, depth
 
 
+# The one-hot sets of a sampled verify's trees (reference.onehot_sets): PyTorch needs about 30 launches of
+# [B, T, T] comparisons, reductions and two scatters; here one program a tree holds its [T, T] tile.
+@triton.jit
+def _onehot_sets_kernel(ids_ptr, par_ptr, pos_ptr, set_ptr, q_ptr, T, W, s_ib, s_pb, BT: tl.constexpr):
+    """Rows j along axis 0, rows i along axis 1: rank[j] = the first-of-their-token siblings before j's
+    token's first sibling; a node that fits (rank < W) writes its token and q 1 to its parent's cell rank."""
+    b = tl.program_id(0)
+    r = tl.arange(0, BT)
+    ok = r < T
+    ids = tl.load(ids_ptr + b * s_ib + r, mask=ok, other=0)
+    par = tl.load(par_ptr + b * s_pb + r, mask=ok, other=0)
+    node = ok & (par != r)
+    sib = (par[:, None] == par[None, :]) & node[:, None] & node[None, :]  # [BT, BT]
+    same = sib & (ids[:, None] == ids[None, :])
+    first = tl.sum((same & (r[None, :] < r[:, None])).to(tl.int32), axis=1) == 0  # [BT] no earlier sibling has it
+    f = tl.min(tl.where(same, r[None, :], BT), axis=1)  # [BT] its token's first sibling (itself when first)
+    rank = tl.sum((sib & first[None, :] & (r[None, :] < f[:, None])).to(tl.int32), axis=1)
+    fits = node & (rank < W)
+    tl.store(pos_ptr + b * T + r, tl.where(fits, rank, 0).to(tl.int64), mask=ok)
+    cell = b * T * W + par * W + rank
+    tl.store(set_ptr + cell, ids, mask=fits)
+    tl.store(q_ptr + cell, tl.full((BT,), 1.0, tl.float32), mask=fits)
+
+
+def onehot_sets(ids: torch.Tensor, parent_rows: torch.Tensor, w: int) -> tuple[torch.Tensor, ...]:
+    """See reference.onehot_sets. ids, parent_rows [K, T] int64 (unit stride on T), T <= 128; W even."""
+    k, t = ids.shape
+    pos = torch.empty((k, t), dtype=torch.int64, device=ids.device)
+    set_ids = torch.zeros((k, t * w), dtype=torch.int64, device=ids.device)
+    q = torch.zeros((k, t * w), dtype=torch.float32, device=ids.device)
+    bt = max(16, triton.next_power_of_2(t))
+    _onehot_sets_kernel[(k,)](
+        ids, parent_rows, pos, set_ids, q, t, w, ids.stride(0), parent_rows.stride(0), BT=bt, num_warps=4
+    )
+    return pos, set_ids, q.view(torch.int64)
+
+
 @triton.jit
 def _accept_tree_kernel(
     ids_ptr, parent_ptr, anc_ptr, depth_ptr, target_ptr, greedy_ptr, res_ptr, src_ptr,
