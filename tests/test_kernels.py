@@ -687,3 +687,35 @@ def test_sampled_acceptance_bonus_chunks():
     target = sampling.Target(theta=None, logz=sampling.row_logz(logits.view(b * t, v), rows.temperature, t))
     got, want = _accepted_as_the_reference(ids, parent_rows, logits, sets, target, rows, t)
     assert [got[0][i, :2].tolist() for i in tied] == [[0, min(cols)] for cols in tied.values()]
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_chained_block(sampled):
+    """A chained round's next block: the kernel equals reference.chained_block on random blocks (rows past B kept,
+    rows past K without a tree, trees narrower and wider than the bucket, keep from 0 to all), and the reference
+    follows the worked example of common.engine.verifier_parts.chained_block."""
+    from common.kernels import reference as ref
+
+    tb = 4
+    prev = torch.tensor([[7, 1, 2, 3, 0, 0, 1, 2, 10, 5]])  # root 7, tokens 1 2 3, parent rows 0 0 1 2, n 10, more
+    result = torch.tensor([[1, 8, 9, 0, 0]])  # one accepted (8), bonus 9
+    block = ref.chained_block(prev, result, torch.tensor([[5, 6]]), torch.tensor([[-1, 0]]), torch.tensor([2]), tb, 8)
+    assert block.tolist() == [[9, 5, 6, 0, 0, 0, 1, 3, 12, 5]] and prev[0, 0] == 7
+    g = torch.Generator().manual_seed(3)
+    for tb, n_nodes, bb, b, k in ((16, 10, 8, 6, 4), (8, 12, 5, 5, 5), (61, 60, 9, 7, 3), (4, 0, 3, 2, 2)):
+        width = 3 * tb + 6 + 3 * tb * 8 if sampled else 2 * tb + 3
+        n_col = 3 * tb if sampled else 2 * tb
+        prev = torch.randint(0, 1000, (bb, width), generator=g)
+        count = torch.randint(0, tb, (b,), generator=g)
+        result = torch.randint(0, 1000, (b, tb + 1), generator=g)
+        result[:, 0] = count
+        tokens = torch.randint(0, 1000, (k, n_nodes), generator=g)
+        parents = torch.empty((k, n_nodes), dtype=torch.int64)
+        for j in range(n_nodes):  # a node's parent before it (-1: the root)
+            parents[:, j] = torch.randint(-1, j, (k,), generator=g)
+        keep = torch.randint(0, n_nodes + 1, (k,), generator=g)
+        args = [x.to(DEV) for x in (prev, result, tokens, parents, keep)]
+        want = ref.chained_block(*args, tb, n_col)
+        got = ops().chained_block(*args, tb, n_col)
+        assert torch.equal(got, want), (tb, n_nodes, bb, b, k)
+        assert torch.equal(args[0], prev.to(DEV))

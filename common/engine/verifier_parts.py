@@ -10,6 +10,7 @@ from enum import Enum
 import numpy as np
 import torch
 
+from common import kernels
 from common.config import SamplingConfig
 from common.engine.base import Chained
 from common.kernels.sampling import RULE_ONEHOT, RULE_Q, SamplingRows
@@ -203,22 +204,8 @@ def chained_block(
     nodes (node j at row j + 1, its parent row parents[j] + 1), the other rows of those K a tree of padding (each
     its own parent); rows past K keep none. Example, tb 4: prev root 7 at n 10, result [1, 8, 9, ...], a tree
     [5, 6] with parents [-1, 0], keep 2 -> root 9 at n 12, tokens [9, 5, 6, 0], parent rows [0, 0, 1, 3]."""
-    b, k = result.shape[0], trees.tokens.shape[0]
-    nodes = min(trees.tokens.shape[1], tb - 1)
-    block = prev.clone()
-    count = result[:, 0] + 1  # [B]
-    block[:b, 0] = result.gather(1, count[:, None])[:, 0]  # the bonus token: the next root
-    block[:b, 2 * tb if cols is None else cols.n] += count
-    rows = torch.arange(1, nodes + 1, device=prev.device)  # [nodes] tree rows 1..nodes
-    kept = rows[None, :] <= trees.keep[:, None]  # [K, nodes]
-    block[:k, 1 : 1 + nodes] = torch.where(kept, trees.tokens[:, :nodes], 0)
-    block[:k, tb + 1 : tb + 1 + nodes] = torch.where(kept, trees.parents[:, :nodes] + 1, rows[None, :])
-    pad = torch.arange(1, tb, device=prev.device)  # [tb - 1] rows 1.. as their own parents: padding
-    block[:k, 1 + nodes : tb] = 0  # trees narrower than the bucket: no node of the last round's past them
-    block[:k, tb + 1 + nodes : 2 * tb] = pad[nodes:]
-    block[k:b, 1:tb] = 0  # rows past K: no tree (not the one they verified last)
-    block[k:b, tb + 1 : 2 * tb] = pad
-    return block
+    n_col = 2 * tb if cols is None else cols.n
+    return kernels.chained_block(prev, result, trees.tokens, trees.parents, trees.keep, tb, n_col)
 
 
 def pack_trees(a: np.ndarray, trees: list[Tree], sizes: np.ndarray, tb: int) -> None:

@@ -268,6 +268,22 @@ def accept_tree(
     return reference.accept_tree(ids, parent_rows, anc, depth, target, greedy)
 
 
+def chained_block(
+    prev: torch.Tensor,
+    result: torch.Tensor,
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    keep: torch.Tensor,
+    tb: int,
+    n_col: int,
+) -> torch.Tensor:
+    """A chained round's next verify block (a new tensor); see reference.chained_block."""
+    unit = all(x.stride(-1) == 1 for x in (prev, result, tokens, parents)) and keep.is_contiguous()
+    if use_triton(prev) and unit and prev.dtype == result.dtype == tokens.dtype == parents.dtype == torch.int64:
+        return _ops().chained_block(prev, result, tokens, parents, keep, tb, n_col)
+    return reference.chained_block(prev, result, tokens, parents, keep, tb, n_col)
+
+
 def onehot_sets(ids: torch.Tensor, parent_rows: torch.Tensor, w: int) -> tuple[torch.Tensor, ...]:
     """A batch of one-hot trees' sets: (pos [K, T], ids [K, T * W], q [K, T * W / 2]); see reference.onehot_sets."""
     if use_triton(ids) and ids.shape[1] <= 128 and ids.stride(1) == 1 and parent_rows.stride(1) == 1:

@@ -398,6 +398,37 @@ def onehot_sets(ids: torch.Tensor, parent_rows: torch.Tensor, w: int) -> tuple[t
     return torch.where(fits, rank, 0), set_ids, q.view(torch.int64)
 
 
+def chained_block(
+    prev: torch.Tensor,
+    result: torch.Tensor,
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    keep: torch.Tensor,
+    tb: int,
+    n_col: int,
+) -> torch.Tensor:
+    """The next verify block of a chained round (common.engine.verifier_parts.chained_block says what each row
+    becomes): prev [BB, C] the block verified last, result [B, T + 1] its acceptance, tokens and parents [K, N]
+    the next trees of its first K rows (K <= B <= BB), keep [K] the nodes each keeps, tb the tree rows T, n_col the
+    column of the root's length. Returns a new block; prev is untouched."""
+    b, k = result.shape[0], tokens.shape[0]
+    nodes = min(tokens.shape[1], tb - 1)
+    block = prev.clone()
+    count = result[:, 0] + 1  # [B]
+    block[:b, 0] = result.gather(1, count[:, None])[:, 0]  # the bonus token: the next root
+    block[:b, n_col] += count
+    rows = torch.arange(1, nodes + 1, device=prev.device)  # [nodes] tree rows 1..nodes
+    kept = rows[None, :] <= keep[:, None]  # [K, nodes]
+    block[:k, 1 : 1 + nodes] = torch.where(kept, tokens[:, :nodes], 0)
+    block[:k, tb + 1 : tb + 1 + nodes] = torch.where(kept, parents[:, :nodes] + 1, rows[None, :])
+    pad = torch.arange(1, tb, device=prev.device)  # [tb - 1] rows 1.. as their own parents: padding
+    block[:k, 1 + nodes : tb] = 0  # trees narrower than the bucket: no node of the last round's past them
+    block[:k, tb + 1 + nodes : 2 * tb] = pad[nodes:]
+    block[k:b, 1:tb] = 0  # rows past K: no tree (not the one they verified last)
+    block[k:b, tb + 1 : 2 * tb] = pad
+    return block
+
+
 def accept_tree(
     ids: torch.Tensor,
     parent_rows: torch.Tensor,

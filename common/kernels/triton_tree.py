@@ -447,6 +447,66 @@ def onehot_sets(ids: torch.Tensor, parent_rows: torch.Tensor, w: int) -> tuple[t
     return pos, set_ids, q.view(torch.int64)
 
 
+# A chained round's next verify block (reference.chained_block): PyTorch needs about 20 launches (a clone, the
+# bonus gather, slice writes of the trees' columns and of padding); at 64 sequences a round is bound by the host's
+# launches, so here one program a row writes the whole new row in one pass.
+@triton.jit
+def _chained_block_kernel(
+    prev_ptr, res_ptr, tok_ptr, par_ptr, keep_ptr, out_ptr,
+    B, K, NODES, TB, NCOL, C, s_prev, s_res, s_tok, s_par,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Row r: the root (column 0) the bonus token and the length (NCOL) + count + 1 when r < B; tree columns
+    1..TB-1 and parent columns TB+1..2TB-1: row r < K's kept nodes (node j < min(NODES, keep)), else 0 and each
+    row its own parent; rows r >= B as they were."""
+    r = tl.program_id(0)
+    live = r < B
+    spec = r < K
+    count = tl.load(res_ptr + r * s_res, mask=live, other=0) + 1
+    bonus = tl.load(res_ptr + r * s_res + count, mask=live, other=0)
+    keep = tl.load(keep_ptr + r, mask=spec, other=0)
+    for c0 in range(0, C, BLOCK):
+        col = c0 + tl.arange(0, BLOCK)
+        ok = col < C
+        v = tl.load(prev_ptr + r * s_prev + col, mask=ok, other=0)
+        j = col - 1  # a tree column's node
+        in_tok = (col >= 1) & (col < TB)
+        has = spec & (j < NODES) & (j < keep)
+        tok = tl.load(tok_ptr + r * s_tok + j, mask=ok & in_tok & has, other=0)
+        i = col - TB  # a parent column's row; its node i - 1
+        in_par = (col > TB) & (col < 2 * TB)
+        has_par = spec & (i - 1 < NODES) & (i - 1 < keep)
+        par = tl.load(par_ptr + r * s_par + (i - 1), mask=ok & in_par & has_par, other=0)
+        new = tl.where(col == 0, bonus, v)
+        new = tl.where(col == NCOL, v + count, new)
+        new = tl.where(in_tok, tok, new)
+        new = tl.where(in_par, tl.where(has_par, par + 1, i.to(tl.int64)), new)
+        tl.store(out_ptr + r * C + col, tl.where(live, new, v), mask=ok)
+
+
+def chained_block(
+    prev: torch.Tensor,
+    result: torch.Tensor,
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    keep: torch.Tensor,
+    tb: int,
+    n_col: int,
+) -> torch.Tensor:
+    """See reference.chained_block. int64 tensors, unit stride along their last dimension; keep contiguous."""
+    bb, c = prev.shape
+    b, k = result.shape[0], tokens.shape[0]
+    nodes = min(tokens.shape[1], tb - 1)
+    out = torch.empty((bb, c), dtype=prev.dtype, device=prev.device)
+    block = min(1024, triton.next_power_of_2(c))
+    _chained_block_kernel[(bb,)](
+        prev, result, tokens, parents, keep, out, b, k, nodes, tb, n_col, c,
+        prev.stride(0), result.stride(0), tokens.stride(0), parents.stride(0),
+        BLOCK=block, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
 @triton.jit
 def _accept_tree_kernel(
     ids_ptr, parent_ptr, anc_ptr, depth_ptr, target_ptr, greedy_ptr, res_ptr, src_ptr,
