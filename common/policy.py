@@ -53,7 +53,7 @@ lag^2. One cell is tried at a time per bucket, the most overdue first; a try beg
 last one began, or at once after a tree round at the bucket (the drafter follows every row then: no catch-up to
 pay), so that the cells due at a bucket where plain wins are tried one after another behind a single catch-up.
 With the default menu a bucket's exploration share falls to about 1% as the intervals reach the cap (at most 6
-shapes of at most 2 rounds each per 1024 rounds; tests/test_policy.py measures it).
+shapes of at most 3 rounds each per 1024 rounds; tests/test_policy.py measures it).
 
 Worked example (tests/test_policy.py::test_the_docstring_example). Calibration at batch 1: decode 10 ms,
 verify of 2 / 5 rows 11 / 14 ms, propose of depth 1 / 4 1 / 4 ms; menu (1x1, 4x4), prior 0.6 per level,
@@ -70,7 +70,7 @@ that run, it waits 2 x 16 x 3^2 = 288 rounds, then the cap, 1024; at 95% of it, 
 (test_a_due_shape_waits_longer_the_further_below_the_best_it_came_out).
 
 What the caller guarantees: observe_round gets steady rounds only (calls that ran every round they asked
-for, no prefill, no catch-up proposes after plain rounds; common/engine/core.py), not a loop wall holding
+for, no prefill, no catch-up call after plain rounds; common/engine/core.py), not a loop wall holding
 other work, and choose and observe_round see the same batch (choose's `batch` when pinned sequences ride
 along). estimates() tells an operator why: per bucket and shape the rate, seconds and tokens compared, and
 where the cost comes from.
@@ -174,7 +174,9 @@ class PolicyConfig:
     cost_memory: int = 512  # bucket rounds after which a cost sample is dropped (when a newer one comes)
     retry_base: int = 16  # bucket rounds before a shape left unrun is tried again
     retry_cap: int = 1024  # the longest retry interval (each failed try multiplies it by 2 x lag^2)
-    try_rounds: int = 2  # rounds a try lasts at most, until one is reported steady
+    # rounds a try lasts at most, until one is reported steady: from plain, a catch-up (never steady), the call that
+    # measures it, and one more should that one be cut short
+    try_rounds: int = 3
     seed: int = 0  # orders cells due in the same round with equal estimates
     # a bucket that runs plain switches to a tree only when its rate beats plain's by this share: what a switch costs
     # that a rate leaves out (the catch-up of every row's drafting, a call cut short); a bucket on trees leaves them

@@ -307,12 +307,13 @@ def test_idle_time_between_requests_is_no_calls_cost(engines, plain):
     check_free(core)
 
 
-def test_a_catch_ups_inputs_are_no_part_of_its_calls_cost(engines, plain, monkeypatch):
-    """Plain calls of 10 steps, then a tree call: every row catches up (more new tokens than a round's). Building
-    a joining row's propose input (its features concatenated: one chunk a plain call) is catch-up work: a clock
-    that jumps 1 s at each shows in no cost the policy is told (every call whole: one round a step)."""
+def test_a_catch_up_is_no_cost_sample_and_the_next_call_is(engines, plain, monkeypatch):
+    """Plain calls of 10 steps, then two tree calls: in the first every row catches up (more new tokens than a
+    round's), and building a joining row's propose input makes a clock jump 1 s. That call is not steady (its first
+    round overlaps nothing): the policy is told of none of them, and of every tree call after a tree call, none
+    holding a jump (every call whole: one round a step)."""
     v, d = engines
-    clock, policy = Ticks(), Cycle([PLAIN, TREE])
+    clock, policy = Ticks(), Cycle([PLAIN, TREE, TREE])
     core = EngineCore(v, d, policy, CoreConfig(max_sequences=2, plain_steps=10, rounds_per_step=1), clock=clock)
     build, joined = core._propose_input, []
 
@@ -323,9 +324,16 @@ def test_a_catch_ups_inputs_are_no_part_of_its_calls_cost(engines, plain, monkey
             clock.t += 1.0
         return it
 
+    trees, told, catch_ups = core._trees, [], []
     monkeypatch.setattr(core, "_propose_input", slow)
+    monkeypatch.setattr(core, "_trees", lambda spec: (out := trees(spec)) and catch_ups.append(out[1]) or out)
+    observe = core._observe
+    monkeypatch.setattr(core, "_observe", lambda *a, **k: told.append((a[2], a[4])) or observe(*a, **k))
     got = run(core, {0: [req(0, 40), req(1, 40)]})
     assert [got[f"s{i}"][0][:16] for i in range(2)] == [plain[0], plain[1]]  # the reference's 16 tokens
+    steady = [ok for shape, ok in told if not shape.plain]  # a tree call's, in order, as its trees' catch-up flags
+    assert len(steady) == len(catch_ups) and True in catch_ups and False in catch_ups, (steady, catch_ups)
+    assert not any(ok for ok, caught in zip(steady, catch_ups) if caught), (steady, catch_ups)
     assert len(joined) > 2 and TREE in {shape for _, shape, _ in policy.rounds}, (joined, policy.rounds)
     assert max(policy.seconds) < 0.5, policy.seconds
     check_free(core)

@@ -33,9 +33,9 @@ device chain declined, a joiner's prompt) they wait here and go with its next pr
 caught up from features recomputed over its whole context in the verifier's spare slot.
 
 The policy (common/policy.py) sees the cost of each call that ran every round it asked for, with its joiners'
-first proposes, without the step's prefill or the catch-up proposes of a call after a plain stretch (every
-row catching up); a call cut short (before a try, or the last of a tree stretch: no trees chained behind it)
-teaches it nothing, its host work shared by fewer rounds than any steady call's.
+first proposes, without the step's prefill; a call cut short (before a try, or the last of a tree stretch: no
+trees chained behind it) teaches it nothing, its host work shared by fewer rounds than any steady call's, nor
+does the catch-up after a plain stretch (every row joining: its first round overlaps nothing).
 """
 
 from __future__ import annotations
@@ -402,8 +402,10 @@ class EngineCore(DraftSupply):
         self.choices[drafted] += done
         pure = not plain and all(t == shape for _, t in spec) and (done == 1 or all(n == shape for _, n in chained))
         whole = done >= asked  # not cut short: its host work shared by as many rounds as any call's, or more
-        catching_up = joining_s if catch_up else 0.0
-        self._observe(t0, len(order), drafted, 1, whole and pure, setup_s, sampled, done, catching_up)
+        # a catch-up (every row joining after a plain stretch) is no steady call: its first round waits for the
+        # proposes and overlaps nothing (at 64 sequences its rounds cost a fifth more than steady ones): a try
+        # from plain is costed by its next call
+        self._observe(t0, len(order), drafted, 1, whole and pure and not catch_up, setup_s, sampled, done)
         return done
 
     def _plain(self, seqs: list[Sequence], news: dict[str, list[int]], t0: float, setup_s: float) -> None:
@@ -458,16 +460,15 @@ class EngineCore(DraftSupply):
         setup_s: float,
         sampled: bool,
         rounds: int = 1,
-        catching_up_s: float = 0.0,
     ) -> None:
         """A round's cost for the policy: from the end of the call before (the host work between calls is this
-        one's too) less the step's setup (admission, prefill: setup_s, before t0) and a catch-up's proposes
-        (catching_up_s, inside the call), shared by the call's rounds, when both calls ran back to back (at most
-        50 ms besides the setup between them) and this one is steady (not cut short)."""
+        one's too) less the step's setup (admission, prefill: setup_s, before t0), shared by the call's rounds,
+        when both calls ran back to back (at most 50 ms besides the setup between them) and this one is steady
+        (not cut short, no catch-up)."""
         end = self.clock()
         last, self._last_end = self._last_end, end
         if steady and last is not None and t0 - last < 0.05 + setup_s:
-            seconds = max(end - last - setup_s - catching_up_s, 1e-6) / rounds
+            seconds = max(end - last - setup_s, 1e-6) / rounds
             self.policy.observe_round(batch, shape, seconds, steps, sampled, rounds)
 
     # ---- failures ----

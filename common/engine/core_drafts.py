@@ -36,7 +36,7 @@ class DraftSupply:
         joins = [(d := self.drafts[s.seq_id]).start is not None or len(d.tokens) > JOINING_TOKENS for s, _ in todo]
         # the other rows' inputs first: a joining propose that fails loses every row's features (_lose). A joining
         # row's input (its features since the drafter last saw it: after a plain stretch, one chunk a plain call
-        # to concatenate) is joining work: left out of the call's cost sample with its propose
+        # to concatenate) is joining work, timed with its propose
         going = [(s, t, self._propose_input(s, t)) for (s, t), j in zip(todo, joins) if not j]
         t0 = self.clock()
         joining = [(s, t, self._propose_input(s, t)) for (s, t), j in zip(todo, joins) if j]
