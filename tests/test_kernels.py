@@ -546,13 +546,13 @@ def _sampled_trees(b: int, t: int, w: int, v: int, seed: int):
 _CFGS = [SamplingConfig(temperature=0.8, top_p=0.9), SamplingConfig(temperature=1.2, top_k=7)] * 3
 
 
-def _on(x):
-    """x (a tensor, or a dataclass of tensors) on DEV."""
+def _on(x, dev: torch.device = DEV):
+    """x (a tensor, or a dataclass of tensors or None) on dev."""
     import dataclasses
 
-    if isinstance(x, torch.Tensor):
-        return x.to(DEV)
-    return type(x)(**{f.name: _on(getattr(x, f.name)) for f in dataclasses.fields(x)})
+    if x is None or isinstance(x, torch.Tensor):
+        return x if x is None else x.to(dev)
+    return type(x)(**{f.name: _on(getattr(x, f.name), dev) for f in dataclasses.fields(x)})
 
 
 def _threshold_rows(cfgs: list[SamplingConfig], v: int):
@@ -633,17 +633,28 @@ def test_target_threshold_hand_made_rows(dtype):
 
 
 def _accepted_as_the_reference(ids, parent_rows, logits, sets, target, rows, t):
-    """The fused acceptance of trees up to t - 1 children a row against the reference's: the same path rows,
-    and each tree's tokens up to its bonus. Returns both (result, src)."""
+    """The fused acceptance of trees up to t - 1 children a row against the reference's on the host (the same
+    inputs copied to the CPU): the same path rows, and each tree's tokens up to its bonus; on a GPU the reference
+    run there (the PyTorch path the engine falls back on) as well. Returns the kernel's and the host's (result,
+    src)."""
     from common.kernels import sampling
 
+    def on_host(x):
+        return _on(x, torch.device("cpu"))
+
     anc, depth = reference.tree_mask(parent_rows)
-    got = sampling_ops().accept_sampled(ids, parent_rows, anc, depth, logits, sets, target, rows, t - 1)
-    want = sampling.accept_sampled(ids, parent_rows, anc, depth, logits, sets, target, rows, t - 1)
-    assert torch.equal(got[1], want[1])
-    for i in range(ids.shape[0]):
-        c = int(want[0][i, 0])
-        assert got[0][i, : c + 2].tolist() == want[0][i, : c + 2].tolist()
+    args = (ids, parent_rows, anc, depth, logits, sets, target, rows, t - 1)
+    got = sampling_ops().accept_sampled(*args)
+    want = sampling.accept_sampled(*(on_host(x) if x is not None and not isinstance(x, int) else x for x in args))
+    paths = {"the fused kernel": got}
+    if CUDA:
+        paths["the PyTorch path on the GPU"] = sampling.accept_sampled(*args)
+    for name, (result, src) in paths.items():
+        bad = [i for i in range(ids.shape[0]) if not torch.equal(src[i].cpu(), want[1][i])]
+        assert not bad, f"{name}: trees {bad} take another path than the host's"
+        for i in range(ids.shape[0]):
+            c = int(want[0][i, 0])
+            assert result[i, : c + 2].tolist() == want[0][i, : c + 2].tolist(), (name, i)
     return got, want
 
 
