@@ -307,6 +307,23 @@ def test_idle_time_between_requests_is_no_calls_cost(engines, plain):
     check_free(core)
 
 
+def test_a_requests_only_call_after_idle_time_is_a_cost_sample(engines, plain):
+    """One request at a time, each served by one tree call that goes on to its end (the batch is all there is):
+    with nothing before it but idle time, the call is timed from its own start, and the policy is told of one
+    tree call a request, its time a few clock reads a round."""
+    v, d = engines
+    clock, policy = Ticks(), Cycle([TREE])
+    core = EngineCore(v, d, policy, CoreConfig(max_sequences=2, rounds_per_step=2, call_rounds=32), clock=clock)
+    for i in range(3):
+        got = run(core, {0: [req(i, 16)]})
+        assert got[f"s{i}"][0] == plain[i][:16], i
+        clock.t += 1.0
+        core.wait(0.001)
+    assert [shape for _, shape, _ in policy.rounds] == [TREE] * 3, policy.rounds
+    assert max(policy.seconds) < 0.005, policy.seconds
+    check_free(core)
+
+
 def test_a_catch_up_is_no_cost_sample_and_the_next_call_is(engines, plain, monkeypatch):
     """Plain calls of 10 steps, then two tree calls: in the first every row catches up (more new tokens than a
     round's), and building a joining row's propose input makes a clock jump 1 s. That call is not steady (its first
@@ -326,7 +343,7 @@ def test_a_catch_up_is_no_cost_sample_and_the_next_call_is(engines, plain, monke
 
     trees, told, catch_ups = core._trees, [], []
     monkeypatch.setattr(core, "_propose_input", slow)
-    monkeypatch.setattr(core, "_trees", lambda spec: (out := trees(spec)) and catch_ups.append(out[1]) or out)
+    monkeypatch.setattr(core, "_trees", lambda spec: (out := trees(spec)) and catch_ups.append(out[2]) or out)
     observe = core._observe
     monkeypatch.setattr(core, "_observe", lambda *a, **k: told.append((a[2], a[4])) or observe(*a, **k))
     got = run(core, {0: [req(0, 40), req(1, 40)]})

@@ -317,7 +317,7 @@ class EngineCore(DraftSupply):
         speccing = {id(s) for s, _ in spec}
         plain = [s for (s, _), room in zip(rows, rooms) if id(s) not in speccing and room >= 1]
         t1 = self.clock()
-        trees, catch_up, joining_s = self._trees(spec)
+        trees, joiners_alone, catch_up, joining_s = self._trees(spec)
         t2 = self.clock()
         spec = [(s, t) for s, t in spec if s.seq_id in trees]
         plain += [s for s, _ in rows if id(s) in speccing and s.seq_id not in trees and s.status is Status.RUNNING]
@@ -404,8 +404,10 @@ class EngineCore(DraftSupply):
         whole = done >= asked  # not cut short: its host work shared by as many rounds as any call's, or more
         # a catch-up (every row joining after a plain stretch) is no steady call: its first round waits for the
         # proposes and overlaps nothing (at 64 sequences its rounds cost a fifth more than steady ones): a try
-        # from plain is costed by its next call
-        self._observe(t0, len(order), drafted, 1, whole and pure and not catch_up, setup_s, sampled, done)
+        # from plain is costed by its next call. A call of new prompts alone (one request at a time) is, less
+        # their proposes: it is the request's longest call
+        steady = whole and pure and not catch_up
+        self._observe(t0, len(order), drafted, 1, steady, setup_s, sampled, done, joining_s if joiners_alone else 0.0)
         return done
 
     def _plain(self, seqs: list[Sequence], news: dict[str, list[int]], t0: float, setup_s: float) -> None:
@@ -460,16 +462,20 @@ class EngineCore(DraftSupply):
         setup_s: float,
         sampled: bool,
         rounds: int = 1,
+        joining_s: float = 0.0,
     ) -> None:
-        """A round's cost for the policy: from the end of the call before (the host work between calls is this
-        one's too) less the step's setup (admission, prefill: setup_s, before t0), shared by the call's rounds,
-        when both calls ran back to back (at most 50 ms besides the setup between them) and this one is steady
-        (not cut short, no catch-up)."""
+        """A round's cost for the policy, when the call is steady (not cut short, no catch-up): from the end of
+        the call before (the host work between calls is this one's too) less the step's setup (admission, prefill:
+        setup_s, before t0) when both ran back to back (at most 50 ms besides the setup between them), or from its
+        own start when it is the first after idle time (one request at a time: a request's call that goes on to
+        its end is its first), less joining_s (new prompts' proposes in a call of their own), shared by the
+        call's rounds."""
         end = self.clock()
         last, self._last_end = self._last_end, end
-        if steady and last is not None and t0 - last < 0.05 + setup_s:
-            seconds = max(end - last - setup_s, 1e-6) / rounds
-            self.policy.observe_round(batch, shape, seconds, steps, sampled, rounds)
+        if not steady or (last is not None and t0 - last >= 0.05 + setup_s):
+            return
+        seconds = max((end - t0 if last is None else end - last - setup_s) - joining_s, 1e-6) / rounds
+        self.policy.observe_round(batch, shape, seconds, steps, sampled, rounds)
 
     # ---- failures ----
     @staticmethod

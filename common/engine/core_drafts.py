@@ -25,15 +25,17 @@ class DraftSupply:
     """EngineCore's methods that feed the drafter and take its trees (they use the core's drafter, verifier,
     sequences, drafts, launch and clock)."""
 
-    def _trees(self, spec: list[tuple[Sequence, Shape]]) -> tuple[dict[str, Tree], bool, float]:
+    def _trees(self, spec: list[tuple[Sequence, Shape]]) -> tuple[dict[str, Tree], bool, bool, float]:
         """The trees of this round's drafting rows ({seq_id: tree}; a row missing: the drafter failed it), whether
-        the round catches up every row, and the seconds spent on joining rows. A joining row is a joiner's prompt,
-        or a sequence caught up after a plain stretch or a drafter failure: its propose runs a long accept pass,
-        in a call of its own; a round that has nothing but joining rows (the first after plain steps) is a
-        catch-up."""
+        every row joins, whether the round is a catch-up, and the seconds spent on joining rows. A joining row is a
+        joiner's prompt, or a sequence caught up after a plain stretch or a drafter failure: its propose runs a
+        long accept pass, in a call of its own; a round that has nothing but joining rows, one of them with more
+        tokens than a round's to catch up (the first after plain steps), is a catch-up; one of new prompts alone
+        (one request at a time) is not."""
         trees = self._settle_launch()
         todo = [(s, t) for s, t in spec if s.seq_id not in trees]
         joins = [(d := self.drafts[s.seq_id]).start is not None or len(d.tokens) > JOINING_TOKENS for s, _ in todo]
+        caught = any(len(self.drafts[s.seq_id].tokens) > JOINING_TOKENS for s, _ in todo)  # after plain calls
         # the other rows' inputs first: a joining propose that fails loses every row's features (_lose). A joining
         # row's input (its features since the drafter last saw it: after a plain stretch, one chunk a plain call
         # to concatenate) is joining work, timed with its propose
@@ -43,7 +45,8 @@ class DraftSupply:
         self._propose(joining, trees)
         joining_s = self.clock() - t0
         self._propose(going, trees)
-        return trees, len(joining) == len(spec), joining_s
+        alone = len(joining) == len(spec)
+        return trees, alone, alone and caught, joining_s
 
     def _propose(self, todo: list[tuple[Sequence, Shape, ProposeInput]], trees: dict[str, Tree]) -> None:
         """The drafter's trees for these rows, into `trees` (none when it fails: they go on plainly)."""
