@@ -298,13 +298,18 @@ def test_idle_time_between_requests_is_no_calls_cost(engines, plain):
     v, d = engines
     clock, policy = Ticks(), Cycle([PLAIN, TREE])
     core = EngineCore(v, d, policy, CoreConfig(max_sequences=2, plain_steps=2, rounds_per_step=2), clock=clock)
-    for i in range(3):
-        got = run(core, {0: [req(i, 8)]})
-        assert got[f"s{i}"][0] == plain[i][:8], i
-        clock.t += 0.04
-        core.wait(0.001)
+    one_at_a_time(core, clock, plain, tokens=8, idle_s=0.04)
     assert policy.seconds and max(policy.seconds) < 0.005, policy.seconds
     check_free(core)
+
+
+def one_at_a_time(core: EngineCore, clock: Ticks, plain, tokens: int, idle_s: float) -> None:
+    """Three requests of `tokens` tokens one at a time (each the reference's), idle_s of idle time after each."""
+    for i in range(3):
+        got = run(core, {0: [req(i, tokens)]})
+        assert got[f"s{i}"][0] == plain[i][:tokens], i
+        clock.t += idle_s
+        core.wait(0.001)
 
 
 def test_a_requests_only_call_after_idle_time_is_a_cost_sample(engines, plain):
@@ -314,11 +319,7 @@ def test_a_requests_only_call_after_idle_time_is_a_cost_sample(engines, plain):
     v, d = engines
     clock, policy = Ticks(), Cycle([TREE])
     core = EngineCore(v, d, policy, CoreConfig(max_sequences=2, rounds_per_step=2, call_rounds=32), clock=clock)
-    for i in range(3):
-        got = run(core, {0: [req(i, 16)]})
-        assert got[f"s{i}"][0] == plain[i][:16], i
-        clock.t += 1.0
-        core.wait(0.001)
+    one_at_a_time(core, clock, plain, tokens=16, idle_s=1.0)
     assert [shape for _, shape, _ in policy.rounds] == [TREE] * 3, policy.rounds
     assert max(policy.seconds) < 0.005, policy.seconds
     check_free(core)
@@ -354,6 +355,32 @@ def test_a_catch_up_is_no_cost_sample_and_the_next_call_is(engines, plain, monke
     assert len(joined) > 2 and TREE in {shape for _, shape, _ in policy.rounds}, (joined, policy.rounds)
     assert max(policy.seconds) < 0.5, policy.seconds
     check_free(core)
+
+
+def test_a_drafter_that_never_chains_has_its_one_round_calls_costed(engines, plain):
+    """A drafter that declines every launch behind a verify (a draft service in another process): each tree call
+    is one round, all it can be, and whole: the policy is told of tree calls (before, none: a call of one round
+    was taken as cut short of the four it asked for)."""
+    v, d = engines
+    policy = Cycle([TREE])
+    core = EngineCore(v, Declining(d), policy, CoreConfig(max_sequences=2, rounds_per_step=4))
+    got = run(core, {0: [req(0, 16), req(1, 16)]})
+    assert [got[f"s{i}"][0] for i in range(2)] == [plain[0][:16], plain[1][:16]]
+    assert TREE in {shape for _, shape, _ in policy.rounds}, policy.rounds
+    check_free(core)
+
+
+class Declining:
+    """A drafter that never drafts behind a verify (RemoteDrafter's launch_after)."""
+
+    def __init__(self, inner):
+        self.inner, self.name = inner, inner.name
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def launch_after(self, items, accepted, after=None):
+        return None
 
 
 class Flaky:

@@ -35,7 +35,8 @@ caught up from features recomputed over its whole context in the verifier's spar
 The policy (common/policy.py) sees the cost of each call that ran every round it asked for, with its joiners'
 first proposes, without the step's prefill; a call cut short (before a try, or the last of a tree stretch: no
 trees chained behind it) teaches it nothing, its host work shared by fewer rounds than any steady call's, nor
-does the catch-up after a plain stretch (every row joining: its first round overlaps nothing).
+does the catch-up after a plain stretch (every row joining: its first round overlaps nothing). A drafter that
+cannot draft behind a verify (a draft service in another process) makes every call one round: those are whole.
 """
 
 from __future__ import annotations
@@ -401,7 +402,9 @@ class EngineCore(DraftSupply):
         drafted = Shape(max(t.depth for _, t in spec), max(t.nodes for _, t in spec))
         self.choices[drafted] += done
         pure = not plain and all(t == shape for _, t in spec) and (done == 1 or all(n == shape for _, n in chained))
-        whole = done >= asked  # not cut short: its host work shared by as many rounds as any call's, or more
+        # not cut short: its host work shared by as many rounds as any call's, or more; or the drafter declined to
+        # draft behind its verify (a draft service in another process: every call is one round)
+        whole = done >= asked or (chain is not None and not handles)
         # a catch-up (every row joining after a plain stretch) is no steady call: its first round waits for the
         # proposes and overlaps nothing (at 64 sequences its rounds cost a fifth more than steady ones): a try
         # from plain is costed by its next call. A call of new prompts alone (one request at a time) is, less
