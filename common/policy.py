@@ -11,9 +11,8 @@ plus the accepted drafted tokens; a plain iteration commits `plain_steps` tokens
 A bucket that runs plain switches to a tree only when the tree's rate exceeds plain's by `margin` (10%); a bucket
 that runs trees stays on them while the best tree's rate is at least plain's (hysteresis). A switch to trees costs
 what a rate leaves out (the catch-up of every row's drafting over the plain stretch, a call cut short) and staying
-costs nothing: without the hysteresis, a batch whose tree and plain estimates sat at the margin's edge switched back
-and forth, below both kinds (H200, 64 sequences: 433 tree rounds and 408 plain calls, 0.95x plain, where steady
-trees ran 1.06-1.12x).
+costs nothing: without the hysteresis, a batch whose tree and plain estimates sit at the margin's edge switches back
+and forth and pays a catch-up each time, below both kinds (docs/decisions.md).
 
 Acceptance (AcceptanceTable). alpha(band, s, i) = (passed + w * pool) / (reached + w): decayed counts of the
 rounds of s that reached level i and accepted there, w = prior_weight pseudo-rounds of the pooled figure:

@@ -183,8 +183,8 @@ class Window:
     """The weighted median of the last `size` samples, none older than `memory` rounds when a newer one comes: the
     value below and above which half the samples' weight lies (the mean of the two values at an exact half). A
     tree's cost sample is a call's seconds a round, weighing its rounds: a call of 32 rounds at 1.4 ms and one of 4
-    at 1.8 ms (its call's fixed work shared by fewer) price the shape at 1.4 ms, where a plain median of 8 such calls
-    swung with their mix (an H200 at one sequence: 6x60 1.56-1.82 ms, 6x32 1.46-1.79 ms, on the same device time).
+    at 1.8 ms (its call's fixed work shared by fewer) price the shape at 1.4 ms, where a plain median of such calls
+    swings with their mix, so that two shapes of the same device time come out apart.
     (size 3, memory 10): adds 5 @ 0, 9 @ 1, 6 @ 2 (weight 1 each) -> 6; then 4 @ 20 drops the three older -> 4;
     then 2 @ 21 weighing 3 -> 2 (weight 3 of 4 at 2)."""
 

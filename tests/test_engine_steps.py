@@ -654,7 +654,6 @@ def test_one_hot_sets_built_on_the_device_are_the_hosts() -> None:
     want = row_sets(trees, t, w)
     assert pos.tolist() == want.pos.tolist()
     assert set_ids.tolist() == want.ids.reshape(len(trees), -1).tolist()
-
     assert q.view(torch.float32).tolist() == want.q.reshape(len(trees), -1).tolist()
 
 

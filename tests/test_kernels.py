@@ -645,7 +645,7 @@ def _accepted_as_the_reference(ids, parent_rows, logits, sets, target, rows, t):
     anc, depth = reference.tree_mask(parent_rows)
     args = (ids, parent_rows, anc, depth, logits, sets, target, rows, t - 1)
     got = sampling_ops().accept_sampled(*args)
-    want = sampling.accept_sampled(*(on_host(x) if x is not None and not isinstance(x, int) else x for x in args))
+    want = sampling.accept_sampled(*(x if isinstance(x, int) else on_host(x) for x in args))
     paths = {"the fused kernel": got}
     if CUDA:
         paths["the PyTorch path on the GPU"] = sampling.accept_sampled(*args)

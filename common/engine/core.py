@@ -402,8 +402,9 @@ class EngineCore(DraftSupply):
         drafted = Shape(max(t.depth for _, t in spec), max(t.nodes for _, t in spec))
         self.choices[drafted] += done
         pure = not plain and all(t == shape for _, t in spec) and (done == 1 or all(n == shape for _, n in chained))
-        # not cut short: its host work shared by as many rounds as any call's, or more; or the drafter declined to
-        # draft behind its verify (a draft service in another process: every call is one round)
+        # not cut short by the core: its host work shared by as many rounds as any call's, or more; or one round
+        # because the drafter declined to draft behind its verify (a draft service in another process always does:
+        # its calls are all one round)
         whole = done >= asked or (chain is not None and not handles)
         # a catch-up (every row joining after a plain stretch) is no steady call: its first round waits for the
         # proposes and overlaps nothing (at 64 sequences its rounds cost a fifth more than steady ones): a try

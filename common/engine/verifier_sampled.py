@@ -13,14 +13,7 @@ import torch
 
 from common import kernels
 from common.engine.base import VerifyInput
-from common.engine.verifier_parts import (
-    SHALLOW_DEPTH,
-    SIBLINGS,
-    SampledColumns,
-    Sampler,
-    VerifierSeq,
-    VerifyStep,
-)
+from common.engine.verifier_parts import SHALLOW_DEPTH, SIBLINGS, SampledColumns, Sampler, VerifierSeq, VerifyStep
 from common.kernels import speculative
 from common.kernels.sampling import RULE_GREEDY, RULE_ONEHOT, SamplingRows, TreeSets
 from common.tree import widest

@@ -550,10 +550,8 @@ def sampled_acceptance_both_ways(device: str, dtype: torch.dtype, graphed: bool,
 @pytest.mark.parametrize("graphed", [False, True])
 def test_the_sampled_acceptance_kernel_and_its_pytorch_path_agree(dtype, graphed) -> None:
     """The Triton acceptance and the PyTorch path commit the same tokens and move the same K/V rows on the GPU, in
-    float32 and bf16, the
-    PyTorch path eager and replayed from a graph. Run L (docs/decisions.md, 5044d05) sent the sampled verify's
-    acceptance to the PyTorch path inside its graph on bf16 logits and the sampled default's mean acceptance fell
-    from 3.15 to 2.13: one of the two is not the rule there."""
+    float32 and bf16, the PyTorch path eager and replayed from a graph (the engine takes it, inside the sampled
+    verify's graph, whenever the sets are not laid out as the trees)."""
     fused, plain = sampled_acceptance_both_ways("cuda", dtype, graphed)
     differ = [i for i, (x, y) in enumerate(zip(fused, plain)) if x != y]
     assert not differ, [(i, fused[i], plain[i]) for i in differ[:5]]
