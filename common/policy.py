@@ -39,20 +39,21 @@ A bucket's menu: the shapes whose rows over the bucket's batch (batch x (nodes +
 64 sequences 1x1, 2x4 and 3x8, at 16 all but 6x60. A larger tree there costs the device more rows than its extra
 tokens pay for, and each try of it costs a round of that price (PolicyConfig.max_rows has the figures).
 
-Exploration without an absorbing state. Each (bucket, shape) cell has a retry interval, retry_base bucket rounds
-at first. Every run of a cell is judged at its bucket's next round: still the best, the interval goes back to
-retry_base; not the best, it grows to 2 x interval x lag^2 (up to retry_cap), lag the best's score over the
-cell's: a near miss is retried about twice as late, a shape at half the best's rate eight times as late (less
-likely to have become the best, and its try loses more). A cell not run at its bucket for its interval is due: it
-is tried (Choice.explored) even when its estimate is far below the best, for up to try_rounds rounds until one is
-reported steady (the core decides a call's successor before it runs, and a call cut short is not reported); the
-core runs a try's calls as many rounds as any other. A cell that never ran at a bucket where its cost is unknown
-or borrowed from another bucket is due at once; one that never ran on this bucket's own costs waits interval x
-lag^2. One cell is tried at a time per bucket, the most overdue first; a try begins retry_base rounds after the
-last one began, or at once after a tree round at the bucket (the drafter follows every row then: no catch-up to
-pay), so that the cells due at a bucket where plain wins are tried one after another behind a single catch-up.
-With the default menu a bucket's exploration share falls to about 1% as the intervals reach the cap (at most 6
-shapes of at most 3 rounds each per 1024 rounds; tests/test_policy.py measures it).
+Exploration without an absorbing state. Each (bucket, shape) cell has a retry interval, retry_base bucket rounds at
+first. Every run of a cell is judged at its bucket's next round: still the best, the interval goes back to
+retry_base; not the best, it grows to 2 x interval x lag^2 (up to retry_cap), lag the best's score over the cell's:
+a near miss is retried about twice as late, a shape at half the best's rate eight times as late (less likely to
+have become the best, and its try loses more). A cell's first `confirm` runs judged not the best keep retry_base:
+its cost there may rest on a first call's one-off (a kernel's load), which the next runs outvote. A cell not run at
+its bucket for its interval is due: it is tried (Choice.explored) even when its estimate is far below the best, for
+up to try_rounds rounds until one is reported steady (the core decides a call's successor before it runs, and a
+call cut short is not reported); the core runs a try's calls as many rounds as any other. A cell that never ran at
+a bucket where its cost is unknown or borrowed from another bucket is due at once; one that never ran on this
+bucket's own costs waits interval x lag^2. One cell is tried at a time per bucket, the most overdue first; a try
+begins retry_base rounds after the last one began, or at once after a tree round at the bucket (the drafter follows
+every row then: no catch-up to pay), so that the cells due at a bucket where plain wins are tried one after another
+behind a single catch-up. With the default menu a bucket's exploration share falls to about 1% as the intervals
+reach the cap (at most 6 shapes of at most 3 rounds each per 1024 rounds; tests/test_policy.py measures it).
 
 Worked example (tests/test_policy.py::test_the_docstring_example). Calibration at batch 1: decode 10 ms,
 verify of 2 / 5 rows 11 / 14 ms, propose of depth 1 / 4 1 / 4 ms; menu (1x1, 4x4), prior 0.6 per level,
@@ -64,9 +65,9 @@ overhead is 15 - 12 = 3 ms. 1x1 costs its own median, 15 ms: 106.7; 4x4 its cali
 21 ms: 109.8; plain 100 -> 4x4. Batch 8, never observed, charges its trees bucket 1's 3 ms (the nearest).
 Plain calls of 8 steps measured at 88 ms give bucket 1 a plain overhead of 88 - 80 = 8 ms: plain_steps 8 ->
 8 / 88 ms = 90.9, plain_steps 1 -> 1 / 18 ms = 55.6. Retries: a shape that never ran at a bucket (its cost
-there from calibration) is due at the bucket's round 16; if it came out at a third of the best's rate after
-that run, it waits 2 x 16 x 3^2 = 288 rounds, then the cap, 1024; at 95% of it, 2 x 16 x 1.108 = 36, then 80
-(test_a_due_shape_waits_longer_the_further_below_the_best_it_came_out).
+there from calibration) is due at the bucket's round 16; after its confirm runs (16 rounds apart), if it came
+out at a third of the best's rate, it waits 2 x 16 x 3^2 = 288 rounds, then the cap, 1024; at 95% of it, 2 x 16
+x 1.108 = 36, then 80 (test_a_due_shape_waits_longer_the_further_below_the_best_it_came_out).
 
 What the caller guarantees: observe_round gets steady rounds only (calls that ran every round they asked
 for, no prefill, no catch-up call after plain rounds; common/engine/core.py), not a loop wall holding
@@ -176,6 +177,10 @@ class PolicyConfig:
     # rounds a try lasts at most, until one is reported steady: from plain, a catch-up (never steady), the call that
     # measures it, and one more should that one be cut short
     try_rounds: int = 3
+    # runs of a shape at a bucket judged not the best before its wait grows: a cost sample from its first calls there
+    # can hold a one-off (a kernel's first load, an allocation), and one sample of 28 ms against a steady 1.2 ms
+    # pushed a shape's next try past a thousand rounds (docs/decisions.md); its next runs measure it again first
+    confirm: int = 2
     seed: int = 0  # orders cells due in the same round with equal estimates
     # a bucket that runs plain switches to a tree only when its rate beats plain's by this share: what a switch costs
     # that a rate leaves out (the catch-up of every row's drafting, a call cut short); a bucket on trees leaves them
@@ -199,8 +204,8 @@ class PolicyConfig:
             raise ValueError("half_life, pooled_half_life, seq_memory and seq_relax must be > 0")
         if not 0 <= self.margin < 1:
             raise ValueError(f"margin must be in [0, 1), got {self.margin}")
-        if self.cost_window < 1 or self.cost_memory < 1 or self.try_rounds < 1:
-            raise ValueError("cost_window, cost_memory and try_rounds must be >= 1")
+        if self.cost_window < 1 or self.cost_memory < 1 or self.try_rounds < 1 or self.confirm < 0:
+            raise ValueError("cost_window, cost_memory and try_rounds must be >= 1, confirm >= 0")
         if self.max_rows < 1:
             raise ValueError(f"max_rows must be >= 1, got {self.max_rows}")
         if not 1 <= self.retry_base <= self.retry_cap:
@@ -262,7 +267,9 @@ class AdaptivePolicy:
         if bk.last_pick is not None:  # judge the shape that ran last: still the best, or its wait grows
             cell = bk.cells[bk.last_pick]
             grown = _lagged(2 * cell.interval, top, scores[bk.last_pick])
-            cell.interval = self.cfg.retry_base if bk.last_pick == best else min(grown, self.cfg.retry_cap)
+            cell.judged += bk.last_pick != best
+            settled = cell.judged > self.cfg.confirm  # a cost from its first runs is measured again first
+            cell.interval = min(grown, self.cfg.retry_cap) if bk.last_pick != best and settled else self.cfg.retry_base
         # one try at a time, and from plain none within retry_base rounds of the last one began: at 64 sequences
         # a try from plain costs its rounds and the catching up of every row; after a tree round it costs its own
         on_trees = bk.last_pick is not None and bk.last_pick > 0

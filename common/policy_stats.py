@@ -215,6 +215,7 @@ class Cell:
         self.window = Window(cfg.cost_window, cfg.cost_memory)
         self.interval = cfg.retry_base  # bucket rounds it may go unrun before it is due
         self.last_run, self.has_run = 0, False  # the bucket round it last ran (0: the bucket's start)
+        self.judged = 0  # its runs judged not the best (the first PolicyConfig.confirm leave its interval)
         self.tiebreak = tiebreak
 
 

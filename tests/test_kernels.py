@@ -546,6 +546,17 @@ def _sampled_trees(b: int, t: int, w: int, v: int, seed: int):
 _CFGS = [SamplingConfig(temperature=0.8, top_p=0.9), SamplingConfig(temperature=1.2, top_k=7)] * 3
 
 
+def _trees_on(packed, sets, logits, rows, dev: torch.device = DEV):
+    """_sampled_trees' batch on dev, the sets' positions a view of the packed block's columns as the engine's
+    (the fused acceptance reads ids, parent rows and positions with one row stride)."""
+    import dataclasses
+
+    packed = packed.to(dev)
+    t = sets.pos.shape[1]
+    sets = dataclasses.replace(_on(sets, dev), pos=packed[:, 2 * t : 3 * t])
+    return packed, sets, logits.to(dev), _on(rows, dev)
+
+
 def _on(x, dev: torch.device = DEV):
     """x (a tensor, or a dataclass of tensors or None) on dev."""
     import dataclasses
@@ -666,7 +677,7 @@ def test_target_and_sampled_acceptance(filtered):
     from common.kernels import sampling
 
     b, t, w, v = 6, 9, 8, 300
-    packed, sets, logits, rows = (_on(x) for x in _sampled_trees(b, t, w, v, seed=24 + filtered))
+    packed, sets, logits, rows = _trees_on(*_sampled_trees(b, t, w, v, seed=24 + filtered))
     ids, parent_rows = packed[:, :t], packed[:, t : 2 * t]
     want_t = sampling.target_threshold(logits.view(b * t, v), rows, t) if filtered else None
     if filtered:
@@ -693,11 +704,28 @@ def test_sampled_acceptance_bonus_chunks():
     for i, cols in tied.items():  # +inf in every row: no target mass at the sets, the bonus at the root
         assert not set(cols) & set(sets.ids[i, 0].tolist())
         logits[i, :, cols] = torch.inf
-    packed, sets, logits, rows = (_on(x) for x in (packed, sets, logits, rows))
+    packed, sets, logits, rows = _trees_on(packed, sets, logits, rows)
     ids, parent_rows = packed[:, :t], packed[:, t : 2 * t]
     target = sampling.Target(theta=None, logz=sampling.row_logz(logits.view(b * t, v), rows.temperature, t))
     got, want = _accepted_as_the_reference(ids, parent_rows, logits, sets, target, rows, t)
     assert [got[0][i, :2].tolist() for i in tied] == [[0, min(cols)] for cols in tied.values()]
+
+
+def test_sampled_acceptance_needs_one_row_stride():
+    """The walk reads ids, parent rows and set positions at one row stride (an input block's columns): positions
+    copied out of the block are refused, not read at the block's stride (on a GPU that read other columns)."""
+    import dataclasses
+
+    from common.kernels import sampling
+
+    b, t, w, v = 2, 5, 4, 64
+    packed, sets, logits, rows = _trees_on(*_sampled_trees(b, t, w, v, seed=3))
+    target = sampling.Target(theta=None, logz=sampling.row_logz(logits.view(b * t, v), rows.temperature, t))
+    ids, parent_rows = packed[:, :t], packed[:, t : 2 * t]
+    anc, depth = reference.tree_mask(parent_rows)
+    copied = dataclasses.replace(sets, pos=sets.pos.contiguous())
+    with pytest.raises(ValueError, match="one row stride"):
+        sampling_ops().accept_sampled(ids, parent_rows, anc, depth, logits, copied, target, rows, t - 1)
 
 
 @pytest.mark.parametrize("sampled", [False, True])

@@ -128,10 +128,13 @@ class Verifier(SampledVerify):
                     self.graphs.capture(("verify", bb, tb, False), self._verify_step, {"packed": block})
                     shallow = functools.partial(self._verify_step, max_depth=SHALLOW_DEPTH)
                     self.graphs.capture(("verify", bb, tb, True), shallow, {"packed": block})
+                    self._warm_chained(block, tb, None)
                     for sampler in (Sampler.TEMPERATURE, Sampler.FILTERED):  # sampled trees: shallow ones only
                         w, s = self.set_width, self._siblings(tb)
                         key, step = self._sampled_variant(bb, tb, sampler, True, w, s)
-                        self.graphs.capture(key, step, {"packed": self._sampled_block(bb, tb, w)})
+                        sampled = self._sampled_block(bb, tb, w)
+                        self.graphs.capture(key, step, {"packed": sampled})
+                        self._warm_chained(sampled, tb, SampledColumns(tb, w))
                 for sampler in Sampler:
                     key, step = self._decode_variant(bb, sampler)
                     self.graphs.capture(key, step, {"packed": self._decode_block(bb, sampler)})
@@ -140,6 +143,18 @@ class Verifier(SampledVerify):
                     block = {"packed": self._prefill_block(bb, tb)}
                     self.graphs.capture(("prefill", bb, tb), self._prefill_step, block)
         self.graphs.log_report()
+
+    def _warm_chained(self, block: torch.Tensor, tb: int, cols: SampledColumns | None) -> None:
+        """Builds one chained block of `block`'s layout [BB, C] (a round of no nodes): chained_block runs between
+        replays, and its kernel's compile (or its load from Triton's cache) belongs to start-up, not to the first
+        call that chains at this width (tens of milliseconds to seconds inside a round, and in the policy's cost
+        sample of it)."""
+        prev = block.to(self.device)
+        result = torch.zeros((1, tb + 1), dtype=torch.int64, device=self.device)  # [1, T + 1] nothing accepted
+        none = torch.zeros((1, 1), dtype=torch.int64, device=self.device)  # [K 1, N 1]
+        keep = torch.zeros(1, dtype=torch.int64, device=self.device)  # [K]
+        trees = Chained(tokens=none, parents=none - 1, keep=keep, keep_max=0, depth=0, ready=None, kids=0)
+        chained_block(prev, result, trees, tb, cols)
 
     # ---- prefill (graphs per rows and tokens bucket; longer prompts and larger calls eager) ----
     def prefill(self, item: PrefillInput) -> PrefillOutput:

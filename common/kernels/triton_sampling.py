@@ -544,6 +544,11 @@ def accept_sampled(
     b, t, v = logits.shape
     w = sets.ids.shape[-1]
     dev = ids.device
+    if not ids.stride(0) == parent_rows.stride(0) == sets.pos.stride(0):  # the walk reads the three with one
+        raise ValueError(
+            f"ids, parent_rows and sets.pos need one row stride, got {ids.stride(0)}, {parent_rows.stride(0)}, "
+            f"{sets.pos.stride(0)}"
+        )
     chunk = min(BONUS_CHUNK, triton.next_power_of_2(v))
     nc = triton.cdiv(v, chunk)
     result = torch.empty((b, t + 1), dtype=torch.int64, device=dev)

@@ -450,7 +450,9 @@ def onehot_sets(ids: torch.Tensor, parent_rows: torch.Tensor, w: int) -> tuple[t
 # A chained round's next verify block (reference.chained_block): PyTorch needs about 20 launches (a clone, the
 # bonus gather, slice writes of the trees' columns and of padding); at 64 sequences a round is bound by the host's
 # launches, so here one program a row writes the whole new row in one pass.
-@triton.jit
+# launched between a call's graph replays (never captured): no int specialised on its value (1, multiples of 16),
+# so that one compile serves every batch, tree and block width of a BLOCK (Verifier warms them at capture)
+@triton.jit(do_not_specialize=["B", "K", "NODES", "TB", "NCOL", "C", "s_prev", "s_res", "s_tok", "s_par"])
 def _chained_block_kernel(
     prev_ptr, res_ptr, tok_ptr, par_ptr, keep_ptr, out_ptr,
     B, K, NODES, TB, NCOL, C, s_prev, s_res, s_tok, s_par,
