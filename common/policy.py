@@ -178,8 +178,8 @@ class PolicyConfig:
     # measures it, and one more should that one be cut short
     try_rounds: int = 3
     # runs of a shape at a bucket judged not the best before its wait grows: a cost sample from its first calls there
-    # can hold a one-off (a kernel's first load, an allocation), and one sample of 28 ms against a steady 1.2 ms
-    # pushed a shape's next try past a thousand rounds (docs/decisions.md); its next runs measure it again first
+    # can hold a one-off (a kernel's first load, an allocation) far above its steady cost, which would push its next
+    # try to retry_cap (docs/decisions.md); its next runs measure it again first
     confirm: int = 2
     seed: int = 0  # orders cells due in the same round with equal estimates
     # a bucket that runs plain switches to a tree only when its rate beats plain's by this share: what a switch costs

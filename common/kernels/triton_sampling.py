@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from common.kernels import sampling
+from common.kernels import sampled_layout, sampling
 from common.kernels.sampling import Target
 
 # the reference's constants, as Triton reads module globals: constexpr
@@ -544,10 +544,10 @@ def accept_sampled(
     b, t, v = logits.shape
     w = sets.ids.shape[-1]
     dev = ids.device
-    if not ids.stride(0) == parent_rows.stride(0) == sets.pos.stride(0):  # the walk reads the three with one
+    if not sampled_layout(ids, parent_rows, logits, sets):  # the walk reads ids, parents and positions at one stride
         raise ValueError(
-            f"ids, parent_rows and sets.pos need one row stride, got {ids.stride(0)}, {parent_rows.stride(0)}, "
-            f"{sets.pos.stride(0)}"
+            f"ids, parent_rows and sets.pos need one row stride (got {ids.stride(0)}, {parent_rows.stride(0)}, "
+            f"{sets.pos.stride(0)}) and unit strides along the last dimensions"
         )
     chunk = min(BONUS_CHUNK, triton.next_power_of_2(v))
     nc = triton.cdiv(v, chunk)
