@@ -758,3 +758,67 @@ def test_chained_block(sampled):
         got = ops().chained_block(*args, tb, n_col)
         assert torch.equal(got, want), (tb, n_nodes, bb, b, k)
         assert torch.equal(args[0], prev.to(DEV))
+        # as the engine calls it: the trees float64 rows of the drafter's [K, 4, N] block, keep a column of its
+        # accept block, the result written over prev (the graph's input buffer)
+        tree = torch.zeros((k, 4, n_nodes), dtype=torch.float64)
+        tree[:, 0], tree[:, 1] = tokens, parents
+        column = torch.zeros((k, 3), dtype=torch.int64)
+        column[:, 1] = keep
+        inplace = prev.to(DEV).clone()
+        views = (tree.to(DEV)[:, 0], tree.to(DEV)[:, 1], column.to(DEV)[:, 1])
+        got = ops().chained_block(inplace, args[1], *views, tb, n_col, out=inplace)
+        assert got is inplace and torch.equal(got, want), (tb, n_nodes, bb, b, k)
+        assert torch.equal(ref.chained_block(prev.to(DEV), args[1], *views, tb, n_col), want)
+
+
+def test_chained_block_refuses_what_its_kernel_cannot_read(monkeypatch):
+    """On the Triton path a layout the kernel does not take is a ValueError, not the reference's launches in its
+    place (a keep column once sent every chained round of the GPU stack there, unseen)."""
+    import common.kernels as kernels
+
+    monkeypatch.setattr(kernels, "_MODE", "triton")  # on CPU: Triton's interpreter; on a GPU the tensors are CUDA's
+    prev, result = (
+        torch.zeros((2, 11), dtype=torch.int64, device=DEV),
+        torch.zeros((2, 5), dtype=torch.int64, device=DEV),
+    )
+    tokens, parents = (torch.zeros((2, 3), dtype=torch.int64, device=DEV) for _ in range(2))
+    keep = torch.ones(2, dtype=torch.int64, device=DEV)
+    with torch.no_grad(), pytest.raises(ValueError, match="unit stride"):
+        kernels.chained_block(prev, result, tokens.t().contiguous().t(), parents, keep, 4, 8)
+    with torch.no_grad(), pytest.raises(ValueError, match="int64"):
+        kernels.chained_block(prev, result.int(), tokens, parents, keep, 4, 8)
+    with torch.no_grad(), pytest.raises(ValueError, match="int64"):
+        kernels.chained_block(prev, result, tokens.half(), parents, keep, 4, 8)
+    with torch.no_grad():  # the engine's layout: float64 trees, a keep column, the block written in place
+        column = torch.stack([keep, keep], 1)[:, 1]  # stride 2
+        assert kernels.chained_block(prev, result, tokens.double(), parents.double(), column, 4, 8, out=prev) is prev
+
+
+@pytest.mark.parametrize("chained", [False, True])
+def test_accept_inputs(chained):
+    """A drafting's inputs behind a verify: the kernel writes what reference.accept_inputs writes (the accepted
+    tokens and their count into the host's block, the lengths of a chained launch, the features padded and cast,
+    rows past B and columns past n left to the host's block), and the reference follows its docstring's example."""
+    from common.kernels import reference as ref
+
+    packed = torch.zeros((1, 8), dtype=torch.int64)
+    packed[0, 3] = 10  # L 3: the length column
+    took, m, keep = ref.accept_inputs(
+        packed, torch.zeros((1, 3, 2)), torch.tensor([[1, 8, 9, 0]]), torch.ones((1, 2, 2)), None, 3
+    )
+    assert packed[0, :5].tolist() == [8, 9, 0, 10, 2] and took.tolist() == [2] and m.tolist() == [10]
+    g = torch.Generator().manual_seed(5)
+    for bb, b, length, n, t, f in ((4, 3, 7, 4, 6, 24), (1, 1, 3, 1, 1, 8), (8, 5, 7, 7, 9, 40)):
+        host = torch.randint(0, 100, (bb, length + 5), generator=g)
+        result = torch.randint(0, 1000, (b, t + 1), generator=g)
+        result[:, 0] = torch.randint(0, n, (b,), generator=g)
+        kept = torch.randn((b, n, f), generator=g)
+        after = (torch.randint(0, 50, (b,), generator=g), torch.randint(1, 5, (b,), generator=g)) if chained else None
+        args = [x.to(DEV) for x in (result, kept)]
+        after = None if after is None else tuple(x.to(DEV) for x in after)
+        want_p, want_h = host.clone().to(DEV), torch.full((bb, length, f), 7.0, dtype=torch.float16, device=DEV)
+        want = ref.accept_inputs(want_p, want_h, *args, after, length)
+        got_p, got_h = host.clone().to(DEV), torch.full((bb, length, f), 7.0, dtype=torch.float16, device=DEV)
+        got = ops().accept_inputs(got_p, got_h, *args, after, length)
+        assert torch.equal(got_p, want_p) and torch.equal(got_h, want_h), (bb, b, length, n)
+        assert all(torch.equal(x, y) for x, y in zip(got, want)), (bb, b, length, n)

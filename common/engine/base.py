@@ -78,8 +78,9 @@ class Chained:
     """The next trees of a verify's first K rows, drafted on the device behind it (Drafter.launch_after): the
     verifier's next round reads them there (VerifierEngine.verify_rounds_steps), the host never does."""
 
-    tokens: torch.Tensor  # [K, N] int64 base ids of each row's nodes, a node's parent before it
-    parents: torch.Tensor  # [K, N] int64 each node's parent node (-1: the root)
+    # [K, N] each (int32, int64, or float64 views of the drafter's tree block: integer values)
+    tokens: torch.Tensor  # base ids of each row's nodes, a node's parent before it
+    parents: torch.Tensor  # each node's parent node (-1: the root)
     keep: torch.Tensor  # [K] int64 nodes each row's tree keeps (its first keep[k])
     keep_max: int  # max(keep), known to the host
     depth: int  # a bound on the trees' depth, known to the host

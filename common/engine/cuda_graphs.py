@@ -190,6 +190,12 @@ class CudaGraphManager:
         run: copy what must survive)."""
         return self.replay(key, step, self.feed(key, inputs))
 
+    def inputs(self, key: Hashable) -> dict[str, torch.Tensor] | None:
+        """key's static input buffers, for device work that writes a replay's inputs in place (feed then skips
+        them), or None when key has no graph."""
+        g = self._graphs.get(key)
+        return None if g is None else g.inputs
+
     def feed(self, key: Hashable, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The inputs on the device: key's static buffers, filled (host tensors through pinned staging), or
         plain device copies when key has no graph. Device ops may update them between replays (a step
@@ -199,6 +205,8 @@ class CudaGraphManager:
             return {k: v.to(self.device, non_blocking=True) for k, v in inputs.items()}
         for name, value in inputs.items():
             dst = g.inputs[name]
+            if value is dst:  # written in place (a chained round's block): nothing to copy
+                continue
             if value.device.type == "cpu":
                 g.staging[name].copy_(value)
                 dst.copy_(g.staging[name], non_blocking=True)

@@ -438,27 +438,27 @@ class Eagle3Drafter:
                 if stream is not None:
                     t.record_stream(stream)
             start = self.graphs.event()
-            # pinned memory from torch's caching host allocator: not reused before this copy has run (the
-            # graphs' staging buffers could be rewritten by the next launch before it has)
-            packed = (block.pin_memory() if stream is not None else block).to(self.device, non_blocking=True)
-            took = accepted.result[:, 0] + 1  # [b] new tokens: the accepted ones and the bonus
-            n = accepted.kept.shape[1]  # token columns that may be real (the deepest path's + 1)
-            cols = self._arange[None, :n]
-            packed[:b, :n] = torch.where(cols < took[:, None], accepted.result[:, 1 : 1 + n], 0)  # filler -> 0
-            packed[:b, length + 1] = took
-            if after is not None:  # the lengths the host has not counted: the last launch's plus what it took
-                packed[:b, length] = after.m + after.took
-            m = packed[:b, length].clone()  # [b] each row's length before this pass
-            pad = (0, 0, 0, length - n, 0, bb - b)  # [b, n, 3H] -> [bb, L, 3H]
-            hidden = torch.nn.functional.pad(accepted.kept.to(self.cache.kv.dtype), pad)
-            step = functools.partial(self._propose_step, depth=depth)
             key = ("propose", bb, length, depth, bool(noise))
+            # the accept pass's inputs written where its graph reads them (or, with no graph, in new tensors):
+            # the host's columns copied from pinned memory of torch's caching host allocator (not reused before
+            # this copy has run: the graphs' staging buffers could be rewritten by the next launch before it has),
+            # the verify's tokens and features by one kernel (accept_inputs: took, m and keep [b] besides)
+            static = self.graphs.inputs(key)
+            host = block.pin_memory() if stream is not None else block
+            if static is None:
+                packed = host.to(self.device, non_blocking=True)  # [bb, L + 5]
+                hidden = torch.empty((bb, length, self.feature_dim), dtype=self.cache.kv.dtype, device=self.device)
+            else:
+                packed, hidden = static["packed"], static["hidden"]
+                packed.copy_(host, non_blocking=True)
+            lengths = None if after is None else (after.m, after.took)  # what the host has not counted yet
+            took, m, keep = kernels.accept_inputs(packed, hidden, accepted.result, accepted.kept, lengths, length)
+            step = functools.partial(self._propose_step, depth=depth)
             out = self.graphs.run(key, step, {"packed": packed, "hidden": hidden, **noise})
             tree = out.tree[:b].clone()  # outlives the next replay
             sampled = [i for i, (_, st) in enumerate(states) if noise and not st.sampling.greedy]
             q = self._q_rows(out, sampled)
-            tokens, parents = tree[:, 0].long(), tree[:, 1].long()  # [b, N] each, for a chained verify
-            keep = packed[:b, length + 3]  # [b] (the block's copy on the device)
+            tokens, parents = tree[:, 0], tree[:, 1]  # [b, N] each, for a chained verify (views: no launch)
             done = self.graphs.event()
         kids = min(self.drafting.top_k, max(keeps))  # a node's children: at most top_k, and the tree's nodes
         chained = Chained(tokens, parents, keep, max(keeps), depth, done, kids)  # depth: a bound

@@ -151,10 +151,10 @@ class Verifier(SampledVerify):
         sample of it)."""
         prev = block.to(self.device)
         result = torch.zeros((1, tb + 1), dtype=torch.int64, device=self.device)  # [1, T + 1] nothing accepted
-        none = torch.zeros((1, 1), dtype=torch.int64, device=self.device)  # [K 1, N 1]
-        keep = torch.zeros(1, dtype=torch.int64, device=self.device)  # [K]
+        none = torch.zeros((1, 1), dtype=torch.float64, device=self.device)  # [K 1, N 1] the drafter's tree dtype
+        keep = torch.zeros((1, 2), dtype=torch.int64, device=self.device)[:, 1]  # [K] a column, as the drafter's
         trees = Chained(tokens=none, parents=none - 1, keep=keep, keep_max=0, depth=0, ready=None, kids=0)
-        chained_block(prev, result, trees, tb, cols)
+        chained_block(prev, result, trees, tb, cols, out=prev)
 
     # ---- prefill (graphs per rows and tokens bucket; longer prompts and larger calls eager) ----
     def prefill(self, item: PrefillInput) -> PrefillOutput:
@@ -382,7 +382,7 @@ class Verifier(SampledVerify):
             acceptance and the trees drafted behind it) -> the next round's `after`, or None: the chain ends."""
             nonlocal grown
             with self.graphs.on_stream():
-                if block is None:
+                if block is None:  # built in the last round's block (the graph's input buffer): no copy to feed
                     block = self._chained_block(*after, g)
                 fed = self.graphs.feed(g.key, {"packed": block})
                 out = self.graphs.replay(g.key, g.step, fed)
@@ -459,10 +459,11 @@ class Verifier(SampledVerify):
     def _chained_block(
         self, prev: torch.Tensor, result: torch.Tensor, chained: Chained, g: VerifyGraph
     ) -> torch.Tensor:
-        """The next round's block, built on the device once the trees drafted there are done (chained_block)."""
+        """The next round's block, built on the device once the trees drafted there are done (chained_block), in
+        prev's place (the last round's block, read by nothing after its replay)."""
         if chained.ready is not None:
             torch.cuda.current_stream(self.device).wait_event(chained.ready)
-        return chained_block(prev, result, chained, g.tb, g.cols)
+        return chained_block(prev, result, chained, g.tb, g.cols, out=prev)
 
     # ---- plain decoding ----
     def _decode_block(self, b: int, sampler: Sampler = Sampler.GREEDY) -> torch.Tensor:

@@ -194,7 +194,12 @@ class VerifyGraph:
 
 
 def chained_block(
-    prev: torch.Tensor, result: torch.Tensor, trees: Chained, tb: int, cols: SampledColumns | None = None
+    prev: torch.Tensor,
+    result: torch.Tensor,
+    trees: Chained,
+    tb: int,
+    cols: SampledColumns | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The next verify block of a chained round, built on the device: prev [BB, C] the block the last round
     verified (T = tb; cols None: verifier._verify_step's layout [BB, 2T + 3], else the sampled one of cols: its
@@ -203,9 +208,10 @@ def chained_block(
     of the B rows' root becomes its last token and its length grows by c + 1; row k < K gets its first keep[k]
     nodes (node j at row j + 1, its parent row parents[j] + 1), the other rows of those K a tree of padding (each
     its own parent); rows past K keep none. Example, tb 4: prev root 7 at n 10, result [1, 8, 9, ...], a tree
-    [5, 6] with parents [-1, 0], keep 2 -> root 9 at n 12, tokens [9, 5, 6, 0], parent rows [0, 0, 1, 3]."""
+    [5, 6] with parents [-1, 0], keep 2 -> root 9 at n 12, tokens [9, 5, 6, 0], parent rows [0, 0, 1, 3]. Written
+    into out when given (it may be prev: the graph's input buffer, which the next replay reads), else a new block."""
     n_col = 2 * tb if cols is None else cols.n
-    return kernels.chained_block(prev, result, trees.tokens, trees.parents, trees.keep, tb, n_col)
+    return kernels.chained_block(prev, result, trees.tokens, trees.parents, trees.keep, tb, n_col, out)
 
 
 def pack_trees(a: np.ndarray, trees: list[Tree], sizes: np.ndarray, tb: int) -> None:

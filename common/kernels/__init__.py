@@ -276,12 +276,45 @@ def chained_block(
     keep: torch.Tensor,
     tb: int,
     n_col: int,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """A chained round's next verify block (a new tensor); see reference.chained_block."""
-    unit = all(x.stride(-1) == 1 for x in (prev, result, tokens, parents)) and keep.is_contiguous()
-    if use_triton(prev) and unit and prev.dtype == result.dtype == tokens.dtype == parents.dtype == torch.int64:
-        return _ops().chained_block(prev, result, tokens, parents, keep, tb, n_col)
-    return reference.chained_block(prev, result, tokens, parents, keep, tb, n_col)
+    """A chained round's next verify block, in `out` (which may be prev) or a new tensor; see
+    reference.chained_block. On the Triton path a layout its kernel does not take is an error, not a quiet fall
+    back to the reference's twenty launches (a drafter's keep column once sent every chained round there)."""
+    if not use_triton(prev):
+        return reference.chained_block(prev, result, tokens, parents, keep, tb, n_col, out)
+    two_d = [x for x in (prev, result, tokens, parents, out) if x is not None]
+    if any(x.stride(-1) != 1 for x in two_d) or keep.dim() != 1:
+        raise ValueError("chained_block: 2-D tensors need unit stride along their last dimension, keep one dimension")
+    wide = (prev, result, keep) + (() if out is None else (out,))
+    ids = {torch.int32, torch.int64, torch.float64}
+    if any(x.dtype != torch.int64 for x in wide) or {tokens.dtype, parents.dtype} - ids:
+        raise ValueError("chained_block: prev, result, keep and out int64; tokens and parents int32, int64 or float64")
+    return _ops().chained_block(prev, result, tokens, parents, keep, tb, n_col, out)
+
+
+def accept_inputs(
+    packed: torch.Tensor,
+    hidden: torch.Tensor,
+    result: torch.Tensor,
+    kept: torch.Tensor,
+    after: tuple[torch.Tensor, torch.Tensor] | None,
+    length: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A drafting's inputs behind a verify, in place in packed [BB, L + 5] and hidden [BB, L, 3H]: (took, m, keep)
+    [B] each; see reference.accept_inputs. On the Triton path a layout its kernel does not take is an error."""
+    if not use_triton(packed):
+        return reference.accept_inputs(packed, hidden, result, kept, after, length)
+    rows = [packed, result] + ([] if after is None else list(after))
+    if any(x.dtype != torch.int64 for x in rows) or packed.stride(-1) != 1 or result.stride(-1) != 1:
+        raise ValueError("accept_inputs: packed, result and after int64, packed and result unit stride on columns")
+    if (
+        hidden.stride(-1) != 1
+        or kept.stride(-1) != 1
+        or (after is not None and not all(x.is_contiguous() for x in after))
+    ):
+        raise ValueError("accept_inputs: hidden and kept unit stride on features, after's tensors contiguous")
+    return _ops().accept_inputs(packed, hidden, result, kept, after, length)
 
 
 def onehot_sets(ids: torch.Tensor, parent_rows: torch.Tensor, w: int) -> tuple[torch.Tensor, ...]:

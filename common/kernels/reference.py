@@ -406,11 +406,13 @@ def chained_block(
     keep: torch.Tensor,
     tb: int,
     n_col: int,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The next verify block of a chained round (common.engine.verifier_parts.chained_block says what each row
     becomes): prev [BB, C] the block verified last, result [B, T + 1] its acceptance, tokens and parents [K, N]
     the next trees of its first K rows (K <= B <= BB), keep [K] the nodes each keeps, tb the tree rows T, n_col the
-    column of the root's length. Returns a new block; prev is untouched."""
+    column of the root's length. Returns the block: out, written (it may be prev), or a new tensor (prev
+    untouched)."""
     b, k = result.shape[0], tokens.shape[0]
     nodes = min(tokens.shape[1], tb - 1)
     block = prev.clone()
@@ -419,14 +421,43 @@ def chained_block(
     block[:b, n_col] += count
     rows = torch.arange(1, nodes + 1, device=prev.device)  # [nodes] tree rows 1..nodes
     kept = rows[None, :] <= keep[:, None]  # [K, nodes]
-    block[:k, 1 : 1 + nodes] = torch.where(kept, tokens[:, :nodes], 0)
-    block[:k, tb + 1 : tb + 1 + nodes] = torch.where(kept, parents[:, :nodes] + 1, rows[None, :])
+    block[:k, 1 : 1 + nodes] = torch.where(kept, tokens[:, :nodes].long(), 0)
+    block[:k, tb + 1 : tb + 1 + nodes] = torch.where(kept, parents[:, :nodes].long() + 1, rows[None, :])
     pad = torch.arange(1, tb, device=prev.device)  # [tb - 1] rows 1.. as their own parents: padding
     block[:k, 1 + nodes : tb] = 0  # trees narrower than the bucket: no node of the last round's past them
     block[:k, tb + 1 + nodes : 2 * tb] = pad[nodes:]
     block[k:b, 1:tb] = 0  # rows past K: no tree (not the one they verified last)
     block[k:b, tb + 1 : 2 * tb] = pad
-    return block
+    return block if out is None else out.copy_(block)
+
+
+def accept_inputs(
+    packed: torch.Tensor,
+    hidden: torch.Tensor,
+    result: torch.Tensor,
+    kept: torch.Tensor,
+    after: tuple[torch.Tensor, torch.Tensor] | None,
+    length: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inputs of a drafting launched behind a verify, written in place (the propose graph's input buffers):
+    packed [BB, L + 5] holds the host's columns (length L, count L + 1, slot L + 2, keep L + 3, depth L + 4); its
+    first B rows get the verify's accepted tokens and bonus from result [B, T + 1] (count c, then the c tokens and
+    the bonus) in columns [0, n) (the c + 1 of them, then 0), c + 1 in column L + 1 and, for a chained launch,
+    after = (m, took) of the launch before it: its lengths m + took in column L (the host has not counted them);
+    hidden [BB, L, 3H] gets kept [B, n, 3H] (the features of those tokens), 0 elsewhere. Returns (took [B] the
+    rows' new tokens c + 1, m [B] each row's length before them, keep [B] its keep column), new tensors.
+    Example, L 3, n 2: result [[1, 8, 9, 0]], length 10 in the host's column -> packed[0] [8, 9, 0, 10, 2, ...],
+    took [2], m [10]."""
+    b, n = kept.shape[:2]
+    took = result[:, 0] + 1  # [B]
+    cols = torch.arange(n, device=packed.device)[None, :]  # [1, n]
+    packed[:b, :n] = torch.where(cols < took[:, None], result[:, 1 : 1 + n], 0)
+    packed[:b, length + 1] = took
+    if after is not None:
+        packed[:b, length] = after[0] + after[1]
+    hidden.zero_()
+    hidden[:b, :n] = kept.to(hidden.dtype)
+    return took, packed[:b, length].clone(), packed[:b, length + 3].clone()
 
 
 def accept_tree(

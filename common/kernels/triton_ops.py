@@ -579,6 +579,7 @@ def _attention(
 
 # the draft's and the verification's kernels live beside these: common.kernels dispatches to one module
 from common.kernels.triton_tree import (  # noqa: E402
+    accept_inputs,
     accept_tree,
     chained_block,
     draft_level,
@@ -591,6 +592,7 @@ from common.kernels.triton_tree import (  # noqa: E402
 )
 
 __all__ = [
+    "accept_inputs",
     "accept_tree",
     "chained_block",
     "draft_level",

@@ -452,21 +452,24 @@ def onehot_sets(ids: torch.Tensor, parent_rows: torch.Tensor, w: int) -> tuple[t
 # launches, so here one program a row writes the whole new row in one pass.
 # launched between a call's graph replays (never captured): no int specialised on its value (1, multiples of 16),
 # so that one compile serves every batch, tree and block width of a BLOCK (Verifier warms them at capture)
-@triton.jit(do_not_specialize=["B", "K", "NODES", "TB", "NCOL", "C", "s_prev", "s_res", "s_tok", "s_par"])
+@triton.jit(
+    do_not_specialize=["B", "K", "NODES", "TB", "NCOL", "C", "s_prev", "s_res", "s_tok", "s_par", "s_keep", "s_out"]
+)
 def _chained_block_kernel(
     prev_ptr, res_ptr, tok_ptr, par_ptr, keep_ptr, out_ptr,
-    B, K, NODES, TB, NCOL, C, s_prev, s_res, s_tok, s_par,
+    B, K, NODES, TB, NCOL, C, s_prev, s_res, s_tok, s_par, s_keep, s_out,
     BLOCK: tl.constexpr,
 ):  # fmt: skip
     """Row r: the root (column 0) the bonus token and the length (NCOL) + count + 1 when r < B; tree columns
     1..TB-1 and parent columns TB+1..2TB-1: row r < K's kept nodes (node j < min(NODES, keep)), else 0 and each
-    row its own parent; rows r >= B as they were."""
+    row its own parent; rows r >= B as they were. A row's program reads each column before it writes it: out may
+    be prev."""
     r = tl.program_id(0)
     live = r < B
     spec = r < K
     count = tl.load(res_ptr + r * s_res, mask=live, other=0) + 1
     bonus = tl.load(res_ptr + r * s_res + count, mask=live, other=0)
-    keep = tl.load(keep_ptr + r, mask=spec, other=0)
+    keep = tl.load(keep_ptr + r * s_keep, mask=spec, other=0)
     for c0 in range(0, C, BLOCK):
         col = c0 + tl.arange(0, BLOCK)
         ok = col < C
@@ -474,16 +477,16 @@ def _chained_block_kernel(
         j = col - 1  # a tree column's node
         in_tok = (col >= 1) & (col < TB)
         has = spec & (j < NODES) & (j < keep)
-        tok = tl.load(tok_ptr + r * s_tok + j, mask=ok & in_tok & has, other=0)
+        tok = tl.load(tok_ptr + r * s_tok + j, mask=ok & in_tok & has, other=0).to(tl.int64)
         i = col - TB  # a parent column's row; its node i - 1
         in_par = (col > TB) & (col < 2 * TB)
         has_par = spec & (i - 1 < NODES) & (i - 1 < keep)
-        par = tl.load(par_ptr + r * s_par + (i - 1), mask=ok & in_par & has_par, other=0)
+        par = tl.load(par_ptr + r * s_par + (i - 1), mask=ok & in_par & has_par, other=0).to(tl.int64)
         new = tl.where(col == 0, bonus, v)
         new = tl.where(col == NCOL, v + count, new)
         new = tl.where(in_tok, tok, new)
         new = tl.where(in_par, tl.where(has_par, par + 1, i.to(tl.int64)), new)
-        tl.store(out_ptr + r * C + col, tl.where(live, new, v), mask=ok)
+        tl.store(out_ptr + r * s_out + col, tl.where(live, new, v), mask=ok)
 
 
 def chained_block(
@@ -494,19 +497,80 @@ def chained_block(
     keep: torch.Tensor,
     tb: int,
     n_col: int,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """See reference.chained_block. int64 tensors, unit stride along their last dimension; keep contiguous."""
+    """See reference.chained_block. prev, result, keep (and out) int64, tokens and parents int32, int64 or float64
+    (integer values: the drafter's tree block); unit stride along the last dimension of the 2-D ones, keep any
+    stride."""
     bb, c = prev.shape
     b, k = result.shape[0], tokens.shape[0]
     nodes = min(tokens.shape[1], tb - 1)
-    out = torch.empty((bb, c), dtype=prev.dtype, device=prev.device)
+    out = torch.empty((bb, c), dtype=prev.dtype, device=prev.device) if out is None else out
     block = min(1024, triton.next_power_of_2(c))
     _chained_block_kernel[(bb,)](
         prev, result, tokens, parents, keep, out, b, k, nodes, tb, n_col, c,
-        prev.stride(0), result.stride(0), tokens.stride(0), parents.stride(0),
+        prev.stride(0), result.stride(0), tokens.stride(0), parents.stride(0), keep.stride(0), out.stride(0),
         BLOCK=block, num_warps=4,
     )  # fmt: skip
     return out
+
+
+# A drafting launched behind a verify (reference.accept_inputs): its inputs written straight into the propose
+# graph's buffers by one program per (row, token) (PyTorch: about ten launches a chained round, each tens of
+# microseconds of the host's time, which at 64 sequences is what a round waits for).
+@triton.jit(do_not_specialize=["B", "N", "L", "F", "s_pk", "s_res", "s_kb", "s_kn", "s_hb", "s_hn"])
+def _accept_inputs_kernel(
+    packed_ptr, hid_ptr, res_ptr, kept_ptr, am_ptr, at_ptr, took_ptr, m_ptr, keep_ptr,
+    B, N, L, F, s_pk, s_res, s_kb, s_kn, s_hb, s_hn,
+    HAS_AFTER: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Program (r, j): hidden row j of row r (kept's, or 0); program (r, 0) of a row r < B also its columns."""
+    r = tl.program_id(0)
+    j = tl.program_id(1)
+    real = (r < B) & (j < N)
+    f = tl.arange(0, BLOCK)
+    for f0 in range(0, F, BLOCK):
+        ok = f0 + f < F
+        x = tl.load(kept_ptr + r * s_kb + j * s_kn + f0 + f, mask=ok & real, other=0.0)
+        tl.store(hid_ptr + r * s_hb + j * s_hn + f0 + f, x.to(hid_ptr.dtype.element_ty), mask=ok)
+    if (j == 0) & (r < B):
+        count = tl.load(res_ptr + r * s_res) + 1
+        c = tl.arange(0, NB)
+        tok = tl.load(res_ptr + r * s_res + 1 + c, mask=c < N, other=0)
+        tl.store(packed_ptr + r * s_pk + c, tl.where(c < count, tok, 0), mask=c < N)
+        tl.store(packed_ptr + r * s_pk + L + 1, count)
+        if HAS_AFTER:
+            n = tl.load(am_ptr + r) + tl.load(at_ptr + r)
+            tl.store(packed_ptr + r * s_pk + L, n)
+        else:
+            n = tl.load(packed_ptr + r * s_pk + L)
+        tl.store(took_ptr + r, count)
+        tl.store(m_ptr + r, n)
+        tl.store(keep_ptr + r, tl.load(packed_ptr + r * s_pk + L + 3))
+
+
+def accept_inputs(
+    packed: torch.Tensor,
+    hidden: torch.Tensor,
+    result: torch.Tensor,
+    kept: torch.Tensor,
+    after: tuple[torch.Tensor, torch.Tensor] | None,
+    length: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """See reference.accept_inputs. packed and result int64 with unit stride on their last dimension, hidden and
+    kept [., ., F] with unit stride on F, after's two contiguous int64 [B]."""
+    bb, lh, f = hidden.shape
+    b, n = kept.shape[:2]
+    took, m, keep = (torch.empty(b, dtype=torch.int64, device=packed.device) for _ in range(3))
+    am, at = after if after is not None else (took, took)  # unread without HAS_AFTER
+    _accept_inputs_kernel[(bb, lh)](
+        packed, hidden, result, kept, am, at, took, m, keep,
+        b, n, length, f, packed.stride(0), result.stride(0), kept.stride(0), kept.stride(1),
+        hidden.stride(0), hidden.stride(1),
+        HAS_AFTER=after is not None, NB=max(16, triton.next_power_of_2(n)), BLOCK=min(2048, triton.next_power_of_2(f)),
+        num_warps=4,
+    )  # fmt: skip
+    return took, m, keep
 
 
 @triton.jit
