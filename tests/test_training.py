@@ -418,3 +418,46 @@ def test_eval_equals_greedy(tmp_path):
 def test_train_config_validates(bad):
     with pytest.raises(ValueError):
         TrainConfig(**bad)
+
+
+def test_pooled_sets_weigh_their_rounds():
+    """Two sets' tree results pooled by hand: 10 tokens in 4 rounds (accepted 0, 1, 2, 3: hist [1, 1, 1, 1]) and 6 in
+    4 (1, 1, 0, 0: hist [2, 2]) -> 16 tokens in 8 rounds, 2.0; hist [3, 3, 1, 1]: 5 of 8 accept one, 2 of 5 a second,
+    1 of 2 a third."""
+    from training.evaluate import pooled
+
+    a = {
+        "sequences": 1,
+        "rounds": 4,
+        "tokens": 10,
+        "accept_rate_by_depth": [0.75, 0.67, 0.5],
+        "accepted_hist": [1, 1, 1, 1],
+    }
+    b = {"sequences": 2, "rounds": 4, "tokens": 6, "accept_rate_by_depth": [0.5, 0.0, 0.0], "accepted_hist": [2, 2]}
+    got = pooled([{"tree": a}, {"tree": b}])
+    assert set(got) == {"tree"}
+    t = got["tree"]
+    assert (t["sequences"], t["rounds"], t["tokens"], t["mean_accept_len"]) == (3, 8, 16, 2.0)
+    assert t["accepted_hist"] == [3, 3, 1, 1]
+    assert t["accept_rate_by_depth"] == pytest.approx([5 / 8, 2 / 5, 1 / 2])
+
+
+def test_eval_of_the_heldout_categories(tmp_path, capsys):
+    """`eval --sets heldout` on the embedded model and the shipped head: one prompt a category, four tokens; every
+    category and their pool reported for both trees, acceptance within [1, depth + 1], outputs equal to greedy."""
+    from training.pipeline import Context, build_parser, stage_eval
+    from training.prompts import HELDOUT_CATEGORIES
+
+    head = Path(__file__).resolve().parents[1] / "models" / "eagle3-smollm2"
+    argv = ["eval", "--workdir", str(tmp_path), "--head", str(head), "--sets", "heldout", "--eval-limit", "1"]
+    args = build_parser().parse_args([*argv, "--max-new-tokens", "4", "--eval-batch", "2", "--check-equal"])
+    assert stage_eval(Context(args))
+    results = json.loads((tmp_path / "eval.json").read_text())["results"]
+    assert set(results) == {f"heldout-{c}" for c in HELDOUT_CATEGORIES} | {"heldout-all"}
+    for name, r in results.items():
+        for tree, depth in (("tree", 6), ("chain", 6)):
+            assert 1.0 <= r[tree]["mean_accept_len"] <= depth + 1, (name, tree)
+    assert results["heldout-all"]["tree"]["sequences"] == 6
+    assert "heldout-summarization" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="unknown eval set 'heldout-poetry'"):
+        stage_eval(Context(build_parser().parse_args(["eval", "--workdir", str(tmp_path), "--sets", "heldout-poetry"])))

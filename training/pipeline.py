@@ -93,7 +93,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g = p.add_argument_group("eval")
     g.add_argument("--head", type=Path, default=None, help="EAGLE-3 head folder (default: W/head)")
-    g.add_argument("--sets", default="sharegpt,humaneval,writingbench")
+    g.add_argument(
+        "--sets",
+        default="sharegpt,humaneval,writingbench",
+        help="eval sets, comma-separated: sharegpt, humaneval, writingbench (the prompts stage's), heldout-CATEGORY "
+        "(bench/prompts/heldout-mixed.jsonl's chat, code, math, qa, summarization or writing prompts; never trained "
+        "on) or heldout (all six, and their pooled figure as heldout-all)",
+    )
     g.add_argument("--eval-batch", type=int, default=16)
     g.add_argument("--eval-limit", type=int, default=None, help="prompts per eval set (default: --limit)")
     g.add_argument("--out", type=Path, default=None, help="JSON results (default: W/eval.json)")
@@ -316,22 +322,26 @@ def stage_eval(ctx: Context, max_new_tokens: int | None = None) -> bool:
     from common.engine.draft import Eagle3Drafter
     from common.engine.verifier import Verifier, VerifierConfig, torch_dtype
     from common.model.eagle3_io import load_eagle3
-    from training.evaluate import EvalConfig, evaluate_set, format_table
-    from training.prompts import EVAL_FILES, read_prompts
+    from training.evaluate import EvalConfig, evaluate_set, format_table, pooled
+    from training.prompts import EVAL_FILES, HELDOUT_SETS, heldout_prompts, read_prompts
     from training.sources import package_versions
 
     a, w = ctx.args, ctx.args.workdir
     head_dir = a.head or (w / "head")
-    sets = [s.strip() for s in a.sets.split(",") if s.strip()]
-    unknown = [s for s in sets if s not in EVAL_FILES]
+    sets = [x for s in a.sets.split(",") if s.strip() for x in HELDOUT_SETS.get(s.strip(), [s.strip()])]
+    unknown = [s for s in sets if s not in EVAL_FILES and s not in HELDOUT_SETS["heldout"]]
     if unknown:
-        raise ValueError(f"unknown eval set {unknown[0]!r}: choose from {', '.join(EVAL_FILES)}")
+        names = ", ".join([*EVAL_FILES, *HELDOUT_SETS])
+        raise ValueError(f"unknown eval set {unknown[0]!r}: choose from {names}")
     cfg = EvalConfig(
         max_new_tokens=max_new_tokens or a.max_new_tokens or 128,
         batch_size=a.eval_batch,
         limit=a.eval_limit if a.eval_limit is not None else a.limit,
     )
-    prompts = {s: [r["prompt_ids"] for r in read_prompts(w / EVAL_FILES[s])] for s in sets}
+    heldout = heldout_prompts(ctx.tokenizer) if any(s.startswith("heldout-") for s in sets) else {}
+    prompts = {
+        s: heldout[s] if s in heldout else [r["prompt_ids"] for r in read_prompts(w / EVAL_FILES[s])] for s in sets
+    }
     longest = max((len(p) for ps in prompts.values() for p in ps[: cfg.limit]), default=16)
     vcfg = VerifierConfig(
         max_sequences=cfg.batch_size,
@@ -350,6 +360,9 @@ def stage_eval(ctx: Context, max_new_tokens: int | None = None) -> bool:
     results = {}
     for s in sets:
         results[s] = evaluate_set(verifier, make_drafter, prompts[s], cfg, eos, a.check_equal, s)
+    categories = [s for s in sets if s.startswith("heldout-")]
+    if len(categories) > 1:
+        results["heldout-all"] = pooled([results[s] for s in categories])
     out = a.out or (w / "eval.json")
     meta = {
         "head": str(head_dir),
@@ -359,6 +372,7 @@ def stage_eval(ctx: Context, max_new_tokens: int | None = None) -> bool:
         "limit": cfg.limit,
         "packages": package_versions(),
     }
+    out.parent.mkdir(parents=True, exist_ok=True)  # a workdir of held-out sets alone has no prompts stage before
     out.write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
     sys.stdout.write(format_table(results))
     sys.stdout.write(f"results written to {out}\n")

@@ -29,6 +29,10 @@ EVAL_FILES = {
     "humaneval": "humaneval.jsonl",
     "writingbench": "writingbench.jsonl",
 }
+# the benchmarks' held-out prompts (bench/prompts/heldout-mixed.jsonl: eight a category, never trained on) as
+# evaluation sets, one a category; "heldout" names all six
+HELDOUT_CATEGORIES = ("chat", "code", "math", "qa", "summarization", "writing")
+HELDOUT_SETS = {"heldout": [f"heldout-{c}" for c in HELDOUT_CATEGORIES]}
 MANIFEST = "prompts_manifest.json"
 EVAL_LABEL = "eval"
 # prompts left after each step: read, FILTERS, the token bound, no overlap with an eval set, no earlier duplicate
@@ -175,3 +179,14 @@ def build_prompts(
     (workdir / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     log.info("prompts: %s", manifest["counts"])
     return manifest
+
+
+def heldout_prompts(tokenizer) -> dict[str, list[list[int]]]:
+    """bench/prompts/heldout-mixed.jsonl's prompts as evaluation sets: {"heldout-CATEGORY": [prompt ids]}, each one
+    user message in the chat template (as the gateway sends it), in the file's order within a category."""
+    from bench.load import read_prompts as read_heldout  # the benchmarks' reader of that file (its one format)
+
+    sets: dict[str, list[list[int]]] = {f"heldout-{c}": [] for c in HELDOUT_CATEGORIES}
+    for p in read_heldout():
+        sets[f"heldout-{p.category}"].append(tokenizer.encode_chat([("user", p.text)]))
+    return sets
