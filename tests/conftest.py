@@ -69,6 +69,7 @@ LONG_UNITS = {
     "tests/test_tokenizer.py": 20,
     "tests/test_model.py": 20,
     "tests/test_engines.py": 17,
+    "tests/test_training_carry.py": 17,
 }
 SESSION_STACK = ("tests/test_api.py", "tests/test_e2e.py", "tests/test_hostile_input.py")
 

@@ -1,6 +1,7 @@
 """Offline acceptance measurement: the engine core in process (Verifier + Eagle3Drafter, every round the
-drafter's whole tree), batched over sequences, greedy. Reports mean acceptance length (tokens per verification round,
-counting the bonus token) and the acceptance rate at each tree depth."""
+drafter's whole tree), batched over sequences, greedy or sampled (EvalConfig.temperature, one seed per prompt). Reports
+mean acceptance length (tokens per verification round, counting the bonus token) and the acceptance rate at each tree
+depth."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from common.engine.core import CoreConfig, EngineCore
 from common.engine.draft import Eagle3Drafter
 from common.engine.verifier import Verifier
 from common.policy import FixedPolicy, Shape
-from common.sequence import Request
+from common.sequence import Finish, Request
 
 log = logging.getLogger(__name__)
 
@@ -31,12 +32,21 @@ class EvalConfig:
     max_new_tokens: int = 128
     batch_size: int = 16  # sequences decoded together
     limit: int | None = None
+    temperature: float = 0.0  # 0: greedy; else every request samples at it, prompt i of a set with seed i
+    top_p: float = 1.0  # the sampled requests' nucleus
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        SamplingConfig(temperature=self.temperature, top_p=self.top_p)  # ValueError when out of range
+
+    def sampling(self, index: int) -> SamplingConfig:
+        """Request `index` of a set: greedy, or sampled with seed index."""
+        if self.temperature == 0:
+            return SamplingConfig()
+        return SamplingConfig(temperature=self.temperature, top_p=self.top_p, seed=index)
 
 
 @dataclass
@@ -92,16 +102,20 @@ def speculative(
     tree: Shape,
     stats: AcceptStats,
     tag: str,
+    sampling: list[SamplingConfig] | None = None,
 ) -> list[list[int]]:
-    """Decode one batch of prompts together (the engine core, drafting `tree` every round); returns each output
-    clipped at EOS / max_new."""
+    """Decode one batch of prompts together (the engine core, drafting `tree` every round), greedy or as
+    sampling[i] says for prompt i; returns each output clipped at EOS / max_new."""
     t0 = time.time()
     outs: dict[str, list[int]] = {f"{tag}-{i}": [] for i in range(len(prompts))}
     core = EngineCore(verifier, drafter, FixedPolicy(tree), CoreConfig(max_sequences=len(prompts), prefill_chunk=0))
     for i, p in enumerate(prompts):
-        core.add(Request(f"{tag}-{i}", p, SamplingConfig(), max_new, stop_ids=frozenset({eos})))
+        how = SamplingConfig() if sampling is None else sampling[i]
+        core.add(Request(f"{tag}-{i}", p, how, max_new, stop_ids=frozenset({eos})))
     while True:
         for o in core.step():
+            if o.finish is Finish.ERROR:
+                raise RuntimeError(f"sequence {o.seq_id} failed") from o.error
             outs[o.seq_id] += o.tokens
             stats.add(o.rounds, o.accepted, o.accepted_at)
         if not core.seqs:
@@ -138,6 +152,8 @@ def evaluate_set(
     verifier: Verifier, make_drafter, prompts: list[list[int]], cfg: EvalConfig, eos: int, check_equal: bool, name: str
 ) -> dict:
     """Run every drafting config in TREES over the prompts. make_drafter(DraftingConfig) -> Eagle3Drafter."""
+    if check_equal and cfg.temperature > 0:
+        raise ValueError("check_equal compares with greedy decoding: evaluate at temperature 0")
     if cfg.limit is not None:
         prompts = prompts[: cfg.limit]
     result: dict = {"prompts": len(prompts)}
@@ -165,6 +181,7 @@ def evaluate_set(
                 Shape(dcfg.steps, dcfg.verify_tree_size),
                 stats,
                 f"{name}-{tname}{s}",
+                [cfg.sampling(i) for i in range(s, min(s + cfg.batch_size, len(prompts)))],
             )
         summary = summary_with_config(stats.summary(dcfg.steps), dcfg)
         if reference is not None:

@@ -10,6 +10,7 @@ positions stay per-row (0 at each prompt's first real token) and padding columns
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -32,6 +33,9 @@ class GenerateConfig:
     batch_size: int = 256
     shard_size: int = 1024  # prompts per output shard (the unit of resumption)
     limit: int | None = None  # cap on training prompts
+    sample_share: float = 0.0  # share of the prompts answered by sampling (chosen by prompt index and seed)
+    sample_temperature: float = 0.7  # their temperature (top-p 1); the other prompts are answered greedily
+    seed: int = 0  # which prompts are sampled, and their draws
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -40,6 +44,20 @@ class GenerateConfig:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
         if self.shard_size < 1:
             raise ValueError(f"shard_size must be >= 1, got {self.shard_size}")
+        if not 0.0 <= self.sample_share <= 1.0:
+            raise ValueError(f"sample_share must be in [0, 1], got {self.sample_share}")
+        if not self.sample_temperature > 0:
+            raise ValueError(f"sample_temperature must be > 0, got {self.sample_temperature}")
+
+
+def row_sampling(index: int, cfg: GenerateConfig) -> SamplingConfig:
+    """How training prompt `index` (its row in the prompt file) is answered: sampled at cfg.sample_temperature, with a
+    seed of its own, when a hash of (cfg.seed, index) falls in the first cfg.sample_share of [0, 1); greedy otherwise.
+    The choice depends on neither the shard size nor the batch, so a resumed or repeated stage makes the same one."""
+    digest = hashlib.sha256(f"{cfg.seed}:{index}".encode()).digest()
+    if int.from_bytes(digest[:8], "little") / 2**64 >= cfg.sample_share:
+        return SamplingConfig()
+    return SamplingConfig(temperature=cfg.sample_temperature, seed=int.from_bytes(digest[8:16], "little") >> 1)
 
 
 @dataclass(frozen=True)
@@ -144,12 +162,22 @@ def _response(tokens: list[int], max_new_tokens: int, eos_id: int) -> list[int]:
     return out[: out.index(eos_id) + 1] if eos_id in out else out
 
 
-def engine_generate(verifier, prompts: list[list[int]], max_new_tokens: int, eos_id: int, steps: int = 16):
-    """Greedy continuation of each prompt through the serving engine, as generate_batch gives it: every slot
-    of the engine holds a prompt, a finished one's slot takes the next prompt at once (continuous batching),
-    new prompts are prefilled together (Verifier.prefill_batch) and decoding runs `steps` tokens per call on
-    the device (steps past a stop are cut off). The engine's max_context must hold prompt + max_new_tokens.
+def engine_generate(
+    verifier,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    eos_id: int,
+    steps: int = 16,
+    sampling: list[SamplingConfig] | None = None,
+):
+    """Continuation of each prompt through the serving engine, greedy as generate_batch gives it, or as
+    sampling[i] says for prompt i (the verifier samples per sequence, on the device, from the request's seed):
+    every slot of the engine holds a prompt, a finished one's slot takes the next prompt at once (continuous
+    batching), new prompts are prefilled together (Verifier.prefill_batch) and decoding runs `steps` tokens per
+    call on the device (steps past a stop are cut off). The engine's max_context must hold prompt + max_new_tokens.
     Returns [len(prompts)] responses, each ending with eos_id when it stopped by itself."""
+    if sampling is not None and len(sampling) != len(prompts):
+        raise ValueError(f"{len(sampling)} sampling settings for {len(prompts)} prompts")
     out: list[list[int] | None] = [None] * len(prompts)
     queue = iter(range(len(prompts)))
     active: dict[str, tuple[int, list[int]]] = {}  # engine sequence id -> (prompt index, tokens so far)
@@ -157,7 +185,9 @@ def engine_generate(verifier, prompts: list[list[int]], max_new_tokens: int, eos
     while True:
         new = [i for _, i in zip(range(slots - len(active)), queue)]
         if new:
-            inputs = [PrefillInput(f"gen-{i}", prompts[i], SamplingConfig()) for i in new]
+            inputs = [
+                PrefillInput(f"gen-{i}", prompts[i], SamplingConfig() if sampling is None else sampling[i]) for i in new
+            ]
             for i, pre in zip(new, verifier.prefill_batch(inputs)):
                 active[f"gen-{i}"] = (i, [pre.next_token])
         finished = [s for s, (_, r) in active.items() if r[-1] == eos_id or len(r) >= max_new_tokens]
@@ -179,21 +209,42 @@ def shard_path(outdir: Path, k: int) -> Path:
     return outdir / f"gen-{k:05d}.npz"
 
 
-def save_shard(path: Path, prompt_ids: list[list[int]], responses: list[list[int]], ids: list[str]) -> None:
-    """tokens: all sequences (prompt + response) concatenated; offsets [N+1]; prompt_len [N]."""
+def save_shard(
+    path: Path,
+    prompt_ids: list[list[int]],
+    responses: list[list[int]],
+    ids: list[str],
+    temperature: list[float] | None = None,
+) -> None:
+    """tokens: all sequences (prompt + response) concatenated; offsets [N+1]; prompt_len [N]; ids [N]; temperature
+    [N] (0: the response is greedy, else sampled at it), absent in shards written before sampled responses."""
     seqs = [a + r for a, r in zip(prompt_ids, responses, strict=False)]
     offsets = np.zeros(len(seqs) + 1, dtype=np.int64)
     offsets[1:] = np.cumsum([len(s) for s in seqs])
     tokens = np.fromiter((t for s in seqs for t in s), dtype=np.int32, count=int(offsets[-1]))
+    arrays = {
+        "tokens": tokens,  # [total] int32
+        "offsets": offsets,  # [N+1] int64
+        "prompt_len": np.array([len(a) for a in prompt_ids], dtype=np.int64),  # [N]
+        "ids": np.array(ids),  # [N] str
+    }
+    if temperature is not None:
+        arrays["temperature"] = np.asarray(temperature, dtype=np.float32)  # [N]
+    write_shard(path, arrays)
+
+
+def write_shard(path: Path, arrays: dict[str, np.ndarray]) -> None:
+    """A shard's arrays (save_shard's) to path, atomically."""
     tmp = path.with_name(path.stem + ".tmp.npz")
-    np.savez(
-        tmp,
-        tokens=tokens,
-        offsets=offsets,
-        prompt_len=np.array([len(a) for a in prompt_ids], dtype=np.int64),
-        ids=np.array(ids),
-    )
+    np.savez(tmp, **arrays)
     tmp.replace(path)
+
+
+def shard_temperature(z) -> np.ndarray:
+    """A shard's per-row temperature [N] float32 (0: greedy); all greedy for shards written before it was recorded."""
+    if "temperature" in z.files:
+        return z["temperature"]
+    return np.zeros(len(z["prompt_len"]), dtype=np.float32)
 
 
 @dataclass
@@ -224,11 +275,16 @@ def load_sequences(gendir: Path) -> Sequences:
     return Sequences(tokens=np.concatenate(toks), offsets=np.concatenate(offs), prompt_len=np.concatenate(plen))
 
 
-def missing_shards(paths: list[Path], deadline: float | None, stage: str) -> Iterator[tuple[int, Path]]:
+def missing_shards(
+    paths: list[Path], deadline: float | None, stage: str, check: Callable[[int, Path], None] | None = None
+) -> Iterator[tuple[int, Path]]:
     """(k, path) of the shards not written yet, in order, until the time budget is spent; the stage is finished
-    when every path exists afterwards (finished shards are never redone: that is what makes stages resumable)."""
+    when every path exists afterwards (finished shards are never redone: that is what makes stages resumable).
+    check(k, path) is called for each shard found (it raises when the shard is not what shard k would be)."""
     for k, path in enumerate(paths):
         if path.exists():
+            if check is not None:
+                check(k, path)
             continue
         if deadline is not None and time.time() > deadline:
             log.info("%s: time budget spent before shard %d/%d", stage, k, len(paths))
@@ -243,25 +299,54 @@ def generate_stage(
     cfg: GenerateConfig,
     deadline: float | None = None,
 ) -> bool:
-    """Generate responses (generate: prompts -> responses) shard by shard, skipping finished shards. Returns
-    True when all are done."""
+    """Generate responses (generate(prompts, sampling) -> responses, sampling[i] = row_sampling of prompt i's row)
+    shard by shard, skipping finished shards; a shard found must hold shard k's prompts (ids) answered as cfg says
+    (temperatures), else ValueError, so that a shard carried in from another run never stands for other prompts.
+    Returns True when all are done."""
     outdir.mkdir(parents=True, exist_ok=True)
     if cfg.limit is not None:
         rows = rows[: cfg.limit]
     n_shards = (len(rows) + cfg.shard_size - 1) // cfg.shard_size
     paths = [shard_path(outdir, k) for k in range(n_shards)]
-    for k, path in missing_shards(paths, deadline, "generate"):
+    sampling = [row_sampling(i, cfg) for i in range(len(rows))] if cfg.sample_share > 0 else None
+
+    def temperatures(k: int) -> np.ndarray:  # [rows of shard k] float32
+        ks = range(k * cfg.shard_size, min((k + 1) * cfg.shard_size, len(rows)))
+        return np.array([0.0 if sampling is None else sampling[i].temperature for i in ks], dtype=np.float32)
+
+    def check(k: int, path: Path) -> None:
+        z = np.load(path)
+        first = k * cfg.shard_size
+        want = [r["id"] for r in rows[first : first + cfg.shard_size]]
+        got = z["ids"].tolist()
+        if got != want:
+            raise ValueError(
+                f"{path} holds responses to other prompts than rows {first}..{first + len(want) - 1} of the prompt "
+                f"file ({len(got)} rows, first id {got[:1]}, expected {want[:1]}): remove it, or generate with the "
+                "prompt files it was generated from"
+            )
+        if not np.array_equal(shard_temperature(z), temperatures(k)):
+            raise ValueError(
+                f"{path} was generated with other sampling settings than this call's (--sample-share "
+                f"{cfg.sample_share}, --sample-temperature {cfg.sample_temperature}, --seed {cfg.seed}): remove it, "
+                "or pass the settings it was made with"
+            )
+
+    for k, path in missing_shards(paths, deadline, "generate", check):
         part = rows[k * cfg.shard_size : (k + 1) * cfg.shard_size]
+        first = k * cfg.shard_size
         order = sorted(range(len(part)), key=lambda i: len(part[i]["prompt_ids"]))  # similar lengths together
         responses: list[list[int] | None] = [None] * len(part)
         t0 = time.time()
         for s in range(0, len(order), cfg.batch_size):
             idx = order[s : s + cfg.batch_size]
-            outs = generate([part[i]["prompt_ids"] for i in idx])
+            rows_sampling = [SamplingConfig() if sampling is None else sampling[first + i] for i in idx]
+            outs = generate([part[i]["prompt_ids"] for i in idx], rows_sampling)
             for i, r in zip(idx, outs, strict=False):
                 responses[i] = r
         n_tok = sum(len(r) for r in responses)
-        save_shard(path, [r["prompt_ids"] for r in part], responses, [r["id"] for r in part])
+        temps = temperatures(k).tolist() if sampling is not None else None
+        save_shard(path, [r["prompt_ids"] for r in part], responses, [r["id"] for r in part], temps)
         dt = time.time() - t0
         log.info(
             "generate: shard %d/%d, %d prompts, %d response tokens in %.1fs (%.0f tok/s)",

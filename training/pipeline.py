@@ -1,7 +1,8 @@
-"""CLI: python -m training.pipeline {prompts,generate,features,train,eval,all} --workdir W [options].
+"""CLI: python -m training.pipeline {prompts,generate,features,train,eval,all,pack,unpack} --workdir W [options].
 
 Every stage is resumable and skips finished work; --minutes bounds one invocation's wall-clock time so
-that a call under a hard time limit ends cleanly with its progress saved.
+that a call under a hard time limit ends cleanly with its progress saved. pack / unpack carry a workdir's
+state (training state, generated shards, prompt files) to the next machine (training/carry.py).
 """
 
 from __future__ import annotations
@@ -25,11 +26,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-STAGES = ("prompts", "generate", "features", "train", "eval", "all")
+STAGES = ("prompts", "generate", "features", "train", "eval", "all", "pack", "unpack")
 GEN_DIR, FEAT_DIR, MAGPIE_DIR = "gen", "features", "magpie"
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from training.carry import MOMENTS, MiB, PackLimits  # the defaults of the knobs below are the configs' own
+    from training.evaluate import EvalConfig
+    from training.generate import GenerateConfig
+
     p = argparse.ArgumentParser(prog="python -m training.pipeline", description=__doc__)
     p.add_argument("stage", choices=STAGES)
     p.add_argument("--workdir", type=Path, required=True)
@@ -61,7 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SHARE",
         help="share of the Magpie shards whose messages start as a writing request (0..1, default 0)",
     )
-    g.add_argument("--seed", type=int, default=0, help="Magpie sampling and the training prompts' shuffle")
+    g.add_argument(
+        "--seed", type=int, default=0, help="Magpie sampling, the training prompts' shuffle, generate's sampled prompts"
+    )
     g = p.add_argument_group("generate")
     g.add_argument("--max-new-tokens", type=int, default=None, help="generate: 256, eval: 128")
     g.add_argument("--gen-batch", type=int, default=256)
@@ -74,10 +81,46 @@ def build_parser() -> argparse.ArgumentParser:
         help="greedy responses through the serving engine (continuous batching over min(--gen-batch, 64) "
         "slots, CUDA graphs on a GPU) or the plain batched model loop",
     )
+    g.add_argument(
+        "--sample-share",
+        type=float,
+        default=GenerateConfig.sample_share,
+        metavar="S",
+        help="share of the prompts answered by sampling (chosen by prompt index and --seed; the engine generator "
+        "only), the rest greedily; shards record each row's temperature (default 0: all greedy)",
+    )
+    g.add_argument(
+        "--sample-temperature",
+        type=float,
+        default=GenerateConfig.sample_temperature,
+        help="the sampled prompts' temperature (top-p 1)",
+    )
     g = p.add_argument_group("train")
     g.add_argument("--draft-vocab", type=int, default=8192)
-    g.add_argument("--train-steps", type=int, default=2000)
-    g.add_argument("--train-minutes", type=float, default=None, help="total training time (overrides steps)")
+    g.add_argument(
+        "--total-steps",
+        type=int,
+        default=None,
+        help="the schedule's optimizer steps over every stage; given once, recorded in the training state",
+    )
+    g.add_argument(
+        "--total-train-minutes",
+        type=float,
+        default=None,
+        help="the schedule's training minutes over every stage (the schedule follows time); given once, recorded",
+    )
+    g.add_argument(
+        "--train-steps",
+        type=int,
+        default=None,
+        help="steps of this stage (without a total and a saved state: also the total, TrainConfig.steps if neither)",
+    )
+    g.add_argument(
+        "--train-minutes",
+        type=float,
+        default=None,
+        help="training minutes of this stage (without a total and a saved state: also the total, by time)",
+    )
     g.add_argument("--batch-size", type=int, default=16)
     g.add_argument("--max-len", type=int, default=768)
     g.add_argument("--lr", type=float, default=3e-4)
@@ -102,15 +145,43 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--eval-batch", type=int, default=16)
     g.add_argument("--eval-limit", type=int, default=None, help="prompts per eval set (default: --limit)")
-    g.add_argument("--out", type=Path, default=None, help="JSON results (default: W/eval.json)")
+    g.add_argument(
+        "--out", type=Path, default=None, help="eval: JSON results (default: W/eval.json); pack: the folder to write"
+    )
     g.add_argument(
         "--check-equal",
         action="store_true",
         help="compare with plain greedy decoding; exit status 1 if any output differs",
     )
+    g.add_argument(
+        "--eval-temperature",
+        type=float,
+        default=EvalConfig.temperature,
+        help="eval: 0 greedy (default); else every request samples at it (prompt i of a set with seed i)",
+    )
+    g.add_argument("--eval-top-p", type=float, default=EvalConfig.top_p, help="eval: the sampled requests' top-p")
     g.add_argument("--eval-max-new-tokens", type=int, default=128, help="all: eval's max new tokens")
     g.add_argument(
         "--eval-reserve-minutes", type=float, default=2.0, help="all: run eval only if this much of the budget is left"
+    )
+    g = p.add_argument_group("pack / unpack (training/carry.py)")
+    g.add_argument("--what", default="all", help="sections: all (those the workdir has) or train,gen,prompts")
+    g.add_argument("--from", dest="sources", type=Path, nargs="+", default=None, help="unpack: the pack's folders")
+    g.add_argument(
+        "--moments",
+        choices=tuple(MOMENTS),
+        default=next(iter(MOMENTS)),
+        help="pack: AdamW's moments in the packed training state (the weights stay float32)",
+    )
+    g.add_argument("--max-file-mib", type=float, default=PackLimits.max_file_bytes / MiB, help="pack: one file")
+    g.add_argument(
+        "--max-files", type=int, default=PackLimits.max_files, help="pack: files in one call folder, manifest included"
+    )
+    g.add_argument(
+        "--max-call-mib",
+        type=float,
+        default=PackLimits.max_call_bytes / MiB,
+        help="pack: one call folder (what one call brings back, and what the next carries in beside the repository)",
     )
     return p
 
@@ -240,8 +311,16 @@ def stage_generate(ctx: Context) -> bool:
         log.info("generate: already done (%s)", done.read_text().strip())
         return True
     cfg = GenerateConfig(
-        max_new_tokens=a.max_new_tokens or 256, batch_size=a.gen_batch, shard_size=a.shard_size, limit=a.limit
+        max_new_tokens=a.max_new_tokens or 256,
+        batch_size=a.gen_batch,
+        shard_size=a.shard_size,
+        limit=a.limit,
+        sample_share=a.sample_share,
+        sample_temperature=a.sample_temperature,
+        seed=a.seed,
     )
+    if cfg.sample_share > 0 and a.generator != "engine":
+        raise ValueError("--sample-share needs --generator engine (the model loop samples a whole batch alike)")
     rows = read_prompts(w / TRAIN_FILE)
     eos = ctx.ckpt.config.eos_token_id
     if a.generator == "engine":  # the serving engine: CUDA graphs on a GPU, continuous batching
@@ -258,18 +337,19 @@ def stage_generate(ctx: Context) -> bool:
         )
         engine = make_verifier(ctx.ckpt, vcfg, graphs=True)
 
-        def generate(prompts: list[list[int]]) -> list[list[int]]:
-            return engine_generate(engine, prompts, cfg.max_new_tokens, eos)
+        def generate(prompts: list[list[int]], sampling: list) -> list[list[int]]:
+            return engine_generate(engine, prompts, cfg.max_new_tokens, eos, sampling=sampling)
     else:
         from training.generate import generate_batch
 
-        def generate(prompts: list[list[int]]) -> list[list[int]]:
+        def generate(prompts: list[list[int]], sampling: list) -> list[list[int]]:
             return generate_batch(ctx.model, prompts, cfg.max_new_tokens, eos, ctx.device)
 
     ok = generate_stage(generate, rows, w / GEN_DIR, cfg, ctx.deadline)
     if ok:
         n = len(rows) if cfg.limit is None else min(cfg.limit, len(rows))
-        done.write_text(json.dumps({"prompts": n, "max_new_tokens": cfg.max_new_tokens}) + "\n")
+        sampled = {"sample_share": cfg.sample_share, "sample_temperature": cfg.sample_temperature, "seed": cfg.seed}
+        done.write_text(json.dumps({"prompts": n, "max_new_tokens": cfg.max_new_tokens, **sampled}) + "\n")
     return ok
 
 
@@ -294,16 +374,23 @@ def stage_features(ctx: Context) -> bool:
 def stage_train(ctx: Context) -> bool:
     from training.features import StoredFeatures
     from training.generate import load_sequences
-    from training.train import TrainConfig, Trainer
+    from training.train import StageBudget, TrainConfig, Trainer
 
     a, w = ctx.args, ctx.args.workdir
     if (w / "train" / "DONE").exists():
         log.info("train: already done (%s)", (w / "train" / "DONE").read_text().strip())
         return True
+    if a.total_steps is not None and a.total_train_minutes is not None:
+        raise ValueError("give one total: --total-steps or --total-train-minutes")
+    given = a.total_steps is not None or a.total_train_minutes is not None
+    if given:
+        steps, minutes = a.total_steps or TrainConfig.steps, a.total_train_minutes
+    else:  # one stage, or a saved state's recorded total (Trainer: total_given=False)
+        steps, minutes = a.train_steps or TrainConfig.steps, a.train_minutes
     cfg = TrainConfig(
         draft_vocab=a.draft_vocab,
-        steps=a.train_steps,
-        minutes=a.train_minutes,
+        steps=steps,
+        minutes=minutes,
         batch_size=a.batch_size,
         max_len=a.max_len,
         lr=a.lr,
@@ -313,8 +400,34 @@ def stage_train(ctx: Context) -> bool:
     )
     seqs = load_sequences(w / GEN_DIR)
     feats = StoredFeatures(w / FEAT_DIR) if a.offline_features else None
-    trainer = Trainer(ctx.model, seqs, w, cfg, ctx.device, feats, init_from=a.init_head)
-    return trainer.run(ctx.deadline)
+    trainer = Trainer(ctx.model, seqs, w, cfg, ctx.device, feats, init_from=a.init_head, total_given=given)
+    return trainer.run(ctx.deadline, StageBudget(steps=a.train_steps, minutes=a.train_minutes))
+
+
+def stage_pack(ctx: Context) -> bool:
+    from training.carry import MiB, PackLimits, pack
+
+    a = ctx.args
+    if a.out is None:
+        raise ValueError("pack needs --out DIR (an empty folder; on the GPU machine a folder on its disk, see docs)")
+    limits = PackLimits(
+        max_file_bytes=int(a.max_file_mib * MiB), max_files=a.max_files, max_call_bytes=int(a.max_call_mib * MiB)
+    )
+    manifest = pack(a.workdir, a.out, a.what, limits, a.moments)
+    for k, names in enumerate(manifest["folders"], 1):
+        size = sum(manifest["files"][n]["bytes"] for n in names)
+        log.info("pack: call folder %s: %s (%.1f MiB)", a.out / str(k), ", ".join(names), size / MiB)
+    return True
+
+
+def stage_unpack(ctx: Context) -> bool:
+    from training.carry import unpack
+
+    a = ctx.args
+    if not a.sources:
+        raise ValueError("unpack needs --from DIR [DIR ...]: the folders the pack's call folders were carried into")
+    unpack(a.workdir, a.sources, a.what)
+    return True
 
 
 def stage_eval(ctx: Context, max_new_tokens: int | None = None) -> bool:
@@ -325,8 +438,11 @@ def stage_eval(ctx: Context, max_new_tokens: int | None = None) -> bool:
     from training.evaluate import EvalConfig, evaluate_set, format_table, pooled
     from training.prompts import EVAL_FILES, HELDOUT_SETS, heldout_prompts, read_prompts
     from training.sources import package_versions
+    from training.train import HEAD_INFO
 
     a, w = ctx.args, ctx.args.workdir
+    if a.check_equal and a.eval_temperature > 0:
+        raise ValueError("--check-equal compares with greedy decoding: leave --eval-temperature at 0")
     head_dir = a.head or (w / "head")
     sets = [x for s in a.sets.split(",") if s.strip() for x in HELDOUT_SETS.get(s.strip(), [s.strip()])]
     unknown = [s for s in sets if s not in EVAL_FILES and s not in HELDOUT_SETS["heldout"]]
@@ -337,6 +453,8 @@ def stage_eval(ctx: Context, max_new_tokens: int | None = None) -> bool:
         max_new_tokens=max_new_tokens or a.max_new_tokens or 128,
         batch_size=a.eval_batch,
         limit=a.eval_limit if a.eval_limit is not None else a.limit,
+        temperature=a.eval_temperature,
+        top_p=a.eval_top_p,
     )
     heldout = heldout_prompts(ctx.tokenizer) if any(s.startswith("heldout-") for s in sets) else {}
     prompts = {
@@ -364,12 +482,16 @@ def stage_eval(ctx: Context, max_new_tokens: int | None = None) -> bool:
     if len(categories) > 1:
         results["heldout-all"] = pooled([results[s] for s in categories])
     out = a.out or (w / "eval.json")
+    head_info = head_dir / HEAD_INFO  # a head the train stage exported: the step and minutes it was trained
     meta = {
         "head": str(head_dir),
+        "head_training": json.loads(head_info.read_text()) if head_info.exists() else None,
         "device": str(ctx.device),
         "dtype": ctx.dtype_name,
         "max_new_tokens": cfg.max_new_tokens,
         "limit": cfg.limit,
+        "temperature": cfg.temperature,
+        "top_p": cfg.top_p,
         "packages": package_versions(),
     }
     out.parent.mkdir(parents=True, exist_ok=True)  # a workdir of held-out sets alone has no prompts stage before
@@ -398,6 +520,8 @@ def main(argv: list[str] | None = None) -> int:
         "features": stage_features,
         "train": stage_train,
         "eval": stage_eval,
+        "pack": stage_pack,
+        "unpack": stage_unpack,
     }
     if args.stage == "eval":
         return 0 if stage_eval(ctx) else 1

@@ -6,7 +6,7 @@ import json
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -23,13 +23,14 @@ log = logging.getLogger(__name__)
 
 STATE_FILE = "train_state.pt"
 LOG_FILE = "train_log.jsonl"
+HEAD_INFO = "training.json"  # beside the exported head's weights: the step and minutes it was exported at
 
 
 @dataclass(frozen=True)
 class TrainConfig:
     draft_vocab: int = 8192
-    steps: int = 2000  # optimizer steps (ignored for the schedule when minutes is set)
-    minutes: float | None = None  # train for this much wall-clock time in total (across resumes)
+    steps: int = 2000  # the schedule's total optimizer steps, over every stage (ignored when minutes is set)
+    minutes: float | None = None  # the schedule's total training wall-clock time, over every stage
     batch_size: int = 16  # sequences per step
     max_len: int = 768  # tokens per sequence (prompt + response), longer ones are cut
     lr: float = 3e-4
@@ -56,6 +57,73 @@ class TrainConfig:
             raise ValueError(f"lr must be positive, got {self.lr}")
         if self.minutes is not None and not self.minutes > 0:
             raise ValueError(f"minutes must be positive, got {self.minutes}")
+
+
+# The TrainConfig fields a later stage must share with the state it continues: the schedule (its total and its
+# shape) and what the batches are made of. compile, save_every and log_every may change from stage to stage.
+RESUME_FIELDS = (
+    "draft_vocab",
+    "steps",
+    "minutes",
+    "batch_size",
+    "max_len",
+    "lr",
+    "min_lr_ratio",
+    "warmup",
+    "weight_decay",
+    "grad_clip",
+    "ttt_steps",
+    "step_weight",
+    "seed",
+)
+
+
+@dataclass(frozen=True)
+class StageBudget:
+    """How much one call (a stage) trains before it saves its state and stops; the schedule's total is the
+    TrainConfig's (steps or minutes). None: no bound of that kind."""
+
+    steps: int | None = None  # optimizer steps this stage
+    minutes: float | None = None  # training wall-clock minutes this stage
+
+    def __post_init__(self) -> None:
+        if self.steps is not None and self.steps < 1:
+            raise ValueError(f"stage steps must be >= 1, got {self.steps}")
+        if self.minutes is not None and not self.minutes > 0:
+            raise ValueError(f"stage minutes must be positive, got {self.minutes}")
+
+
+def resume_config(cfg: TrainConfig, saved: dict, total_given: bool = True) -> TrainConfig:
+    """The config a stage continues a saved state with: cfg, with the state's total (steps or minutes) when this
+    call gave none (total_given False). ValueError when a RESUME_FIELDS field differs from the state's (steps only
+    counts for a step schedule), so that a later stage cannot silently change the schedule.
+    Example: saved {"minutes": 24.0, "batch_size": 64, ...}, cfg minutes None, total_given False -> minutes 24.0."""
+    if not total_given:
+        cfg = replace(cfg, steps=saved.get("steps", cfg.steps), minutes=saved.get("minutes"))
+    timed = saved.get("minutes") is not None and cfg.minutes is not None
+    differ = [
+        f"{f} {saved[f]!r} (this call: {getattr(cfg, f)!r})"
+        for f in RESUME_FIELDS
+        if f in saved and not (f == "steps" and timed) and saved[f] != getattr(cfg, f)
+    ]
+    if differ:
+        raise ValueError(
+            "the training state was started with " + ", ".join(differ) + ": a later stage continues the same "
+            "schedule; pass the state's values (or leave out the total, which the state records)"
+        )
+    return cfg
+
+
+def read_state(path: Path) -> dict:
+    """A training state (Trainer.save_state's dict) from its file."""
+    return torch.load(str(path), map_location="cpu", weights_only=True)
+
+
+def write_state(path: Path, state: dict) -> None:
+    """Write a training state atomically (a call killed while writing leaves the previous one)."""
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(state, str(tmp))
+    tmp.replace(path)
 
 
 def draft_vocab(seqs: Sequences, size: int, vocab_size: int) -> torch.Tensor:
@@ -197,10 +265,17 @@ class Trainer:
         device: torch.device,
         features: StoredFeatures | None = None,
         init_from: Path | None = None,
+        total_given: bool = True,
     ) -> None:
-        self.base, self.seqs, self.cfg, self.device, self.features = base, seqs, cfg, device, features
+        """A saved state in workdir/train is continued (resume_config: with its recorded total when total_given is
+        False, refused when cfg changes its schedule); otherwise the head starts from init_from or from the base."""
         self.dir = workdir / "train"
         self.dir.mkdir(parents=True, exist_ok=True)
+        state_path = self.dir / STATE_FILE
+        st = read_state(state_path) if state_path.exists() else None
+        if st is not None:
+            cfg = resume_config(cfg, st.get("config", {}), total_given)
+        self.base, self.seqs, self.cfg, self.device, self.features = base, seqs, cfg, device, features
         self.head_dir = workdir / "head"
         keep = [i for i in range(len(seqs)) if seqs.get(i)[0].shape[0] - seqs.get(i)[1] >= 2]
         self.index = np.array(keep, dtype=np.int64)  # sequences with a response to learn from
@@ -212,12 +287,17 @@ class Trainer:
         self.head = Eagle3Head(self.hcfg)
         self.step, self.epoch, self.pos, self.elapsed = 0, 0, 0, 0.0
         self.samples = 0  # sequences trained on, across resumes
-        state_path = self.dir / STATE_FILE
-        if state_path.exists():
-            st = torch.load(str(state_path), map_location="cpu", weights_only=False)
+        if st is not None:
             self.head.load_state_dict(st["head"])
             self.step, self.epoch, self.pos, self.elapsed = st["step"], st["epoch"], st["pos"], st["elapsed"]
             self.samples = st.get("samples", 0)  # absent in states saved before it was counted
+            if st.get("sequences", self.index.size) != self.index.size:
+                log.warning(
+                    "train: the state was trained on %d sequences, this call has %d: the epoch's order changes from "
+                    "its position on",
+                    st["sequences"],
+                    self.index.size,
+                )
             log.info("train: resumed at step %d (%.1f min trained)", self.step, self.elapsed / 60)
         elif init_from is not None:  # continue from a saved head (fresh optimizer and schedule)
             from common.model.eagle3_io import load_eagle3
@@ -229,11 +309,9 @@ class Trainer:
                 )
             self.head.load_state_dict(saved.float().state_dict())
             log.info("train: starting from the head in %s", init_from)
-            st = None
         else:
             d2b = draft_vocab(seqs, cfg.draft_vocab, base.cfg.vocab_size)
             init_head(self.head, base, d2b, cfg.seed)
-            st = None
         self.head.to(device)
         self.head.train()
         self.draft_to_base = self.head.d2t + torch.arange(cfg.draft_vocab, device=device)
@@ -248,24 +326,32 @@ class Trainer:
         return self.step >= self.cfg.steps
 
     def save_state(self) -> None:
-        tmp = self.dir / (STATE_FILE + ".tmp")
-        torch.save(
-            {
-                "head": self.head.state_dict(),
-                "opt": self.opt.state_dict(),
-                "step": self.step,
-                "epoch": self.epoch,
-                "pos": self.pos,
-                "elapsed": self.elapsed,
-                "samples": self.samples,
-                "config": asdict(self.cfg),
-            },
-            str(tmp),
-        )
-        tmp.replace(self.dir / STATE_FILE)
+        """train/train_state.pt: the head, the optimizer, the schedule's position (step, epoch and position in
+        it, elapsed training time, samples) and the config, whose total and schedule later stages keep."""
+        state = {
+            "head": self.head.state_dict(),
+            "opt": self.opt.state_dict(),
+            "step": self.step,
+            "epoch": self.epoch,
+            "pos": self.pos,
+            "elapsed": self.elapsed,
+            "samples": self.samples,
+            "sequences": int(self.index.size),  # the training set the epochs' order is drawn over
+            "config": asdict(self.cfg),
+        }
+        write_state(self.dir / STATE_FILE, state)
 
     def export(self) -> list[Path]:
-        return save_eagle3(self.head, self.hcfg, self.head_dir, aux_layers=self.base.aux_layers)
+        """The head in the public layout (W/head, bf16) and HEAD_INFO beside it: the step it was exported at."""
+        files = save_eagle3(self.head, self.hcfg, self.head_dir, aux_layers=self.base.aux_layers)
+        info = {
+            "step": self.step,
+            "elapsed_min": round(self.elapsed / 60, 3),
+            "samples": self.samples,
+            "finished": self.done(),
+        }
+        (self.head_dir / HEAD_INFO).write_text(json.dumps(info) + "\n")
+        return [*files, self.head_dir / HEAD_INFO]
 
     def _batches(self) -> list[np.ndarray]:
         if self._epoch_cache is None or self._epoch_cache[0] != self.epoch:
@@ -320,16 +406,29 @@ class Trainer:
             "samples": b,
         }
 
-    def run(self, deadline: float | None = None) -> bool:
-        """Train until done or the deadline; saves state on the way out. True when training finished."""
+    def run(self, deadline: float | None = None, budget: StageBudget | None = None) -> bool:
+        """Train until the schedule's total is reached, the deadline passes or this stage's budget is spent; saves
+        the state on the way out and exports the head (W/head) when this call trained. True when training finished."""
         cfg = self.cfg
+        budget = budget or StageBudget()
+        first_step, first_elapsed = self.step, self.elapsed
         window: list[dict] = []
         t_last = time.time()
         with (self.dir / LOG_FILE).open("a") as logf:
             while not self.done():
-                if deadline is not None and time.time() > deadline:
+                stage_spent = (budget.steps is not None and self.step - first_step >= budget.steps) or (
+                    budget.minutes is not None and self.elapsed - first_elapsed >= budget.minutes * 60
+                )
+                if stage_spent or (deadline is not None and time.time() > deadline):
+                    if window:  # the steps since the last log line, so that the log covers every stage
+                        logf.write(json.dumps(summarize(window) | {"elapsed_min": round(self.elapsed / 60, 2)}) + "\n")
                     self.save_state()
-                    log.info("train: time budget spent at step %d; state saved", self.step)
+                    if self.step > first_step:
+                        self.export()
+                    why = "this stage's budget" if stage_spent else "the time budget"
+                    log.info(
+                        "train: %s spent at step %d (%.1f min trained); state saved", why, self.step, self.elapsed / 60
+                    )
                     return False
                 rec = self.train_step()
                 now = time.time()
