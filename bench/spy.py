@@ -8,7 +8,8 @@ state file) unless --gateway and --pid are given. For each kind of bench.load (i
 prompts, max_tokens 128, EOS stops): an untimed ghz run of 2 x c requests, then ghz with c in flight for
 --requests (default 60 x c) while `py-spy record --pid PID --duration SECONDS --rate RATE --format raw` samples the
 verifier from --delay seconds into the run. GetModelInfo's engine_time before and after gives the run's phases as
-bench.load's engine table does. py-spy (PyPI `py-spy`, a binary: --py-spy PATH, $PY_SPY or py-spy on the PATH)
+bench.load's engine table does; GetModelInfo after the runs (the policy's estimates per batch bucket) goes to
+spy.json. py-spy (PyPI `py-spy`, a binary: --py-spy PATH, $PY_SPY or py-spy on the PATH)
 needs ptrace permission over the verifier (root, or the stack started by this bench).
 
 The engine thread's samples are the stacks through `EngineCore.step`; summarize() gives each place's share of them
@@ -226,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
             results[kind]["engine"] = engine_spent(before, after)
             if why:
                 log.warning("ghz %s: %s", kind, why)
+        after_runs = client.model_info()  # the policy's estimates per batch bucket after the runs, for spy.json
     meta = {
         "title": f"{info.get('device', '?')}, {info.get('dtype', '?')}, c={a.concurrency}, {n} requests a run",
         "command": "python -m bench.spy " + shlex.join(argv if argv is not None else sys.argv[1:]),
@@ -235,7 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     md = markdown(results, meta)
     (out / "spy.md").write_text(md)
-    (out / "spy.json").write_text(json.dumps({"meta": meta, "kinds": results}, indent=1) + "\n")
+    (out / "spy.json").write_text(
+        json.dumps({"meta": meta, "kinds": results, "model_info": after_runs}, indent=1) + "\n"
+    )
     (out / "commands.txt").write_text("\n".join(ghz.commands) + "\n")
     sys.stdout.write(md)
     return 0 if len(results) == len(a.kinds) else 1

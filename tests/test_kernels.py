@@ -773,7 +773,7 @@ def test_chained_block(sampled):
 
 def test_chained_block_refuses_what_its_kernel_cannot_read(monkeypatch):
     """On the Triton path a layout the kernel does not take is a ValueError, not the reference's launches in its
-    place (a keep column once sent every chained round of the GPU stack there, unseen)."""
+    place; the engine's layout (float64 trees, a keep column, the block written in place) is taken."""
     import common.kernels as kernels
 
     monkeypatch.setattr(kernels, "_MODE", "triton")  # on CPU: Triton's interpreter; on a GPU the tensors are CUDA's
@@ -822,3 +822,27 @@ def test_accept_inputs(chained):
         got = ops().accept_inputs(got_p, got_h, *args, after, length)
         assert torch.equal(got_p, want_p) and torch.equal(got_h, want_h), (bb, b, length, n)
         assert all(torch.equal(x, y) for x, y in zip(got, want)), (bb, b, length, n)
+
+
+def test_the_drafters_warm_up_of_accept_inputs_passes_the_kernels_checks(monkeypatch):
+    """Eagle3Drafter._warm_accept_inputs (run at graph capture, so that the kernel's compile is start-up's) hands
+    the Triton path tensors it takes, for both kinds of launch; on CPU through Triton's interpreter."""
+    import types
+
+    import common.kernels as kernels
+    from common.engine.draft import Eagle3Drafter
+    from common.engine.draft_parts import accept_block
+
+    monkeypatch.setattr(kernels, "_MODE", "triton")
+    calls = []
+    real = kernels.accept_inputs
+    monkeypatch.setattr(kernels, "accept_inputs", lambda *a: calls.append(a[4] is not None) or real(*a))
+    fake = types.SimpleNamespace(
+        max_new=4,
+        device=DEV,
+        _accept_block=lambda b, n: accept_block(b, n, 0),
+        _hidden_block=lambda b, n: torch.zeros(b, n, 12, dtype=torch.float16),
+    )
+    with torch.no_grad():
+        Eagle3Drafter._warm_accept_inputs(fake)
+    assert calls == [False, True]

@@ -155,7 +155,20 @@ class Eagle3Drafter:
                     step = functools.partial(self._accept_step, width=self._width(False))
                     block = {"packed": self._accept_block(bb, lb), "hidden": self._hidden_block(bb, lb)}
                     self.graphs.capture(("accept", bb, lb, self._width(False)), step, block)
+            self._warm_accept_inputs()
         self.graphs.log_report()
+
+    def _warm_accept_inputs(self) -> None:
+        """One accept_inputs of each kind (a first launch behind a verify, a chained one) on a one-row block:
+        launch_after runs it between replays, and its kernel's compile (or its load from Triton's cache) belongs to
+        start-up, not to the first chained round (and the policy's cost sample of it)."""
+        length = self.max_new
+        packed = self._accept_block(1, length).to(self.device)  # [1, L + 5]
+        hidden = self._hidden_block(1, length).to(self.device)  # [1, L, 3H]
+        result = torch.zeros((1, length + 1), dtype=torch.int64, device=self.device)  # [1, T + 1] nothing accepted
+        kept = hidden[:, :1].clone()  # [1, 1, 3H] the root's features
+        took, m, _ = kernels.accept_inputs(packed, hidden, result, kept, None, length)
+        kernels.accept_inputs(packed, hidden, result, kept, (m, took), length)
 
     def _variants(self) -> list[tuple[int, bool]]:
         """(depth bucket, sampled) of the captured steps, deepest first: top-k trees at every depth bucket;

@@ -255,7 +255,7 @@ class Verifier(SampledVerify):
             cols[:, -2] = [states[i].length + len(items[i].token_ids) - 1 for i in hot]
             cols[:, -1] = hot
             # one pinned copy behind the queued replay: a pageable one would hold the host until the replay is done,
-            # before the next group is queued (on an H200 at 64 sampled requests, a tenth of the engine thread)
+            # before the next group is queued
             on = torch.from_numpy(cols)
             on = on.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else on
             rows = SamplingRows.unpack(on[:, :-2], on[:, -2])

@@ -280,7 +280,7 @@ def chained_block(
 ) -> torch.Tensor:
     """A chained round's next verify block, in `out` (which may be prev) or a new tensor; see
     reference.chained_block. On the Triton path a layout its kernel does not take is an error, not a quiet fall
-    back to the reference's twenty launches (a drafter's keep column once sent every chained round there)."""
+    back to the reference's twenty launches."""
     if not use_triton(prev):
         return reference.chained_block(prev, result, tokens, parents, keep, tb, n_col, out)
     two_d = [x for x in (prev, result, tokens, parents, out) if x is not None]
