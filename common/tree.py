@@ -57,6 +57,12 @@ class Tree:
         return int(self.tokens.shape[0])
 
 
+# a row that drafts nothing this round: its verify decodes one token (a plain row, a joiner taken in)
+NO_TREE = Tree(
+    tokens=np.zeros(0, dtype=np.int64), parents=np.zeros(0, dtype=np.int64), probs=np.zeros(0, dtype=np.float32)
+)
+
+
 def validate_tree(
     tokens: np.ndarray,
     parents: np.ndarray,

@@ -382,6 +382,9 @@ class Declining:
     def launch_after(self, items, accepted, after=None):
         return None
 
+    def take(self, items):
+        return False
+
 
 class Flaky:
     """The EAGLE drafter behind a link that goes down: proposes fail while `down`, and available() says so."""
@@ -401,6 +404,9 @@ class Flaky:
 
     def launch_after(self, items, accepted, after=None):
         return None  # a drafter in another process never drafts on this device
+
+    def take(self, items):
+        return False  # nor takes prompts in without a tree
 
     def available(self):
         return not self.down
@@ -435,6 +441,29 @@ def test_a_drafter_that_fails_costs_nothing_and_speculation_resumes(engines, pla
     check_free(core)
 
 
+def join_while_down(v, drafter) -> tuple[dict[str, list[int]], bool, EngineCore]:
+    """s0 runs three steps on trees, then s1 joins with the drafter armed to go down as s1's prompt reaches it; it
+    answers again from the step after the core went plain. -> (each sequence's tokens, whether the core went
+    plain, the core)."""
+    core = EngineCore(v, drafter, FixedPolicy(TREE), CoreConfig(max_sequences=2, rounds_per_step=1, draft_retry_s=1e-3))
+    core.add(req(0, 16))
+    got: dict[str, list[int]] = {}
+    for _ in range(3):
+        for o in core.step():
+            got[o.seq_id] = got.get(o.seq_id, []) + o.tokens
+    drafter.armed = True
+    core.add(req(1, 16))
+    degraded = False
+    for _ in range(60):
+        for o in core.step():
+            got[o.seq_id] = got.get(o.seq_id, []) + o.tokens
+        if core.degraded:
+            degraded, drafter.down = True, False  # it answers again from the next step on
+        if not core.seqs:
+            break
+    return got, degraded, core
+
+
 class DownAtJoin(Flaky):
     """The drafter goes down during the propose of a joiner's prompt (once armed)."""
 
@@ -452,22 +481,7 @@ def test_a_drafter_lost_during_a_joiners_propose_fails_no_request(engines, plain
     and both get the base model's tokens."""
     v, d = engines
     flaky = DownAtJoin(d)
-    core = EngineCore(v, flaky, FixedPolicy(TREE), CoreConfig(max_sequences=2, rounds_per_step=1, draft_retry_s=1e-3))
-    core.add(req(0, 16))
-    got = {}
-    for _ in range(3):
-        for o in core.step():
-            got[o.seq_id] = got.get(o.seq_id, []) + o.tokens
-    flaky.armed = True
-    core.add(req(1, 16))
-    degraded = False
-    for _ in range(60):
-        for o in core.step():
-            got[o.seq_id] = got.get(o.seq_id, []) + o.tokens
-        if core.degraded:
-            degraded, flaky.down = True, False  # it answers again from the next step on
-        if not core.seqs:
-            break
+    got, degraded, core = join_while_down(v, flaky)
     assert degraded and flaky.fails >= 1 and [got["s0"], got["s1"]] == [plain[0], plain[1]]
     d.release(["s0", "s1"])  # a drafter that went down lost what it held (a restarted process); this double kept it
     check_free(core)
@@ -546,3 +560,66 @@ def test_sampled_rounds_chain_on_the_device_with_the_hosts_tokens(engines, plain
     assert len(settled) == chained  # the host's rounds: nothing chained
     assert got[0] == got[1]
     assert got[0]["s2"][0] == plain[2] and got[0]["s0"][0] != plain[0]
+
+
+class Counting:
+    """The EAGLE drafter, its proposes' and takes' items recorded; take fails once armed (the drafter goes down)."""
+
+    def __init__(self, inner):
+        self.inner, self.name = inner, inner.name
+        self.proposed: list[tuple[str, bool]] = []  # (seq id, a start item) of every propose
+        self.taken: list[str] = []
+        self.armed = self.down = False
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def propose(self, items):
+        if self.down:
+            raise PeerUnavailable("the draft is down")
+        self.proposed += [(it.seq_id, it.start) for it in items]
+        return self.inner.propose(items)
+
+    def take(self, items):
+        if self.armed:
+            self.down, self.armed = True, False
+        if self.down:
+            raise PeerUnavailable("the draft is down")
+        self.taken += [it.seq_id for it in items]
+        return self.inner.take(items)
+
+    def launch_after(self, items, accepted, after=None):
+        return None if self.down else self.inner.launch_after(items, accepted, after)
+
+    def available(self):
+        return not self.down
+
+
+def test_a_joiner_beside_running_rows_is_taken_in_and_drafts_behind_its_first_verify(engines, plain):
+    """A sequence runs on trees; a second joins: its prompt is taken in without a propose (nothing waited for), its
+    first round decodes one token in the others' verify, and its trees come from the drafting behind it (no
+    propose for it ever). A lone first request is proposed (a decode round of its own would cost a round). Both
+    get the base model's tokens; the joiner's first round (no tree) is not counted as one of its tree rounds."""
+    v, d = engines
+    drafter = Counting(d)
+    policy = Cycle([TREE])
+    core = EngineCore(v, drafter, policy, CoreConfig(max_sequences=2, rounds_per_step=1))
+    got = run(core, {0: [req(0, 16)], 2: [req(1, 16)]})
+    assert [got["s0"][0], got["s1"][0]] == [plain[0], plain[1]]
+    assert drafter.taken == ["s1"] and drafter.proposed[0] == ("s0", True), (drafter.taken, drafter.proposed)
+    assert all(sid != "s1" for sid, _ in drafter.proposed), drafter.proposed
+    # s1's rounds: its tokens less its prefill's token, less its first round's (a decode: no tree, not counted)
+    assert 0 < got["s1"][2] <= 16 - 2, got["s1"]
+    check_free(core)
+
+
+def test_a_drafter_lost_during_a_joiners_take_fails_no_request(engines, plain):
+    """The drafter goes down as a joiner's prompt is taken in: the core goes plain (no step raises), and once the
+    drafter answers again both sequences are caught up and draft; both get the base model's tokens."""
+    v, d = engines
+    drafter = Counting(d)
+    got, degraded, core = join_while_down(v, drafter)
+    assert degraded and [got["s0"], got["s1"]] == [plain[0], plain[1]]
+    assert ("s1", True) in drafter.proposed  # caught up after the failure: a start item proposed
+    d.release(["s0", "s1"])  # a drafter that went down lost what it held (a restarted process); this double kept it
+    check_free(core)

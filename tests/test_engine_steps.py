@@ -24,7 +24,7 @@ from common.errors import InvalidRequest, UnknownSequence
 from common.kernels.reference import accept_greedy_device, tree_ancestors
 from common.kernels.reference import select_top_nodes as select_top_nodes_device
 from common.model.eagle3 import Eagle3Config, Eagle3Head
-from common.tree import Tree, ancestor_mask, depths, select_top_nodes
+from common.tree import NO_TREE, Tree, ancestor_mask, depths, select_top_nodes
 
 CPU = torch.device("cpu")
 PROMPTS = [
@@ -445,6 +445,35 @@ def test_drafting_after_a_verify_equals_a_propose_of_its_outcome(verifiers, draf
     for d in (exact, padded, chained):
         assert d.release(ids) == 3
     v.release(ids + ["t"])
+
+
+def test_a_prompt_taken_in_drafts_behind_its_first_verify_what_a_propose_would(verifiers, drafters) -> None:
+    """Drafter.take: prompts taken in without a tree (the exact drafter's and the padded one's accept passes),
+    verified as rows of no tree (one token each), then drafted behind that verify on the device: the trees equal
+    a propose of the prompt (its tree unused) and then of the verify's outputs; the lengths agree."""
+    v, _ = verifiers
+    exact, padded = drafters
+    taker = Eagle3Drafter(exact.head, exact.embed, exact.drafting, 4, 256, CPU)
+    ids = ["p", "q"]
+    outs = [v.prefill(PrefillInput(s, p, SamplingConfig())) for s, p in zip(ids, PROMPTS)]
+    starts = [ProposeInput.after_prefill(s, p, o, 20) for s, p, o in zip(ids, PROMPTS, outs)]
+    exact.propose(starts)
+    assert taker.take(starts) and padded.take(starts)
+    assert [taker.seqs.get(s)[1].length for s in ids] == [exact.seqs.get(s)[1].length for s in ids]
+    handles = []
+
+    def then(acc):
+        handles.extend(d.launch_after([ProposeAfter(s, 20) for s in ids], acc) for d in (taker, padded))
+
+    results = finish(v.verify_steps([VerifyInput(s, NO_TREE) for s in ids], then))
+    assert [len(r.tokens) for r in results] == [1, 1]
+    want = exact.propose([ProposeInput.after_verify(s, r, 20) for s, r in zip(ids, results)])
+    for d, h in zip((taker, padded), handles):
+        _same_trees(want, d.read_after(h, [0, 1]))
+        assert [d.seqs.get(s)[1].length for s in ids] == [exact.seqs.get(s)[1].length for s in ids]
+    for d in (exact, padded, taker):
+        assert d.release(ids) == 2
+    v.release(ids)
 
 
 def test_multi_step_decode_equals_single_steps(verifiers) -> None:

@@ -238,6 +238,10 @@ class Drafter(Protocol):
 
     def propose(self, items: list[ProposeInput]) -> list[Tree]: ...  # finish(propose_steps(items))
     def propose_steps(self, items: list[ProposeInput]) -> Steps[list[Tree]]: ...
+    # items (a joiner's prompt) taken in without a tree, queued on the device, the host waiting for none of it:
+    # their first trees come from the drafting behind their first verify (launch_after), which verifies them as
+    # rows of no tree. False: this drafter cannot draft behind a verify; it took nothing (propose them instead)
+    def take(self, items: list[ProposeInput]) -> bool: ...
     # after: the launch whose trees this verify verified, read by nobody (a chained round)
     def launch_after(self, items: list[ProposeAfter], accepted: Accepted, after: object = None) -> object | None: ...
     def settle_after(self, launched: object) -> None: ...  # a launch a chained round consumed: count its tokens

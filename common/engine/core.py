@@ -28,7 +28,9 @@ a prefix of the verify's rows (LaunchAfter).
 The drafter's view of a sequence (Draft): the tokens committed since it last saw it, with the base
 model's features that produced them (common.rounds explains the one-token shift). After a verify whose
 next trees were launched on the device, the drafter has them already; otherwise (a plain round, a batch the
-device chain declined, a joiner's prompt) they wait here and go with its next propose. A drafter that fails
+device chain declined) they wait here and go with its next propose. A joiner's prompt beside rows that draft
+already is taken in without a tree (Drafter.take: nothing waited for): its first round decodes one token in their
+verify, and its trees are drafted behind it from then on; a prompt alone is proposed. A drafter that fails
 (a remote draft service down) loses every sequence: they go on plainly, and once it answers again each is
 caught up from features recomputed over its whole context in the verifier's spare slot.
 
@@ -47,7 +49,6 @@ import threading
 import time
 from collections.abc import Callable
 
-import numpy as np
 import torch
 
 from common.engine.base import (
@@ -65,13 +66,10 @@ from common.engine.core_drafts import DraftSupply
 from common.engine.core_parts import CoreConfig, Draft, Snapshot
 from common.policy import PLAIN, Choice, Member, Shape
 from common.sequence import Finish, Request, SeqOutput, Sequence, Status, output
-from common.tree import Tree
+from common.tree import NO_TREE
 
 log = logging.getLogger(__name__)
 AHEAD = 2  # rounds a call that goes on keeps launched beyond the one the host reads (each about a round's device time)
-NO_TREE = Tree(
-    tokens=np.zeros(0, dtype=np.int64), parents=np.zeros(0, dtype=np.int64), probs=np.zeros(0, dtype=np.float32)
-)
 
 
 class EngineCore(DraftSupply):
@@ -344,6 +342,8 @@ class EngineCore(DraftSupply):
         sampled = any(s.band != "greedy" for s, _ in order)
         inputs = [VerifyInput(s.seq_id, trees[s.seq_id] if t is not NO_TREE else NO_TREE) for s, t in order]
         follow, committing = [self._following(s) for s, _ in order], [0.0]
+        # each row's tree in the first round: its shape, or NO_TREE (a row that does not draft, a joiner taken in)
+        first = [NO_TREE if t is NO_TREE or trees[s.seq_id] is NO_TREE else t for s, t in order]
         extend = chain is not None and rounds > 1  # a try's call runs its round alone
 
         def commit(r: int, done: int, results: list) -> bool:
@@ -355,10 +355,10 @@ class EngineCore(DraftSupply):
             launched = chain is not None and len(chain.handles) == done  # the last round's next trees are coming
             drafting = len(chained) if r < done - 1 or launched else 0  # rows whose tokens the drafter has
             verified = []  # every tree teaches the policy what the draft accepts, pinned ones too
-            for i, ((s, t), out) in enumerate(zip(order, results)):
+            for i, ((s, _), out) in enumerate(zip(order, results)):
                 if s.status is not Status.RUNNING:  # it stopped in an earlier round of the call
                     continue
-                tokens, tree = out.tokens, t if r == 0 else later[i]
+                tokens, tree = out.tokens, first[i] if r == 0 else later[i]
                 if tree is not NO_TREE:
                     s.count_round(trees[s.seq_id].size if r == 0 else tree.nodes, len(tokens) - 1)
                     verified.append((s.seq_id, s.band, tree, min(len(tokens) - 1, tree.depth)))

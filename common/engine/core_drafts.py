@@ -14,7 +14,7 @@ from common.errors import PeerUnavailable, UnknownSequence
 from common.policy import Shape
 from common.rounds import start_shift
 from common.sequence import Sequence, Status
-from common.tree import Tree
+from common.tree import NO_TREE, Tree
 
 log = logging.getLogger(__name__)
 SPARE_ID = "~features"  # the verifier's spare slot: features recomputed for a drafter catching up
@@ -26,12 +26,14 @@ class DraftSupply:
     sequences, drafts, launch and clock)."""
 
     def _trees(self, spec: list[tuple[Sequence, Shape]]) -> tuple[dict[str, Tree], bool, bool, float]:
-        """The trees of this round's drafting rows ({seq_id: tree}; a row missing: the drafter failed it), whether
-        every row joins, whether the round is a catch-up, and the seconds spent on joining rows. A joining row is a
-        joiner's prompt, or a sequence caught up after a plain stretch or a drafter failure: its propose runs a
-        long accept pass, in a call of its own; a round that has nothing but joining rows, one of them with more
-        tokens than a round's to catch up (the first after plain steps), is a catch-up; one of new prompts alone
-        (one request at a time) is not."""
+        """The trees of this round's drafting rows ({seq_id: tree}; a row missing: the drafter failed it; NO_TREE: a
+        joiner taken in, which decodes this round and drafts behind it), whether every row joins, whether the
+        round is a catch-up, and the seconds spent on joining rows. A joining row is a joiner's prompt, or a
+        sequence caught up after a plain stretch or a drafter failure: its accept pass is long. A prompt (a start
+        item) beside rows that are not joining is taken in without a tree where the drafter can (Drafter.take:
+        nothing waited for); else, and for a catch-up, its propose runs in a call of its own. A round that has
+        nothing but joining rows, one of them with more tokens than a round's to catch up (the first after plain
+        steps), is a catch-up; one of new prompts alone (one request at a time) is not."""
         trees = self._settle_launch()
         todo = [(s, t) for s, t in spec if s.seq_id not in trees]
         joins = [(d := self.drafts[s.seq_id]).start is not None or len(d.tokens) > JOINING_TOKENS for s, _ in todo]
@@ -42,11 +44,31 @@ class DraftSupply:
         going = [(s, t, self._propose_input(s, t)) for (s, t), j in zip(todo, joins) if not j]
         t0 = self.clock()
         joining = [(s, t, self._propose_input(s, t)) for (s, t), j in zip(todo, joins) if j]
+        # prompts riding along in a call of rows that draft already (its round costs them nothing more); a call of
+        # prompts alone proposes them: a decode round of its own would cost one round
+        starts = [x for x in joining if x[2].start] if len(joining) < len(spec) else []
+        if starts and self._take(starts, trees):
+            joining = [x for x in joining if not x[2].start]
         self._propose(joining, trees)
         joining_s = self.clock() - t0
         self._propose(going, trees)
-        alone = len(joining) == len(spec)
+        alone = len(joining) + len(starts) == len(spec)
         return trees, alone, alone and caught, joining_s
+
+    def _take(self, todo: list[tuple[Sequence, Shape, ProposeInput]], trees: dict[str, Tree]) -> bool:
+        """These start items taken in by the drafter without a tree (Drafter.take), NO_TREE into `trees` for
+        each; False: it cannot (propose them). When it fails they get none: they go on plainly."""
+        try:
+            if not self.drafter.take([it for _, _, it in todo]):
+                return False
+        except Exception as e:  # noqa: BLE001 - a drafter failure never fails a request: they go on plainly
+            self._lose([s for s, _, _ in todo], e)
+            return True
+        for s, _, _ in todo:
+            trees[s.seq_id] = NO_TREE
+            d = self.drafts[s.seq_id]
+            d.tokens, d.hidden, d.start = [], [], None
+        return True
 
     def _propose(self, todo: list[tuple[Sequence, Shape, ProposeInput]], trees: dict[str, Tree]) -> None:
         """The drafter's trees for these rows, into `trees` (none when it fails: they go on plainly)."""

@@ -28,9 +28,11 @@ captured for it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
+from collections.abc import Iterator
 
 import torch
 
@@ -386,9 +388,17 @@ class Eagle3Drafter:
         parts = [it.hidden[start : start + k].to(device=self.device, dtype=dtype) for it, k in zip(items, counts)]
         rows = torch.cat(parts)
         rows = torch.cat((rows, rows.new_zeros(1, rows.shape[1])))  # [sum k + 1, 3H]
-        src = gather_index(counts, bb, length)
-        hidden = rows.index_select(0, torch.from_numpy(src).to(self.device).view(-1)).view(bb, length, -1)
+        src = self._to_device(torch.from_numpy(gather_index(counts, bb, length)))  # [bb, L]
+        hidden = rows.index_select(0, src.view(-1)).view(bb, length, -1)
         return block, hidden
+
+    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the device without waiting: on a GPU through pinned memory of torch's caching host
+        allocator (not reused before the copy has run), queued on the current stream; a pageable copy would
+        hold the host until the stream's queued work is done."""
+        if self.device.type != "cuda":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
 
     def _accept_span(self, rows: int, longest: int) -> int:
         return accept_span(rows, longest, self.accept_buckets, self.graphs.pad)
@@ -505,10 +515,10 @@ class Eagle3Drafter:
             st.length += took[r]
         return trees
 
-    @torch.inference_mode()  # a generator: torch enters the mode at each resume
-    def propose_steps(self, items: list[ProposeInput]) -> Steps[list[Tree]]:
-        """propose as steps: the drafting is launched, then (on a GPU) the call yields until it is done,
-        then reads the trees."""
+    @contextlib.contextmanager
+    def _taking(self, items: list[ProposeInput]) -> Iterator[None]:
+        """A call over the items' new tokens: start items acquire their slots (released again when the call
+        fails), the items are checked, and each sequence counts its new tokens once the call is through."""
         check_unique([it.seq_id for it in items])
         started = [it.seq_id for it in items if it.start]
         for it in items:
@@ -516,18 +526,37 @@ class Eagle3Drafter:
                 self.seqs.acquire(it.seq_id, self._new_seq(it))
         try:
             self._check(items)
-            with self.graphs.on_stream():
-                res, noise = self._launch(items)
-            yield from self.graphs.launched()
-            with self.graphs.on_stream():
-                trees = self._read(items, res, noise)
+            yield
         except BaseException:
             for s in started:
                 self.seqs.release(s)
             raise
         for it in items:
             self.seqs.get(it.seq_id)[1].length += len(it.token_ids)
+
+    @torch.inference_mode()  # a generator: torch enters the mode at each resume
+    def propose_steps(self, items: list[ProposeInput]) -> Steps[list[Tree]]:
+        """propose as steps: the drafting is launched, then (on a GPU) the call yields until it is done,
+        then reads the trees."""
+        with self._taking(items):
+            with self.graphs.on_stream():
+                res, noise = self._launch(items)
+            yield from self.graphs.launched()
+            with self.graphs.on_stream():
+                trees = self._read(items, res, noise)
         return trees
+
+    @torch.inference_mode()
+    def take(self, items: list[ProposeInput]) -> bool:
+        """Sequences taken in without a tree (common.engine.base.Drafter.take): their accept passes queued on the
+        device behind the caller's work (the prefill that made their features), the host waiting for none of it;
+        each one's first tree is drafted behind its first verify (launch_after)."""
+        with self._taking(items), self.graphs.after_caller() as stream:
+            if stream is not None:  # made on the caller's stream, read on this one after the caller drops them
+                for it in items:
+                    it.hidden.record_stream(stream)
+            self._accept_passes(items, self._width(False), roots=False)
+        return True
 
     def _launch(self, items: list[ProposeInput]) -> tuple[DraftOut, dict[str, torch.Tensor]]:
         """The round's drafting queued on the device -> (its outputs, the sampling noise block: empty when
@@ -562,34 +591,9 @@ class Eagle3Drafter:
     def _run_with_prompts(
         self, items: list[ProposeInput], bb: int, depth: int, noise: dict[str, torch.Tensor]
     ) -> DraftOut:
-        """A round where sequences start or bring more new tokens than a propose graph takes: accept passes
-        in two groups (new sequences over their prompts; the others over their new tokens), each padded to
-        a rows and tokens bucket and replayed where captured, in several passes of _accept_span tokens when
-        one captured pass cannot take them all (a catch-up of 16 sequences' whole contexts), then the
-        expansion for everyone. Padded positions are written past a row's tokens (clamped inside the slot) and never
-        read before they are rewritten."""
-        roots: dict[int, Root] = {}
-        width = self._width(bool(noise))
-        step = functools.partial(self._accept_step, width=width)
-        for group in ([i for i, it in enumerate(items) if it.start], [i for i, it in enumerate(items) if not it.start]):
-            if group:
-                sub = [items[i] for i in group]
-                gb = self.graphs.bucket(len(sub), self.batch_buckets)
-                longest = max(len(it.token_ids) for it in sub)
-                span = self._accept_span(gb, longest)
-                for start in range(0, longest, span):  # each pass attends to the ones before it in the cache
-                    lb = self.graphs.bucket(min(span, longest - start), self.accept_buckets)
-                    packed, hidden = self._pack(sub, gb, lb, start)
-                    out = self.graphs.run(("accept", gb, lb, width), step, {"packed": packed, "hidden": hidden})
-                    ends = [j for j, it in enumerate(sub) if start < len(it.token_ids) <= start + span]
-                    if not ends:
-                        continue
-                    # the rows whose last token was here, copied to outlive the next replay: a slice when they are
-                    # all of them (one pass, the common case: no indices to send to the device), else a gather
-                    rows = slice(None, len(sub)) if len(ends) == len(sub) else torch.tensor(ends, device=self.device)
-                    root = Root(*(t[rows].clone() for t in (out.hidden, out.logp, out.ids)))
-                    for r, j in enumerate(ends):
-                        roots[group[j]] = Root(hidden=root.hidden[r], logp=root.logp[r], ids=root.ids[r])
+        """A round where sequences start or bring more new tokens than a propose graph takes: their accept
+        passes (_accept_passes), then the expansion for everyone."""
+        roots = self._accept_passes(items, self._width(bool(noise)), roots=True)
         pad = bb - len(items)
         expand = self._expand_block(bb)
         a = expand.numpy()
@@ -612,3 +616,37 @@ class Eagle3Drafter:
                 **noise,
             },
         )
+
+    def _accept_passes(self, items: list[ProposeInput], width: int, roots: bool) -> dict[int, Root]:
+        """The items' new tokens through the head in two groups (new sequences over their prompts; the others
+        over their new tokens), each padded to a rows and tokens bucket and replayed where captured, in several
+        passes of _accept_span tokens when one captured pass cannot take them all (a catch-up of 16 sequences'
+        whole contexts). Padded positions are written past a row's tokens (clamped inside the slot) and never
+        read before they are rewritten. Returns each item's root (by index) when `roots`, else nothing (take:
+        the roots are the verify's to make). The blocks go to the device through pinned memory of their own:
+        a graph's staging buffer would be rewritten by the next pass of the same key before its copy has run
+        when nothing waits between them (take)."""
+        out_roots: dict[int, Root] = {}
+        step = functools.partial(self._accept_step, width=width)
+        for group in ([i for i, it in enumerate(items) if it.start], [i for i, it in enumerate(items) if not it.start]):
+            if not group:
+                continue
+            sub = [items[i] for i in group]
+            gb = self.graphs.bucket(len(sub), self.batch_buckets)
+            longest = max(len(it.token_ids) for it in sub)
+            span = self._accept_span(gb, longest)
+            for start in range(0, longest, span):  # each pass attends to the ones before it in the cache
+                lb = self.graphs.bucket(min(span, longest - start), self.accept_buckets)
+                packed, hidden = self._pack(sub, gb, lb, start)
+                packed = self._to_device(packed)
+                out = self.graphs.run(("accept", gb, lb, width), step, {"packed": packed, "hidden": hidden})
+                ends = [j for j, it in enumerate(sub) if start < len(it.token_ids) <= start + span]
+                if not roots or not ends:
+                    continue
+                # the rows whose last token was here, copied to outlive the next replay: a slice when they are
+                # all of them (one pass, the common case: no indices to send to the device), else a gather
+                rows = slice(None, len(sub)) if len(ends) == len(sub) else torch.tensor(ends, device=self.device)
+                root = Root(*(t[rows].clone() for t in (out.hidden, out.logp, out.ids)))
+                for r, j in enumerate(ends):
+                    out_roots[group[j]] = Root(hidden=root.hidden[r], logp=root.logp[r], ids=root.ids[r])
+        return out_roots

@@ -91,6 +91,9 @@ class _OracleBase:
         """No drafting on the device after a verify: the callers propose from the verify's outputs."""
         return None
 
+    def take(self, items: list[ProposeInput]) -> bool:
+        return False  # nothing drafts behind a verify: the callers propose
+
     def settle_after(self, launched: object) -> None:
         raise NotImplementedError("test oracles launch nothing after a verify (launch_after gives None)")
 

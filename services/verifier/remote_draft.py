@@ -158,6 +158,9 @@ class RemoteDrafter:
     def launch_after(self, items: list[ProposeAfter], accepted: Accepted, after: object = None) -> None:
         return None  # the device chain needs the drafter in this process: the core proposes instead
 
+    def take(self, items: list[ProposeInput]) -> bool:
+        return False  # nothing drafts behind a verify in another process: the core proposes them
+
     def settle_after(self, launched: object) -> None:
         raise NotImplementedError("RemoteDrafter.launch_after never launches")
 
