@@ -12,7 +12,8 @@ A bucket that runs plain switches to a tree only when the tree's rate exceeds pl
 that runs trees stays on them while the best tree's rate is at least plain's (hysteresis). A switch to trees costs
 what a rate leaves out (the catch-up of every row's drafting over the plain stretch, a call cut short) and staying
 costs nothing: without the hysteresis, a batch whose tree and plain estimates sit at the margin's edge switches back
-and forth and pays a catch-up each time, below both kinds (docs/decisions.md).
+and forth and pays a catch-up each time, below both kinds (docs/decisions.md). Between trees the same: a bucket on a
+tree keeps it while another's rate beats it by less than `stay` (5%; a switch ends the device chain's call).
 
 Acceptance (AcceptanceTable). alpha(band, s, i) = (passed + w * pool) / (reached + w): decayed counts of the
 rounds of s that reached level i and accepted there, w = prior_weight pseudo-rounds of the pooled figure:
@@ -57,7 +58,7 @@ reach the cap (at most 6 shapes of at most 3 rounds each per 1024 rounds; tests/
 
 Worked example (tests/test_policy.py::test_the_docstring_example). Calibration at batch 1: decode 10 ms,
 verify of 2 / 5 rows 11 / 14 ms, propose of depth 1 / 4 1 / 4 ms; menu (1x1, 4x4), prior 0.6 per level,
-nothing observed, one greedy sequence, plain_steps 1:
+margin and stay 0, nothing observed, one greedy sequence, plain_steps 1:
     plain 1 / 10 ms = 100 tok/s;  1x1 (1 + .6) / 12 ms = 133.3;  4x4 (1 + .6 + .36 + .216 + .1296) / 18 ms
     = 2.3056 / 18 ms = 128.1  -> 1x1.
 Steady rounds of 1x1 at batch 1 then take 15 ms (acceptance not reported: still the prior): bucket 1's tree
@@ -186,6 +187,11 @@ class PolicyConfig:
     # that a rate leaves out (the catch-up of every row's drafting, a call cut short); a bucket on trees leaves them
     # when plain's rate beats the best tree's (module docstring: hysteresis)
     margin: float = 0.1
+    # a bucket on a tree keeps it while another tree's rate beats it by less than this share: a switch between trees
+    # ends the call (its verify graph's tree bucket changes, so the device chain cannot go on: one more call's host
+    # work and wait), which rates leave out; without it a bucket whose trees' estimates sit within a few percent
+    # (3x8 and 2x4 at 64 sequences) switches back and forth
+    stay: float = 0.05
     # tree rows a round verifies at most, over its bucket's batch (batch x (nodes + 1)): a shape past it is off that
     # bucket's menu, never chosen nor tried there. Through the gateway on an H200 at 64 sequences, a pinned 3x8
     # (576 rows) ran 1.10x plain while the default, spreading its rounds over 4x16 (1,088) and 6x32 (2,112) and
@@ -202,8 +208,8 @@ class PolicyConfig:
             raise ValueError("prior must be in (0, 1), prior_weight and seq_prior > 0")
         if min(self.half_life, self.seq_memory, self.pooled_half_life, self.seq_relax) <= 0:
             raise ValueError("half_life, pooled_half_life, seq_memory and seq_relax must be > 0")
-        if not 0 <= self.margin < 1:
-            raise ValueError(f"margin must be in [0, 1), got {self.margin}")
+        if not 0 <= self.margin < 1 or not 0 <= self.stay < 1:
+            raise ValueError(f"margin and stay must be in [0, 1), got {self.margin}, {self.stay}")
         if self.cost_window < 1 or self.cost_memory < 1 or self.try_rounds < 1 or self.confirm < 0:
             raise ValueError("cost_window, cost_memory and try_rounds must be >= 1, confirm >= 0")
         if self.max_rows < 1:
@@ -259,6 +265,9 @@ class AdaptivePolicy:
         for i, score in enumerate(scores):  # ties: the first of plain, *menu
             if score is not None and score > top:
                 best, top = i, score
+        last = bk.last_pick if bk.on_trees else None
+        if best and last and best != last and scores[last] is not None and scores[last] * (1 + self.cfg.stay) >= top:
+            best = last  # another tree within `stay` of the one running: a switch would cost more than it gains
         if bk.trying is not None and bk.trying != best and not bk.try_seen and bk.try_left > 0:
             bk.try_left -= 1  # the try goes on: its first round was not reported steady
             bk.cells[bk.trying].last_run = bk.rounds

@@ -87,7 +87,7 @@ def drive(p: AdaptivePolicy, n: int, rounds: int, accepted: Callable[[int], int]
 
 def test_the_docstring_example() -> None:
     """The module docstring's worked example, every figure by hand."""
-    p = AdaptivePolicy(PolicyConfig(menu=(CHAIN1, CHAIN4), prior=0.6, margin=0.0), table())
+    p = AdaptivePolicy(PolicyConfig(menu=(CHAIN1, CHAIN4), prior=0.6, margin=0.0, stay=0.0), table())
     a = members(1)
     # plain 1 / 10 ms; 1x1 (1 + .6) / (1 + 11 ms); 4x4 (1 + .6 + .36 + .216 + .1296) / (4 + 14 ms)
     assert p.rates(a, 1) == pytest.approx({PLAIN: 100, CHAIN1: 1.6 / 0.012, CHAIN4: 2.3056 / 0.018})
@@ -151,7 +151,7 @@ def test_batch_64_history_is_not_charged_to_batch_1() -> None:
     166.7)^2 = 44.4) at 45, 61 and 77, then 2 x 16 x 2.78 = 89 rounds later, at 166. Bound: 0 rounds of plain but
     its tries."""
     costs = table(1) + table(64, decode=12, verify2=14, verify5=20)
-    p = AdaptivePolicy(PolicyConfig(menu=(CHAIN1, CHAIN4)), costs)
+    p = AdaptivePolicy(PolicyConfig(menu=(CHAIN1, CHAIN4), stay=0.0), costs)  # the tries' figures without stay
     core = Core(p)
     at64 = core.run(64, 500, lambda r: 4, spec_overhead=60 * MS, plain_overhead=1 * MS)
     assert all(c.shape.plain for c in at64[2:] if not c.explored)
@@ -183,7 +183,7 @@ def test_a_bucket_with_its_own_history_switches_back_at_once() -> None:
     trees: plain's rate without the margin). Bucket 1 has its own costs: after the 500 rounds at 64 its very
     first round is a tree again. Bound: 0 rounds."""
     costs = table(1) + table(64, decode=12, verify2=14, verify5=20)
-    p = AdaptivePolicy(PolicyConfig(menu=(CHAIN1, CHAIN4)), costs)
+    p = AdaptivePolicy(PolicyConfig(menu=(CHAIN1, CHAIN4), stay=0.0), costs)  # the tries' figures without stay
     core = Core(p)
     before = core.run(1, 130, lambda r: 4)
     tries = [(i + 1, c.shape) for i, c in enumerate(before) if c.explored]
@@ -597,6 +597,30 @@ def test_a_bucket_keeps_the_kind_it_runs_while_the_other_is_within_the_margin() 
         assert not choice.explored
         picks.append(choice.shape)
     assert picks == [PLAIN, CHAIN1, CHAIN1, PLAIN, PLAIN]
+
+
+def test_a_bucket_on_a_tree_keeps_it_while_another_is_within_stay() -> None:
+    """table(), plain far below (30 ms a step: 33 tok/s), both trees accepting .5 a level exactly: 1x1 1.5 tokens a
+    round, 4x4 1 + .5 + .25 + .125 + .0625 = 1.9375; their costs set by 8 steady rounds at a time. 1x1 at 10 ms:
+    150 tok/s; 4x4 at 13.5 ms 143.5 -> 1x1; 4x4 at 12.6 ms 153.8 (2.5% above) -> 1x1 stays (stay 5%; without it
+    4x4); 4x4 at 12 ms 161.5 (7.6% above) -> 4x4; 1x1 at 9.6 ms 156.25 against 4x4 at 12.6 ms (1.6% above) -> 4x4
+    stays (without: 1x1)."""
+    steps = (((CHAIN1, 10), (CHAIN4, 13.5)), ((CHAIN4, 12.6),), ((CHAIN4, 12),), ((CHAIN4, 12.6),), ((CHAIN1, 9.6),))
+    with_stay, without = [CHAIN1, CHAIN1, CHAIN4, CHAIN4, CHAIN4], [CHAIN1, CHAIN4, CHAIN4, CHAIN4, CHAIN1]
+    for stay, want in ((0.05, with_stay), (0.0, without)):
+        p = AdaptivePolicy(PolicyConfig(menu=(CHAIN1, CHAIN4), prior_weight=1e-9, stay=stay), table())
+        feed(p, 0.5)
+        for _ in range(8):
+            p.observe_round(1, PLAIN, 30 * MS)
+        picks = []
+        for costs in steps:
+            for shape, ms in costs:
+                for _ in range(8):
+                    p.observe_round(1, shape, ms * MS)
+            choice = p.choose(members(1), 1)
+            assert not choice.explored
+            picks.append(choice.shape)
+        assert picks == want, stay
 
 
 def test_a_tree_past_max_rows_is_off_its_buckets_menu() -> None:

@@ -21,7 +21,7 @@ from common.engine.draft import ACCEPT_TOKENS, Eagle3Drafter
 from common.engine.oracle import GreedyOracleDrafter
 from common.engine.verifier import Verifier, VerifierConfig
 from common.model.eagle3 import Eagle3Config, Eagle3Head
-from common.tree import Tree
+from common.tree import NO_TREE, Tree
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -206,6 +206,30 @@ def test_drafting_after_a_verify_on_graphs(f32, prompts) -> None:
     for s in ids:
         assert gd.seqs.get(s)[1].length == ed.seqs.get(s)[1].length
     for eng in (gv, gd, ed, oracle):
+        eng.release(ids)
+
+
+def test_prompts_taken_in_on_graphs_draft_behind_their_first_verify(f32, prompts) -> None:
+    """Drafter.take on captured graphs: the prompts' accept passes queued on the drafter's stream behind the
+    prefill, nothing waited for; verified as rows of no tree (one token each) with their trees launched behind that
+    verify: those trees equal an eager drafter's propose of the prompts (trees unused) and then of the outputs."""
+    gv, gd, head = f32
+    ed = Eagle3Drafter(head, gv.model.embed_tokens, DRAFTING, 8, 512, DEV)  # eager, exact sizes
+    ids = ["t0", "t1", "t2"]
+    outs = gv.prefill_batch([PrefillInput(s, p, SamplingConfig()) for s, p in zip(ids, prompts)])
+    starts = [ProposeInput.after_prefill(s, p, o, 60) for s, p, o in zip(ids, prompts, outs)]
+    ed.propose(starts)
+    assert gd.take(starts)
+    launch = LaunchAfter(gd, [ProposeAfter(s, 60) for s in ids])
+    results = finish(gv.verify_steps([VerifyInput(s, NO_TREE) for s in ids], launch))
+    assert launch.handle is not None and [len(r.tokens) for r in results] == [1, 1, 1]
+    want = ed.propose([ProposeInput.after_verify(s, r, 60) for s, r in zip(ids, results)])
+    for w, g in zip(want, gd.read_after(launch.handle, [0, 1, 2])):
+        assert w.tokens.tolist() == g.tokens.tolist() and w.parents.tolist() == g.parents.tolist()
+        np.testing.assert_allclose(g.probs, w.probs, rtol=1e-3, atol=1e-5)
+    for s in ids:
+        assert gd.seqs.get(s)[1].length == ed.seqs.get(s)[1].length
+    for eng in (gv, gd, ed):
         eng.release(ids)
 
 
