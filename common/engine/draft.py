@@ -34,6 +34,7 @@ import logging
 import time
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 
 from common import kernels, validate
@@ -429,64 +430,84 @@ class Eagle3Drafter:
         work queued there, the caller does not wait for it. after: the launch whose trees this verify verified
         (a chained round): the lengths follow from it on the device; it is settled (settle_after) before this
         one is read."""
-        states = []
-        ahead = 0 if after is None else after.ahead + self.max_new  # tokens the host has not counted yet, at most
-        for it in items:
-            try:
-                slot, st = self.seqs.get(it.seq_id)
-            except UnknownSequence:
-                return None
-            if st.length + ahead + self.max_new > self.max_context:
-                return None
-            if not 0 <= it.max_depth <= self.drafting.steps:
-                raise InvalidRequest(f"max_depth must be in [0, {self.drafting.steps}], got {it.max_depth}")
-            states.append((slot, st))
         b, length = len(items), self.max_new
         if accepted.kept.shape[1] > length:  # trees deeper than this drafter drafts (not its own): more new tokens
             return None
-        bb = self.graphs.bucket(b, self.batch_buckets)
-        noise = noise_block(bb, [st for _, st in states])
-        depth = self.graphs.bucket(max(self._depth(it) for it in items), self.depth_buckets)
-        depth = self.drafting.steps if noise else depth  # sampled variants: the drafter's depth only
-        block = self._accept_block(bb, length)
-        a = block.numpy()  # [bb, L + 5]: the host's columns; the tokens and their count come from the device
-        keeps = [self._keep(it) for it in items]
-        a[:b, length] = [st.length for _, st in states]
-        a[:b, length + 2] = [slot for slot, _ in states]
-        a[:b, length + 3] = keeps
-        a[:b, length + 4] = [self._depth(it) for it in items]
+        ahead = 0 if after is None else after.ahead + self.max_new  # tokens the host has not counted yet, at most
+        # a chained launch over the rows of the launch before it: its key, host columns and noise stand (the graph's
+        # input buffers hold them; accept_inputs rewrites the rest in place), no row lookup and no copy
+        reuse = after is not None and after.items is items
+        if reuse:
+            key, noise, lengths, keeps, sampled = after.key, after.noise, after.lengths, after.keeps, after.sampled
+        else:
+            states = []
+            for it in items:
+                try:
+                    states.append(self.seqs.get(it.seq_id))
+                except UnknownSequence:
+                    return None
+                if not 0 <= it.max_depth <= self.drafting.steps:
+                    raise InvalidRequest(f"max_depth must be in [0, {self.drafting.steps}], got {it.max_depth}")
+            lengths = np.fromiter((st.length for _, st in states), dtype=np.int64, count=b)  # [B]
+            bb = self.graphs.bucket(b, self.batch_buckets)
+            noise = noise_block(bb, [st for _, st in states])
+            depth = self.graphs.bucket(max(self._depth(it) for it in items), self.depth_buckets)
+            depth = self.drafting.steps if noise else depth  # sampled variants: the drafter's depth only
+            key = ("propose", bb, length, depth, bool(noise))
+            keeps = [self._keep(it) for it in items]
+            sampled = [i for i, (_, st) in enumerate(states) if noise and not st.sampling.greedy]
+        if (lengths + ahead + self.max_new > self.max_context).any():
+            return None
+        depth = key[3]
         t0 = time.perf_counter()
         with self.graphs.after_caller() as stream:
             for t in (accepted.result, accepted.kept):  # made on the verifier's stream, read on this one
                 if stream is not None:
                     t.record_stream(stream)
             start = self.graphs.event()
-            key = ("propose", bb, length, depth, bool(noise))
-            # the accept pass's inputs written where its graph reads them (or, with no graph, in new tensors):
-            # the host's columns copied from pinned memory of torch's caching host allocator (not reused before
-            # this copy has run: the graphs' staging buffers could be rewritten by the next launch before it has),
-            # the verify's tokens and features by one kernel (accept_inputs: took, m and keep [b] besides)
-            static = self.graphs.inputs(key)
-            host = block.pin_memory() if stream is not None else block
-            if static is None:
-                packed = host.to(self.device, non_blocking=True)  # [bb, L + 5]
-                hidden = torch.empty((bb, length, self.feature_dim), dtype=self.cache.kv.dtype, device=self.device)
+            if reuse:
+                packed, hidden = after.inputs
             else:
-                packed, hidden = static["packed"], static["hidden"]
-                packed.copy_(host, non_blocking=True)
-            lengths = None if after is None else (after.m, after.took)  # what the host has not counted yet
-            took, m, keep = kernels.accept_inputs(packed, hidden, accepted.result, accepted.kept, lengths, length)
+                packed, hidden = self._after_inputs(key, states, lengths, keeps, items, stream is not None)
+            lengths_ahead = None if after is None else (after.m, after.took)  # what the host has not counted yet
+            took, m, keep = kernels.accept_inputs(packed, hidden, accepted.result, accepted.kept, lengths_ahead, length)
             step = functools.partial(self._propose_step, depth=depth)
             out = self.graphs.run(key, step, {"packed": packed, "hidden": hidden, **noise})
             tree = out.tree[:b].clone()  # outlives the next replay
-            sampled = [i for i, (_, st) in enumerate(states) if noise and not st.sampling.greedy]
             q = self._q_rows(out, sampled)
             tokens, parents = tree[:, 0], tree[:, 1]  # [b, N] each, for a chained verify (views: no launch)
             done = self.graphs.event()
         kids = min(self.drafting.top_k, max(keeps))  # a node's children: at most top_k, and the tree's nodes
         chained = Chained(tokens, parents, keep, max(keeps), depth, done, kids)  # depth: a bound
         wall = time.perf_counter() - t0
-        return AfterVerify(list(items), tree, took, m, ahead, chained, sampled, q, start, done, wall)
+        inputs = (packed, hidden)
+        return AfterVerify(
+            items, tree, took, m, ahead, chained, sampled, q, start, done, wall, key, inputs, noise, lengths, keeps
+        )
+
+    def _after_inputs(
+        self, key: tuple, states: list, lengths: np.ndarray, keeps: list[int], items: list[ProposeAfter], pin: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A first launch's accept inputs (packed [BB, L + 5], hidden [BB, L, 3H]) where its graph reads them, or
+        with no graph in new tensors, the host's columns written (length, slot, keep, depth): copied from pinned
+        memory of torch's caching host allocator (not reused before this copy has run: the graphs' staging buffers
+        could be rewritten by the next launch before it has); accept_inputs writes the verify's tokens and
+        features."""
+        bb, length, b = key[1], self.max_new, len(items)
+        block = self._accept_block(bb, length)
+        a = block.numpy()  # [bb, L + 5]: the host's columns; the tokens and their count come from the device
+        a[:b, length] = lengths
+        a[:b, length + 2] = [slot for slot, _ in states]
+        a[:b, length + 3] = keeps
+        a[:b, length + 4] = [self._depth(it) for it in items]
+        host = block.pin_memory() if pin else block
+        static = self.graphs.inputs(key)
+        if static is None:
+            packed = host.to(self.device, non_blocking=True)  # [bb, L + 5]
+            hidden = torch.empty((bb, length, self.feature_dim), dtype=self.cache.kv.dtype, device=self.device)
+            return packed, hidden
+        static["packed"].copy_(host, non_blocking=True)
+        return static["packed"], static["hidden"]
 
     def settle_after(self, launched: AfterVerify) -> None:
         """A launch whose trees a chained round verified (the host never read them): its sequences count the

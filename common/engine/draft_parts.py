@@ -46,7 +46,7 @@ class DraftOut:
 class AfterVerify:
     """Trees launched on the device after a verify (Eagle3Drafter.launch_after), until read_after reads them."""
 
-    items: list[ProposeAfter]  # row i: the verify's item i
+    items: list[ProposeAfter]  # row i: the verify's item i (the caller's list: a chained launch over it reuses inputs)
     tree: torch.Tensor  # [B, 4, N] _expand_step's tree block, copied out of the graph's buffer
     took: torch.Tensor  # [B] new tokens each row took (the verify's accepted count + 1)
     m: torch.Tensor  # [B] each row's length before them
@@ -57,6 +57,14 @@ class AfterVerify:
     start: torch.cuda.Event | None  # timing events around the drafting on the drafter's stream (None on CPU)
     done: torch.cuda.Event | None
     eager_s: float  # the launch's wall (on CPU: the whole drafting)
+    # what a chained launch over the same items reuses: the graph key, the inputs the drafting read (packed [BB, L + 5]
+    # with the host's columns, hidden [BB, L, 3H]: the graph's buffers, rewritten in place), the noise block, the rows'
+    # lengths [B] as the host had them (the context check), and the rows' keep
+    key: tuple
+    inputs: tuple[torch.Tensor, torch.Tensor]
+    noise: dict[str, torch.Tensor]
+    lengths: np.ndarray
+    keeps: list[int]
 
     def seconds(self) -> float:
         """The drafting's device time (once done): between the events on a GPU, the eager wall on CPU."""
