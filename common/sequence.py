@@ -16,7 +16,7 @@ import enum
 from dataclasses import dataclass, field
 
 from common.config import SamplingConfig
-from common.policy import Shape, band
+from common.policy import Member, Shape, band
 from common.rounds import cut_at_stop
 
 
@@ -72,6 +72,7 @@ class Sequence:
     req: Request
     seq_id: str = ""  # req.seq_id (an attribute: read several times a sequence a step)
     band: str = ""  # its temperature band (common.policy.band): the policy's acceptance statistics
+    member: Member | None = None  # the policy's view of it (made once: the policy decides for 64 of them a call)
     status: Status = Status.WAITING
     prefilled: int = 0  # prompt tokens in the verifier's cache
     tokens: list[int] = field(default_factory=list)  # [generated] committed tokens
@@ -86,6 +87,7 @@ class Sequence:
     def __post_init__(self) -> None:
         self.seq_id = self.req.seq_id
         self.band = band(self.req.sampling.temperature)
+        self.member = Member(self.seq_id, self.band)
 
     @property
     def generated(self) -> int:

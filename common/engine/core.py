@@ -284,7 +284,7 @@ class EngineCore(DraftSupply):
     def _members(self, running: list[Sequence]) -> list[Member]:
         """The sequences the policy decides for: speculative, not pinned, followed by the drafter."""
         return [
-            Member(s.seq_id, s.band)
+            s.member
             for s in running
             if s.req.tree is None and (d := self.drafts.get(s.seq_id)) is not None and not d.lost and not d.dead
         ]
