@@ -623,3 +623,23 @@ def test_a_drafter_lost_during_a_joiners_take_fails_no_request(engines, plain):
     assert ("s1", True) in drafter.proposed  # caught up after the failure: a start item proposed
     d.release(["s0", "s1"])  # a drafter that went down lost what it held (a restarted process); this double kept it
     check_free(core)
+
+
+def test_sampled_joiners_taken_in_reproduce_their_seeded_tokens(engines, plain):
+    """Seeded requests at temperature 0.7 joining a row that drafts (one-hot trees) are taken in without a tree (their
+    first round a decode in its verify): two runs give the same tokens (a seed reproduces an output on one path; the
+    one-hot rule's draws test each drafted node, so another path, a proposed first tree, draws other tokens of the
+    same distribution), and the greedy row stays plain decoding's."""
+    v, d = engines
+    hot = [SamplingConfig(temperature=0.7, top_p=0.9, seed=11), SamplingConfig(temperature=0.7, seed=5)]
+    got = []
+    for _ in range(2):
+        drafter = Counting(d)
+        cfg = CoreConfig(max_sequences=4, rounds_per_step=2, call_rounds=2)  # s2 alone does not run to its end
+        core = EngineCore(v, drafter, FixedPolicy(TREE), cfg)
+        late = [Request(f"s{i}", PROMPTS[i], s, max_new=16) for i, s in enumerate(hot)]
+        got.append(run(core, {0: [req(2)], 1: late}))
+        check_free(core)
+        assert sorted(drafter.taken) == ["s0", "s1"], drafter.taken
+    assert got[0] == got[1]
+    assert got[0]["s2"][0] == plain[2] and got[0]["s0"][0] != plain[0]
