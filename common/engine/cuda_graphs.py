@@ -260,6 +260,16 @@ class CudaGraphManager:
         ready.record(self.stream)
         return host, ready
 
+    def to_device(self, host: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """host on the device, the host waiting for nothing: on a GPU through pinned memory of torch's caching host
+        allocator (not reused before the copy has run, unlike a graph's staging buffer, which the next feed of its
+        key rewrites), queued on the current stream (a pageable copy would hold the host until the stream's queued
+        work is done); into out when given (a graph's input buffer). On CPU host itself, or out filled."""
+        if self.device.type != "cuda":
+            return host if out is None else out.copy_(host)
+        pinned = host.pin_memory()
+        return pinned.to(self.device, non_blocking=True) if out is None else out.copy_(pinned, non_blocking=True)
+
     def event(self) -> torch.cuda.Event | None:
         """A timing event recorded on the engine's stream after the work queued so far; None on CPU."""
         if self.stream is None:

@@ -389,17 +389,9 @@ class Eagle3Drafter:
         parts = [it.hidden[start : start + k].to(device=self.device, dtype=dtype) for it, k in zip(items, counts)]
         rows = torch.cat(parts)
         rows = torch.cat((rows, rows.new_zeros(1, rows.shape[1])))  # [sum k + 1, 3H]
-        src = self._to_device(torch.from_numpy(gather_index(counts, bb, length)))  # [bb, L]
+        src = self.graphs.to_device(torch.from_numpy(gather_index(counts, bb, length)))  # [bb, L]
         hidden = rows.index_select(0, src.view(-1)).view(bb, length, -1)
         return block, hidden
-
-    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
-        """A host tensor on the device without waiting: on a GPU through pinned memory of torch's caching host
-        allocator (not reused before the copy has run), queued on the current stream; a pageable copy would
-        hold the host until the stream's queued work is done."""
-        if self.device.type != "cuda":
-            return host
-        return host.pin_memory().to(self.device, non_blocking=True)
 
     def _accept_span(self, rows: int, longest: int) -> int:
         return accept_span(rows, longest, self.accept_buckets, self.graphs.pad)
@@ -438,7 +430,8 @@ class Eagle3Drafter:
         # input buffers hold them; accept_inputs rewrites the rest in place), no row lookup and no copy
         reuse = after is not None and after.items is items
         if reuse:
-            key, noise, lengths, keeps, sampled = after.key, after.noise, after.lengths, after.keeps, after.sampled
+            key, noise, lengths, sampled = after.key, after.noise, after.lengths, after.sampled
+            depth, keep_max = after.chained.depth, after.chained.keep_max
         else:
             states = []
             for it in items:
@@ -455,20 +448,17 @@ class Eagle3Drafter:
             depth = self.drafting.steps if noise else depth  # sampled variants: the drafter's depth only
             key = ("propose", bb, length, depth, bool(noise))
             keeps = [self._keep(it) for it in items]
+            keep_max = max(keeps)
             sampled = [i for i, (_, st) in enumerate(states) if noise and not st.sampling.greedy]
         if (lengths + ahead + self.max_new > self.max_context).any():
             return None
-        depth = key[3]
         t0 = time.perf_counter()
         with self.graphs.after_caller() as stream:
             for t in (accepted.result, accepted.kept):  # made on the verifier's stream, read on this one
                 if stream is not None:
                     t.record_stream(stream)
             start = self.graphs.event()
-            if reuse:
-                packed, hidden = after.inputs
-            else:
-                packed, hidden = self._after_inputs(key, states, lengths, keeps, items, stream is not None)
+            packed, hidden = after.inputs if reuse else self._after_inputs(key, bb, states, lengths, keeps, items)
             lengths_ahead = None if after is None else (after.m, after.took)  # what the host has not counted yet
             took, m, keep = kernels.accept_inputs(packed, hidden, accepted.result, accepted.kept, lengths_ahead, length)
             step = functools.partial(self._propose_step, depth=depth)
@@ -477,37 +467,32 @@ class Eagle3Drafter:
             q = self._q_rows(out, sampled)
             tokens, parents = tree[:, 0], tree[:, 1]  # [b, N] each, for a chained verify (views: no launch)
             done = self.graphs.event()
-        kids = min(self.drafting.top_k, max(keeps))  # a node's children: at most top_k, and the tree's nodes
-        chained = Chained(tokens, parents, keep, max(keeps), depth, done, kids)  # depth: a bound
+        kids = min(self.drafting.top_k, keep_max)  # a node's children: at most top_k, and the tree's nodes
+        chained = Chained(tokens, parents, keep, keep_max, depth, done, kids)  # depth: a bound
         wall = time.perf_counter() - t0
         inputs = (packed, hidden)
         return AfterVerify(
-            items, tree, took, m, ahead, chained, sampled, q, start, done, wall, key, inputs, noise, lengths, keeps
+            items, tree, took, m, ahead, chained, sampled, q, start, done, wall, key, inputs, noise, lengths
         )
 
     def _after_inputs(
-        self, key: tuple, states: list, lengths: np.ndarray, keeps: list[int], items: list[ProposeAfter], pin: bool
+        self, key: tuple, bb: int, states: list, lengths: np.ndarray, keeps: list[int], items: list[ProposeAfter]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A first launch's accept inputs (packed [BB, L + 5], hidden [BB, L, 3H]) where its graph reads them, or
-        with no graph in new tensors, the host's columns written (length, slot, keep, depth): copied from pinned
-        memory of torch's caching host allocator (not reused before this copy has run: the graphs' staging buffers
-        could be rewritten by the next launch before it has); accept_inputs writes the verify's tokens and
-        features."""
-        bb, length, b = key[1], self.max_new, len(items)
+        with no graph in new tensors, the host's columns written (length, slot, keep, depth; through pinned memory:
+        CudaGraphManager.to_device); accept_inputs writes the verify's tokens and features."""
+        length, b = self.max_new, len(items)
         block = self._accept_block(bb, length)
         a = block.numpy()  # [bb, L + 5]: the host's columns; the tokens and their count come from the device
         a[:b, length] = lengths
         a[:b, length + 2] = [slot for slot, _ in states]
         a[:b, length + 3] = keeps
         a[:b, length + 4] = [self._depth(it) for it in items]
-        host = block.pin_memory() if pin else block
         static = self.graphs.inputs(key)
         if static is None:
-            packed = host.to(self.device, non_blocking=True)  # [bb, L + 5]
             hidden = torch.empty((bb, length, self.feature_dim), dtype=self.cache.kv.dtype, device=self.device)
-            return packed, hidden
-        static["packed"].copy_(host, non_blocking=True)
-        return static["packed"], static["hidden"]
+            return self.graphs.to_device(block), hidden
+        return self.graphs.to_device(block, out=static["packed"]), static["hidden"]
 
     def settle_after(self, launched: AfterVerify) -> None:
         """A launch whose trees a chained round verified (the host never read them): its sequences count the
@@ -644,9 +629,8 @@ class Eagle3Drafter:
         passes of _accept_span tokens when one captured pass cannot take them all (a catch-up of 16 sequences'
         whole contexts). Padded positions are written past a row's tokens (clamped inside the slot) and never
         read before they are rewritten. Returns each item's root (by index) when `roots`, else nothing (take:
-        the roots are the verify's to make). The blocks go to the device through pinned memory of their own:
-        a graph's staging buffer would be rewritten by the next pass of the same key before its copy has run
-        when nothing waits between them (take)."""
+        the roots are the verify's to make). The blocks go through CudaGraphManager.to_device: passes of one key
+        are queued back to back, nothing waiting between them (take)."""
         out_roots: dict[int, Root] = {}
         step = functools.partial(self._accept_step, width=width)
         for group in ([i for i, it in enumerate(items) if it.start], [i for i, it in enumerate(items) if not it.start]):
@@ -659,7 +643,7 @@ class Eagle3Drafter:
             for start in range(0, longest, span):  # each pass attends to the ones before it in the cache
                 lb = self.graphs.bucket(min(span, longest - start), self.accept_buckets)
                 packed, hidden = self._pack(sub, gb, lb, start)
-                packed = self._to_device(packed)
+                packed = self.graphs.to_device(packed)
                 out = self.graphs.run(("accept", gb, lb, width), step, {"packed": packed, "hidden": hidden})
                 ends = [j for j, it in enumerate(sub) if start < len(it.token_ids) <= start + span]
                 if not roots or not ends:

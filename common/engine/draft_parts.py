@@ -57,14 +57,13 @@ class AfterVerify:
     start: torch.cuda.Event | None  # timing events around the drafting on the drafter's stream (None on CPU)
     done: torch.cuda.Event | None
     eager_s: float  # the launch's wall (on CPU: the whole drafting)
-    # what a chained launch over the same items reuses: the graph key, the inputs the drafting read (packed [BB, L + 5]
-    # with the host's columns, hidden [BB, L, 3H]: the graph's buffers, rewritten in place), the noise block, the rows'
-    # lengths [B] as the host had them (the context check), and the rows' keep
+    # what a chained launch over the same items reuses (with chained's depth and keep_max, sampled): the graph key,
+    # the inputs the drafting read (packed [BB, L + 5] with the host's columns, hidden [BB, L, 3H]: the graph's
+    # buffers, rewritten in place), the noise block, the rows' lengths [B] as the host had them (the context check)
     key: tuple
     inputs: tuple[torch.Tensor, torch.Tensor]
     noise: dict[str, torch.Tensor]
     lengths: np.ndarray
-    keeps: list[int]
 
     def seconds(self) -> float:
         """The drafting's device time (once done): between the events on a GPU, the eager wall on CPU."""

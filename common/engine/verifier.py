@@ -241,9 +241,7 @@ class Verifier(SampledVerify):
             a[i, : len(it.token_ids)] = it.token_ids
             a[i, tb], a[i, tb + 1], a[i, tb + 2] = st.length, slot, len(it.token_ids)
         key = ("prefill", bb, tb)
-        # on a GPU a pinned copy of its own: the graph's staging buffer would be rewritten by the next group of the
-        # same key before this group's copy has run (the groups are read once, after all are queued)
-        packed = block.pin_memory().to(self.device, non_blocking=True) if self.graphs.stream is not None else block
+        packed = self.graphs.to_device(block)  # groups of one key are queued back to back: no staging buffer
         out = self.graphs.run(key, self._prefill_step, {"packed": packed})
         captured = self.graphs.is_captured(key)
         aux = out.aux[:b, :t].clone() if captured else out.aux
@@ -254,10 +252,7 @@ class Verifier(SampledVerify):
             cols[:, :-2] = np.stack([states[i].draw for i in hot])
             cols[:, -2] = [states[i].length + len(items[i].token_ids) - 1 for i in hot]
             cols[:, -1] = hot
-            # one pinned copy behind the queued replay: a pageable one would hold the host until the replay is done,
-            # before the next group is queued
-            on = torch.from_numpy(cols)
-            on = on.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else on
+            on = self.graphs.to_device(torch.from_numpy(cols))  # behind the queued replay, the host not waiting
             rows = SamplingRows.unpack(on[:, :-2], on[:, -2])
             at = on[:, -1]
             filtered = Sampler.of([states[i].sampling for i in hot]) is Sampler.FILTERED
