@@ -80,14 +80,14 @@ def frame_name(frame: str) -> str:
 
 def parse_raw(text: str) -> list[tuple[list[str], int]]:
     """py-spy's raw format (one stack a line, root first, frames separated by ';', then a space and the count) ->
-    [(frame names, count)]. "a (x.py:1);b (y.py:2) 3" -> [(["a (x.py)", "b (y.py)"], 3)]."""
+    [(frame names, count)]. "a (x.py:1);b (y.py:2) 3" -> [(["a (x.py)", "b (y.py)"], 3)]; a sample that caught
+    no Python frame (" 1": a thread in native code before its first frame) is left out."""
     stacks = []
     for line in text.splitlines():
-        line = line.strip()
-        if not line:
+        stack, _, count = line.rstrip().rpartition(" ")
+        if not stack.strip() and count.isdigit():
             continue
-        stack, _, count = line.rpartition(" ")
-        if not stack or not count.isdigit():
+        if not count.isdigit():
             raise ValueError(f"not a py-spy raw line: {line[:120]!r}")
         stacks.append(([frame_name(f) for f in stack.split(";")], int(count)))
     return stacks
