@@ -29,7 +29,8 @@ seq_prior pseudo-verifications; rounds decided for it without a verification (pl
 Cost (CostModel), per batch bucket and shape: a batch maps to the smallest bucket >= it (the configured
 buckets plus the calibrated batches: the engines' graphs). A shape with steady rounds at the bucket costs
 the median of its recent ones (the last cost_window calls, none older than cost_memory bucket rounds, each call's
-seconds a round weighing its rounds: common.policy_stats.Window). Without,
+seconds a round weighing its rounds: common.policy_stats.Window); its first warm_up (1) steady calls at a bucket
+are its warm-up, no samples (a first call at a new batch size can hold a one-off twenty times its cost). Without,
 it costs its calibration (propose(depth) + verify(nodes + 1) step times; a plain call `plain_steps`
 decode steps) plus the bucket's overhead: the median of what calibration did not explain in recent steady
 rounds of the same kind (tree / plain) at this bucket, or, when it has none, at the nearest bucket that
@@ -41,34 +42,34 @@ A bucket's menu: the shapes whose rows over the bucket's batch (batch x (nodes +
 tokens pay for, and each try of it costs a round of that price (PolicyConfig.max_rows has the figures).
 
 Exploration without an absorbing state. Each (bucket, shape) cell has a retry interval, retry_base bucket rounds at
-first. Every run of a cell is judged at its bucket's next round: still the best, the interval goes back to
-retry_base; not the best, it grows to 2 x interval x lag^2 (up to retry_cap), lag the best's score over the cell's:
-a near miss is retried about twice as late, a shape at half the best's rate eight times as late (less likely to
-have become the best, and its try loses more). A cell's first `confirm` runs judged not the best keep retry_base:
-its cost there may rest on a first call's one-off (a kernel's load), which the next runs outvote. A cell not run at
-its bucket for its interval is due: it is tried (Choice.explored) even when its estimate is far below the best, for
-up to try_rounds rounds until one is reported steady (the core decides a call's successor before it runs, and a
-call cut short is not reported); the core runs a try's calls as many rounds as any other. A cell that never ran at
-a bucket where its cost is unknown or borrowed from another bucket is due at once; one that never ran on this
-bucket's own costs waits interval x lag^2. One cell is tried at a time per bucket, the most overdue first; a try
-begins retry_base rounds after the last one began, or at once after a tree round at the bucket (the drafter follows
-every row then: no catch-up to pay), so that the cells due at a bucket where plain wins are tried one after another
-behind a single catch-up. With the default menu a bucket's exploration share falls to about 1% as the intervals
-reach the cap (at most 6 shapes of at most 3 rounds each per 1024 rounds; tests/test_policy.py measures it).
+first. Every run of a cell is judged at its bucket's next round: still the best, the interval goes back to retry_base;
+not the best, it grows to 2 x interval x lag^2 (up to retry_cap), lag the best's score over the cell's: a near miss is
+retried about twice as late, a shape at half the best's rate eight times as late (less likely to have become the best,
+and its try loses more). A cell's first `confirm` runs judged not the best keep retry_base: its cost there may rest on a
+first call's one-off (a kernel's load), which the next runs outvote. A cell not run at its bucket for its interval is
+due: it is tried (Choice.explored) even when its estimate is far below the best, for up to try_rounds rounds until one
+is reported steady and past its warm-up (the core decides a call's successor before it runs, and a call cut short is not
+reported); the core runs a try's calls as many rounds as any other. A cell that never ran at a bucket where its cost is
+unknown or borrowed from another bucket is due at once; one that never ran on this bucket's own costs waits interval x
+lag^2. One cell is tried at a time per bucket, the most overdue first; a try begins retry_base rounds after the last one
+began, or at once after a tree round at the bucket (the drafter follows every row then: no catch-up to pay), so that the
+cells due at a bucket where plain wins are tried one after another behind a single catch-up. With the default menu a
+bucket's exploration share falls to about 1% as the intervals reach the cap (at most 6 shapes of at most 4 rounds each
+per 1024 rounds; tests/test_policy.py measures it).
 
 Worked example (tests/test_policy.py::test_the_docstring_example). Calibration at batch 1: decode 10 ms,
 verify of 2 / 5 rows 11 / 14 ms, propose of depth 1 / 4 1 / 4 ms; menu (1x1, 4x4), prior 0.6 per level,
 margin and stay 0, nothing observed, one greedy sequence, plain_steps 1:
     plain 1 / 10 ms = 100 tok/s;  1x1 (1 + .6) / 12 ms = 133.3;  4x4 (1 + .6 + .36 + .216 + .1296) / 18 ms
     = 2.3056 / 18 ms = 128.1  -> 1x1.
-Steady rounds of 1x1 at batch 1 then take 15 ms (acceptance not reported: still the prior): bucket 1's tree
-overhead is 15 - 12 = 3 ms. 1x1 costs its own median, 15 ms: 106.7; 4x4 its calibration plus that overhead,
-21 ms: 109.8; plain 100 -> 4x4. Batch 8, never observed, charges its trees bucket 1's 3 ms (the nearest).
-Plain calls of 8 steps measured at 88 ms give bucket 1 a plain overhead of 88 - 80 = 8 ms: plain_steps 8 ->
-8 / 88 ms = 90.9, plain_steps 1 -> 1 / 18 ms = 55.6. Retries: a shape that never ran at a bucket (its cost
-there from calibration) is due at the bucket's round 16; after its confirm runs (16 rounds apart), if it came
-out at a third of the best's rate, it waits 2 x 16 x 3^2 = 288 rounds, then the cap, 1024; at 95% of it, 2 x 16
-x 1.108 = 36, then 80 (test_a_due_shape_waits_longer_the_further_below_the_best_it_came_out).
+Steady rounds of 1x1 at batch 1 then take 15 ms (acceptance not reported: still the prior): the first is its warm-up at
+bucket 1 (no sample), the second gives bucket 1 a tree overhead of 15 - 12 = 3 ms. 1x1 costs its own median, 15 ms:
+106.7; 4x4 its calibration plus that overhead, 21 ms: 109.8; plain 100 -> 4x4. Batch 8, never observed, charges its
+trees bucket 1's 3 ms (the nearest). Plain calls of 8 steps measured at 88 ms (the first a warm-up) give bucket 1 a
+plain overhead of 88 - 80 = 8 ms: plain_steps 8 -> 8 / 88 ms = 90.9, plain_steps 1 -> 1 / 18 ms = 55.6. Retries: a shape
+that never ran at a bucket (its cost there from calibration) is due at the bucket's round 16; after its confirm runs (16
+rounds apart), if it came out at a third of the best's rate, it waits 2 x 16 x 3^2 = 288 rounds, then the cap, 1024; at
+95% of it, 2 x 16 x 1.108 = 36, then 80 (test_a_due_shape_waits_longer_the_further_below_the_best_it_came_out).
 
 What the caller guarantees: observe_round gets steady rounds only (calls that ran every round they asked
 for, no prefill, no catch-up call after plain rounds; common/engine/core.py), not a loop wall holding
@@ -175,13 +176,20 @@ class PolicyConfig:
     cost_memory: int = 512  # bucket rounds after which a cost sample is dropped (when a newer one comes)
     retry_base: int = 16  # bucket rounds before a shape left unrun is tried again
     retry_cap: int = 1024  # the longest retry interval (each failed try multiplies it by 2 x lag^2)
-    # rounds a try lasts at most, until one is reported steady: from plain, a catch-up (never steady), the call that
-    # measures it, and one more should that one be cut short
-    try_rounds: int = 3
+    # rounds a try lasts at most, until one is reported steady and a cost sample: from plain, a catch-up (never
+    # steady), at a bucket new to the shape its warm-up call (warm_up), the call that measures it, and one more should
+    # that one be cut short
+    try_rounds: int = 4
     # runs of a shape at a bucket judged not the best before its wait grows: a cost sample from its first calls there
     # can hold a one-off (a kernel's first load, an allocation) far above its steady cost, which would push its next
     # try to retry_cap (docs/decisions.md); its next runs measure it again first
     confirm: int = 2
+    # steady calls of a shape at a bucket that are no cost samples: a shape's first calls at a new batch size can hold
+    # one-offs its later calls do not (Triton kernels specialised for the size, allocations). Through the gateway on
+    # an H200, first tree calls at buckets 4, 16 and 32 measured 22-27 ms a round against 1.0-1.4 ms of calibration:
+    # as the cell's only sample and its bucket's only tree overhead sample, such a call priced every tree there at
+    # 20x and held the bucket on plain decoding
+    warm_up: int = 1
     seed: int = 0  # orders cells due in the same round with equal estimates
     # a bucket that runs plain switches to a tree only when its rate beats plain's by this share: what a switch costs
     # that a rate leaves out (the catch-up of every row's drafting, a call cut short); a bucket on trees leaves them
@@ -210,8 +218,8 @@ class PolicyConfig:
             raise ValueError("half_life, pooled_half_life, seq_memory and seq_relax must be > 0")
         if not 0 <= self.margin < 1 or not 0 <= self.stay < 1:
             raise ValueError(f"margin and stay must be in [0, 1), got {self.margin}, {self.stay}")
-        if self.cost_window < 1 or self.cost_memory < 1 or self.try_rounds < 1 or self.confirm < 0:
-            raise ValueError("cost_window, cost_memory and try_rounds must be >= 1, confirm >= 0")
+        if self.cost_window < 1 or self.cost_memory < 1 or self.try_rounds < 1 or min(self.confirm, self.warm_up) < 0:
+            raise ValueError("cost_window, cost_memory and try_rounds must be >= 1, confirm and warm_up >= 0")
         if self.max_rows < 1:
             raise ValueError(f"max_rows must be >= 1, got {self.max_rows}")
         if not 1 <= self.retry_base <= self.retry_cap:
@@ -389,8 +397,8 @@ class AdaptivePolicy:
             )
         costs = self.variants[sampled]
         bk = costs.of(batch)
-        costs.observe(bk, shape, seconds, steps, rounds)
-        if bk.trying is not None and self.shapes[bk.trying] == shape:
+        sampled_now = costs.observe(bk, shape, seconds, steps, rounds)
+        if sampled_now and bk.trying is not None and self.shapes[bk.trying] == shape:
             bk.try_seen = True
 
     def observe(self, seq_id: str, band: str, shape: Shape, accepted: int) -> None:

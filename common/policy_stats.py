@@ -216,6 +216,7 @@ class Cell:
         self.interval = cfg.retry_base  # bucket rounds it may go unrun before it is due
         self.last_run, self.has_run = 0, False  # the bucket round it last ran (0: the bucket's start)
         self.judged = 0  # its runs judged not the best (the first PolicyConfig.confirm leave its interval)
+        self.calls = 0  # its steady calls at the bucket (the first PolicyConfig.warm_up no cost samples)
         self.tiebreak = tiebreak
 
 
@@ -248,6 +249,7 @@ class CostModel:
 
     def __init__(self, cfg: PolicyConfig, costs: Iterable[StepCost]) -> None:
         self.shapes = (PLAIN, *cfg.menu)
+        self.warm_up = cfg.warm_up
         self.index = {s: i for i, s in enumerate(self.shapes)}
         self.grid: dict[str, dict[int, dict[int, float]]] = {}  # kind -> batch -> size -> seconds
         for c in costs:
@@ -309,10 +311,14 @@ class CostModel:
             return "measured"
         return "unknown" if bk.cal[i] is None else self.overhead(bk, i == 0)[1]
 
-    def observe(self, bk: Bucket, shape: Shape, seconds: float, steps: int, rounds: int = 1) -> None:
+    def observe(self, bk: Bucket, shape: Shape, seconds: float, steps: int, rounds: int = 1) -> bool:
         """A steady call's cost: seconds of one round (a tree, `rounds` of them in the call: its samples' weight) or
-        of `steps` plain steps."""
+        of `steps` plain steps. Whether it became a sample: a menu shape's first warm_up steady calls at a bucket
+        are its warm-up, none (PolicyConfig.warm_up)."""
         i = self.index.get(shape)
+        if i is not None and bk.cells[i].calls < self.warm_up:
+            bk.cells[i].calls += 1
+            return False
         cal = self.calibration(bk.size, shape) if i is None else bk.cal[i]
         if shape.plain:
             x = seconds / steps if cal is None else seconds - steps * cal
@@ -322,6 +328,7 @@ class CostModel:
                 bk.overhead.add(bk.rounds, x, rounds)
         if i is not None:
             bk.cells[i].window.add(bk.rounds, x, 1 if shape.plain else rounds)
+        return True
 
 
 class SequenceFactor:

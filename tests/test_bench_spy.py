@@ -28,9 +28,9 @@ def test_a_frame_loses_its_line_and_its_site_packages_path():
 
 
 def test_the_engine_threads_shares_by_hand():
-    """10 of the 15 samples with frames pass through EngineCore.step (the grpc thread's 5 do not): prefill 3/10, the verify call
-    7/10, of which launch_after 4, the chained block 2 (on the reference: 2), the device wait 1; launch_after's frame
-    the most often on top (4)."""
+    """10 of the 15 samples with frames pass through EngineCore.step (the grpc thread's 5 do not): prefill 3/10, the
+    verify call 7/10, of which launch_after 4, the chained block 2 (on the reference: 2), the device wait 1;
+    launch_after's frame the most often on top (4)."""
     s = summarize(parse_raw(RAW))
     assert s["samples"] == 10
     sh = s["shares"]

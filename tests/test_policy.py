@@ -92,7 +92,10 @@ def test_the_docstring_example() -> None:
     # plain 1 / 10 ms; 1x1 (1 + .6) / (1 + 11 ms); 4x4 (1 + .6 + .36 + .216 + .1296) / (4 + 14 ms)
     assert p.rates(a, 1) == pytest.approx({PLAIN: 100, CHAIN1: 1.6 / 0.012, CHAIN4: 2.3056 / 0.018})
     assert p.choose(a, 1) == Choice(CHAIN1)
-    # steady 1x1 rounds of 15 ms: bucket 1's tree overhead 3 ms; 1x1 its own 15 ms, 4x4 18 + 3 ms
+    # steady 1x1 rounds of 15 ms: the first at bucket 1 a warm-up (no sample: every rate as before), then bucket 1's
+    # tree overhead 3 ms; 1x1 its own 15 ms, 4x4 18 + 3 ms
+    p.observe_round(1, CHAIN1, 15 * MS)
+    assert p.rates(a, 1) == pytest.approx({PLAIN: 100, CHAIN1: 1.6 / 0.012, CHAIN4: 2.3056 / 0.018})
     p.observe_round(1, CHAIN1, 15 * MS)
     assert p.rates(a, 1) == pytest.approx({PLAIN: 100, CHAIN1: 1.6 / 0.015, CHAIN4: 2.3056 / 0.021})
     assert p.choose(a, 1) == Choice(CHAIN4)
@@ -100,6 +103,8 @@ def test_the_docstring_example() -> None:
     eight = members(8)
     assert p.rates(eight, 1) == pytest.approx({PLAIN: 8 / 0.080, CHAIN1: 8 * 1.6 / 0.099, CHAIN4: 8 * 2.3056 / 0.147})
     # plain calls of 8 steps in 88 ms: a plain overhead of 8 ms a call at bucket 1
+    p.observe_round(1, PLAIN, 88 * MS, steps=8)
+    assert p.rates(a, 8)[PLAIN] == pytest.approx(8 / 0.080)  # the warm-up
     p.observe_round(1, PLAIN, 88 * MS, steps=8)
     assert p.rates(a, 8)[PLAIN] == pytest.approx(8 / 0.088)
     assert p.rates(a, 1)[PLAIN] == pytest.approx(1 / 0.018)
@@ -123,8 +128,9 @@ def test_plain_steps_per_call_amortise_the_plain_overhead() -> None:
     """Overheads of 8 ms a plain call and 8 ms a tree round, alpha .6 (the prior): one plain step a call
     1 / 18 ms = 55.6 tok/s, eight 8 / 88 ms = 90.9; 1x1 1.6 / 20 ms = 80 -> plain wins only with 8 steps."""
     p = AdaptivePolicy(PolicyConfig(menu=(CHAIN1,), prior=0.6), table())
-    p.observe_round(1, PLAIN, 18 * MS, steps=1)
-    p.observe_round(1, CHAIN1, 20 * MS)
+    for _ in range(2):  # each shape's first call at the bucket its warm-up
+        p.observe_round(1, PLAIN, 18 * MS, steps=1)
+        p.observe_round(1, CHAIN1, 20 * MS)
     assert p.rates(members(1), 1) == pytest.approx({PLAIN: 1 / 0.018, CHAIN1: 80})
     assert p.choose(members(1), 1) == Choice(CHAIN1)
     assert p.rates(members(1), 8)[PLAIN] == pytest.approx(8 / 0.088)
@@ -151,7 +157,8 @@ def test_batch_64_history_is_not_charged_to_batch_1() -> None:
     166.7)^2 = 44.4) at 45, 61 and 77, then 2 x 16 x 2.78 = 89 rounds later, at 166. Bound: 0 rounds of plain but
     its tries."""
     costs = table(1) + table(64, decode=12, verify2=14, verify5=20)
-    p = AdaptivePolicy(PolicyConfig(menu=(CHAIN1, CHAIN4), stay=0.0), costs)  # the tries' figures without stay
+    cfg = PolicyConfig(menu=(CHAIN1, CHAIN4), stay=0.0, warm_up=0)  # the tries' figures: no stay, no warm-up
+    p = AdaptivePolicy(cfg, costs)
     core = Core(p)
     at64 = core.run(64, 500, lambda r: 4, spec_overhead=60 * MS, plain_overhead=1 * MS)
     assert all(c.shape.plain for c in at64[2:] if not c.explored)
@@ -183,7 +190,8 @@ def test_a_bucket_with_its_own_history_switches_back_at_once() -> None:
     trees: plain's rate without the margin). Bucket 1 has its own costs: after the 500 rounds at 64 its very
     first round is a tree again. Bound: 0 rounds."""
     costs = table(1) + table(64, decode=12, verify2=14, verify5=20)
-    p = AdaptivePolicy(PolicyConfig(menu=(CHAIN1, CHAIN4), stay=0.0), costs)  # the tries' figures without stay
+    cfg = PolicyConfig(menu=(CHAIN1, CHAIN4), stay=0.0, warm_up=0)  # the tries' figures: no stay, no warm-up
+    p = AdaptivePolicy(cfg, costs)
     core = Core(p)
     before = core.run(1, 130, lambda r: 4)
     tries = [(i + 1, c.shape) for i, c in enumerate(before) if c.explored]
@@ -232,7 +240,7 @@ def test_a_due_shape_waits_longer_the_further_below_the_best_it_came_out() -> No
     at 16 x 1.09 = 18), then at 34 and 50 (confirm); its rounds accept nothing, so the sequence's factor is below
     1 when judged: about 1.12 / 12 ms = 93.3, lag 1.07, wait 2 x 16 x 1.15 = 38 -> round 88, then 2 x 38 x 1.15
     ~ 88 (the factor back near 1) -> 176."""
-    cfg = PolicyConfig(menu=(CHAIN1,), prior=0.01)
+    cfg = PolicyConfig(menu=(CHAIN1,), prior=0.01, warm_up=0)  # each try's first call measured
     p = AdaptivePolicy(cfg, table(verify2=30))
     assert p.rates(members(1), 1)[CHAIN1] == pytest.approx(1.01 / 0.031)
     choices = drive(p, 1, 1700, lambda r: 0, catch_up=False)
@@ -241,7 +249,7 @@ def test_a_due_shape_waits_longer_the_further_below_the_best_it_came_out() -> No
     p = AdaptivePolicy(cfg, table(verify2=30))
     choices = drive(p, 1, 1700, lambda r: 0)
     assert [i + 1 for i, c in enumerate(choices) if c.explored] == [183, 184, 200, 201, 217, 218, 590, 591, 1615, 1616]
-    p = AdaptivePolicy(PolicyConfig(menu=(CHAIN1,), margin=0.0), table(verify2=11))
+    p = AdaptivePolicy(PolicyConfig(menu=(CHAIN1,), margin=0.0, warm_up=0), table(verify2=11))
     feed(p, 0.15, shapes=(CHAIN1,))
     assert p.rates(members(1), 1)[CHAIN1] == pytest.approx(1.15 / 0.012, rel=1e-3)
     choices = drive(p, 1, 300, lambda r: 0, catch_up=False)
@@ -249,39 +257,40 @@ def test_a_due_shape_waits_longer_the_further_below_the_best_it_came_out() -> No
 
 
 def test_a_one_off_cost_sample_does_not_hold_a_shape_off() -> None:
-    """A shape's first cost sample at a bucket can hold a one-off (a kernel loaded at its first call there): at
-    batch 1 (the docstring's calibration, every draft accepted) 4x4's first round reports 360 ms against its 18 ms.
-    It is tried at 19 (lag 1.04 behind 1x1 while levels 2-4 sit at the prior, as in
-    test_a_bucket_with_its_own_history_switches_back_at_once), which prices it at 5 / 360 ms = 13.9 tok/s against
-    1x1's 2 / 12 ms = 166.7: lag 12, a wait of 2 x 16 x 144, the cap (1024 rounds), were it judged on it. Its
-    first confirm (2) misses keep the wait at 16: at 35 a steady 18 ms round makes the median of two equal weights
-    (360 + 18) / 2 = 189 ms (26.5 tok/s, still behind); at 51 the median of three is 18 ms: 277.8 tok/s, the
-    best from round 52 on (plain and 1x1 tried on their own waits)."""
-    p = AdaptivePolicy(PolicyConfig(menu=(CHAIN1, CHAIN4)), table())
-    seqs, choices, first = members(1), [], True
-    for _ in range(200):
-        c = p.choose(seqs, 1)
-        seconds = p.costs.calibration(1, c.shape)
-        if c.shape == CHAIN4 and first:
-            seconds, first = 360 * MS, False
-        p.observe_round(1, c.shape, seconds)
-        if not c.shape.plain:
-            p.observe(seqs[0].seq_id, "greedy", c.shape, c.shape.depth)
-        choices.append(c)
-    assert [i + 1 for i, c in enumerate(choices) if c.shape == CHAIN4][:3] == [19, 35, 51]
-    assert all(c.explored for c in choices[:51] if c.shape == CHAIN4)
-    assert all(c.shape == CHAIN4 for c in choices[51:] if not c.explored)
-    assert p.rates(seqs, 1)[CHAIN4] == pytest.approx(5 / 0.018, rel=1e-3)
+    """A shape's first call at a bucket can hold a one-off (a kernel loaded at its first call there): at batch 1 (the
+    docstring's calibration, every draft accepted) 4x4's first round reports 360 ms against its 18 ms. Were it a
+    sample it would price 4x4 at 5 / 360 ms = 13.9 tok/s against 1x1's 2 / 12 ms = 166.7 (lag 12). It is the
+    shape's warm-up at the bucket (warm_up 1): no sample. 4x4 is tried at 19 (lag 1.04 behind 1x1 while levels 2-4
+    sit at the prior, as in test_a_bucket_with_its_own_history_switches_back_at_once); that round accepts all 4,
+    which lifts it to 277.8 tok/s on its calibration plus the bucket's overhead (0): the best from round 20 on, where
+    its 18 ms rounds are its samples. With warm_up 0 the one-off is its only sample: 4x4 stays behind 1x1 until its
+    confirm runs (35, 51) outvote it: the best from round 52."""
+    for warm_up, want, settled in ((1, [19, 20, 21], 19), (0, [19, 35, 51], 51)):  # settled: 4x4 the best from it
+        p = AdaptivePolicy(PolicyConfig(menu=(CHAIN1, CHAIN4), warm_up=warm_up), table())
+        seqs, choices, first = members(1), [], True
+        for _ in range(200):
+            c = p.choose(seqs, 1)
+            seconds = p.costs.calibration(1, c.shape)
+            if c.shape == CHAIN4 and first:
+                seconds, first = 360 * MS, False
+            p.observe_round(1, c.shape, seconds)
+            if not c.shape.plain:
+                p.observe(seqs[0].seq_id, "greedy", c.shape, c.shape.depth)
+            choices.append(c)
+        assert [i + 1 for i, c in enumerate(choices) if c.shape == CHAIN4][:3] == want
+        assert all(c.explored for c in choices[:settled] if c.shape == CHAIN4)
+        assert all(c.shape == CHAIN4 for c in choices[settled:] if not c.explored)
+        assert p.rates(seqs, 1)[CHAIN4] == pytest.approx(5 / 0.018, rel=1e-3)
 
 
 def test_exploration_stays_a_small_share_of_rounds() -> None:
     """Default menu, batch 64 calibrated at every graph bucket, trees 50 ms over calibration: plain is the
-    best once a tree round was reported (round 2: round 1 was a catch-up) and every tree is retried on its
-    doubling wait. The share of retry rounds over rounds 2,001-6,000 is under 2% (6 shapes of at most 2
-    rounds each per up to 1024 rounds), and under 5% overall."""
+    best once a tree round was measured (round 3: round 1 was a catch-up, round 2 the tree's warm-up) and every
+    tree is retried on its doubling wait. The share of retry rounds over rounds 2,001-6,000 is under 2% (6 shapes
+    of at most 2 rounds each per up to 1024 rounds), and under 5% overall."""
     p = AdaptivePolicy(PolicyConfig(), graph_costs())
     choices = drive(p, 64, 6000, lambda r: 1, spec_overhead=50 * MS, plain_overhead=1 * MS, plain_steps=8)
-    assert all(c.shape.plain for c in choices[2:] if not c.explored)
+    assert all(c.shape.plain for c in choices[3:] if not c.explored)
     assert sum(c.explored for c in choices[2000:]) / 4000 < 0.02
     assert sum(c.explored for c in choices) / 6000 < 0.05
 
@@ -301,6 +310,8 @@ def test_estimates_report_per_bucket_what_choose_maximised() -> None:
     assert [e.tokens for e in est] == pytest.approx([1, 1.6, 2.3056])
     assert [e.source for e in est] == ["calibration"] * 3
     assert [e.stale_rounds for e in est] == [None, 0, None]
+    p.observe_round(4, CHAIN1, 99 * MS)  # its warm-up at bucket 4: no sample
+    assert [e.source for e in p.estimates() if e.batch == 4] == ["calibration"] * 3
     p.observe_round(4, CHAIN1, 14 * MS)  # 2 ms over its calibration at bucket 4
     p.choose(four, 1)
     by = {(e.batch, e.shape): e for e in p.estimates()}
