@@ -216,7 +216,6 @@ class Cell:
         self.interval = cfg.retry_base  # bucket rounds it may go unrun before it is due
         self.last_run, self.has_run = 0, False  # the bucket round it last ran (0: the bucket's start)
         self.judged = 0  # its runs judged not the best (the first PolicyConfig.confirm leave its interval)
-        self.calls = 0  # its steady calls at the bucket (the first PolicyConfig.warm_up no cost samples)
         self.tiebreak = tiebreak
 
 
@@ -234,6 +233,7 @@ class Bucket:
         self.on_menu = [s.plain or size * (s.nodes + 1) <= cfg.max_rows for s in shapes]
         self.overhead = Window(cfg.cost_window, cfg.cost_memory)  # tree rounds: seconds - calibration
         self.rounds = 0  # calls to choose for this bucket
+        self.calls: dict[Shape, int] = {}  # steady calls per shape (pinned ones too): the first warm_up no samples
         self.nearest: list[Bucket] = []  # the other buckets, nearest first (log2 distance, then smaller)
         self.last_pick: int | None = None  # the shape (index) chosen last, judged at the next choose
         self.on_trees = False  # the kind of its last pick that was not a try: plain needs the margin to leave it
@@ -313,12 +313,13 @@ class CostModel:
 
     def observe(self, bk: Bucket, shape: Shape, seconds: float, steps: int, rounds: int = 1) -> bool:
         """A steady call's cost: seconds of one round (a tree, `rounds` of them in the call: its samples' weight) or
-        of `steps` plain steps. Whether it became a sample: a menu shape's first warm_up steady calls at a bucket
-        are its warm-up, none (PolicyConfig.warm_up)."""
-        i = self.index.get(shape)
-        if i is not None and bk.cells[i].calls < self.warm_up:
-            bk.cells[i].calls += 1
+        of `steps` plain steps. Whether it became a sample: a shape's first warm_up steady calls at a bucket (a
+        pinned shape off the menu too) are its warm-up, none (PolicyConfig.warm_up)."""
+        calls = bk.calls.get(shape, 0)
+        if calls < self.warm_up:
+            bk.calls[shape] = calls + 1
             return False
+        i = self.index.get(shape)
         cal = self.calibration(bk.size, shape) if i is None else bk.cal[i]
         if shape.plain:
             x = seconds / steps if cal is None else seconds - steps * cal

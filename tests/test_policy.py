@@ -283,6 +283,23 @@ def test_a_one_off_cost_sample_does_not_hold_a_shape_off() -> None:
         assert p.rates(seqs, 1)[CHAIN4] == pytest.approx(5 / 0.018, rel=1e-3)
 
 
+def test_a_pinned_shape_off_the_menu_warms_up_too() -> None:
+    """A pinned 2x2 (off the menu (1x1, 4x4)) at batch 1: calibration propose(2) 4 ms (depth 4's, the next larger) +
+    verify(3 rows) 14 ms (5 rows', the next larger) = 18 ms. Its first call, 500 ms, is its warm-up: bucket 1 keeps
+    no tree overhead (4x4 from calibration, 18 ms). Its second, 21 ms, gives the bucket 3 ms: 4x4 21 ms."""
+    p = AdaptivePolicy(PolicyConfig(menu=(CHAIN1, CHAIN4)), table())
+    p.choose(members(1), 1)
+
+    def four_by_four() -> tuple[str, float]:
+        e = next(e for e in p.estimates() if e.batch == 1 and e.shape == CHAIN4)
+        return e.source, e.seconds
+
+    p.observe_round(1, Shape(2, 2), 500 * MS)
+    assert four_by_four() == ("calibration", pytest.approx(0.018))
+    p.observe_round(1, Shape(2, 2), 21 * MS)
+    assert four_by_four() == ("bucket", pytest.approx(0.021))
+
+
 def test_exploration_stays_a_small_share_of_rounds() -> None:
     """Default menu, batch 64 calibrated at every graph bucket, trees 50 ms over calibration: plain is the
     best once a tree round was measured (round 3: round 1 was a catch-up, round 2 the tree's warm-up) and every
