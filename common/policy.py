@@ -30,7 +30,7 @@ Cost (CostModel), per batch bucket and shape: a batch maps to the smallest bucke
 buckets plus the calibrated batches: the engines' graphs). A shape with steady rounds at the bucket costs
 the median of its recent ones (the last cost_window calls, none older than cost_memory bucket rounds, each call's
 seconds a round weighing its rounds: common.policy_stats.Window); its first warm_up (1) steady calls at a bucket
-are its warm-up, no samples (a first call at a new batch size can hold a one-off twenty times its cost). Without,
+are its warm-up, no samples (a first call at a new batch size can hold a one-off many times its cost). Without,
 it costs its calibration (propose(depth) + verify(nodes + 1) step times; a plain call `plain_steps`
 decode steps) plus the bucket's overhead: the median of what calibration did not explain in recent steady
 rounds of the same kind (tree / plain) at this bucket, or, when it has none, at the nearest bucket that
@@ -185,10 +185,9 @@ class PolicyConfig:
     # try to retry_cap (docs/decisions.md); its next runs measure it again first
     confirm: int = 2
     # steady calls of a shape at a bucket that are no cost samples: a shape's first calls at a new batch size can hold
-    # one-offs its later calls do not (Triton kernels specialised for the size, allocations). Through the gateway on
-    # an H200, first tree calls at buckets 4, 16 and 32 measured 22-27 ms a round against 1.0-1.4 ms of calibration:
-    # as the cell's only sample and its bucket's only tree overhead sample, such a call priced every tree there at
-    # 20x and held the bucket on plain decoding
+    # one-offs its later calls do not (Triton kernels specialised for the size, allocations); as a shape's only sample
+    # and its bucket's only tree overhead sample, one such call prices every tree there many times over and holds the
+    # bucket on plain decoding (docs/decisions.md)
     warm_up: int = 1
     seed: int = 0  # orders cells due in the same round with equal estimates
     # a bucket that runs plain switches to a tree only when its rate beats plain's by this share: what a switch costs
@@ -397,8 +396,8 @@ class AdaptivePolicy:
             )
         costs = self.variants[sampled]
         bk = costs.of(batch)
-        sampled_now = costs.observe(bk, shape, seconds, steps, rounds)
-        if sampled_now and bk.trying is not None and self.shapes[bk.trying] == shape:
+        counted = costs.observe(bk, shape, seconds, steps, rounds)
+        if counted and bk.trying is not None and self.shapes[bk.trying] == shape:
             bk.try_seen = True
 
     def observe(self, seq_id: str, band: str, shape: Shape, accepted: int) -> None:
