@@ -72,7 +72,7 @@ class Sequence:
     req: Request
     seq_id: str = ""  # req.seq_id (an attribute: read several times a sequence a step)
     band: str = ""  # its temperature band (common.policy.band): the policy's acceptance statistics
-    member: Member | None = None  # the policy's view of it (made once: the policy decides for 64 of them a call)
+    member: Member = field(init=False)  # the policy's view of it (made once: the policy decides for 64 of them a call)
     status: Status = Status.WAITING
     prefilled: int = 0  # prompt tokens in the verifier's cache
     tokens: list[int] = field(default_factory=list)  # [generated] committed tokens
