@@ -39,17 +39,23 @@ from bench.fault_load import read_state
 from bench.load import (
     KINDS,
     PROMPTS,
+    ROOT,
     Client,
     Ghz,
+    Run,
     StackProcess,
+    _f,
     engine_spent,
+    failed_row,
     find_ghz,
     read_prompts,
     requests,
+    row_from_report,
     write_data,
 )
 
 log = logging.getLogger("bench.spy")
+SPY_RUN_LENGTH = 60  # requests a run per request in flight (at least the prompts): a run outlasts py-spy's seconds
 ENGINE = "step (common/engine/core.py)"  # a sample of the engine thread passes through here
 # (label, the frame's function and file as py-spy names them): a sample counts for a place when its stack holds it
 PLACES = (
@@ -85,7 +91,7 @@ def parse_raw(text: str) -> list[tuple[list[str], int]]:
     stacks = []
     for line in text.splitlines():
         stack, _, count = line.rstrip().rpartition(" ")
-        if not stack.strip() and count.isdigit():
+        if not line.strip() or (not stack.strip() and count.isdigit()):
             continue
         if not count.isdigit():
             raise ValueError(f"not a py-spy raw line: {line[:120]!r}")
@@ -123,7 +129,8 @@ def markdown(results: dict[str, dict], meta: dict) -> str:
         "",
         "| place | " + " | ".join(kinds) + " |",
         "|---|" + "---:|" * len(kinds),
-        "| req/s | " + " | ".join(_f(results[k].get("req_s"), 1) for k in kinds) + " |",
+        "| req/s (OK requests) | " + " | ".join(_f(results[k].get("req_s"), 1) for k in kinds) + " |",
+        "| errors | " + " | ".join(str(results[k].get("errors", "-")) for k in kinds) + " |",
         "| engine thread samples | " + " | ".join(str(results[k]["samples"]) for k in kinds) + " |",
     ]
     for label, _ in PLACES:
@@ -136,10 +143,6 @@ def markdown(results: dict[str, dict], meta: dict) -> str:
         spent = ", ".join(f"{p} {v:.2f}" for p, v in sorted(results[k].get("engine", {}).items()))
         lines.append(f"- {k}: {spent or 'not read'}")
     return "\n".join(lines) + "\n"
-
-
-def _f(v: float | None, digits: int = 0) -> str:
-    return "-" if v is None else f"{v:,.{digits}f}"
 
 
 def find_py_spy(given: str | None) -> str:
@@ -163,7 +166,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default="bench-results/spy")
     p.add_argument("--kinds", default="3x8,plain", help=f"of {', '.join(KINDS)}")
     p.add_argument("--concurrency", type=int, default=64)
-    p.add_argument("--requests", type=int, default=None, help="requests a run (default 60 x c, at least the prompts)")
+    p.add_argument(
+        "--requests", type=int, default=None, help=f"requests a run (default max(prompts, {SPY_RUN_LENGTH} c))"
+    )
     p.add_argument("--seconds", type=int, default=8, help="py-spy's duration a run")
     p.add_argument("--rate", type=int, default=250, help="py-spy samples a second")
     p.add_argument("--delay", type=float, default=1.5, help="seconds into a run before py-spy starts")
@@ -179,8 +184,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"unknown kinds {unknown}: of {', '.join(KINDS)}")
     if (a.gateway is None) != (a.pid is None):
         p.error("--gateway and --pid go together")
-    if min(a.concurrency, a.seconds, a.rate) < 1 or a.delay < 0:
-        p.error("--concurrency, --seconds and --rate take positive integers, --delay >= 0")
+    if min(a.concurrency, a.seconds, a.rate, 1 if a.requests is None else a.requests) < 1 or a.delay < 0:
+        p.error("--concurrency, --requests, --seconds and --rate take positive integers, --delay >= 0")
     return a
 
 
@@ -192,15 +197,15 @@ def main(argv: list[str] | None = None) -> int:
     py_spy, binary = find_py_spy(a.py_spy), find_ghz(a.ghz)
     prompts = read_prompts(PROMPTS)
     files = write_data(out, {k: requests(KINDS[k], prompts, 128) for k in a.kinds})
-    n = a.requests or max(len(prompts), 60 * a.concurrency)
+    n = a.requests or max(len(prompts), SPY_RUN_LENGTH * a.concurrency)
     results: dict[str, dict] = {}
     with contextlib.ExitStack() as stack:
         if a.gateway:
             gateway, pid, stack_line = a.gateway, a.pid, f"a running gateway at {a.gateway}, verifier pid {a.pid}"
         else:
-            state = out / "stack-state.json"
+            state = (out / "stack-state.json").resolve()
             args = ["--device", a.device, "--state-file", str(state)]
-            proc = StackProcess(Path.cwd(), sys.executable, args, out / "stack.log")
+            proc = StackProcess(ROOT, sys.executable, args, out / "stack.log")
             stack.callback(proc.stop)
             gateway = proc.start(a.start_timeout)
             pid = int(read_state(state, 60)["verifier"]["pid"])
@@ -223,7 +228,9 @@ def main(argv: list[str] | None = None) -> int:
                 log.warning("py-spy wrote nothing for %s: %s", kind, spy[0].stderr.strip()[-300:] if spy else "?")
                 continue
             results[kind] = summarize(parse_raw(raw.read_text()))
-            results[kind]["req_s"] = None if report is None else report.get("rps")
+            run = Run(1, a.concurrency, kind, n)
+            row = failed_row(run, why) if report is None else row_from_report(run, report)
+            results[kind]["req_s"], results[kind]["errors"] = row.req_s, row.errors  # OK requests a second
             results[kind]["engine"] = engine_spent(before, after)
             if why:
                 log.warning("ghz %s: %s", kind, why)
@@ -242,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     (out / "commands.txt").write_text("\n".join(ghz.commands) + "\n")
     sys.stdout.write(md)
-    return 0 if len(results) == len(a.kinds) else 1
+    return 0 if len(results) == len(a.kinds) and not any(r["errors"] for r in results.values()) else 1
 
 
 if __name__ == "__main__":

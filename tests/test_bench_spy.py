@@ -12,6 +12,7 @@ RAW = "\n".join(
     [
         ENGINE + ";_prefill (common/engine/core.py:236);prefill_batch (common/engine/verifier.py:187) 3",
         VERIFY + ";launch_after (common/engine/draft.py:447) 4",
+        "",  # a blank line between stacks: left out
         VERIFY + ";_chained_block (common/engine/verifier.py:466);chained_block (common/kernels/reference.py:418) 2",
         VERIFY + ";synchronize (/usr/lib/python3/site-packages/torch/cuda/streams.py:88) 1",
         "_bootstrap (threading.py:1030);serve (grpc/_server.py:1200);wait (threading.py:600) 5",
