@@ -406,7 +406,7 @@ def test_eval_equals_greedy(tmp_path):
     rng = np.random.default_rng(2)
     prompts = [rng.integers(3, 512, size=6).tolist() for _ in range(5)]
     res = evaluate_set(
-        ver, make, prompts, EvalConfig(max_new_tokens=10, batch_size=4), eos=2, check_equal=True, name="t"
+        ver, make, prompts, EvalConfig(max_new_tokens=10, batch_size=4, check_equal=True), eos=2, name="t"
     )
     for k in ("tree", "chain"):
         assert res[k]["equal_to_greedy"]
@@ -445,15 +445,15 @@ def test_pooled_sets_weigh_their_rounds():
 def test_eval_of_the_heldout_categories(tmp_path, capsys):
     """`eval --sets heldout` on the embedded model and the shipped head: one prompt a category, four tokens; every
     category and their pool reported for both trees, acceptance within [1, depth + 1], outputs equal to greedy."""
+    from bench.load import CATEGORIES
     from training.pipeline import Context, build_parser, stage_eval
-    from training.prompts import HELDOUT_CATEGORIES
 
     head = Path(__file__).resolve().parents[1] / "models" / "eagle3-smollm2"
     argv = ["eval", "--workdir", str(tmp_path), "--head", str(head), "--sets", "heldout", "--eval-limit", "1"]
     args = build_parser().parse_args([*argv, "--max-new-tokens", "4", "--eval-batch", "2", "--check-equal"])
     assert stage_eval(Context(args))
     results = json.loads((tmp_path / "eval.json").read_text())["results"]
-    assert set(results) == {f"heldout-{c}" for c in HELDOUT_CATEGORIES} | {"heldout-all"}
+    assert set(results) == {f"heldout-{c}" for c in CATEGORIES} | {"heldout-all"}
     for name, r in results.items():
         for tree, depth in (("tree", 6), ("chain", 6)):
             assert 1.0 <= r[tree]["mean_accept_len"] <= depth + 1, (name, tree)

@@ -1,4 +1,4 @@
-"""Training that spans several GPU runs (issue 36): pack / unpack of a workdir (training/carry.py), training in stages
+"""Training that spans several GPU runs: pack / unpack of a workdir (training/carry.py), training in stages
 with one schedule, generation with a share of sampled prompts, and sampled evaluation per held-out category.
 Tiny models on the CPU, except the sizes of the real head's packed state and of the regenerated shards, and the
 evaluation on the embedded model."""
@@ -235,6 +235,31 @@ def test_unpacked_shards_are_skipped_by_generate_and_checked(staged, tmp_path):
         generate_stage(never, rows, tmp_path / "w" / "gen", sampled)
 
 
+def test_a_carried_done_generate_stands_only_for_its_own_sampling(staged, tmp_path):
+    """`generate` on a workdir whose gen/ was carried in whole (gen/DONE with it) skips the stage when this call asks
+    for what DONE records (greedy here), and refuses it, before generating anything, when the call asks for a
+    sampled share."""
+    from training import pipeline
+
+    src = tmp_path / "src"
+    shutil.copytree(staged["first"] / "gen", src / "gen")
+    done = {"prompts": 16, "max_new_tokens": 8, "sample_share": 0.0, "sample_temperature": 0.7, "seed": 0}
+    (src / "gen" / "DONE").write_text(json.dumps(done) + "\n")  # as stage_generate writes it
+    pack(src, tmp_path / "out", "gen")
+    w = tmp_path / "w"
+    unpack(w, [tmp_path / "out"])
+    assert (w / "gen" / "DONE").exists()
+
+    def generate(*extra: str) -> bool:
+        args = pipeline.build_parser().parse_args(["generate", "--workdir", str(w), *extra])
+        return pipeline.stage_generate(pipeline.Context(args))
+
+    assert generate()
+    assert generate("--seed", "9")  # greedy responses: the seed draws nothing
+    with pytest.raises(ValueError, match="records responses generated with"):
+        generate("--sample-share", "0.5")
+
+
 def test_packed_sizes_of_the_real_head_state(checkpoint, tmp_path):
     """The SmolLM2 head (8,192-token draft vocabulary) with AdamW's state after a step: with bfloat16 moments about
     8 bytes a parameter, with float32 moments about 12; every file within 16 MiB, every call folder within 8 files
@@ -335,10 +360,16 @@ def test_generate_samples_a_share_of_the_prompts(tmp_path):
 
 
 # ---- evaluation per category, sampled ----
-def test_sampled_eval_per_heldout_category(checkpoint, tmp_path):
+def test_sampled_eval_per_heldout_category(checkpoint, tmp_path, monkeypatch):
     """`eval --sets heldout-chat,heldout-code --eval-temperature 0.7` on the embedded model and the shipped head, one
-    prompt a category, 8 tokens: each category and their pool for both trees, acceptance within [1, steps + 1]."""
+    prompt a category, 8 tokens: every decode samples (temperature 0.7, top-p 1, prompt i's seed i); each category
+    and their pool for both trees, acceptance within [1, steps + 1]."""
+    from training import evaluate
     from training.pipeline import Context, build_parser, stage_eval
+
+    asked = []  # the sampling of every request the evaluation decoded
+    real = evaluate.speculative
+    monkeypatch.setattr(evaluate, "speculative", lambda *a: asked.extend(a[-1]) or real(*a))
 
     head = ROOT / "models" / "eagle3-smollm2"
     argv = ["eval", "--workdir", str(tmp_path), "--head", str(head), "--sets", "heldout-chat,heldout-code"]
@@ -346,6 +377,7 @@ def test_sampled_eval_per_heldout_category(checkpoint, tmp_path):
     ctx = Context(args)
     ctx._ckpt = checkpoint  # the session's embedded model, parsed once
     assert stage_eval(ctx)
+    assert len(asked) == 4 and {(s.temperature, s.top_p, s.seed) for s in asked} == {(0.7, 1.0, 0)}  # 2 sets x 2 trees
     report = json.loads((tmp_path / "eval.json").read_text())
     assert report["meta"]["temperature"] == 0.7
     results = report["results"]

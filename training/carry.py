@@ -34,8 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from training.generate import write_shard
-from training.pipeline import GEN_DIR
+from training.generate import GEN_DIR, write_shard
 from training.prompts import EVAL_FILES, TRAIN_FILE
 from training.prompts import MANIFEST as PROMPTS_MANIFEST
 from training.train import LOG_FILE, STATE_FILE, read_state, write_state

@@ -34,6 +34,7 @@ class EvalConfig:
     limit: int | None = None
     temperature: float = 0.0  # 0: greedy; else every request samples at it, prompt i of a set with seed i
     top_p: float = 1.0  # the sampled requests' nucleus
+    check_equal: bool = False  # every output compared with plain greedy decoding (at temperature 0 only)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -41,6 +42,8 @@ class EvalConfig:
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
         SamplingConfig(temperature=self.temperature, top_p=self.top_p)  # ValueError when out of range
+        if self.check_equal and self.temperature > 0:
+            raise ValueError("check_equal compares with greedy decoding: leave --eval-temperature at 0")
 
     def sampling(self, index: int) -> SamplingConfig:
         """Request `index` of a set: greedy, or sampled with seed index."""
@@ -102,16 +105,15 @@ def speculative(
     tree: Shape,
     stats: AcceptStats,
     tag: str,
-    sampling: list[SamplingConfig] | None = None,
+    sampling: list[SamplingConfig],
 ) -> list[list[int]]:
-    """Decode one batch of prompts together (the engine core, drafting `tree` every round), greedy or as
-    sampling[i] says for prompt i; returns each output clipped at EOS / max_new."""
+    """Decode one batch of prompts together (the engine core, drafting `tree` every round), prompt i as sampling[i]
+    says (greedy or sampled); returns each output clipped at EOS / max_new."""
     t0 = time.time()
     outs: dict[str, list[int]] = {f"{tag}-{i}": [] for i in range(len(prompts))}
     core = EngineCore(verifier, drafter, FixedPolicy(tree), CoreConfig(max_sequences=len(prompts), prefill_chunk=0))
     for i, p in enumerate(prompts):
-        how = SamplingConfig() if sampling is None else sampling[i]
-        core.add(Request(f"{tag}-{i}", p, how, max_new, stop_ids=frozenset({eos})))
+        core.add(Request(f"{tag}-{i}", p, sampling[i], max_new, stop_ids=frozenset({eos})))
     while True:
         for o in core.step():
             if o.finish is Finish.ERROR:
@@ -149,16 +151,15 @@ def plain_greedy(verifier: Verifier, prompts: list[list[int]], max_new: int, eos
 
 
 def evaluate_set(
-    verifier: Verifier, make_drafter, prompts: list[list[int]], cfg: EvalConfig, eos: int, check_equal: bool, name: str
+    verifier: Verifier, make_drafter, prompts: list[list[int]], cfg: EvalConfig, eos: int, name: str
 ) -> dict:
-    """Run every drafting config in TREES over the prompts. make_drafter(DraftingConfig) -> Eagle3Drafter."""
-    if check_equal and cfg.temperature > 0:
-        raise ValueError("check_equal compares with greedy decoding: evaluate at temperature 0")
+    """Run every drafting config in TREES over the prompts (each output compared with plain greedy decoding when
+    cfg.check_equal). make_drafter(DraftingConfig) -> Eagle3Drafter."""
     if cfg.limit is not None:
         prompts = prompts[: cfg.limit]
     result: dict = {"prompts": len(prompts)}
     reference: list[list[int]] | None = None
-    if check_equal:
+    if cfg.check_equal:
         t0 = time.time()
         reference = []
         for s in range(0, len(prompts), cfg.batch_size):

@@ -25,6 +25,7 @@ from common.engine.base import PrefillInput
 from common.model.llama import Batch, KVCache, LlamaModel
 
 log = logging.getLogger(__name__)
+GEN_DIR = "gen"  # a workdir's regenerated responses: gen-KKKKK.npz shards and DONE
 
 
 @dataclass(frozen=True)
@@ -241,7 +242,8 @@ def write_shard(path: Path, arrays: dict[str, np.ndarray]) -> None:
 
 
 def shard_temperature(z) -> np.ndarray:
-    """A shard's per-row temperature [N] float32 (0: greedy); all greedy for shards written before it was recorded."""
+    """A shard's per-row temperature [N] float32 (0: greedy); a shard without the array (as in
+    data/regenerated-smollm2-sharegpt.tgz) is all greedy."""
     if "temperature" in z.files:
         return z["temperature"]
     return np.zeros(len(z["prompt_len"]), dtype=np.float32)
@@ -293,7 +295,7 @@ def missing_shards(
 
 
 def generate_stage(
-    generate: Callable[[list[list[int]]], list[list[int]]],
+    generate: Callable[[list[list[int]], list[SamplingConfig]], list[list[int]]],
     rows: list[dict],
     outdir: Path,
     cfg: GenerateConfig,
@@ -315,17 +317,17 @@ def generate_stage(
         return np.array([0.0 if sampling is None else sampling[i].temperature for i in ks], dtype=np.float32)
 
     def check(k: int, path: Path) -> None:
-        z = np.load(path)
+        with np.load(path) as z:
+            got, temps = z["ids"].tolist(), shard_temperature(z)
         first = k * cfg.shard_size
         want = [r["id"] for r in rows[first : first + cfg.shard_size]]
-        got = z["ids"].tolist()
         if got != want:
             raise ValueError(
                 f"{path} holds responses to other prompts than rows {first}..{first + len(want) - 1} of the prompt "
                 f"file ({len(got)} rows, first id {got[:1]}, expected {want[:1]}): remove it, or generate with the "
                 "prompt files it was generated from"
             )
-        if not np.array_equal(shard_temperature(z), temperatures(k)):
+        if not np.array_equal(temps, temperatures(k)):
             raise ValueError(
                 f"{path} was generated with other sampling settings than this call's (--sample-share "
                 f"{cfg.sample_share}, --sample-temperature {cfg.sample_temperature}, --seed {cfg.seed}): remove it, "

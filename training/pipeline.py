@@ -20,6 +20,7 @@ import torch
 
 from common.model.llama import LlamaModel
 from common.weights import Checkpoint, load_checkpoint
+from training.generate import GEN_DIR
 
 if TYPE_CHECKING:
     from training.magpie import MagpieConfig
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 STAGES = ("prompts", "generate", "features", "train", "eval", "all", "pack", "unpack")
-GEN_DIR, FEAT_DIR, MAGPIE_DIR = "gen", "features", "magpie"
+FEAT_DIR, MAGPIE_DIR = "features", "magpie"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -307,9 +308,6 @@ def stage_generate(ctx: Context) -> bool:
 
     a, w = ctx.args, ctx.args.workdir
     done = w / GEN_DIR / "DONE"
-    if done.exists():
-        log.info("generate: already done (%s)", done.read_text().strip())
-        return True
     cfg = GenerateConfig(
         max_new_tokens=a.max_new_tokens or 256,
         batch_size=a.gen_batch,
@@ -319,6 +317,17 @@ def stage_generate(ctx: Context) -> bool:
         sample_temperature=a.sample_temperature,
         seed=a.seed,
     )
+    sampled = {"sample_share": cfg.sample_share, "sample_temperature": cfg.sample_temperature, "seed": cfg.seed}
+    if done.exists():  # finished here or carried in (unpack): its shards stand only for this call's sampling
+        recorded = json.loads(done.read_text())
+        theirs = {k: recorded.get(k, 0.0 if k == "sample_share" else v) for k, v in sampled.items()}  # none: greedy
+        if theirs["sample_share"] != cfg.sample_share or (cfg.sample_share > 0 and theirs != sampled):
+            raise ValueError(
+                f"{done} records responses generated with {theirs}, this call asks for {sampled}: remove {GEN_DIR}, "
+                "or pass the settings it was made with"
+            )
+        log.info("generate: already done (%s)", done.read_text().strip())
+        return True
     if cfg.sample_share > 0 and a.generator != "engine":
         raise ValueError("--sample-share needs --generator engine (the model loop samples a whole batch alike)")
     rows = read_prompts(w / TRAIN_FILE)
@@ -348,7 +357,6 @@ def stage_generate(ctx: Context) -> bool:
     ok = generate_stage(generate, rows, w / GEN_DIR, cfg, ctx.deadline)
     if ok:
         n = len(rows) if cfg.limit is None else min(cfg.limit, len(rows))
-        sampled = {"sample_share": cfg.sample_share, "sample_temperature": cfg.sample_temperature, "seed": cfg.seed}
         done.write_text(json.dumps({"prompts": n, "max_new_tokens": cfg.max_new_tokens, **sampled}) + "\n")
     return ok
 
@@ -441,8 +449,6 @@ def stage_eval(ctx: Context, max_new_tokens: int | None = None) -> bool:
     from training.train import HEAD_INFO
 
     a, w = ctx.args, ctx.args.workdir
-    if a.check_equal and a.eval_temperature > 0:
-        raise ValueError("--check-equal compares with greedy decoding: leave --eval-temperature at 0")
     head_dir = a.head or (w / "head")
     sets = [x for s in a.sets.split(",") if s.strip() for x in HELDOUT_SETS.get(s.strip(), [s.strip()])]
     unknown = [s for s in sets if s not in EVAL_FILES and s not in HELDOUT_SETS["heldout"]]
@@ -455,6 +461,7 @@ def stage_eval(ctx: Context, max_new_tokens: int | None = None) -> bool:
         limit=a.eval_limit if a.eval_limit is not None else a.limit,
         temperature=a.eval_temperature,
         top_p=a.eval_top_p,
+        check_equal=a.check_equal,
     )
     heldout = heldout_prompts(ctx.tokenizer) if any(s.startswith("heldout-") for s in sets) else {}
     prompts = {
@@ -477,7 +484,7 @@ def stage_eval(ctx: Context, max_new_tokens: int | None = None) -> bool:
     eos = ctx.ckpt.config.eos_token_id
     results = {}
     for s in sets:
-        results[s] = evaluate_set(verifier, make_drafter, prompts[s], cfg, eos, a.check_equal, s)
+        results[s] = evaluate_set(verifier, make_drafter, prompts[s], cfg, eos, s)
     categories = [s for s in sets if s.startswith("heldout-")]
     if len(categories) > 1:
         results["heldout-all"] = pooled([results[s] for s in categories])

@@ -17,6 +17,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from bench.load import CATEGORIES
 from training.dedup import DedupConfig, Deduplicator
 from training.filters import FILTERS, FilterConfig, is_english
 from training.sources import HUMANEVAL, SHAREGPT, TRAIN_SOURCES, WRITINGBENCH, Item, package_versions
@@ -31,8 +32,7 @@ EVAL_FILES = {
 }
 # the benchmarks' held-out prompts (bench/prompts/heldout-mixed.jsonl: eight a category, never trained on) as
 # evaluation sets, one a category; "heldout" names all six
-HELDOUT_CATEGORIES = ("chat", "code", "math", "qa", "summarization", "writing")
-HELDOUT_SETS = {"heldout": [f"heldout-{c}" for c in HELDOUT_CATEGORIES]}
+HELDOUT_SETS = {"heldout": [f"heldout-{c}" for c in CATEGORIES]}
 MANIFEST = "prompts_manifest.json"
 EVAL_LABEL = "eval"
 # prompts left after each step: read, FILTERS, the token bound, no overlap with an eval set, no earlier duplicate
@@ -186,7 +186,7 @@ def heldout_prompts(tokenizer) -> dict[str, list[list[int]]]:
     user message in the chat template (as the gateway sends it), in the file's order within a category."""
     from bench.load import read_prompts as read_heldout  # the benchmarks' reader of that file (its one format)
 
-    sets: dict[str, list[list[int]]] = {f"heldout-{c}": [] for c in HELDOUT_CATEGORIES}
+    sets: dict[str, list[list[int]]] = {f"heldout-{c}": [] for c in CATEGORIES}
     for p in read_heldout():
         sets[f"heldout-{p.category}"].append(tokenizer.encode_chat([("user", p.text)]))
     return sets
