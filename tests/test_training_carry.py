@@ -238,7 +238,7 @@ def test_unpacked_shards_are_skipped_by_generate_and_checked(staged, tmp_path):
 def test_a_carried_done_generate_stands_only_for_its_own_sampling(staged, tmp_path):
     """`generate` on a workdir whose gen/ was carried in whole (gen/DONE with it) skips the stage when this call asks
     for what DONE records (greedy here), and refuses it, before generating anything, when the call asks for a
-    sampled share."""
+    sampled share; unpacking the pack again over a DONE that records other settings is refused."""
     from training import pipeline
 
     src = tmp_path / "src"
@@ -258,6 +258,9 @@ def test_a_carried_done_generate_stands_only_for_its_own_sampling(staged, tmp_pa
     assert generate("--seed", "9")  # greedy responses: the seed draws nothing
     with pytest.raises(ValueError, match="records responses generated with"):
         generate("--sample-share", "0.5")
+    (w / "gen" / "DONE").write_text(json.dumps({**done, "sample_share": 0.5}) + "\n")
+    with pytest.raises(ValueError, match="exists with other content"):  # unpack overwrites no other DONE
+        unpack(w, [tmp_path / "out"])
 
 
 def test_packed_sizes_of_the_real_head_state(checkpoint, tmp_path):

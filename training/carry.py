@@ -237,8 +237,8 @@ def _write_new(path: Path, data: bytes) -> None:
 
 
 def unpack_gen(workdir: Path, blob: bytes, info: dict) -> None:
-    """The shards (token ids back in their dtype, each checked against its digest) and gen/DONE. A shard already
-    there is kept when it holds the same arrays, else ValueError."""
+    """The shards (token ids back in their dtype, each checked against its digest) and gen/DONE. A shard or DONE
+    already there is kept when it holds the same arrays or bytes, else ValueError."""
     members = _untar(blob)
     expected = info["members"]
     if set(members) != set(expected):
@@ -253,7 +253,7 @@ def unpack_gen(workdir: Path, blob: bytes, info: dict) -> None:
         if m.group(1) == "DONE":
             if sha256(data) != expected[name]["sha256"]:
                 raise ValueError(f"{name} in the pack differs from its manifest's sha256")
-            target.write_bytes(data)
+            _write_new(target, data)  # a DONE already there with other settings is refused, as a shard is
             continue
         arrays = restore_shard(data, expected[name])
         if shard_digest(arrays) != expected[name]["digest"]:
