@@ -432,14 +432,17 @@ def test_pooled_sets_weigh_their_rounds():
         "tokens": 10,
         "accept_rate_by_depth": [0.75, 0.67, 0.5],
         "accepted_hist": [1, 1, 1, 1],
+        "wall_s": 1.0,
     }
     b = {"sequences": 2, "rounds": 4, "tokens": 6, "accept_rate_by_depth": [0.5, 0.0, 0.0], "accepted_hist": [2, 2]}
+    b["wall_s"] = 3.0
     got = pooled([{"tree": a}, {"tree": b}])
     assert set(got) == {"tree"}
     t = got["tree"]
     assert (t["sequences"], t["rounds"], t["tokens"], t["mean_accept_len"]) == (3, 8, 16, 2.0)
     assert t["accepted_hist"] == [3, 3, 1, 1]
     assert t["accept_rate_by_depth"] == pytest.approx([5 / 8, 2 / 5, 1 / 2])
+    assert (t["wall_s"], t["tokens_per_s"]) == (4.0, 4.0)  # 16 tokens in the sets' 1 + 3 s
 
 
 def test_eval_of_the_heldout_categories(tmp_path, capsys):

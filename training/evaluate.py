@@ -221,32 +221,25 @@ def summary_with_config(summary: dict, dcfg: DraftingConfig) -> dict:
 
 
 def pooled(results: list[dict]) -> dict:
-    """Several sets' results (evaluate_set's) as one per tree config: sequences, rounds and tokens summed, the mean
-    acceptance length over all their rounds (the sets weighed by their rounds) and the rate at each depth from the
-    summed histogram. Example: 10 tokens in 4 rounds and 6 in 4 -> 16 / 8 = 2.0."""
+    """Several sets' results (evaluate_set's) as one per tree config: their counts summed into one AcceptStats (the
+    mean acceptance length over all their rounds, the sets weighed by their rounds; the rate at each depth from the
+    summed histogram) and summarised as a set's are. Example: 10 tokens in 4 rounds and 6 in 4 -> 16 / 8 = 2.0."""
     out = {}
     for tname in TREES:
         parts = [r[tname] for r in results if r.get(tname)]
         if not parts:
             continue
-        hist = np.zeros(max(len(p["accepted_hist"]) for p in parts), dtype=np.int64)  # [depth + 1]
+        hist = np.zeros(max(len(p["accepted_hist"]) for p in parts), dtype=np.int64)  # [depth + 1] rounds by accepted
         for p in parts:
             hist[: len(p["accepted_hist"])] += p["accepted_hist"]
-        rounds, tokens = sum(p["rounds"] for p in parts), sum(p["tokens"] for p in parts)
-        reached = hist[::-1].cumsum()[::-1]  # [depth + 1] rounds that accepted at least d drafted tokens
-        depth = len(parts[0]["accept_rate_by_depth"])
-        rates = [
-            float(reached[d] / reached[d - 1]) if d < len(reached) and reached[d - 1] else 0.0
-            for d in range(1, depth + 1)
-        ]
-        out[tname] = {
-            "sequences": sum(p["sequences"] for p in parts),
-            "rounds": rounds,
-            "tokens": tokens,
-            "mean_accept_len": tokens / rounds if rounds else 0.0,
-            "accept_rate_by_depth": rates,
-            "accepted_hist": hist.tolist(),
-        }
+        stats = AcceptStats(
+            rounds=sum(p["rounds"] for p in parts),
+            accepted=sum(p["tokens"] - p["rounds"] for p in parts),
+            reached=hist[::-1].cumsum()[::-1][1:].tolist(),  # [depth] rounds that accepted more than d
+            sequences=sum(p["sequences"] for p in parts),
+            wall_s=sum(p["wall_s"] for p in parts),
+        )
+        out[tname] = stats.summary(len(parts[0]["accept_rate_by_depth"]))
     return out
 
 
