@@ -102,6 +102,20 @@ def req(i: int, max_new: int = 16, **kw) -> Request:
     return Request(f"s{i}", PROMPTS[i], SamplingConfig(), max_new=max_new, **kw)
 
 
+def rounds_run(v: Verifier, monkeypatch) -> list[int]:
+    """The rounds each verifier call ran, appended as the call returns."""
+    ran: list[int] = []
+    verify = v.verify_rounds_steps
+
+    def counted(items, rounds=1, then=None, each=None):
+        out = yield from verify(items, rounds, then, each)
+        ran.append(len(out))
+        return out
+
+    monkeypatch.setattr(v, "verify_rounds_steps", counted)
+    return ran
+
+
 def check_free(core: EngineCore) -> None:
     v, d = core.verifier, core.drafter
     assert not core.seqs and not core.drafts
@@ -238,7 +252,7 @@ def test_a_lone_batch_goes_on_in_one_call_its_tokens_going_out_as_it_goes(engine
         tokens.setdefault(o.seq_id, []).extend(o.tokens)
     assert tokens == {"s0": plain[0], "s1": plain[1]}
     assert [o.finish for o in stream if o.seq_id == "s0"][-1] is Finish.LENGTH
-    assert all(o.finish is Finish.NONE for o in stream[: len(published)])  # mid-call outputs: nothing finished
+    assert sorted(o.seq_id for o in stream if o.finish is not Finish.NONE) == ["s0", "s1"]  # each finish once
     first = calls[published[0]]  # the call that went on when s1 arrived
     assert first[0] == 1 and 2 < first[2] <= 2 + AHEAD  # past its 2 rounds; ended within AHEAD + 1 of the arrival
     assert any(n == 2 and ran > 2 for n, _, ran, _ in calls[published[0] + 1 :])  # then both, going on together
@@ -247,20 +261,44 @@ def test_a_lone_batch_goes_on_in_one_call_its_tokens_going_out_as_it_goes(engine
     check_free(core)
 
 
+def test_a_finish_goes_out_at_once_while_its_call_runs_on(engines, plain, monkeypatch):
+    """Four rounds a call: s0 (a budget of 4 tokens) finishes in the first round of a call that runs four; its finish
+    is published while that call still runs (its client need not wait for the call), and not again with the step's
+    outputs; s1 goes on to its 16 tokens. Both get plain decoding's tokens, each finish exactly once."""
+    v, d = engines
+    calls = rounds_run(v, monkeypatch)
+    core = EngineCore(v, d, FixedPolicy(TREE), CoreConfig(max_sequences=2, rounds_per_step=4, call_rounds=4))
+    stream, finished_at = [], {}  # the outputs in order; seq id -> (calls returned, from a publish) at its finish
+
+    def publish(outs):
+        stream.extend(outs)
+        finished_at.update({o.seq_id: (len(calls), True) for o in outs if o.finish is not Finish.NONE})
+
+    core.publish = publish
+    core.add(req(0, 4))
+    core.add(req(1))
+    for _ in range(100):
+        if not core.seqs and not core._inbox:
+            break
+        outs = core.step()
+        stream.extend(outs)
+        finished_at.update({o.seq_id: (len(calls), False) for o in outs if o.finish is not Finish.NONE})
+    tokens = {}
+    for o in stream:
+        tokens.setdefault(o.seq_id, []).extend(o.tokens)
+    assert tokens == {"s0": plain[0][:4], "s1": plain[1]}
+    assert [o.finish for o in stream if o.finish is not Finish.NONE] == [Finish.LENGTH, Finish.LENGTH]
+    assert finished_at["s0"] == (0, True), (finished_at, calls)  # published within the first call, which ran on
+    assert calls[0] == 4, calls
+    check_free(core)
+
+
 def test_a_call_with_a_row_not_drafted_on_the_device_does_not_go_on(engines, plain, monkeypatch):
     """A request pinning 3x8 beside one the policy keeps plain, calls of up to 8 rounds: the plain row rides in the
     tree rounds as a row of no tree (a token a round), so no call goes on past its rounds_per_step (2); both get
     plain decoding's tokens."""
     v, d = engines
-    ran = []
-    verify = v.verify_rounds_steps
-
-    def counted(items, rounds=1, then=None, each=None):
-        out = yield from verify(items, rounds, then, each)
-        ran.append(len(out))
-        return out
-
-    monkeypatch.setattr(v, "verify_rounds_steps", counted)
+    ran = rounds_run(v, monkeypatch)
     core = EngineCore(v, d, FixedPolicy(PLAIN), CoreConfig(max_sequences=2, rounds_per_step=2, call_rounds=8))
     got = run(core, {0: [req(0, 16, tree=TREE), req(1, 16)]})
     assert [got[f"s{i}"][0] for i in range(2)] == [plain[0], plain[1]]

@@ -16,7 +16,7 @@ One step (EngineCore.step):
             rounds run on meanwhile); its output goes out. While the call's rows are all there is (none stopped,
             nothing waiting), each round read launches one more behind the last (AHEAD launched beyond the one
             read, up to call_rounds a call): the device is not left idle between calls, and the tokens go out
-            every rounds_per_step rounds (publish)
+            every rounds_per_step rounds, a finish at once (publish)
       or, when the shape is plain, `plain_steps` decoding steps with one host synchronisation (the step's last)
     release the finished ones, hand the step's outputs over (FINISHED)
 
@@ -99,9 +99,10 @@ class EngineCore(DraftSupply):
         self._wake = threading.Event()
         self._snapshot = Snapshot(0, 0, False, {}, [])
         self._snapshot_at = -1.0
-        # the outputs of a call that goes on, every rounds_per_step rounds (the service routes them to their
-        # streams); None: they go out with the step's
+        # the outputs of a call that goes on, every rounds_per_step rounds and a finish at once (the service routes
+        # them to their streams); None: they go out with the step's
         self.publish: Callable[[list[SeqOutput]], None] | None = None
+        self._out: set[str] = set()  # finished sequences whose last output a call published (released at the step end)
 
     # ---- the service's side (any thread) ----
     def add(self, req: Request) -> None:
@@ -355,6 +356,7 @@ class EngineCore(DraftSupply):
             launched = chain is not None and len(chain.handles) == done  # the last round's next trees are coming
             drafting = len(chained) if r < done - 1 or launched else 0  # rows whose tokens the drafter has
             verified = []  # every tree teaches the policy what the draft accepts, pinned ones too
+            ended = []  # the rows this round finished
             for i, ((s, _), out) in enumerate(zip(order, results)):
                 if s.status is not Status.RUNNING:  # it stopped in an earlier round of the call
                     continue
@@ -363,6 +365,8 @@ class EngineCore(DraftSupply):
                     s.count_round(trees[s.seq_id].size if r == 0 else tree.nodes, len(tokens) - 1)
                     verified.append((s.seq_id, s.band, tree, min(len(tokens) - 1, tree.depth)))
                 news[s.seq_id] = news.get(s.seq_id, []) + s.commit(tokens)
+                if s.status is not Status.RUNNING:
+                    ended.append(s.seq_id)
                 if follow[i] and i >= drafting:
                     d = self.drafts[s.seq_id]
                     d.tokens += tokens
@@ -372,10 +376,14 @@ class EngineCore(DraftSupply):
             # and nothing else waits
             alone = extend and len(chained) == len(order) and len(self.seqs) == len(order) and not self._inbox
             alone = alone and all(s.status is Status.RUNNING for s, _ in order)
-            if self.publish is not None and r + 1 < done and (r + 1) % self.cfg.rounds_per_step == 0:
-                self._publish(news)  # a call gone on past rounds_per_step: its tokens so far go out
+            goes = alone and done - r - 1 < AHEAD and done < self.cfg.call_rounds
+            if self.publish is not None and (r + 1 < done or goes):  # the call goes on past this round
+                if (r + 1) % self.cfg.rounds_per_step == 0:
+                    self._publish(news, list(news))  # past rounds_per_step: the tokens so far go out
+                elif ended:  # a finish goes out at once: its client's next request need not wait for the call
+                    self._publish(news, ended)
             committing[0] += self.clock() - c0
-            return alone and done - r - 1 < AHEAD and done < self.cfg.call_rounds
+            return goes
 
         try:
             t3 = self.clock()
@@ -486,14 +494,14 @@ class EngineCore(DraftSupply):
     def _fail(s: Sequence, e: BaseException) -> None:
         s.end(Finish.ERROR, e)
 
-    def _publish(self, news: dict[str, list[int]]) -> None:
-        """The tokens of a call that goes on, out now for its running sequences (a finished one's go with the
-        step's outputs, its finish with them)."""
-        going = [sid for sid in news if self.seqs[sid].status is Status.RUNNING]
-        if going:
-            self.publish([output(self.seqs[sid], news[sid]) for sid in going])
-            for sid in going:  # out: not again with the step's (kept there should publish fail)
-                del news[sid]
+    def _publish(self, news: dict[str, list[int]], seq_ids: list[str]) -> None:
+        """The outputs of a call that goes on, out now for seq_ids: their tokens so far, and a finished one's
+        finish (its slot is released with the step's, its output not sent again)."""
+        self.publish([output(self.seqs[sid], news.get(sid, [])) for sid in seq_ids])
+        for sid in seq_ids:  # out: not again with the step's (kept there should publish fail)
+            news.pop(sid, None)
+            if self.seqs[sid].status is Status.FINISHED:
+                self._out.add(sid)
 
     # ---- retire ----
     def _retire(self, news: dict[str, list[int]]) -> list[SeqOutput]:
@@ -501,8 +509,9 @@ class EngineCore(DraftSupply):
         done = [s for s in self.seqs.values() if s.status is Status.FINISHED]
         if not done:
             return outs
-        noted = set(news)
+        noted = set(news) | self._out
         outs += [output(s, []) for s in done if s.seq_id not in noted]
+        self._out.clear()  # every finished one is released here
         ids = [s.seq_id for s in done if s.prefilled]  # a waiting one holds nothing
         for s in done:
             del self.seqs[s.seq_id]
