@@ -599,26 +599,6 @@ def test_prefill_groups_read_back_in_the_callers_order(verifiers) -> None:
     padded.release(["s", "l", "s-ref", "l-ref"])
 
 
-def test_a_deferred_prefill_hands_its_first_token_to_the_next_call(verifiers) -> None:
-    """prefill_batch(defer=True) reads no token (next_token None) and leaves each on the device (token); the next
-    verify of one and the next decode of the other take it from there as their root and hand it over with their own
-    tokens (VerifyOutput.first, Decoded.firsts): the tokens of a prefill that read it. The call after has none."""
-    _, padded = verifiers
-    a, b = PROMPTS[0], PROMPTS[1]
-    want = [padded.prefill(PrefillInput(s, p, SamplingConfig())).next_token for s, p in (("a-ref", a), ("b-ref", b))]
-    items = [PrefillInput("a", a, SamplingConfig()), PrefillInput("b", b, SamplingConfig())]
-    outs = padded.prefill_batch(items, defer=True)
-    assert [o.next_token for o in outs] == [None, None]
-    assert [int(o.token) for o in outs] == want
-    got, ref = padded.verify([VerifyInput("a", NO_TREE)]), padded.verify([VerifyInput("a-ref", NO_TREE)])
-    assert (got[0].first, got[0].tokens) == (want[0], ref[0].tokens) and ref[0].first is None
-    decoded, plain = padded.decode_many(["b"], 3), padded.decode_many(["b-ref"], 3)
-    assert decoded.firsts == [want[1]] and plain.firsts is None and decoded.tokens == plain.tokens
-    again = padded.decode_many(["a", "b"], 2)
-    assert again.firsts is None and again.tokens == padded.decode_many(["a-ref", "b-ref"], 2).tokens
-    padded.release(["a", "b", "a-ref", "b-ref"])
-
-
 def test_tree_depth_and_bounded_ancestors() -> None:
     """tree_depth finds the deepest row; with that bound, fewer doubling rounds give the same ancestors."""
     from common.engine.verifier import tree_depth

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
@@ -14,7 +13,6 @@ from common.rounds import start_shift
 from common.tree import Tree
 
 T = TypeVar("T")
-UNREAD = -1  # a token id the host has not read yet (its value on the device: ProposeInput.first)
 
 # An engine call as steps: it yields an event wherever the host would wait for the device (its work is
 # launched; what follows reads its results), and returns the call's result. `finish` runs it as one blocking
@@ -56,11 +54,8 @@ class PrefillInput:
 
 @dataclass(frozen=True)
 class PrefillOutput:
-    next_token: int | None  # None while more chunks follow, or when the call deferred its read (token)
+    next_token: int | None  # None while more chunks follow
     hidden: torch.Tensor  # [chunk_len, 3H] EAGLE features of this call's positions
-    # [1] the next token on the device, when the call deferred its read (prefill_batch's defer): the host learns it
-    # with the sequence's first verify or decode output (VerifyOutput.first, Decoded.firsts)
-    token: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -98,7 +93,6 @@ class VerifyOutput:
     tokens: list[int]  # [num_accepted + 1] accepted drafted tokens, then the bonus token
     kept: torch.Tensor  # [B, P, 3H] the round's features of every row's accepted path (shared by its outputs)
     row: int  # this output's row of kept
-    first: int | None = None  # the sequence's first token, when its prefill deferred the read: before tokens
 
     @property
     def hidden(self) -> torch.Tensor:
@@ -113,8 +107,6 @@ class Decoded:
 
     tokens: list[list[int]]  # [B][steps] every sequence gets as many
     hidden: torch.Tensor | None  # [B, steps, 3H] EAGLE features (hidden[i, j] produced tokens[i][j]), when asked
-    # [B] each sequence's first token when its prefill deferred the read (before its tokens), else None
-    firsts: list[int | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -132,9 +124,8 @@ class VerifierEngine(Protocol):
 
     def prefill(self, item: PrefillInput) -> PrefillOutput: ...
 
-    # several sequences' prompts or chunks at once; all or nothing; defer: the host does not wait for their first
-    # tokens (see Verifier.prefill_batch)
-    def prefill_batch(self, items: list[PrefillInput], defer: bool = False) -> list[PrefillOutput]: ...
+    # several sequences' prompts or chunks at once; all or nothing (see Verifier.prefill_batch)
+    def prefill_batch(self, items: list[PrefillInput]) -> list[PrefillOutput]: ...
     def verify(self, items: list[VerifyInput]) -> list[VerifyOutput]: ...  # finish(verify_steps(items))
     # then(accepted): called once a verification is launched, before its wait (a drafter launching the next
     # trees after it on the device: Drafter.launch_after); the trees it returns are the next round's
@@ -168,9 +159,6 @@ class ProposeInput:
     max_nodes: int
     max_depth: int = 0  # tree levels to draft; 0 = the drafter's steps
     sampling: SamplingConfig = SamplingConfig()  # read on start: how the sequence samples (the q rule's needs)
-    # [1] on the device: token_ids' last entry, a prefill's first token the host has not read (token_ids holds
-    # UNREAD there; on start only)
-    first: torch.Tensor | None = None
 
     @classmethod
     def after_prefill(
@@ -184,20 +172,8 @@ class ProposeInput:
     ) -> ProposeInput:
         """A sequence's first propose (common.rounds.start_shift): prompt_ids [prompt_len] the whole prompt,
         prefilled.hidden [prompt_len, 3H] its features."""
-        unread = prefilled.next_token is None
-        token_ids, prefix = start_shift(prompt_ids, UNREAD if unread else prefilled.next_token)
-        first = prefilled.token if unread else None
-        return cls(seq_id, token_ids, prefilled.hidden, True, prefix, max_nodes, max_depth, sampling, first)
-
-    def read(self) -> ProposeInput:
-        """This input with its first token read to the host (a drafter that needs it there: a remote one)."""
-        return self if self.first is None else self.known(int(self.first.item()))
-
-    def known(self, first: int) -> ProposeInput:
-        """This input with its first token as the host learnt it (its last token id)."""
-        if self.first is None:
-            return self
-        return dataclasses.replace(self, token_ids=[*self.token_ids[:-1], first], first=None)
+        token_ids, prefix = start_shift(prompt_ids, prefilled.next_token)
+        return cls(seq_id, token_ids, prefilled.hidden, True, prefix, max_nodes, max_depth, sampling)
 
     @classmethod
     def after_verify(cls, seq_id: str, verified: VerifyOutput, max_nodes: int) -> ProposeInput:

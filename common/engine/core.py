@@ -5,7 +5,7 @@ process. It is the only place a round exists.
 One step (EngineCore.step):
 
     admit waiting requests while slots are free          (WAITING -> PREFILLING)
-    prefill up to `prefill_chunk` prompt tokens           (-> RUNNING; its first token read with its first round's)
+    prefill up to `prefill_chunk` prompt tokens           (-> RUNNING with its first token)
     up to `rounds_per_step` rounds for every running sequence, in verifier calls of one host synchronisation
     (a call cut short, before a try or with nothing chained behind it, ends the step):
         shape = the policy's (decided when the last call was launched, or now)
@@ -173,7 +173,7 @@ class EngineCore(DraftSupply):
         news: dict[str, list[int]] = {}  # seq id -> tokens committed this step
         self._take_inbox()
         self._admit()
-        self._prefill()
+        self._prefill(news)
         self._recover()
         running = [s for s in self.seqs.values() if s.status is Status.RUNNING]
         t1 = self.clock()
@@ -218,7 +218,7 @@ class EngineCore(DraftSupply):
                 held += 1
 
     # ---- prefill ----
-    def _prefill(self) -> None:
+    def _prefill(self, news: dict[str, list[int]]) -> None:
         """Up to prefill_chunk prompt tokens of the prefilling sequences, oldest first, in one engine call (a
         prompt too long for the budget goes in chunks, one per step)."""
         budget = self.cfg.prefill_chunk or float("inf")
@@ -232,7 +232,7 @@ class EngineCore(DraftSupply):
         if not work:
             return
         try:
-            outs = self.verifier.prefill_batch([self._prefill_input(s, n) for s, n in work], defer=True)
+            outs = self.verifier.prefill_batch([self._prefill_input(s, n) for s, n in work])
         except Exception as e:  # noqa: BLE001 - all or nothing: each is tried again alone, failing only itself
             if len(work) == 1:
                 self._fail(work[0][0], e)
@@ -243,33 +243,34 @@ class EngineCore(DraftSupply):
                 s.prefilled = 0  # the failed call freed what it began
                 self.drafts.pop(s.seq_id, None)
                 try:
-                    outs += self.verifier.prefill_batch([self._prefill_input(s, len(s.req.prompt_ids))], defer=True)
+                    outs += self.verifier.prefill_batch([self._prefill_input(s, len(s.req.prompt_ids))])
                 except Exception as e1:  # noqa: BLE001 - its own failure
                     self._fail(s, e1)
                     outs.append(None)
             work = [(s, len(s.req.prompt_ids)) for s, _ in work]
         for (s, n), out in zip(work, outs):
             if out is not None:
-                self._prefilled(s, n, out)
+                self._prefilled(s, n, out, news)
 
     def _prefill_input(self, s: Sequence, n: int) -> PrefillInput:
         chunk = s.req.prompt_ids[s.prefilled : s.prefilled + n]
         return PrefillInput(s.seq_id, chunk, s.req.sampling, more=s.prefilled + n < len(s.req.prompt_ids))
 
-    def _prefilled(self, s: Sequence, n: int, out: PrefillOutput) -> None:
+    def _prefilled(self, s: Sequence, n: int, out: PrefillOutput, news: dict[str, list[int]]) -> None:
         s.prefilled += n
         speculative = s.req.speculative and self.drafter is not None
         if speculative:
             self.drafts.setdefault(s.seq_id, Draft()).hidden.append(out.hidden)
-        if out.next_token is None and out.token is None:  # more chunks follow
+        if out.next_token is None:  # more chunks follow
             return
-        s.to(Status.RUNNING)  # its first token on the device: committed with its first round's (the host waits not)
-        if speculative:
+        s.to(Status.RUNNING)
+        news[s.seq_id] = s.commit([out.next_token])
+        if speculative and s.status is Status.RUNNING:
             d = self.drafts[s.seq_id]
             hidden = torch.cat(d.hidden) if len(d.hidden) > 1 else d.hidden[0]  # [prompt_len, 3H]
             d.hidden = []
             d.start = ProposeInput.after_prefill(
-                s.seq_id, s.req.prompt_ids, PrefillOutput(out.next_token, hidden, out.token), 0, s.req.sampling
+                s.seq_id, s.req.prompt_ids, PrefillOutput(out.next_token, hidden), 0, s.req.sampling
             )
             d.lost = self.degraded  # a drafter that is down catches it up once back
 
@@ -363,10 +364,7 @@ class EngineCore(DraftSupply):
                 if tree is not NO_TREE:
                     s.count_round(trees[s.seq_id].size if r == 0 else tree.nodes, len(tokens) - 1)
                     verified.append((s.seq_id, s.band, tree, min(len(tokens) - 1, tree.depth)))
-                if out.first is not None:  # its first token, which the prefill left on the device
-                    self._first_known(s, out.first)
-                committed = s.commit(tokens if out.first is None else [out.first, *tokens])
-                news[s.seq_id] = news.get(s.seq_id, []) + committed
+                news[s.seq_id] = news.get(s.seq_id, []) + s.commit(tokens)
                 if s.status is not Status.RUNNING:
                     ended.append(s.seq_id)
                 if follow[i] and i >= drafting:
@@ -449,12 +447,8 @@ class EngineCore(DraftSupply):
             return
         t2 = self.clock()
         took = len(decoded.tokens[0])
-        firsts = decoded.firsts or [None] * len(seqs)
         for i, (s, tokens) in enumerate(zip(seqs, decoded.tokens)):
-            first = [] if firsts[i] is None else [firsts[i]]  # a first token the prefill left on the device
-            if first:
-                self._first_known(s, first[0])
-            news[s.seq_id] = news.get(s.seq_id, []) + s.commit(first + tokens)
+            news[s.seq_id] = news.get(s.seq_id, []) + s.commit(tokens)
             if follow[i]:
                 d = self.drafts[s.seq_id]
                 d.tokens += tokens
@@ -465,13 +459,6 @@ class EngineCore(DraftSupply):
         self.calls["plain_calls"] += 1
         pure = all(s.req.tree is None for s in seqs)
         self._observe(t0, len(seqs), PLAIN, took, pure, setup_s, any(s.band != "greedy" for s in seqs))
-
-    def _first_known(self, s: Sequence, first: int) -> None:
-        """A first token the prefill left on the device, now read: the drafter's start input, when it still waits,
-        has it as its last token id (what follows is appended after it)."""
-        d = self.drafts.get(s.seq_id)
-        if d is not None and d.start is not None:
-            d.start = d.start.known(first)
 
     def _following(self, s: Sequence) -> bool:
         d = self.drafts.get(s.seq_id)

@@ -93,9 +93,8 @@ class DraftSupply:
             hidden = torch.cat(d.hidden) if len(d.hidden) > 1 else d.hidden[0]  # [n, 3H]
             return ProposeInput(s.seq_id, d.tokens, hidden, False, [], t.nodes, t.depth)
         hidden = torch.cat([st.hidden, *d.hidden]) if d.hidden else st.hidden
-        tokens = st.token_ids + d.tokens  # its first token unread only while nothing followed it (_first_known)
-        p = st.sampling
-        return ProposeInput(s.seq_id, tokens, hidden, True, st.context_prefix, t.nodes, t.depth, p, st.first)
+        tokens = st.token_ids + d.tokens
+        return ProposeInput(s.seq_id, tokens, hidden, True, st.context_prefix, t.nodes, t.depth, st.sampling)
 
     def _settle_launch(self) -> dict[str, Tree]:
         """The trees of the drafting launched behind the last verify, for its rows still running ({seq_id:

@@ -39,7 +39,7 @@ import torch
 
 from common import kernels, validate
 from common.config import DraftingConfig, SamplingConfig
-from common.engine.base import UNREAD, Accepted, Chained, ProposeAfter, ProposeInput, Steps, StepTime, finish
+from common.engine.base import Accepted, Chained, ProposeAfter, ProposeInput, Steps, StepTime, finish
 from common.engine.cuda_graphs import CudaGraphManager, GraphConfig, batch_buckets_for
 from common.engine.draft_parts import (  # noqa: F401 - callers import these from here too
     ACCEPT_TOKENS,
@@ -393,25 +393,6 @@ class Eagle3Drafter:
         hidden = rows.index_select(0, src.view(-1)).view(bb, length, -1)
         return block, hidden
 
-    def _fill_unread(self, packed: torch.Tensor, items: list[ProposeInput], start: int, length: int) -> None:
-        """An accept pass's tokens, packed [bb, L + 5] on the device: a first token the host has not read
-        (ProposeInput.first, UNREAD in token_ids: each item's last) from the device, where its prefill left it,
-        when it falls in this pass ([start, start + L))."""
-        here = [
-            it.first if it.first is not None and start < len(it.token_ids) <= start + length else None for it in items
-        ]
-        if all(f is None for f in here):
-            return
-        zero = packed.new_zeros(1)
-        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-        if stream is not None:  # made on the verifier's stream, read on this one after the caller drops them
-            for f in here:
-                if f is not None:
-                    f.record_stream(stream)
-        found = torch.cat([zero if f is None else f for f in here])  # [len(items)]
-        tokens = packed[: len(items), :length]  # [b, L]
-        tokens.copy_(torch.where(tokens == UNREAD, found[:, None], tokens))
-
     def _accept_span(self, rows: int, longest: int) -> int:
         return accept_span(rows, longest, self.accept_buckets, self.graphs.pad)
 
@@ -663,7 +644,6 @@ class Eagle3Drafter:
                 lb = self.graphs.bucket(min(span, longest - start), self.accept_buckets)
                 packed, hidden = self._pack(sub, gb, lb, start)
                 packed = self.graphs.to_device(packed)
-                self._fill_unread(packed, sub, start, lb)
                 out = self.graphs.run(("accept", gb, lb, width), step, {"packed": packed, "hidden": hidden})
                 ends = [j for j, it in enumerate(sub) if start < len(it.token_ids) <= start + span]
                 if not roots or not ends:

@@ -71,7 +71,6 @@ class _OracleBase:
 
     def propose(self, items: list[ProposeInput]) -> list[Tree]:
         check_unique([it.seq_id for it in items])
-        items = [it.read() for it in items]  # a first token still on the device, read
         trees = []
         for it in items:
             if it.start:

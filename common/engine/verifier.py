@@ -30,7 +30,6 @@ import torch
 from common import kernels, validate
 from common.config import LlamaConfig, SamplingConfig
 from common.engine.base import (
-    UNREAD,
     Accepted,
     Chained,
     Decoded,
@@ -46,14 +45,12 @@ from common.engine.base import (
 from common.engine.cuda_graphs import CudaGraphManager, GraphConfig, batch_buckets_for
 from common.engine.verifier_parts import (  # noqa: F401 - callers import these from here too
     CPU_CALIBRATION_ROWS,
-    PREFILLING,
     SHALLOW_DEPTH,
     SIBLINGS,
     DecodeStep,
     PrefillStep,
     SampledColumns,
     Sampler,
-    Unread,
     VerifierConfig,
     VerifierSeq,
     VerifyGraph,
@@ -164,14 +161,11 @@ class Verifier(SampledVerify):
         return self.prefill_batch([item])[0]
 
     @torch.inference_mode()
-    def prefill_batch(self, items: list[PrefillInput], defer: bool = False) -> list[PrefillOutput]:
+    def prefill_batch(self, items: list[PrefillInput]) -> list[PrefillOutput]:
         """Prompts, or their next chunks (see PrefillInput), of several sequences: one forward per group of
         similar lengths (prefill_groups), each row written after its sequence's cache and attending to it as
         a prefix, the same attention as one call over a whole prompt. All or nothing: when the call fails,
-        every sequence it created or continued is freed. defer: the call returns once the forwards are queued,
-        each first token left on the device (PrefillOutput.token): the next verify or decode of the sequence
-        takes it from there and hands it to the host with its own tokens (VerifyOutput.first, Decoded.firsts),
-        so that the host prepares that call while the device prefills."""
+        every sequence it created or continued is freed."""
         check_unique([it.seq_id for it in items])
         if any(not it.token_ids for it in items):
             raise InvalidRequest("prompt is empty")
@@ -181,9 +175,7 @@ class Verifier(SampledVerify):
                 if self._prefilling(it.seq_id) is None:  # a new sequence
                     seed = 0 if it.sampling.greedy else sequence_seed(it.sampling.seed, VERIFIER_SALT)
                     draw = SamplingRows.pack(it.sampling, seed, self.info.vocab_size)
-                    self.seqs.acquire(
-                        it.seq_id, VerifierSeq(length=0, pending=PREFILLING, sampling=it.sampling, draw=draw)
-                    )
+                    self.seqs.acquire(it.seq_id, VerifierSeq(length=0, pending=-1, sampling=it.sampling, draw=draw))
                 mine.append(it.seq_id)
                 validate.token_ids(it.token_ids, self.info.vocab_size, "prompt")
                 total = self.seqs.get(it.seq_id)[1].length + len(it.token_ids)
@@ -192,22 +184,17 @@ class Verifier(SampledVerify):
             groups = prefill_groups([len(it.token_ids) for it in items], max_rows=self._prefill_rows_max)
             with self.graphs.on_stream():  # every group's forward queued, then one host synchronisation for all
                 launched = [self._prefill_rows([items[i] for i in group]) for group in groups]
-                chosen = torch.cat([chosen for _, chosen in launched])  # [N] in the groups' order, as rows
-                host = self.graphs.to_host(chosen) if defer else (chosen.tolist(), None)
+                tokens = torch.cat([chosen for _, chosen in launched]).tolist()
             outs: list[PrefillOutput | None] = [None] * len(items)
             rows = [(i, row) for group, (aux, _) in zip(groups, launched) for i, row in zip(group, aux)]
-            for k, (i, row) in enumerate(rows):
+            for (i, row), token in zip(rows, tokens):  # tokens: in the groups' order, as rows
                 it = items[i]
                 n, st = len(it.token_ids), self.seqs.get(it.seq_id)[1]
                 st.length += n
-                if it.more:
-                    outs[i] = PrefillOutput(next_token=None, hidden=row[:n])
-                elif defer:
-                    st.pending, st.first = UNREAD, Unread(chosen[k : k + 1], host, k)
-                    outs[i] = PrefillOutput(next_token=None, hidden=row[:n], token=st.first.device)
-                else:
-                    st.pending = host[0][k]
-                    outs[i] = PrefillOutput(next_token=st.pending, hidden=row[:n])
+                next_token = None
+                if not it.more:
+                    st.pending = next_token = token
+                outs[i] = PrefillOutput(next_token=next_token, hidden=row[:n])
             return outs
         except BaseException:
             self.release(mine)
@@ -273,20 +260,20 @@ class Verifier(SampledVerify):
         return aux, chosen
 
     def _prefilling(self, seq_id: str) -> VerifierSeq | None:
-        """The state of a sequence whose prompt is partly prefilled (pending PREFILLING), None for a new id; an id
+        """The state of a sequence whose prompt is partly prefilled (pending -1), None for a new id; an id
         whose prompt is complete is refused."""
         try:
             _, state = self.seqs.get(seq_id)
         except UnknownSequence:
             return None
-        if state.pending != PREFILLING:
+        if state.pending != -1:
             raise InvalidRequest(f"sequence {seq_id!r} already exists")
         return state
 
     def _ready(self, seq_id: str) -> tuple[int, VerifierSeq]:
         """(slot, state) of a sequence whose prompt is prefilled (InvalidRequest while chunks are due)."""
         slot, state = self.seqs.get(seq_id)
-        if state.pending == PREFILLING:
+        if state.pending == -1:
             raise InvalidRequest(f"sequence {seq_id!r} is still being prefilled (its last chunk has not come)")
         return slot, state
 
@@ -381,7 +368,6 @@ class Verifier(SampledVerify):
         b = len(items)
         lengths = np.fromiter((st.length for _, st in states), dtype=np.int64, count=b)  # [B]
         block, deepest, g = self._verify_plan(items, states, lengths)
-        firsts = [st.first for _, st in states]  # deferred first tokens: the first round's roots, on the device
         accepted: list[Accepted] = []
         reads: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []  # each round's [B, T + 1] on the host
         grown = lengths + deepest + 1  # [B] each sequence's length after the launched rounds, at most
@@ -394,8 +380,6 @@ class Verifier(SampledVerify):
                 if block is None:  # built in the last round's block (the graph's input buffer): no copy to feed
                     block = self._chained_block(*after, g)
                 fed = self.graphs.feed(g.key, {"packed": block})
-                if after is None:
-                    self._fill_unread(fed["packed"], firsts)
                 out = self.graphs.replay(g.key, g.step, fed)
                 # copies: the next replay rewrites the graph's buffers. A path holds at most deepest + 1 rows
                 depth = deepest if after is None else after[2].depth
@@ -415,10 +399,7 @@ class Verifier(SampledVerify):
             if ready is not None:
                 yield ready  # round r's result is on the host; the later rounds run on
             rows = host.tolist()  # [B][T + 1]: each row's count c, then its c tokens (one conversion for the batch)
-            heads = self._read_unread(states, firsts) if r == 0 else [None] * b
-            outputs.append(
-                [VerifyOutput(row[1 : row[0] + 2], acc.kept, i, h) for i, (row, h) in enumerate(zip(rows, heads))]
-            )
+            outputs.append([VerifyOutput(row[1 : row[0] + 2], acc.kept, i) for i, row in enumerate(rows)])
             for (_, st), out in zip(states, outputs[-1]):
                 st.length, st.pending = st.length + len(out.tokens), out.tokens[-1]
             if each is not None and each(r, len(accepted), outputs[-1]) and nxt is not None:
@@ -478,25 +459,6 @@ class Verifier(SampledVerify):
         if chained.ready is not None:
             torch.cuda.current_stream(self.device).wait_event(chained.ready)
         return chained_block(prev, result, chained, g.tb, g.cols, out=prev)
-
-    def _fill_unread(self, packed: torch.Tensor, firsts: list[Unread | None]) -> None:
-        """Column 0 of a first round's block or a decode's, packed [BB, C] on the device (each row's pending token,
-        UNREAD where the prefill deferred it): those rows' tokens from the device, where the prefill left them."""
-        if all(f is None for f in firsts):
-            return
-        zero = packed.new_zeros(1)
-        col = packed[: len(firsts), 0]  # [B]
-        found = torch.cat([zero if f is None else f.device for f in firsts])  # [B]
-        col.copy_(torch.where(col == UNREAD, found, col))
-
-    @staticmethod
-    def _read_unread(states: list[tuple[int, VerifierSeq]], firsts: list[Unread | None]) -> list[int | None]:
-        """The deferred first tokens of a call's rows, read once its own wait is over (their copies ran before it);
-        the sequences' records no longer hold them."""
-        heads = [None if f is None else f.value() for f in firsts]
-        for _, st in states:
-            st.first = None
-        return heads
 
     # ---- plain decoding ----
     def _decode_block(self, b: int, sampler: Sampler = Sampler.GREEDY) -> torch.Tensor:
@@ -570,10 +532,8 @@ class Verifier(SampledVerify):
         if sampler is not Sampler.GREEDY:
             a[:b, 3:] = np.stack([st.draw for _, st in states])
         key, step_fn = self._decode_variant(bb, sampler)
-        firsts = [st.first for _, st in states]
         with self.graphs.on_stream():
             fed = self.graphs.feed(key, {"packed": block})
-            self._fill_unread(fed["packed"], firsts)
             tokens = torch.empty(bb, steps, dtype=torch.long, device=self.device)  # [B, steps]
             features = None
             for j in range(steps):
@@ -589,12 +549,10 @@ class Verifier(SampledVerify):
         yield from self.graphs.launched()  # as steps: the replays are queued, the host reads them once done
         with self.graphs.on_stream():
             result = tokens[:b].cpu().tolist()  # [B][steps]
-            heads = self._read_unread(states, firsts)
             for (_, st), row in zip(states, result):
                 st.length += steps
                 st.pending = row[-1]
-            hidden = features[:b] if features is not None else None
-            return Decoded(tokens=result, hidden=hidden, firsts=heads if any(h is not None for h in heads) else None)
+            return Decoded(tokens=result, hidden=features[:b] if features is not None else None)
 
     def release(self, seq_ids: list[str]) -> int:
         return sum(self.seqs.release(s) for s in seq_ids)

@@ -40,31 +40,12 @@ def prefill_groups(lengths: list[int], waste: float = 1.5, max_rows: int | None 
     return groups
 
 
-PREFILLING = -2  # VerifierSeq.pending while a prompt's chunks are due
-
-
-@dataclass(frozen=True)
-class Unread:
-    """A prefill's first token the host has not read (Verifier.prefill_batch's defer)."""
-
-    device: torch.Tensor  # [1] on the device: the next verify's or decode's input
-    host: tuple[torch.Tensor, torch.cuda.Event | None]  # the prefill's tokens [N] on the host, and their copy's event
-    index: int  # this one's in host
-
-    def value(self) -> int:
-        """Read it (after a later call's own wait on the engine's stream: the copy ran before that call's work)."""
-        return int(self.host[0][self.index])
-
-
 @dataclass
 class VerifierSeq:
     length: int  # tokens whose K/V are in the cache
-    # last chosen token, not yet in the cache (the next tree's root); UNREAD: first, its value on the device only;
-    # PREFILLING: chunks are due
-    pending: int
+    pending: int  # last chosen token, not yet in the cache (the next tree's root)
     sampling: SamplingConfig
     draw: np.ndarray  # [3] int64 its sampling and seed as the steps read them (SamplingRows.pack)
-    first: Unread | None = None  # pending UNREAD: where it is
 
 
 @dataclass(frozen=True)

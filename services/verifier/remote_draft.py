@@ -101,7 +101,6 @@ class RemoteDrafter:
 
     # ---- the Drafter protocol ----
     def propose(self, items: list[ProposeInput]) -> list[Tree]:
-        items = [it.read() for it in items]  # a first token still on the device, read: the message carries ids
         req = pb.ProposeRequest(owner=self.owner)
         msgs = []
         for it in items:
