@@ -497,6 +497,8 @@ class EngineCore(DraftSupply):
     def _publish(self, news: dict[str, list[int]], seq_ids: list[str]) -> None:
         """The outputs of a call that goes on, out now for seq_ids: their tokens so far, and a finished one's
         finish (its slot is released with the step's, its output not sent again)."""
+        if not seq_ids:
+            return
         self.publish([output(self.seqs[sid], news.get(sid, [])) for sid in seq_ids])
         for sid in seq_ids:  # out: not again with the step's (kept there should publish fail)
             news.pop(sid, None)
