@@ -34,7 +34,7 @@ CPU = torch.device("cpu")
 def engines(checkpoint):
     from common.model.eagle3_io import load_eagle3
 
-    v = Verifier(checkpoint, VerifierConfig(max_sequences=5, max_context=256, max_tree_nodes=24))
+    v = Verifier(checkpoint, VerifierConfig(max_sequences=5, max_context=256, max_tree_nodes=24, prefill_ahead=2))
     head, _ = load_eagle3("models/eagle3-smollm2")
     d = Eagle3Drafter(head.float().eval(), v.model.embed_tokens, DraftingConfig(4, 4, 20), 5, 256, "cpu")
     return v, d
@@ -96,6 +96,21 @@ def run(core: EngineCore, arrivals: dict[int, list[Request]] | None = None, abor
             tokens, _, rounds = got.get(o.seq_id, ([], None, 0))
             got[o.seq_id] = (tokens + o.tokens, o.finish, rounds + o.rounds)
         assert step < 400, "the core does not finish"
+
+
+def run_stream(core: EngineCore, arrivals: dict[int, list[Request]], stream: list) -> dict[str, list[int]]:
+    """Step the core until every sequence is done, requests added before the step of their number; each sequence's
+    tokens in order, from `stream` (where a publish hook puts its outputs) and the steps' outputs."""
+    for step in itertools.count():
+        for r in arrivals.get(step, []):
+            core.add(r)
+        if step > max(arrivals) and not core.seqs and not core._inbox:
+            break
+        stream.extend(core.step())
+    tokens: dict[str, list[int]] = {}
+    for o in stream:
+        tokens.setdefault(o.seq_id, []).extend(o.tokens)
+    return tokens
 
 
 def req(i: int, max_new: int = 16, **kw) -> Request:
@@ -290,6 +305,46 @@ def test_a_finish_goes_out_at_once_while_its_call_runs_on(engines, plain, monkey
     assert [o.finish for o in stream if o.finish is not Finish.NONE] == [Finish.LENGTH, Finish.LENGTH]
     assert finished_at["s0"] == (0, True), (finished_at, calls)  # published within the first call, which ran on
     assert calls[0] == 4, calls
+    check_free(core)
+
+
+def test_a_request_arriving_mid_call_is_prefilled_beside_it_and_waits_for_room(engines, plain, monkeypatch):
+    """One sequence at a time, one prompt prefilled beside a call (prefill_ahead 1), two rounds a step, calls of up
+    to 8: s1 arrives while s0's call runs on (at its first publish); its prompt is launched inside that call and read
+    at the step's end, and it waits, prefilled, while s0 runs: no call takes two rows. s2, arriving after that call,
+    finds no slot beside and is prefilled by a step of its own. All get plain decoding's tokens."""
+    v, d = engines
+    rows, inside, launched = [], [False], []  # rows of each verify call; whether one runs; (seq ids, inside one)
+    verify, launch = v.verify_rounds_steps, v.prefill_launch
+
+    def counted(items, rounds=1, then=None, each=None):
+        inside[0] = True
+        out = yield from verify(items, rounds, then, each)
+        inside[0] = False
+        rows.append(len(items))
+        return out
+
+    def noted(items):
+        launched.append(([it.seq_id for it in items], inside[0]))
+        return launch(items)
+
+    monkeypatch.setattr(v, "verify_rounds_steps", counted)
+    monkeypatch.setattr(v, "prefill_launch", noted)
+    cfg = CoreConfig(max_sequences=1, rounds_per_step=2, call_rounds=8, prefill_ahead=1)
+    core = EngineCore(v, d, FixedPolicy(TREE), cfg)
+    stream = []
+
+    def publish(outs):
+        if len(launched) == 1:  # s0's prefill only: s1 arrives while s0's first call goes on
+            core.add(req(1))
+        stream.extend(outs)
+
+    core.publish = publish
+    got = run_stream(core, {0: [req(0)], 1: [req(2)]}, stream)
+    assert got == {"s0": plain[0], "s1": plain[1], "s2": plain[2]}
+    assert launched[:2] == [(["s0"], False), (["s1"], True)], launched  # s1 beside s0's first call
+    assert (["s2"], True) not in launched and (["s2"], False) in launched, launched
+    assert max(rows) == 1, rows
     check_free(core)
 
 

@@ -191,15 +191,18 @@ def verifiers(checkpoint):
 
 
 def _count_runs(engine) -> list:
-    """Record the graph key of every step call (each one feeds its inputs first)."""
+    """Record the graph key of every step call (each one feeds its inputs first), a verifier's prefills too."""
     keys: list = []
-    feed = engine.graphs.feed
+    for graphs in (engine.graphs, getattr(engine, "prefill_graphs", None)):
+        if graphs is None:
+            continue
+        feed = graphs.feed
 
-    def counting(key, inputs):
-        keys.append(key)
-        return feed(key, inputs)
+        def counting(key, inputs, feed=feed):
+            keys.append(key)
+            return feed(key, inputs)
 
-    engine.graphs.feed = counting
+        graphs.feed = counting
     return keys
 
 

@@ -126,6 +126,10 @@ class VerifierEngine(Protocol):
 
     # several sequences' prompts or chunks at once; all or nothing (see Verifier.prefill_batch)
     def prefill_batch(self, items: list[PrefillInput]) -> list[PrefillOutput]: ...
+    # prefill_batch in two calls: queued on the device beside whatever runs there, then read; between them no other
+    # call may name its sequences (see Verifier.prefill_launch)
+    def prefill_launch(self, items: list[PrefillInput]) -> object: ...
+    def prefill_read(self, launch: object) -> list[PrefillOutput]: ...
     def verify(self, items: list[VerifyInput]) -> list[VerifyOutput]: ...  # finish(verify_steps(items))
     # then(accepted): called once a verification is launched, before its wait (a drafter launching the next
     # trees after it on the device: Drafter.launch_after); the trees it returns are the next round's

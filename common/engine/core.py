@@ -102,6 +102,7 @@ class EngineCore(DraftSupply):
         # the outputs of a call that goes on, every rounds_per_step rounds and a finish at once (the service routes
         # them to their streams); None: they go out with the step's
         self.publish: Callable[[list[SeqOutput]], None] | None = None
+        self._ahead: tuple[list[Sequence], object] | None = None  # a prefill launched mid-call (cfg.prefill_ahead)
         self._out: set[str] = set()  # finished sequences whose last output a call published (released at the step end)
 
     # ---- the service's side (any thread) ----
@@ -138,6 +139,10 @@ class EngineCore(DraftSupply):
         for s in self.seqs.values():
             s.end(Finish.ERROR, e)
         self._launch, self._next = None, None
+        if self._ahead is not None:  # its sequences hold slots they have not counted yet (prefilled 0)
+            work, self._ahead = self._ahead[0], None
+            for s in work:
+                s.prefilled = len(s.req.prompt_ids)
         try:
             return self._retire({})
         except Exception:  # noqa: BLE001 - the engines' state is suspect: forget the sequences anyway
@@ -175,7 +180,7 @@ class EngineCore(DraftSupply):
         self._admit()
         self._prefill(news)
         self._recover()
-        running = [s for s in self.seqs.values() if s.status is Status.RUNNING]
+        running = self._batch()
         t1 = self.clock()
         self.times["setup"] += t1 - t0
         setup_s = t1 - t0
@@ -190,12 +195,18 @@ class EngineCore(DraftSupply):
             setup_s = 0.0
             running = [s for s in running if s.status is Status.RUNNING]
         t2 = self.clock()
+        self._read_ahead(news)
         outs = self._retire(news)
         t3 = self.clock()
         self.times["retire"] += t3 - t2
         self._take_snapshot()  # after the step's rounds and releases: a reader after its outputs sees them
         self.times["retire"] += self.clock() - t3  # the snapshot's own time (in the next one)
         return outs
+
+    def _batch(self) -> list[Sequence]:
+        """The running sequences a call takes: the oldest max_sequences (those prefilled beside a call wait for
+        room)."""
+        return [s for s in self.seqs.values() if s.status is Status.RUNNING][: self.cfg.max_sequences]
 
     def _take_inbox(self) -> None:
         while self._inbox:
@@ -251,6 +262,54 @@ class EngineCore(DraftSupply):
         for (s, n), out in zip(work, outs):
             if out is not None:
                 self._prefilled(s, n, out, news)
+
+    def _launch_ahead(self) -> None:
+        """Inside a call that runs on (a round's commit): the requests that arrived admitted while the verifier has
+        slots for them (cfg.prefill_ahead beyond max_sequences, finished rows' slots held until the step's end), and the
+        whole prompts among them, up to prefill_chunk tokens, prefilled on the device beside the call's rounds
+        (Verifier.prefill_launch); read at the step's end (_read_ahead). A launch that fails leaves them to the
+        next step's prefill."""
+        self._take_inbox()
+        free = self.cfg.max_sequences + self.cfg.prefill_ahead - sum(s.prefilled > 0 for s in self.seqs.values())
+        budget = self.cfg.prefill_chunk or float("inf")
+        work: list[Sequence] = []
+        for s in self.seqs.values():
+            if s.status not in (Status.WAITING, Status.PREFILLING) or s.prefilled:
+                continue
+            if len(work) >= free or len(s.req.prompt_ids) > budget:
+                break
+            work.append(s)
+            budget -= len(s.req.prompt_ids)
+        if not work:
+            return
+        try:
+            launch = self.verifier.prefill_launch(
+                [PrefillInput(s.seq_id, s.req.prompt_ids, s.req.sampling) for s in work]
+            )
+        except Exception as e:  # noqa: BLE001 - the step's own prefill tries them again, each failing only itself
+            log.warning("a prefill beside a call of %d prompts failed (%s): the next step prefills them", len(work), e)
+            return
+        for s in work:
+            if s.status is Status.WAITING:
+                s.to(Status.PREFILLING)
+        self._ahead = (work, launch)
+
+    def _read_ahead(self, news: dict[str, list[int]]) -> None:
+        """The prefill launched beside the step's call, read (its sequences running from the next step on)."""
+        if self._ahead is None:
+            return
+        work, launch = self._ahead
+        self._ahead = None
+        try:
+            outs = self.verifier.prefill_read(launch)
+        except Exception as e:  # noqa: BLE001 - freed by the verifier: the next step's prefill tries them again
+            log.warning("reading a prefill of %d prompts failed (%s): the next step prefills them", len(work), e)
+            return
+        for s, out in zip(work, outs):
+            if s.status is Status.PREFILLING:
+                self._prefilled(s, len(s.req.prompt_ids), out, news)
+            else:  # aborted meanwhile: its slot goes with the step's releases
+                s.prefilled = len(s.req.prompt_ids)
 
     def _prefill_input(self, s: Sequence, n: int) -> PrefillInput:
         chunk = s.req.prompt_ids[s.prefilled : s.prefilled + n]
@@ -342,7 +401,7 @@ class EngineCore(DraftSupply):
             chain = LaunchAfter(self.drafter, [ProposeAfter(s.seq_id, n.nodes, n.depth) for s, n in chained])
         sampled = any(s.band != "greedy" for s, _ in order)
         inputs = [VerifyInput(s.seq_id, trees[s.seq_id] if t is not NO_TREE else NO_TREE) for s, t in order]
-        follow, committing = [self._following(s) for s, _ in order], [0.0]
+        follow, committing, aside = [self._following(s) for s, _ in order], [0.0], [0.0]  # aside: _launch_ahead
         # each row's tree in the first round: its shape, or NO_TREE (a row that does not draft, a joiner taken in)
         first = [NO_TREE if t is NO_TREE or trees[s.seq_id] is NO_TREE else t for s, t in order]
         extend = chain is not None and rounds > 1  # a try's call runs its round alone
@@ -352,7 +411,7 @@ class EngineCore(DraftSupply):
             the call goes on (one more round launched behind the last): every row running and drafted on the
             device, nothing else waiting, no try, fewer than call_rounds rounds and fewer than AHEAD launched beyond
             this one."""
-            c0 = self.clock()
+            c0, aside_before = self.clock(), aside[0]
             launched = chain is not None and len(chain.handles) == done  # the last round's next trees are coming
             drafting = len(chained) if r < done - 1 or launched else 0  # rows whose tokens the drafter has
             verified = []  # every tree teaches the policy what the draft accepts, pinned ones too
@@ -372,6 +431,10 @@ class EngineCore(DraftSupply):
                     d.tokens += tokens
                     d.hidden.append(out.hidden)
             self.policy.observe_verified(verified)
+            if self.cfg.prefill_ahead and self._inbox and self._ahead is None and r + 1 < done:  # rounds still to run
+                a0 = self.clock()
+                self._launch_ahead()
+                aside[0] += self.clock() - a0
             # every row drafted on the device (a row without a tree would decode a token a round in a tree's verify)
             # and nothing else waits
             alone = extend and len(chained) == len(order) and len(self.seqs) == len(order) and not self._inbox
@@ -382,7 +445,7 @@ class EngineCore(DraftSupply):
                     self._publish(news, list(news))  # past rounds_per_step: the tokens so far go out
                 elif ended:  # a finish goes out at once: its client's next request need not wait for the call
                     self._publish(news, ended)
-            committing[0] += self.clock() - c0
+            committing[0] += self.clock() - c0 - aside[0] + aside_before
             return goes
 
         try:
@@ -406,6 +469,7 @@ class EngineCore(DraftSupply):
         times["joining"] += joining_s
         times["verify"] += t4 - t3 - committing[0]  # the device's rounds, less the commits they hid
         times["commit"] += committing[0]
+        times["setup"] += aside[0]
         self.calls["rounds"] += done
         drafted = Shape(max(t.depth for _, t in spec), max(t.nodes for _, t in spec))
         self.choices[drafted] += done
@@ -419,7 +483,8 @@ class EngineCore(DraftSupply):
         # from plain is costed by its next call. A call of new prompts alone (one request at a time) is, less
         # their proposes: it is the request's longest call
         steady = whole and pure and not catch_up
-        self._observe(t0, len(order), drafted, 1, steady, setup_s, sampled, done, joining_s if joiners_alone else 0.0)
+        outside = (joining_s if joiners_alone else 0.0) + aside[0]  # new prompts' proposes, a prefill beside the call
+        self._observe(t0, len(order), drafted, 1, steady, setup_s, sampled, done, outside)
         return done
 
     def _plain(self, seqs: list[Sequence], news: dict[str, list[int]], t0: float, setup_s: float) -> None:

@@ -30,6 +30,10 @@ class CoreConfig:
     # tokens still go out every rounds_per_step rounds (EngineCore.publish). Each round's features [B, depth + 1,
     # 3H] stay on the device until the call returns: 32 rounds of 64 rows of SmolLM2's hold about 50 MB
     call_rounds: int = 32
+    # prompts prefilled while a call runs, beside its rounds on the device (the verifier holds as many slots
+    # beyond max_sequences: VerifierConfig.prefill_ahead): a request arriving mid-call joins the next call with its
+    # prefill done rather than the step waiting for it. 0: prompts are prefilled at a step's start only
+    prefill_ahead: int = 0
 
     def __post_init__(self) -> None:
         if self.max_sequences < 1:
@@ -40,6 +44,8 @@ class CoreConfig:
             raise ValueError(f"rounds_per_step must be in [1, 64], got {self.rounds_per_step}")
         if not 1 <= self.call_rounds <= 256:
             raise ValueError(f"call_rounds must be in [1, 256], got {self.call_rounds}")
+        if not 0 <= self.prefill_ahead <= 256:
+            raise ValueError(f"prefill_ahead must be in [0, 256], got {self.prefill_ahead}")
 
 
 @dataclass(slots=True)

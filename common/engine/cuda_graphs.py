@@ -291,6 +291,17 @@ class CudaGraphManager:
             yield self.stream
 
     @contextlib.contextmanager
+    def beside(self) -> Iterator[None]:
+        """Work on the engine's stream that neither waits for the caller's stream nor makes it wait (unlike
+        on_stream): it may only touch what nothing queued elsewhere touches until the host has read an event
+        recorded behind it (to_host's). A no-op on CPU."""
+        if self.stream is None:
+            yield
+            return
+        with torch.cuda.stream(self.stream):
+            yield
+
+    @contextlib.contextmanager
     def on_stream(self) -> Iterator[None]:
         """Run a public engine call on the engine's stream, ordered after and before the caller's stream
         (so tensors handed in or out need no further synchronisation). A no-op on CPU."""

@@ -45,9 +45,11 @@ from common.engine.base import (
 from common.engine.cuda_graphs import CudaGraphManager, GraphConfig, batch_buckets_for
 from common.engine.verifier_parts import (  # noqa: F401 - callers import these from here too
     CPU_CALIBRATION_ROWS,
+    PREFILLING,
     SHALLOW_DEPTH,
     SIBLINGS,
     DecodeStep,
+    PrefillLaunch,
     PrefillStep,
     SampledColumns,
     Sampler,
@@ -94,12 +96,15 @@ class Verifier(SampledVerify):
         # the cache gets one spare slot for batch padding rows and max_rows of headroom, so that a tree
         # padded to its bucket never runs off its slot.
         self.capacity = cfg.max_context + self.max_rows
-        self.trash_slot = cfg.max_sequences
+        slots = cfg.max_sequences + cfg.prefill_ahead
+        # two slots past the sequences': the rounds' padding rows write one, the prefills' (beside the rounds on a
+        # stream of their own) the other
+        self.trash_slot, self.prefill_trash = slots, slots + 1
         rows, dtype = self.capacity + self.max_rows, torch_dtype(cfg.dtype)
         self.cache = KVCache.allocate(
-            mcfg.num_layers, cfg.max_sequences + 1, rows, mcfg.num_kv_heads, mcfg.head_dim, dtype, self.device
+            mcfg.num_layers, slots + 2, rows, mcfg.num_kv_heads, mcfg.head_dim, dtype, self.device
         )
-        self.seqs: SlotTable[VerifierSeq] = SlotTable(cfg.max_sequences)
+        self.seqs: SlotTable[VerifierSeq] = SlotTable(slots)
         self.set_width = cfg.q_width + cfg.q_width % 2  # W of the captured sampled verify (even: q's float32 pairs)
         self._greedy_draw = SamplingRows.pack(SamplingConfig(), 0, mcfg.vocab_size)  # [3] a padding row's
         c, name = cfg, ckpt.name
@@ -108,6 +113,8 @@ class Verifier(SampledVerify):
         )
         gc = graph_cfg or GraphConfig()
         self.graphs = CudaGraphManager.for_engine(self.device, "verifier", graphs, gc)
+        # prefills: their own stream and graph pool, so that a prefill runs beside the rounds (prefill_launch)
+        self.prefill_graphs = CudaGraphManager.for_engine(self.device, "prefill", graphs, gc)
         self.batch_buckets = batch_buckets_for(cfg.max_sequences, gc.batch_buckets)
         self.tree_buckets = tuple(sorted({t for t in gc.tree_buckets if t <= self.max_rows} | {self.max_rows}))
         self.prefill_buckets = tuple(sorted(t for t in gc.prefill_buckets if t < cfg.max_context))
@@ -138,11 +145,13 @@ class Verifier(SampledVerify):
                 for sampler in Sampler:
                     key, step = self._decode_variant(bb, sampler)
                     self.graphs.capture(key, step, {"packed": self._decode_block(bb, sampler)})
+        with torch.inference_mode(), self.prefill_graphs.on_stream():
             for bb in sorted(self.prefill_batch_buckets, reverse=True):
                 for tb in sorted(self.prefill_buckets, reverse=True):
                     block = {"packed": self._prefill_block(bb, tb)}
-                    self.graphs.capture(("prefill", bb, tb), self._prefill_step, block)
+                    self.prefill_graphs.capture(("prefill", bb, tb), self._prefill_step, block)
         self.graphs.log_report()
+        self.prefill_graphs.log_report()
 
     def _warm_chained(self, block: torch.Tensor, tb: int, cols: SampledColumns | None) -> None:
         """Builds one chained block of `block`'s layout [BB, C] (a round of no nodes): chained_block runs between
@@ -162,10 +171,17 @@ class Verifier(SampledVerify):
 
     @torch.inference_mode()
     def prefill_batch(self, items: list[PrefillInput]) -> list[PrefillOutput]:
-        """Prompts, or their next chunks (see PrefillInput), of several sequences: one forward per group of
-        similar lengths (prefill_groups), each row written after its sequence's cache and attending to it as
-        a prefix, the same attention as one call over a whole prompt. All or nothing: when the call fails,
-        every sequence it created or continued is freed."""
+        """Prompts, or their next chunks (see PrefillInput), of several sequences: prefill_launch, then
+        prefill_read."""
+        return self.prefill_read(self.prefill_launch(items))
+
+    def prefill_launch(self, items: list[PrefillInput]) -> PrefillLaunch:
+        """The items' prefill queued on the device: one forward per group of similar lengths (prefill_groups), each
+        row written after its sequence's cache and attending to it as a prefix, the same attention as one call over
+        a whole prompt. It runs on the prefill stream beside whatever the rounds have queued, neither waiting for
+        them nor they for it (it writes its own sequences' slots and its own trash slot): the caller reads it
+        (prefill_read) before any other call names these sequences. All or nothing: when the call fails, every
+        sequence it created or continued is freed."""
         check_unique([it.seq_id for it in items])
         if any(not it.token_ids for it in items):
             raise InvalidRequest("prompt is empty")
@@ -175,35 +191,51 @@ class Verifier(SampledVerify):
                 if self._prefilling(it.seq_id) is None:  # a new sequence
                     seed = 0 if it.sampling.greedy else sequence_seed(it.sampling.seed, VERIFIER_SALT)
                     draw = SamplingRows.pack(it.sampling, seed, self.info.vocab_size)
-                    self.seqs.acquire(it.seq_id, VerifierSeq(length=0, pending=-1, sampling=it.sampling, draw=draw))
+                    self.seqs.acquire(
+                        it.seq_id, VerifierSeq(length=0, pending=PREFILLING, sampling=it.sampling, draw=draw)
+                    )
                 mine.append(it.seq_id)
                 validate.token_ids(it.token_ids, self.info.vocab_size, "prompt")
                 total = self.seqs.get(it.seq_id)[1].length + len(it.token_ids)
                 if total >= self.cfg.max_context:
                     raise InvalidRequest(f"prompt has {total} tokens; the context holds {self.cfg.max_context}")
             groups = prefill_groups([len(it.token_ids) for it in items], max_rows=self._prefill_rows_max)
-            with self.graphs.on_stream():  # every group's forward queued, then one host synchronisation for all
+            with self.prefill_graphs.beside():  # every group's forward queued, then one copy of their tokens
                 launched = [self._prefill_rows([items[i] for i in group]) for group in groups]
-                tokens = torch.cat([chosen for _, chosen in launched]).tolist()
-            outs: list[PrefillOutput | None] = [None] * len(items)
+                tokens = self.prefill_graphs.to_host(torch.cat([chosen for _, chosen in launched]))
+            for it in items:  # their rows are in the cache once the launch has run
+                self.seqs.get(it.seq_id)[1].length += len(it.token_ids)
             rows = [(i, row) for group, (aux, _) in zip(groups, launched) for i, row in zip(group, aux)]
-            for (i, row), token in zip(rows, tokens):  # tokens: in the groups' order, as rows
-                it = items[i]
-                n, st = len(it.token_ids), self.seqs.get(it.seq_id)[1]
-                st.length += n
-                next_token = None
-                if not it.more:
-                    st.pending = next_token = token
-                outs[i] = PrefillOutput(next_token=next_token, hidden=row[:n])
-            return outs
+            return PrefillLaunch(items, rows, tokens, mine)
         except BaseException:
             self.release(mine)
             raise
 
+    def prefill_read(self, launch: PrefillLaunch) -> list[PrefillOutput]:
+        """A launched prefill's outputs, in the items' order, once the device has run it (the host waits for it
+        here; on CPU it ran at the launch). When the read fails, the sequences it created or continued are freed."""
+        host, ready = launch.tokens
+        try:
+            if ready is not None:
+                ready.synchronize()
+            tokens = host.tolist()
+        except BaseException:
+            self.release(launch.mine)
+            raise
+        outs: list[PrefillOutput | None] = [None] * len(launch.items)
+        for (i, row), token in zip(launch.rows, tokens):  # tokens: in the groups' order, as rows
+            it = launch.items[i]
+            n = len(it.token_ids)
+            next_token = None
+            if not it.more:
+                self.seqs.get(it.seq_id)[1].pending = next_token = token
+            outs[i] = PrefillOutput(next_token=next_token, hidden=row[:n])
+        return outs
+
     def _prefill_block(self, b: int, t: int) -> torch.Tensor:
         """An all-padding prefill block [b, t + 3]: tokens 0, start 0, the trash slot, one real token."""
         a = np.zeros((b, t + 3), dtype=np.int64)
-        a[:, t + 1] = self.trash_slot
+        a[:, t + 1] = self.prefill_trash
         a[:, t + 2] = 1
         return torch.from_numpy(a)
 
@@ -233,7 +265,10 @@ class Verifier(SampledVerify):
         [B, T, 3H] each row's features, chosen [B] its next token on the device), copies that outlive the next
         replay. The caller reads every group's tokens at once."""
         b, t = len(items), max(len(it.token_ids) for it in items)
-        bb, tb = self.graphs.bucket(b, self.prefill_batch_buckets), self.graphs.bucket(t, self.prefill_buckets)
+        bb, tb = (
+            self.prefill_graphs.bucket(b, self.prefill_batch_buckets),
+            self.prefill_graphs.bucket(t, self.prefill_buckets),
+        )
         slots, states = zip(*(self.seqs.get(it.seq_id) for it in items))
         block = self._prefill_block(bb, tb)
         a = block.numpy()  # [bb, tb + 3]
@@ -241,9 +276,9 @@ class Verifier(SampledVerify):
             a[i, : len(it.token_ids)] = it.token_ids
             a[i, tb], a[i, tb + 1], a[i, tb + 2] = st.length, slot, len(it.token_ids)
         key = ("prefill", bb, tb)
-        packed = self.graphs.to_device(block)  # groups of one key are queued back to back: no staging buffer
-        out = self.graphs.run(key, self._prefill_step, {"packed": packed})
-        captured = self.graphs.is_captured(key)
+        packed = self.prefill_graphs.to_device(block)  # groups of one key are queued back to back: no staging buffer
+        out = self.prefill_graphs.run(key, self._prefill_step, {"packed": packed})
+        captured = self.prefill_graphs.is_captured(key)
         aux = out.aux[:b, :t].clone() if captured else out.aux
         chosen = out.greedy[:b].clone() if captured else out.greedy[:b]
         hot = [i for i, (it, st) in enumerate(zip(items, states)) if not it.more and not st.sampling.greedy]
@@ -252,7 +287,7 @@ class Verifier(SampledVerify):
             cols[:, :-2] = np.stack([states[i].draw for i in hot])
             cols[:, -2] = [states[i].length + len(items[i].token_ids) - 1 for i in hot]
             cols[:, -1] = hot
-            on = self.graphs.to_device(torch.from_numpy(cols))  # behind the queued replay, the host not waiting
+            on = self.prefill_graphs.to_device(torch.from_numpy(cols))  # behind the queued replay, the host not waiting
             rows = SamplingRows.unpack(on[:, :-2], on[:, -2])
             at = on[:, -1]
             filtered = Sampler.of([states[i].sampling for i in hot]) is Sampler.FILTERED
@@ -260,20 +295,20 @@ class Verifier(SampledVerify):
         return aux, chosen
 
     def _prefilling(self, seq_id: str) -> VerifierSeq | None:
-        """The state of a sequence whose prompt is partly prefilled (pending -1), None for a new id; an id
+        """The state of a sequence whose prompt is partly prefilled (pending PREFILLING), None for a new id; an id
         whose prompt is complete is refused."""
         try:
             _, state = self.seqs.get(seq_id)
         except UnknownSequence:
             return None
-        if state.pending != -1:
+        if state.pending != PREFILLING:
             raise InvalidRequest(f"sequence {seq_id!r} already exists")
         return state
 
     def _ready(self, seq_id: str) -> tuple[int, VerifierSeq]:
         """(slot, state) of a sequence whose prompt is prefilled (InvalidRequest while chunks are due)."""
         slot, state = self.seqs.get(seq_id)
-        if state.pending == -1:
+        if state.pending == PREFILLING:
             raise InvalidRequest(f"sequence {seq_id!r} is still being prefilled (its last chunk has not come)")
         return slot, state
 

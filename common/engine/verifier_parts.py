@@ -40,12 +40,25 @@ def prefill_groups(lengths: list[int], waste: float = 1.5, max_rows: int | None 
     return groups
 
 
+PREFILLING = -1  # VerifierSeq.pending while a prompt's chunks (or its launched prefill's read) are due
+
+
 @dataclass
 class VerifierSeq:
-    length: int  # tokens whose K/V are in the cache
-    pending: int  # last chosen token, not yet in the cache (the next tree's root)
+    length: int  # tokens whose K/V are in the cache (or queued there by a launched prefill)
+    pending: int  # last chosen token, not yet in the cache (the next tree's root); PREFILLING before the first
     sampling: SamplingConfig
     draw: np.ndarray  # [3] int64 its sampling and seed as the steps read them (SamplingRows.pack)
+
+
+@dataclass(frozen=True)
+class PrefillLaunch:
+    """A prefill queued on the device beside the rounds (Verifier.prefill_launch); prefill_read reads it."""
+
+    items: list  # [N] PrefillInput
+    rows: list[tuple[int, torch.Tensor]]  # (item index, its features [T, 3H] on the device), in the tokens' order
+    tokens: tuple[torch.Tensor, torch.cuda.Event | None]  # [N] the chosen tokens on the host, once the event passed
+    mine: list[str]  # the sequences it created or continued: freed when it fails
 
 
 @dataclass(frozen=True)
@@ -57,10 +70,15 @@ class VerifierConfig:
     device: str = "cpu"
     # W: tokens per tree row a captured sampled verify follows (the draft's q width; wider trees run eagerly)
     q_width: int = 32
+    # slots beyond max_sequences for prompts prefilled while a call runs (CoreConfig.prefill_ahead): no batch bucket
+    # counts them, they join a call once running sequences leave it
+    prefill_ahead: int = 0
 
     def __post_init__(self) -> None:
-        if self.max_sequences < 1:
-            raise ValueError(f"max_sequences must be >= 1, got {self.max_sequences}")
+        if self.max_sequences < 1 or self.prefill_ahead < 0:
+            raise ValueError(
+                f"max_sequences must be >= 1 and prefill_ahead >= 0, got {self.max_sequences}, {self.prefill_ahead}"
+            )
         if self.max_context < 16:
             raise ValueError(f"max_context must be >= 16, got {self.max_context}")
         if self.max_tree_nodes < 1:

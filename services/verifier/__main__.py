@@ -35,6 +35,11 @@ class VerifierServiceConfig(Serving, EngineKnobs, DraftingKnobs):
     plain_steps: int = knob(8, "decoding steps per host synchronisation when the policy decodes plainly")
     rounds_per_step: int = knob(4, "speculative rounds per engine step (admission, prefill and outputs once a step)")
     call_rounds: int = knob(32, "rounds one verifier call may run on while its batch is all there is")
+    prefill_ahead: int = knob(
+        -1,
+        "prompts prefilled while a verifier call runs, beside its rounds on the GPU (slots beyond the sequences "
+        "held at once); -1 = auto: 8 on CUDA, 0 on CPU (where nothing runs beside)",
+    )
     policy_menu: str = knob(
         "", "trees the speculation policy chooses from, DEPTHxNODES comma-separated ('' = the default menu)"
     )
@@ -46,6 +51,8 @@ class VerifierServiceConfig(Serving, EngineKnobs, DraftingKnobs):
             raise ValueError("give --draft ADDR or --draft-here, not both")
         if self.draft_timeout <= 0 or self.draft_wait < 0 or self.draft_retry <= 0:
             raise ValueError("draft_timeout and draft_retry must be > 0, draft_wait >= 0")
+        if self.prefill_ahead < -1:
+            raise ValueError(f"prefill_ahead must be >= 0, or -1 for auto; got {self.prefill_ahead}")
 
 
 def menu(cfg: VerifierServiceConfig, top_k: int, steps: int, size: int):
@@ -96,7 +103,10 @@ def build(cfg: VerifierServiceConfig) -> Built:
     n = auto_sequences(cfg.max_sequences, cfg.device, kv, cfg.gpu_memory_fraction)
     # one engine slot beyond n: the spare in which features are recomputed for a drafter catching up
     width = max(cfg.top_k, cfg.q_width) if cfg.sampling_rule == "q" else cfg.top_k  # a sampled tree row's set
-    engine_cfg = VerifierConfig(n + 1, cfg.max_context, cfg.max_tree_nodes, dtype, cfg.device, q_width=width)
+    ahead = cfg.prefill_ahead if cfg.prefill_ahead >= 0 else 8 if cfg.device.startswith("cuda") else 0
+    engine_cfg = VerifierConfig(
+        n + 1, cfg.max_context, cfg.max_tree_nodes, dtype, cfg.device, q_width=width, prefill_ahead=ahead
+    )
     engine = make_verifier(ckpt, engine_cfg, graphs=cfg.graphs)  # CUDA graphs on a GPU, eager on CPU
     drafter, limits = None, None
     if cfg.draft_here:
@@ -124,7 +134,7 @@ def build(cfg: VerifierServiceConfig) -> Built:
         shapes = menu(cfg, limits.top_k, limits.steps, limits.verify_tree_size)
     policy = AdaptivePolicy(PolicyConfig(menu=shapes) if shapes else PolicyConfig(), costs)
     core_cfg = CoreConfig(
-        n, cfg.prefill_chunk, cfg.plain_steps, cfg.rounds_per_step, cfg.draft_retry, call_rounds=cfg.call_rounds
+        n, cfg.prefill_chunk, cfg.plain_steps, cfg.rounds_per_step, cfg.draft_retry, cfg.call_rounds, ahead
     )
     core = EngineCore(engine, drafter, policy, core_cfg)
     if cfg.draft and drafter.info is None:

@@ -94,7 +94,9 @@ def _head(ckpt, dtype: torch.dtype) -> Eagle3Head:
 
 @pytest.fixture(scope="module")
 def f32(ckpt):
-    cfg = VerifierConfig(max_sequences=8, max_context=512, max_tree_nodes=64, dtype="float32", device="cuda")
+    cfg = VerifierConfig(
+        max_sequences=8, max_context=512, max_tree_nodes=64, dtype="float32", device="cuda", prefill_ahead=2
+    )
     verifier = Verifier(ckpt, cfg, graphs=True, graph_cfg=GRAPHS)
     head = _head(ckpt, torch.float32)
     drafter = Eagle3Drafter(head, verifier.model.embed_tokens, DRAFTING, 8, 512, DEV, graphs=True, graph_cfg=GRAPHS)
@@ -498,6 +500,56 @@ def test_chained_one_hot_rounds_on_graphs_equal_one_round_a_call(f32, prompts) -
             chained = len(settled)
     assert chained > 0 and len(settled) == chained
     assert got[0] == got[1] and all(len(t) == 64 for t in got[0].values())
+
+
+def test_prompts_prefilled_beside_a_call_on_graphs_equal_plain(f32, prompts) -> None:
+    """The engine core on the captured graphs, two sequences at a time and two prompts prefilled beside a call (on
+    the prefill stream while the rounds run on the verifier's): six requests, one arriving at each mid-call publish
+    and one before each step, all commit plain decoding's tokens (float32), and prompts were prefilled inside calls."""
+    from common.engine.core import CoreConfig, EngineCore
+    from common.policy import FixedPolicy, Shape
+    from common.sequence import Request
+
+    verifier, drafter, _ = f32
+    n = 32
+    plain = _plain(verifier, prompts[:6], n)
+    todo = [Request(f"b{i}", p, SamplingConfig(), max_new=n) for i, p in enumerate(prompts[:6])]
+    inside, beside = [False], []
+    verify, launch = verifier.verify_rounds_steps, verifier.prefill_launch
+
+    def counted(items, rounds=1, then=None, each=None):
+        inside[0] = True
+        out = yield from verify(items, rounds, then, each)
+        inside[0] = False
+        return out
+
+    def noted(items):
+        beside.append(inside[0])
+        return launch(items)
+
+    verifier.verify_rounds_steps, verifier.prefill_launch = counted, noted
+    cfg = CoreConfig(2, rounds_per_step=2, call_rounds=8, prefill_ahead=2)
+    core = EngineCore(verifier, drafter, FixedPolicy(Shape(3, 8)), cfg)
+    out: dict[str, list[int]] = {}
+
+    def take(outs):
+        for o in outs:
+            out[o.seq_id] = out.get(o.seq_id, []) + o.tokens
+        if todo:
+            core.add(todo.pop(0))
+
+    core.publish = take
+    try:
+        for _ in range(500):
+            if todo:
+                core.add(todo.pop(0))
+            take(core.step())
+            if not core.seqs and not todo:
+                break
+    finally:
+        del verifier.verify_rounds_steps, verifier.prefill_launch
+    assert [out[f"b{i}"] for i in range(6)] == plain
+    assert any(beside), beside
 
 
 def sampled_acceptance_both_ways(device: str, dtype: torch.dtype, graphed: bool, v: int = 4096) -> tuple[list, list]:
