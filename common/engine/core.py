@@ -16,7 +16,9 @@ One step (EngineCore.step):
             rounds run on meanwhile); its output goes out. While the call's rows are all there is (none stopped,
             nothing waiting), each round read launches one more behind the last (AHEAD launched beyond the one
             read, up to call_rounds a call): the device is not left idle between calls, and the tokens go out
-            every rounds_per_step rounds, a finish at once (publish)
+            every rounds_per_step rounds, a finish at once (publish). Requests that arrive meanwhile are
+            prefilled on the device beside the call's rounds (prefill_ahead slots beyond the batch), read at
+            the step's end: they join the next call
       or, when the shape is plain, `plain_steps` decoding steps with one host synchronisation (the step's last)
     release the finished ones, hand the step's outputs over (FINISHED)
 
