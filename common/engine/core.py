@@ -307,11 +307,8 @@ class EngineCore(DraftSupply):
         except Exception as e:  # noqa: BLE001 - freed by the verifier: the next step's prefill tries them again
             log.warning("reading a prefill of %d prompts failed (%s): the next step prefills them", len(work), e)
             return
-        for s, out in zip(work, outs):
-            if s.status is Status.PREFILLING:
-                self._prefilled(s, len(s.req.prompt_ids), out, news)
-            else:  # aborted meanwhile: its slot goes with the step's releases
-                s.prefilled = len(s.req.prompt_ids)
+        for s, out in zip(work, outs):  # PREFILLING all (the inbox, aborts included, is taken at a step's start)
+            self._prefilled(s, len(s.req.prompt_ids), out, news)
 
     def _prefill_input(self, s: Sequence, n: int) -> PrefillInput:
         chunk = s.req.prompt_ids[s.prefilled : s.prefilled + n]
