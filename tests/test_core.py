@@ -348,6 +348,33 @@ def test_a_request_arriving_mid_call_is_prefilled_beside_it_and_waits_for_room(e
     check_free(core)
 
 
+def test_a_failed_step_frees_a_prompt_prefilled_beside_its_call(engines, monkeypatch):
+    """A step that fails (a bug) after a prompt was launched beside its call, before the read: fail_all fails every
+    generation, the one in flight included, and leaves nothing held on either engine."""
+    v, d = engines
+    core = EngineCore(v, d, FixedPolicy(TREE), CoreConfig(max_sequences=1, rounds_per_step=2, prefill_ahead=1))
+    launched = []
+    launch = v.prefill_launch
+    monkeypatch.setattr(v, "prefill_launch", lambda items: launched.append(items) or launch(items))
+    core.publish = lambda outs: None if "s1" in core.seqs else core.add(req(1))
+    read = core._read_ahead
+
+    def failing(news):
+        if core._ahead is not None:
+            raise RuntimeError("a bug")
+        read(news)
+
+    monkeypatch.setattr(core, "_read_ahead", failing)
+    core.add(req(0))
+    with pytest.raises(RuntimeError):
+        for _ in range(20):
+            core.step()
+    assert [[it.seq_id for it in items] for items in launched] == [["s0"], ["s1"]]  # s1 beside a call, not read
+    outs = core.fail_all(RuntimeError("a bug"))
+    assert sorted(o.seq_id for o in outs) == ["s0", "s1"] and all(o.finish is Finish.ERROR for o in outs)
+    check_free(core)
+
+
 def test_a_call_with_a_row_not_drafted_on_the_device_does_not_go_on(engines, plain, monkeypatch):
     """A request pinning 3x8 beside one the policy keeps plain, calls of up to 8 rounds: the plain row rides in the
     tree rounds as a row of no tree (a token a round), so no call goes on past its rounds_per_step (2); both get
