@@ -175,6 +175,7 @@ class Verifier(SampledVerify):
         prefill_read."""
         return self.prefill_read(self.prefill_launch(items))
 
+    @torch.inference_mode()  # also when called alone (the core's prefill beside a call)
     def prefill_launch(self, items: list[PrefillInput]) -> PrefillLaunch:
         """The items' prefill queued on the device: one forward per group of similar lengths (prefill_groups), each
         row written after its sequence's cache and attending to it as a prefix, the same attention as one call over
