@@ -348,6 +348,43 @@ def test_a_request_arriving_mid_call_is_prefilled_beside_it_and_waits_for_room(e
     check_free(core)
 
 
+def test_a_sampled_prompt_prefilled_beside_a_call_draws_as_a_steps_prefill_would(engines):
+    """Seeded sampled requests, one arriving at each mid-call publish, two sequences at a time: with two prompts
+    prefilled beside a call (prefill_ahead 2) each output is the one it gets with every prompt prefilled by a step
+    (prefill_ahead 0): the first token is drawn with the request's own sampling and seed either way, and the
+    later rounds run the same path. Prompts were launched beside a call in the first run."""
+    v, d = engines
+    got, beside = [], []
+    for ahead in (2, 0):
+        todo = [
+            Request(f"s{i}", PROMPTS[i], SamplingConfig(temperature=0.8, top_p=0.9, seed=i + 3), max_new=12)
+            for i in range(4)
+        ]
+        cfg = CoreConfig(max_sequences=2, rounds_per_step=2, call_rounds=8, prefill_ahead=ahead)
+        core = EngineCore(v, d, FixedPolicy(TREE), cfg)
+        stream = []
+        launch = core._launch_ahead
+
+        def noted(core=core, launch=launch, ahead=ahead):
+            launch()
+            if core._ahead is not None:  # a prompt launched beside the call
+                beside.append(ahead)
+
+        core._launch_ahead = noted
+
+        def publish(outs, core=core, todo=todo, stream=stream):
+            stream.extend(outs)
+            if todo:
+                core.add(todo.pop(0))
+
+        core.publish = publish
+        got.append(run_stream(core, {0: [todo.pop(0)]}, stream))
+        assert not todo
+        check_free(core)
+    assert got[0] == got[1] and sorted(got[0]) == ["s0", "s1", "s2", "s3"], got
+    assert all(len(t) == 12 for t in got[0].values()) and 2 in beside
+
+
 def test_a_failed_step_frees_a_prompt_prefilled_beside_its_call(engines, monkeypatch):
     """A step that fails (a bug) after a prompt was launched beside its call, before the read: fail_all fails every
     generation, the one in flight included, and leaves nothing held on either engine."""
