@@ -104,7 +104,8 @@ class EngineCore(DraftSupply):
         # the outputs of a call that goes on, every rounds_per_step rounds and a finish at once (the service routes
         # them to their streams); None: they go out with the step's
         self.publish: Callable[[list[SeqOutput]], None] | None = None
-        self._ahead: tuple[list[Sequence], object] | None = None  # a prefill launched mid-call (cfg.prefill_ahead)
+        # a prefill launched beside a call (cfg.prefill_ahead) and its (sequence, tokens); read at the step's end
+        self._ahead: tuple[list[tuple[Sequence, int]], object] | None = None
         self._out: set[str] = set()  # finished sequences whose last output a call published (released at the step end)
 
     # ---- the service's side (any thread) ----
@@ -140,11 +141,7 @@ class EngineCore(DraftSupply):
         what it held is released, so that the core starts clean."""
         for s in self.seqs.values():
             s.end(Finish.ERROR, e)
-        self._launch, self._next = None, None
-        if self._ahead is not None:  # its sequences hold slots they have not counted yet (prefilled 0)
-            work, self._ahead = self._ahead[0], None
-            for s in work:
-                s.prefilled = len(s.req.prompt_ids)
+        self._launch, self._next, self._ahead = None, None, None  # a prefill beside a call: its slots counted
         try:
             return self._retire({})
         except Exception:  # noqa: BLE001 - the engines' state is suspect: forget the sequences anyway
@@ -179,7 +176,7 @@ class EngineCore(DraftSupply):
         t0 = self.clock()
         news: dict[str, list[int]] = {}  # seq id -> tokens committed this step
         self._take_inbox()
-        self._admit()
+        self._admit(self.cfg.max_sequences)
         self._prefill(news)
         self._recover()
         running = self._batch()
@@ -221,27 +218,38 @@ class EngineCore(DraftSupply):
             elif (s := self.seqs.get(x)) is not None:
                 s.end(Finish.ABORT)
 
-    def _admit(self) -> None:
-        held = sum(s.status in (Status.PREFILLING, Status.RUNNING) for s in self.seqs.values())
+    def _admit(self, limit: int) -> None:
+        """Waiting requests admitted, oldest first, while fewer than `limit` sequences hold a verifier slot or are
+        about to (prefilling, running, or finished and not yet released: mid-call)."""
+        held = sum(s.status in (Status.PREFILLING, Status.RUNNING) or s.prefilled > 0 for s in self.seqs.values())
         for s in self.seqs.values():
-            if held >= self.cfg.max_sequences:
+            if held >= limit:
                 return
             if s.status is Status.WAITING:
                 s.to(Status.PREFILLING)
                 held += 1
 
     # ---- prefill ----
-    def _prefill(self, news: dict[str, list[int]]) -> None:
-        """Up to prefill_chunk prompt tokens of the prefilling sequences, oldest first, in one engine call (a
-        prompt too long for the budget goes in chunks, one per step)."""
+    def _prefill_work(self, whole: bool = False) -> list[tuple[Sequence, int]]:
+        """Up to prefill_chunk prompt tokens of the prefilling sequences, oldest first: (sequence, its tokens this
+        call); a prompt too long for the budget goes in chunks, one a step. whole: new prompts that fit whole only,
+        up to the first that does not (a prefill beside a call)."""
         budget = self.cfg.prefill_chunk or float("inf")
         work: list[tuple[Sequence, int]] = []
         for s in self.seqs.values():
             if s.status is not Status.PREFILLING or budget <= 0:
                 continue
-            n = int(min(len(s.req.prompt_ids) - s.prefilled, budget))
+            left = len(s.req.prompt_ids) - s.prefilled
+            if whole and (s.prefilled or left > budget):
+                break
+            n = int(min(left, budget))
             budget -= n
             work.append((s, n))
+        return work
+
+    def _prefill(self, news: dict[str, list[int]]) -> None:
+        """The prefilling sequences' next prompt tokens (_prefill_work) in one engine call."""
+        work = self._prefill_work()
         if not work:
             return
         try:
@@ -263,37 +271,27 @@ class EngineCore(DraftSupply):
             work = [(s, len(s.req.prompt_ids)) for s, _ in work]
         for (s, n), out in zip(work, outs):
             if out is not None:
-                self._prefilled(s, n, out, news)
+                s.prefilled += n
+                self._prefilled(s, out, news)
 
     def _launch_ahead(self) -> None:
         """Inside a call that runs on (a round's commit): the requests that arrived admitted while the verifier has
-        slots for them (cfg.prefill_ahead beyond max_sequences, finished rows' slots held until the step's end), and the
-        whole prompts among them, up to prefill_chunk tokens, prefilled on the device beside the call's rounds
-        (Verifier.prefill_launch); read at the step's end (_read_ahead). A launch that fails leaves them to the
-        next step's prefill."""
+        slots for them (prefill_ahead beyond max_sequences; finished rows hold theirs until the step's end), and
+        the new prompts among them that fit whole (_prefill_work) prefilled on the device beside the call's rounds
+        (Verifier.prefill_launch), counted as prefilled from then on (the verifier counts them so); read at the
+        step's end (_read_ahead). A launch that fails leaves them to the next step's prefill."""
         self._take_inbox()
-        free = self.cfg.max_sequences + self.cfg.prefill_ahead - sum(s.prefilled > 0 for s in self.seqs.values())
-        budget = self.cfg.prefill_chunk or float("inf")
-        work: list[Sequence] = []
-        for s in self.seqs.values():
-            if s.status not in (Status.WAITING, Status.PREFILLING) or s.prefilled:
-                continue
-            if len(work) >= free or len(s.req.prompt_ids) > budget:
-                break
-            work.append(s)
-            budget -= len(s.req.prompt_ids)
+        self._admit(self.cfg.max_sequences + self.cfg.prefill_ahead)
+        work = self._prefill_work(whole=True)
         if not work:
             return
         try:
-            launch = self.verifier.prefill_launch(
-                [PrefillInput(s.seq_id, s.req.prompt_ids, s.req.sampling) for s in work]
-            )
+            launch = self.verifier.prefill_launch([self._prefill_input(s, n) for s, n in work])
         except Exception as e:  # noqa: BLE001 - the step's own prefill tries them again, each failing only itself
             log.warning("a prefill beside a call of %d prompts failed (%s): the next step prefills them", len(work), e)
             return
-        for s in work:
-            if s.status is Status.WAITING:
-                s.to(Status.PREFILLING)
+        for s, n in work:
+            s.prefilled += n
         self._ahead = (work, launch)
 
     def _read_ahead(self, news: dict[str, list[int]]) -> None:
@@ -306,16 +304,19 @@ class EngineCore(DraftSupply):
             outs = self.verifier.prefill_read(launch)
         except Exception as e:  # noqa: BLE001 - freed by the verifier: the next step's prefill tries them again
             log.warning("reading a prefill of %d prompts failed (%s): the next step prefills them", len(work), e)
+            for s, _ in work:
+                s.prefilled = 0
             return
-        for s, out in zip(work, outs):  # PREFILLING all (the inbox, aborts included, is taken at a step's start)
-            self._prefilled(s, len(s.req.prompt_ids), out, news)
+        for (s, _), out in zip(work, outs):  # PREFILLING all (the inbox, aborts included, is taken at a step's start)
+            self._prefilled(s, out, news)
 
     def _prefill_input(self, s: Sequence, n: int) -> PrefillInput:
         chunk = s.req.prompt_ids[s.prefilled : s.prefilled + n]
         return PrefillInput(s.seq_id, chunk, s.req.sampling, more=s.prefilled + n < len(s.req.prompt_ids))
 
-    def _prefilled(self, s: Sequence, n: int, out: PrefillOutput, news: dict[str, list[int]]) -> None:
-        s.prefilled += n
+    def _prefilled(self, s: Sequence, out: PrefillOutput, news: dict[str, list[int]]) -> None:
+        """A prefill's output for s (its tokens counted in s.prefilled): its features kept for the drafter, and when
+        the prompt is in, its first token committed."""
         speculative = s.req.speculative and self.drafter is not None
         if speculative:
             self.drafts.setdefault(s.seq_id, Draft()).hidden.append(out.hidden)
@@ -410,7 +411,7 @@ class EngineCore(DraftSupply):
             the call goes on (one more round launched behind the last): every row running and drafted on the
             device, nothing else waiting, no try, fewer than call_rounds rounds and fewer than AHEAD launched beyond
             this one."""
-            c0, aside_before = self.clock(), aside[0]
+            c0, beside = self.clock(), 0.0
             launched = chain is not None and len(chain.handles) == done  # the last round's next trees are coming
             drafting = len(chained) if r < done - 1 or launched else 0  # rows whose tokens the drafter has
             verified = []  # every tree teaches the policy what the draft accepts, pinned ones too
@@ -433,7 +434,8 @@ class EngineCore(DraftSupply):
             if self.cfg.prefill_ahead and self._inbox and self._ahead is None and r + 1 < done:  # rounds still to run
                 a0 = self.clock()
                 self._launch_ahead()
-                aside[0] += self.clock() - a0
+                beside = self.clock() - a0
+                aside[0] += beside
             # every row drafted on the device (a row without a tree would decode a token a round in a tree's verify)
             # and nothing else waits
             alone = extend and len(chained) == len(order) and len(self.seqs) == len(order) and not self._inbox
@@ -444,7 +446,7 @@ class EngineCore(DraftSupply):
                     self._publish(news, list(news))  # past rounds_per_step: the tokens so far go out
                 elif ended:  # a finish goes out at once: its client's next request need not wait for the call
                     self._publish(news, ended)
-            committing[0] += self.clock() - c0 - aside[0] + aside_before
+            committing[0] += self.clock() - c0 - beside
             return goes
 
         try:
