@@ -207,7 +207,7 @@ class Verifier(SampledVerify):
             for it in items:  # their rows are in the cache once the launch has run
                 self.seqs.get(it.seq_id)[1].length += len(it.token_ids)
             rows = [(i, row) for group, (aux, _) in zip(groups, launched) for i, row in zip(group, aux)]
-            return PrefillLaunch(items, rows, tokens, mine)
+            return PrefillLaunch(items, rows, tokens)
         except BaseException:
             self.release(mine)
             raise
@@ -221,7 +221,7 @@ class Verifier(SampledVerify):
                 ready.synchronize()
             tokens = host.tolist()
         except BaseException:
-            self.release(launch.mine)
+            self.release([it.seq_id for it in launch.items])
             raise
         outs: list[PrefillOutput | None] = [None] * len(launch.items)
         for (i, row), token in zip(launch.rows, tokens):  # tokens: in the groups' order, as rows

@@ -12,7 +12,7 @@ import torch
 
 from common import kernels
 from common.config import SamplingConfig
-from common.engine.base import Chained
+from common.engine.base import Chained, PrefillInput
 from common.kernels.sampling import RULE_ONEHOT, RULE_Q, SamplingRows
 from common.tree import Tree, node_positions, row_sets
 
@@ -55,10 +55,9 @@ class VerifierSeq:
 class PrefillLaunch:
     """A prefill queued on the device beside the rounds (Verifier.prefill_launch); prefill_read reads it."""
 
-    items: list  # [N] PrefillInput
+    items: list[PrefillInput]  # [N] the sequences it created or continued (freed when it fails)
     rows: list[tuple[int, torch.Tensor]]  # (item index, its features [T, 3H] on the device), in the tokens' order
     tokens: tuple[torch.Tensor, torch.cuda.Event | None]  # [N] the chosen tokens on the host, once the event passed
-    mine: list[str]  # the sequences it created or continued: freed when it fails
 
 
 @dataclass(frozen=True)
