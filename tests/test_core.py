@@ -63,13 +63,15 @@ class Cycle:
         self.shapes = itertools.cycle(shapes)
         self.rounds: list = []  # observe_round's calls
         self.seconds: list[float] = []  # and the costs they reported
+        self.prefill: list[float] = []  # and the prefill seconds they carried
 
     def choose(self, members, plain_steps, batch=None, sampled=False):
         return Choice(next(self.shapes))
 
-    def observe_round(self, batch, shape, seconds, steps=1, sampled=False, rounds=1):
+    def observe_round(self, batch, shape, seconds, steps=1, sampled=False, rounds=1, prefill=0.0):
         self.rounds.append((batch, shape, steps))
         self.seconds.append(seconds)
+        self.prefill.append(prefill)
 
     def observe_verified(self, rows):
         pass
@@ -345,6 +347,40 @@ def test_a_request_arriving_mid_call_is_prefilled_beside_it_and_waits_for_room(e
     assert launched[:2] == [(["s0"], False), (["s1"], True)], launched  # s1 beside s0's first call
     assert (["s2"], True) not in launched and (["s2"], False) in launched, launched
     assert max(rows) == 1, rows
+    check_free(core)
+
+
+def test_the_prefill_a_call_carries_reaches_the_policy_apart_from_its_cost(engines, plain, monkeypatch):
+    """s0 alone, prefilled by a step, and s1 arriving while s0's call runs on, prefilled beside it; every prefill
+    launch makes the clock jump 1 s, a step's prefill (a launch and its read) 2 s more: s0's first call is told to
+    the policy with 3 + 1 s of prefill, none of it in its seconds; the calls after it carry none."""
+    v, d = engines
+    clock, policy = Ticks(), Cycle([TREE])
+    prefill, launch = v.prefill_batch, v.prefill_launch
+
+    def slow(jump, fn):
+        def wrapped(items):
+            clock.t += jump
+            return fn(items)
+
+        return wrapped
+
+    monkeypatch.setattr(v, "prefill_batch", slow(2.0, prefill))
+    monkeypatch.setattr(v, "prefill_launch", slow(1.0, launch))  # prefill_batch's launch too
+    cfg = CoreConfig(max_sequences=1, rounds_per_step=2, call_rounds=8, prefill_ahead=1)
+    core = EngineCore(v, d, policy, cfg, clock=clock)
+    stream, added = [], []
+
+    def publish(outs):
+        if not added:  # s1 arrives while s0's first call goes on
+            added.append(core.add(req(1)))
+        stream.extend(outs)
+
+    core.publish = publish
+    got = run_stream(core, {0: [req(0, 16)]}, stream)
+    assert got == {"s0": plain[0][:16], "s1": plain[1]}
+    assert policy.prefill[0] == pytest.approx(4.0, abs=0.01), policy.prefill
+    assert max(policy.seconds) < 0.01 and max(policy.prefill[1:]) < 0.01, (policy.seconds, policy.prefill)
     check_free(core)
 
 

@@ -485,7 +485,7 @@ class EngineCore(DraftSupply):
         # their proposes: it is the request's longest call
         steady = whole and pure and not catch_up
         outside = (joining_s if joiners_alone else 0.0) + aside[0]  # new prompts' proposes, a prefill beside the call
-        self._observe(t0, len(order), drafted, 1, steady, setup_s, sampled, done, outside)
+        self._observe(t0, len(order), drafted, 1, steady, setup_s, sampled, done, outside, aside[0])
         return done
 
     def _plain(self, seqs: list[Sequence], news: dict[str, list[int]], t0: float, setup_s: float) -> None:
@@ -540,20 +540,23 @@ class EngineCore(DraftSupply):
         setup_s: float,
         sampled: bool,
         rounds: int = 1,
-        joining_s: float = 0.0,
+        outside_s: float = 0.0,
+        beside_s: float = 0.0,
     ) -> None:
         """A round's cost for the policy, when the call is steady (not cut short, no catch-up): from the end of
         the call before (the host work between calls is this one's too) less the step's setup (admission, prefill:
         setup_s, before t0) when both ran back to back (at most 50 ms besides the setup between them), or from its
         own start when it is the first after idle time (one request at a time: a request's call that goes on to
-        its end is its first), less joining_s (new prompts' proposes in a call of their own), shared by the
-        call's rounds."""
+        its end is its first), less outside_s (new prompts' proposes in a call of their own, a prefill launched
+        beside its rounds: beside_s), shared by the call's rounds; and the prefill the call carried, told apart
+        (setup_s and beside_s): a plain call leaves the prompts that arrive while it runs to the next step's
+        prefill, a tree call prefills them beside its rounds (common.policy_stats.Share)."""
         end = self.clock()
         last, self._last_end = self._last_end, end
         if not steady or (last is not None and t0 - last >= 0.05 + setup_s):
             return
-        seconds = max((end - t0 if last is None else end - last - setup_s) - joining_s, 1e-6) / rounds
-        self.policy.observe_round(batch, shape, seconds, steps, sampled, rounds)
+        seconds = max((end - t0 if last is None else end - last - setup_s) - outside_s, 1e-6) / rounds
+        self.policy.observe_round(batch, shape, seconds, steps, sampled, rounds, prefill=setup_s + beside_s)
 
     # ---- failures ----
     @staticmethod
