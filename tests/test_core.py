@@ -7,6 +7,7 @@ rounds only."""
 from __future__ import annotations
 
 import itertools
+import logging
 
 import pytest
 import torch
@@ -350,7 +351,7 @@ def test_a_request_arriving_mid_call_is_prefilled_beside_it_and_waits_for_room(e
     check_free(core)
 
 
-def test_the_prefill_a_call_carries_reaches_the_policy_apart_from_its_cost(engines, plain, monkeypatch):
+def test_the_prefill_a_call_carries_reaches_the_policy_apart_from_its_cost(engines, plain, monkeypatch, caplog):
     """s0 alone, prefilled by a step, and s1 arriving while s0's call runs on, prefilled beside it; every prefill
     launch makes the clock jump 1 s, a step's prefill (a launch and its read) 2 s more: s0's first call is told to
     the policy with 3 + 1 s of prefill, none of it in its seconds; the calls after it carry none."""
@@ -370,6 +371,7 @@ def test_the_prefill_a_call_carries_reaches_the_policy_apart_from_its_cost(engin
     cfg = CoreConfig(max_sequences=1, rounds_per_step=2, call_rounds=8, prefill_ahead=1)
     core = EngineCore(v, d, policy, cfg, clock=clock)
     stream, added = [], []
+    caplog.set_level(logging.DEBUG, logger="common.engine.core")
 
     def publish(outs):
         if not added:  # s1 arrives while s0's first call goes on
@@ -381,6 +383,8 @@ def test_the_prefill_a_call_carries_reaches_the_policy_apart_from_its_cost(engin
     assert got == {"s0": plain[0][:16], "s1": plain[1]}
     assert policy.prefill[0] == pytest.approx(4.0, abs=0.01), policy.prefill
     assert max(policy.seconds) < 0.01 and max(policy.prefill[1:]) < 0.01, (policy.seconds, policy.prefill)
+    samples = [r.getMessage() for r in caplog.records if r.getMessage().startswith("cost sample")]
+    assert len(samples) == len(policy.seconds) and "prefill 4000." in samples[0], samples  # --log-level DEBUG's
     check_free(core)
 
 

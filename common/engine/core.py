@@ -556,7 +556,18 @@ class EngineCore(DraftSupply):
         if not steady or (last is not None and t0 - last >= 0.05 + setup_s):
             return
         seconds = max((end - t0 if last is None else end - last - setup_s) - outside_s, 1e-6) / rounds
-        self.policy.observe_round(batch, shape, seconds, steps, sampled, rounds, prefill=setup_s + beside_s)
+        prefill = setup_s + beside_s
+        log.debug(  # the policy's inputs, for an operator asking why (--log-level DEBUG)
+            "cost sample: %s, %d sequences%s, %d rounds of %.3f ms, %d steps, prefill %.3f ms",
+            shape,
+            batch,
+            " (sampling)" if sampled else "",
+            rounds,
+            seconds * 1e3,
+            steps,
+            prefill * 1e3,
+        )
+        self.policy.observe_round(batch, shape, seconds, steps, sampled, rounds, prefill=prefill)
 
     # ---- failures ----
     @staticmethod
