@@ -89,6 +89,23 @@ class Mps:
             time.sleep(0.2)
         return True
 
+    def servers(self) -> list[int]:
+        """The pids of the MPS servers the daemon runs: one starts when a first GPU process connects through it, so
+        none while the stack's processes are up means they did not (an empty list too when the daemon does not
+        answer)."""
+        with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+            r = subprocess.run(
+                [self.exe],
+                input="get_server_list\n",
+                env={**self.environ, **self.env},
+                capture_output=True,
+                text=True,
+                timeout=5,
+            )
+            if r.returncode == 0:
+                return [int(x) for x in r.stdout.split() if x.isdigit()]
+        return []
+
     def stop(self) -> None:
         """Quit the daemon this stack started (its servers exit once their clients have)."""
         if not self.started:

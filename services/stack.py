@@ -305,6 +305,14 @@ def main() -> None:
             stack.env.update(mps.env)
         log.info("starting the draft%s, verifier and gateway ...", " (in the verifier's process)" if colocate else "")
         stack.start()
+        if mps is not None:
+            servers = mps.servers()
+            if servers:
+                log.info(
+                    "CUDA MPS: the GPU processes connected through it (server pid %s)", ", ".join(map(str, servers))
+                )
+            else:
+                log.warning("CUDA MPS: no server runs: the GPU processes did not connect through the daemon")
         supervisor = Supervisor(stack, policy, a.state_file)
         log.info(
             "gateway serving on %s (verifier :%d, draft :%d; logs in %s)",

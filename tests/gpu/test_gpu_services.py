@@ -1,13 +1,19 @@
 """The served stack on a GPU in float32 (CUDA graphs captured and replayed), through the processes: the draft in
 the verifier's process (the default there: the device chain) and in a process of its own (hidden states by CUDA
-IPC). Whatever the rounds draft (the policy's choice, pinned trees, plain rows riding along), greedy output equals
-plain decoding token for token; a seed reproduces a sampled output on one speculation path."""
+IPC), the two GPU processes sharing the GPU through CUDA MPS as `python -m services.stack` runs them (the daemon
+started for the test and quit after it, or one already running used). Whatever the rounds draft (the policy's
+choice, pinned trees, plain rows riding along), greedy output equals plain decoding token for token; a seed
+reproduces a sampled output on one speculation path. Each case starts a stack: run them one a command
+(`-k draft-here`, `-k three-processes`) where a command's time is bounded."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 
+from services.mps import Mps
 from services.stack import Stack
 from tests.conftest import CHAT_PROMPTS
 from tests.helpers import chat, complete_many
@@ -22,9 +28,12 @@ START_S = 900.0
 @pytest.mark.parametrize("colocate", [True, False], ids=["draft-here", "three-processes"])
 def test_greedy_output_equals_plain_decoding_whatever_the_rounds_draft(colocate):
     prompts = CHAT_PROMPTS
-    s = Stack(common_args=ENGINE, colocate=colocate)
-    s.start(timeout=START_S)
+    mps = None if colocate else Mps.start(os.environ)
+    assert colocate or mps is not None, "CUDA MPS could not be had (the stack's log says why)"
+    s = Stack(common_args=ENGINE, colocate=colocate, env=mps.env if mps else {})
     try:
+        s.start(timeout=START_S)
+        servers = mps.servers() if mps else []
         plain = complete_many(s.gateway, [chat(p, max_tokens=96, ignore_eos=True, speculative=False) for p in prompts])
         policy = complete_many(s.gateway, [chat(p, max_tokens=96, ignore_eos=True) for p in prompts])
         pinned = []
@@ -39,6 +48,8 @@ def test_greedy_output_equals_plain_decoding_whatever_the_rounds_draft(colocate)
         log = (s.log_dir / "verifier.log").read_text()
     finally:
         s.stop()
+        if mps is not None:
+            mps.stop()
     for i, p in enumerate(prompts):
         want = list(plain[i].token_ids)
         assert list(policy[i].token_ids) == want, p
@@ -49,3 +60,4 @@ def test_greedy_output_equals_plain_decoding_whatever_the_rounds_draft(colocate)
     assert list(a.token_ids) == list(b.token_ids) and a.speculation.rounds > 0
     if not colocate:
         assert "CUDA IPC" in log, log[-3000:]
+        assert servers, "the GPU processes did not connect through CUDA MPS"
