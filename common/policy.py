@@ -35,10 +35,11 @@ it costs its calibration (propose(depth) + verify(nodes + 1) step times; a plain
 decode steps) plus the bucket's overhead: the median of what calibration did not explain in recent steady
 rounds of the same kind (tree / plain) at this bucket, or, when it has none, at the nearest bucket that
 has (never a figure shared by every batch size). A batch or size past the calibrated ones scales linearly
-from the largest; one between takes the next larger (the graph that runs). To each cost is added the prefill its
-kind of call carries at the bucket (common.policy_stats.Share, the nearest bucket's without calls of that kind):
-a plain call leaves the prompts that arrive while it runs to the next step's prefill, a tree call prefills them
-beside its rounds, so at 64 sequences plain pays about a third more than its calls' time and trees a fifth.
+from the largest; one between takes the next larger (the graph that runs). Each cost is then raised by the prefill
+its kind of call brings about at the bucket, as a share of its calls' time (common.policy_stats.Share; the nearest
+bucket's where it has no calls of that kind; none until both kinds have a share): the prompts that arrive while a
+call runs are prefilled beside a tree call's rounds, and by the next step after a plain call, so that at 64 sequences
+plain pays about a third more than its calls' time and trees a fifth.
 
 A bucket's menu: the shapes whose rows over the bucket's batch (batch x (nodes + 1)) stay within max_rows (640): at
 64 sequences 1x1, 2x4 and 3x8, at 16 all but 6x60. A larger tree there costs the device more rows than its extra
@@ -75,10 +76,10 @@ rounds apart), if it came out at a third of the best's rate, it waits 2 x 16 x 3
 95% of it, 2 x 16 x 1.108 = 36, then 80 (test_a_due_shape_waits_longer_the_further_below_the_best_it_came_out).
 
 What the caller guarantees: observe_round gets steady rounds only (calls that ran every round they asked
-for, no catch-up call after plain rounds; common/engine/core.py), their prefill told apart from their
-seconds, not a loop wall holding other work, and choose and observe_round see the same batch (choose's
-`batch` when pinned sequences ride along). estimates() tells an operator why: per bucket and shape the rate,
-seconds (the prefill included) and tokens compared, and where the cost comes from.
+for, no catch-up call after plain rounds; common/engine/core.py), the prefill apart (observe_prefill: each
+call's arrivals' prefill, after it), not a loop wall holding other work, and choose and observe_round see the
+same batch (choose's `batch` when pinned sequences ride along). estimates() tells an operator why: per bucket
+and shape the rate, seconds (the prefill included) and tokens compared, and where the cost comes from.
 """
 
 from __future__ import annotations
@@ -155,7 +156,8 @@ class Estimate:
     batch: int  # batch bucket: rounds of up to this many sequences
     shape: Shape  # PLAIN or a menu shape
     tokens_per_s: float | None  # committed tokens/s of a round of `batch` sequences; None: no cost known
-    seconds: float | None  # a round's (plain: a decoding step's, its call's overhead shared by the last plain_steps)
+    seconds: float | None  # a round's (plain: a decoding step's, its call's overhead shared by the last plain_steps),
+    # the prefill its kind brings about included
     tokens: float  # committed per sequence per round (plain: 1 a step)
     samples: int  # steady rounds of this shape at this bucket behind the cost (0: calibration + an overhead)
     stale_rounds: int | None  # rounds of this bucket since the shape last ran at it; None: never
@@ -177,7 +179,7 @@ class PolicyConfig:
     seq_relax: float = 8.0  # rounds decided for a sequence without verifying it in which its factor's counts halve
     cost_window: int = 8  # steady calls in a cost median
     cost_memory: int = 512  # bucket rounds after which a cost sample is dropped (when a newer one comes)
-    prefill_window: int = 64  # steady calls of a kind (plain, trees) in a bucket's prefill share
+    prefill_window: int = 64  # calls of a kind (plain, trees) in a bucket's prefill share
     retry_base: int = 16  # bucket rounds before a shape left unrun is tried again
     retry_cap: int = 1024  # the longest retry interval (each failed try multiplies it by 2 x lag^2)
     # rounds a try lasts at most, until one is reported steady and a cost sample: from plain, a catch-up (never
@@ -389,30 +391,34 @@ class AdaptivePolicy:
 
     # ---- learning ----
     def observe_round(
-        self,
-        batch: int,
-        shape: Shape,
-        seconds: float,
-        steps: int = 1,
-        sampled: bool = False,
-        rounds: int = 1,
-        prefill: float = 0.0,
+        self, batch: int, shape: Shape, seconds: float, steps: int = 1, sampled: bool = False, rounds: int = 1
     ) -> None:
         """A steady call (module docstring: what the caller guarantees). PLAIN: `steps` decode steps took
         `seconds` in all; a tree: each of its `rounds` rounds (draft, verify, host bookkeeping) took `seconds`, the
         call's time shared (the sample weighs its rounds). batch: sequences in the round; sampled: one of them
-        samples (choose's variant); prefill: seconds the engine spent prefilling prompts for the call, not in
-        `seconds` (the step's prefill before it, a prefill launched beside its rounds)."""
-        if batch < 1 or steps < 1 or rounds < 1 or not 0 <= seconds < math.inf or not 0 <= prefill < math.inf:
+        samples (choose's variant)."""
+        if batch < 1 or steps < 1 or rounds < 1 or not 0 <= seconds < math.inf:
             raise ValueError(
-                f"a call needs batch, steps, rounds >= 1 and seconds, prefill in [0, inf), got {batch}, {steps}, "
-                f"{rounds}, {seconds}, {prefill}"
+                f"a call needs batch, steps, rounds >= 1 and seconds in [0, inf), got {batch}, {steps}, {rounds}, "
+                f"{seconds}"
             )
         costs = self.variants[sampled]
         bk = costs.of(batch)
-        counted = costs.observe(bk, shape, seconds, steps, rounds, prefill)
+        counted = costs.observe(bk, shape, seconds, steps, rounds)
         if counted and bk.trying is not None and self.shapes[bk.trying] == shape:
             bk.try_seen = True
+
+    def observe_prefill(self, batch: int, shape: Shape, prefill: float, seconds: float, sampled: bool = False) -> None:
+        """A call of `shape` (any call, steady or not, after which the engine did not idle) ran `seconds` and
+        brought about `prefill` seconds of prefill: the prompts that arrived while it ran, prefilled beside its
+        rounds or by the step after it (common.policy_stats.Share)."""
+        if batch < 1 or not 0 < seconds < math.inf or not 0 <= prefill < math.inf:
+            raise ValueError(
+                f"a call's prefill needs batch >= 1, seconds in (0, inf) and prefill in [0, inf), got {batch}, "
+                f"{seconds}, {prefill}"
+            )
+        costs = self.variants[sampled]
+        costs.observe_prefill(costs.of(batch), shape, prefill, seconds)
 
     def observe(self, seq_id: str, band: str, shape: Shape, accepted: int) -> None:
         """One sequence's verification of a tree of `shape`: `accepted` drafted tokens (bonus excluded)."""
@@ -503,14 +509,10 @@ class Policy(Protocol):
         self, members: Sequence[Member], plain_steps: int, batch: int | None = None, sampled: bool = False
     ) -> Choice: ...
     def observe_round(
-        self,
-        batch: int,
-        shape: Shape,
-        seconds: float,
-        steps: int = 1,
-        sampled: bool = False,
-        rounds: int = 1,
-        prefill: float = 0.0,
+        self, batch: int, shape: Shape, seconds: float, steps: int = 1, sampled: bool = False, rounds: int = 1
+    ) -> None: ...
+    def observe_prefill(
+        self, batch: int, shape: Shape, prefill: float, seconds: float, sampled: bool = False
     ) -> None: ...
     def observe_verified(self, rows: Iterable[tuple[str, str, Shape, int]]) -> None: ...
     def forget(self, seq_id: str) -> None: ...
@@ -536,15 +538,11 @@ class FixedPolicy:
         return {}
 
     def observe_round(
-        self,
-        batch: int,
-        shape: Shape,
-        seconds: float,
-        steps: int = 1,
-        sampled: bool = False,
-        rounds: int = 1,
-        prefill: float = 0.0,
+        self, batch: int, shape: Shape, seconds: float, steps: int = 1, sampled: bool = False, rounds: int = 1
     ) -> None:
+        pass
+
+    def observe_prefill(self, batch: int, shape: Shape, prefill: float, seconds: float, sampled: bool = False) -> None:
         pass
 
     def observe_verified(self, rows: Iterable[tuple[str, str, Shape, int]]) -> None:

@@ -209,26 +209,30 @@ class Window:
 
 
 class Share:
-    """The prompts' prefill a kind of call carries (plain calls, tree calls), per unit of its cost (a plain call, a
-    tree round): the prefill seconds of its last `size` steady calls over their units. Tree calls prefill the
-    prompts that arrive while they run beside their rounds (a launch's host work); plain calls leave them to the
-    next step, which prefills them before the call: at 64 sequences on an H200, 3.4 ms a plain call of 8 steps
-    (0.43 ms a step, a third of its 1.25) against 2.4 ms a tree call of 4 rounds (0.6 ms a round, a fifth of its
-    2.9). A sum over many calls, not a median: most calls at 16 sequences carry none and some one prompt's.
-    (size 2): adds (3 ms, 1), (0, 1) -> 1.5 ms; then (2 ms, 4) drops the first -> 0.4 ms."""
+    """The prompts' prefill a kind of call (plain, trees) brings about at a bucket, as a share of its calls' time:
+    the prefill of the prompts that arrived while a call ran (launched beside its rounds, or done by the next
+    step before the next call) over the call's own seconds, summed over its last `size` calls, none older than
+    `memory` bucket rounds when a newer one comes. A tree call prefills most arrivals beside its rounds, a plain call
+    leaves them all to the next step: at 64 sequences on an H200 a third of a plain call's time against a fifth of a
+    tree call's. A sum, not a median: most calls at 16 sequences bring about none and some one prompt's.
+    (size 2, memory 10): adds 3 ms over 10 ms @ 0, 0 over 10 ms @ 1 -> 0.15; 2 ms over 40 ms @ 2 drops the first ->
+    0.04; then 5 ms over 10 ms @ 20 drops both -> 0.5."""
 
-    def __init__(self, size: int) -> None:
-        self.samples: deque[tuple[float, float]] = deque(maxlen=size)  # (seconds, units), oldest first
+    def __init__(self, size: int, memory: int) -> None:
+        self.samples: deque[tuple[int, float, float]] = deque(maxlen=size)  # (round, prefill s, call s), oldest first
+        self.memory = memory
 
-    def add(self, seconds: float, units: float) -> None:
-        if not units > 0 or not seconds >= 0:
-            raise ValueError(f"a prefill share needs units > 0 and seconds >= 0, got {units}, {seconds}")
-        self.samples.append((seconds, units))
+    def add(self, now: int, prefill: float, seconds: float) -> None:
+        if not seconds > 0 or not prefill >= 0:
+            raise ValueError(f"a prefill share needs call seconds > 0 and prefill >= 0, got {seconds}, {prefill}")
+        while self.samples and now - self.samples[0][0] > self.memory:
+            self.samples.popleft()
+        self.samples.append((now, prefill, seconds))
 
     @property
     def value(self) -> float | None:
-        """Seconds a unit; None before a sample."""
-        return sum(s for s, _ in self.samples) / sum(u for _, u in self.samples) if self.samples else None
+        """Prefill seconds a second of the kind's calls; None before a sample."""
+        return sum(p for _, p, _ in self.samples) / sum(x for _, _, x in self.samples) if self.samples else None
 
 
 class Cell:
@@ -255,7 +259,7 @@ class Bucket:
         # per shape: on this bucket's menu (plain always; a tree within max_rows over the bucket's batch)
         self.on_menu = [s.plain or size * (s.nodes + 1) <= cfg.max_rows for s in shapes]
         self.overhead = Window(cfg.cost_window, cfg.cost_memory)  # tree rounds: seconds - calibration
-        self.prefill = (Share(cfg.prefill_window), Share(cfg.prefill_window))  # plain calls', tree rounds'
+        self.prefill = (Share(cfg.prefill_window, cfg.cost_memory), Share(cfg.prefill_window, cfg.cost_memory))
         self.rounds = 0  # calls to choose for this bucket
         self.calls: dict[Shape, int] = {}  # steady calls per shape (pinned ones too): the first warm_up no samples
         self.nearest: list[Bucket] = []  # the other buckets, nearest first (log2 distance, then smaller)
@@ -319,18 +323,21 @@ class CostModel:
                 return w.median, src
         return 0.0, "calibration"
 
-    def prefill(self, bk: Bucket, plain: bool) -> float:
-        """The prefill a plain call or a tree round carries at the bucket (Share), or at the nearest bucket that has
-        calls of that kind; 0 where none has."""
-        for b in (bk, *bk.nearest):
-            share = b.prefill[0 if plain else 1].value
-            if share is not None:
-                return share
-        return 0.0
+    def prefill(self, bk: Bucket) -> tuple[float, float]:
+        """(plain, trees): the prefill each kind brings about at the bucket, as a share of its calls' seconds (Share),
+        each from the bucket or, where it has no calls of that kind, the nearest bucket that has; (0, 0) until both
+        kinds have a share (one kind's prefill alone would price the other as free of it)."""
+        shares = []
+        for kind in (0, 1):
+            share = next((v for b in (bk, *bk.nearest) if (v := b.prefill[kind].value) is not None), None)
+            if share is None:
+                return 0.0, 0.0
+            shares.append(share)
+        return shares[0], shares[1]
 
     def seconds(self, bk: Bucket, i: int, steps: int, over: float) -> float | None:
-        """Seconds of a round of shapes[i] (plain: a call of `steps` steps) and the prefill it carries; `over`: its
-        kind's overhead. A tree's overhead borrowed from other shapes never makes it cheaper than half its
+        """Seconds of a round of shapes[i] (plain: a call of `steps` steps) with the prefill it brings about; `over`:
+        its kind's overhead. A tree's overhead borrowed from other shapes never makes it cheaper than half its
         calibration."""
         cal, window = bk.cal[i], bk.cells[i].window
         if cal is None:
@@ -339,7 +346,7 @@ class CostModel:
             call = max(steps * cal + over, 1e-9)
         else:
             call = max(cal + window.median, 1e-9) if window.samples else max(cal + over, cal * 0.5, 1e-9)
-        return None if call is None else call + self.prefill(bk, i == 0)
+        return None if call is None else call * (1 + self.prefill(bk)[0 if i == 0 else 1])
 
     def source(self, bk: Bucket, i: int) -> str:
         """Where the cost of shapes[i] comes from: 'measured', 'bucket', 'nearest', 'calibration', 'unknown'."""
@@ -347,14 +354,14 @@ class CostModel:
             return "measured"
         return "unknown" if bk.cal[i] is None else self.overhead(bk, i == 0)[1]
 
-    def observe(
-        self, bk: Bucket, shape: Shape, seconds: float, steps: int, rounds: int = 1, prefill: float = 0.0
-    ) -> bool:
+    def observe_prefill(self, bk: Bucket, shape: Shape, prefill: float, seconds: float) -> None:
+        """A call of `shape`'s kind ran `seconds` and brought about `prefill` seconds of prefill (Share)."""
+        bk.prefill[0 if shape.plain else 1].add(bk.rounds, prefill, seconds)
+
+    def observe(self, bk: Bucket, shape: Shape, seconds: float, steps: int, rounds: int = 1) -> bool:
         """A steady call's cost: seconds of one round (a tree, `rounds` of them in the call: its samples' weight) or
-        of `steps` plain steps, and the prefill seconds it carried (its kind's Share). Whether it became a cost
-        sample: a shape's first warm_up steady calls at a bucket (a pinned shape off the menu too) are its warm-up,
-        none (PolicyConfig.warm_up)."""
-        bk.prefill[0 if shape.plain else 1].add(prefill, 1 if shape.plain else rounds)
+        of `steps` plain steps. Whether it became a sample: a shape's first warm_up steady calls at a bucket (a
+        pinned shape off the menu too) are its warm-up, none (PolicyConfig.warm_up)."""
         calls = bk.calls.get(shape, 0)
         if calls < self.warm_up:
             bk.calls[shape] = calls + 1

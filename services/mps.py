@@ -89,14 +89,12 @@ class Mps:
             time.sleep(0.2)
         return True
 
-    def servers(self) -> list[int]:
-        """The pids of the MPS servers the daemon runs: one starts when a first GPU process connects through it, so
-        none while the stack's processes are up means they did not (an empty list too when the daemon does not
-        answer)."""
+    def _ask(self, command: str) -> list[int]:
+        """The pids a control command prints ([] when the daemon does not answer)."""
         with contextlib.suppress(OSError, subprocess.TimeoutExpired):
             r = subprocess.run(
                 [self.exe],
-                input="get_server_list\n",
+                input=command + "\n",
                 env={**self.environ, **self.env},
                 capture_output=True,
                 text=True,
@@ -105,6 +103,11 @@ class Mps:
             if r.returncode == 0:
                 return [int(x) for x in r.stdout.split() if x.isdigit()]
         return []
+
+    def clients(self) -> set[int]:
+        """The pids of the processes connected through the daemon (each server's clients): a GPU process of the
+        stack missing from them takes turns at the GPU."""
+        return {c for server in self._ask("get_server_list") for c in self._ask(f"get_client_list {server}")}
 
     def stop(self) -> None:
         """Quit the daemon this stack started (its servers exit once their clients have)."""

@@ -306,13 +306,12 @@ def main() -> None:
         log.info("starting the draft%s, verifier and gateway ...", " (in the verifier's process)" if colocate else "")
         stack.start()
         if mps is not None:
-            servers = mps.servers()
-            if servers:
-                log.info(
-                    "CUDA MPS: the GPU processes connected through it (server pid %s)", ", ".join(map(str, servers))
-                )
+            gpu = {n: p for n, p in stack.pids().items() if n != "gateway"}
+            missing = sorted(n for n, pid in gpu.items() if pid not in mps.clients())
+            if missing:
+                log.warning("CUDA MPS: %s did not connect through the daemon: it takes turns at the GPU", missing)
             else:
-                log.warning("CUDA MPS: no server runs: the GPU processes did not connect through the daemon")
+                log.info("CUDA MPS: %s connected through the daemon", ", ".join(sorted(gpu)))
         supervisor = Supervisor(stack, policy, a.state_file)
         log.info(
             "gateway serving on %s (verifier :%d, draft :%d; logs in %s)",

@@ -64,15 +64,17 @@ class Cycle:
         self.shapes = itertools.cycle(shapes)
         self.rounds: list = []  # observe_round's calls
         self.seconds: list[float] = []  # and the costs they reported
-        self.prefill: list[float] = []  # and the prefill seconds they carried
+        self.prefill: list[tuple] = []  # observe_prefill's calls: (batch, shape, prefill s, seconds)
 
     def choose(self, members, plain_steps, batch=None, sampled=False):
         return Choice(next(self.shapes))
 
-    def observe_round(self, batch, shape, seconds, steps=1, sampled=False, rounds=1, prefill=0.0):
+    def observe_round(self, batch, shape, seconds, steps=1, sampled=False, rounds=1):
         self.rounds.append((batch, shape, steps))
         self.seconds.append(seconds)
-        self.prefill.append(prefill)
+
+    def observe_prefill(self, batch, shape, prefill, seconds, sampled=False):
+        self.prefill.append((batch, shape, prefill, seconds))
 
     def observe_verified(self, rows):
         pass
@@ -219,7 +221,9 @@ def test_a_try_is_costed_by_a_whole_call_not_the_one_cut_before_it(engines, plai
     core = EngineCore(v, d, policy, cfg)
     told = []
     observe = core._observe
-    monkeypatch.setattr(core, "_observe", lambda *a, **k: told.append((a[2], a[4], a[7])) or observe(*a, **k))
+    monkeypatch.setattr(
+        core, "_observe", lambda *a, **k: told.append((a[2], a[4], k.get("rounds", 1))) or observe(*a, **k)
+    )
     got = run(core, {0: [req(0, 16), req(1, 16)]})
     assert [got[f"s{i}"][0] for i in range(2)] == [plain[0][:16], plain[1][:16]]
     reported = [(shape, rounds) for shape, steady, rounds in told if steady and not shape.plain]
@@ -351,13 +355,16 @@ def test_a_request_arriving_mid_call_is_prefilled_beside_it_and_waits_for_room(e
     check_free(core)
 
 
-def test_the_prefill_a_call_carries_reaches_the_policy_apart_from_its_cost(engines, plain, monkeypatch, caplog):
-    """s0 alone, prefilled by a step, and s1 arriving while s0's call runs on, prefilled beside it; every prefill
-    launch makes the clock jump 1 s, a step's prefill (a launch and its read) 2 s more: s0's first call is told to
-    the policy with 3 + 1 s of prefill, none of it in its seconds; the calls after it carry none."""
+def test_each_calls_arrivals_prefill_is_told_to_the_policy_after_it(engines, plain, monkeypatch, caplog):
+    """Every prefill launch makes the clock jump 1 s, a step's prefill (a launch and its read) 2 s more. Trees: s0
+    comes after idle time, so its prefill (3 s) is charged to no call; s1 arrives while s0's first call goes on and
+    is prefilled beside it (1 s): that call is told to the policy, at the next call, as 1 s of prefill over its own
+    seconds (a few clock reads). Plain: s1 arrives at the step after s0's first plain call, whose prefill (3 s) is
+    charged to that call of one sequence, not to the call of two after it; s2, after 1 s of idle time, to none. No
+    cost sample holds a jump; --log-level DEBUG logs each sample."""
     v, d = engines
-    clock, policy = Ticks(), Cycle([TREE])
     prefill, launch = v.prefill_batch, v.prefill_launch
+    clock = Ticks()
 
     def slow(jump, fn):
         def wrapped(items):
@@ -368,23 +375,33 @@ def test_the_prefill_a_call_carries_reaches_the_policy_apart_from_its_cost(engin
 
     monkeypatch.setattr(v, "prefill_batch", slow(2.0, prefill))
     monkeypatch.setattr(v, "prefill_launch", slow(1.0, launch))  # prefill_batch's launch too
-    cfg = CoreConfig(max_sequences=1, rounds_per_step=2, call_rounds=8, prefill_ahead=1)
-    core = EngineCore(v, d, policy, cfg, clock=clock)
-    stream, added = [], []
     caplog.set_level(logging.DEBUG, logger="common.engine.core")
+    cfg = CoreConfig(max_sequences=2, rounds_per_step=2, call_rounds=8, prefill_ahead=1, plain_steps=4)
+    charged = {}
+    for shape in (TREE, PLAIN):
+        policy = Cycle([shape])
+        core = EngineCore(v, d, policy, cfg, clock=clock)
+        stream, added = [], []
 
-    def publish(outs):
-        if not added:  # s1 arrives while s0's first call goes on
-            added.append(core.add(req(1)))
-        stream.extend(outs)
+        def publish(outs, core=core, added=added, stream=stream):
+            if not added:  # a tree call: s1 arrives while s0's first call goes on
+                added.append(core.add(req(1)))
+            stream.extend(outs)
 
-    core.publish = publish
-    got = run_stream(core, {0: [req(0, 16)]}, stream)
-    assert got == {"s0": plain[0][:16], "s1": plain[1]}
-    assert policy.prefill[0] == pytest.approx(4.0, abs=0.01), policy.prefill
-    assert max(policy.seconds) < 0.01 and max(policy.prefill[1:]) < 0.01, (policy.seconds, policy.prefill)
+        core.publish = publish if shape == TREE else None
+        arrivals = {0: [req(0)]} if shape == TREE else {0: [req(0)], 2: [req(1)]}
+        got = run_stream(core, arrivals, stream)
+        assert got == {"s0": plain[0], "s1": plain[1]}, shape
+        if shape == PLAIN:
+            clock.t += 1.0
+            core.wait(0.001)
+            assert run(core, {0: [req(2)]})["s2"][0] == plain[2]
+        charged[shape] = [(b, kind, round(p, 2)) for b, kind, p, _ in policy.prefill if p > 0.5]
+        assert max(x for *_, x in policy.prefill) < 0.01 and max(policy.seconds) < 0.01, (shape, policy.prefill)
+        clock.t += 1.0  # idle time before the next core
+    assert charged == {TREE: [(1, TREE, 1.0)], PLAIN: [(1, PLAIN, 3.0)]}, charged
     samples = [r.getMessage() for r in caplog.records if r.getMessage().startswith("cost sample")]
-    assert len(samples) == len(policy.seconds) and "prefill 4000." in samples[0], samples  # --log-level DEBUG's
+    assert samples, "no cost sample logged at DEBUG"
     check_free(core)
 
 

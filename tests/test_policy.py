@@ -137,17 +137,19 @@ def test_plain_steps_per_call_amortise_the_plain_overhead() -> None:
     assert p.choose(members(1), 8) == Choice(PLAIN)
 
 
-def test_the_prefill_each_kind_of_call_carries_is_in_its_rate() -> None:
-    """Plain calls of 8 steps at the calibration (80 ms), each carrying 16 ms of the step's prefill (prompts that
-    arrived while the last call ran), and 1x1 rounds of 15 ms in calls of 4 carrying 2 ms (prompts prefilled beside
-    them), alpha .6 (the prior). Without the prefill plain 8 / 80 ms = 100 tok/s and 1x1 1.6 / 15 ms = 106.7, within
-    the 10% margin: a bucket on plain stays there. With it plain 8 / 96 ms = 83.3 and 1x1 1.6 / 15.5 ms = 103.2:
-    1x1. GetModelInfo's seconds hold the prefill: 12 ms a plain step, 15.5 a 1x1 round."""
+def test_the_prefill_each_kind_of_call_brings_about_is_in_its_rate() -> None:
+    """Plain calls of 8 steps at the calibration (80 ms) whose arrivals' prefill took 16 ms (a fifth of their time)
+    and 1x1 rounds of 15 ms in calls of 4 (60 ms) whose arrivals took 2 ms (a thirtieth), alpha .6 (the prior).
+    Without the prefill plain 8 / 80 ms = 100 tok/s and 1x1 1.6 / 15 ms = 106.7, within the 10% margin: a bucket on
+    plain stays there. With it plain 8 / 96 ms = 83.3 and 1x1 1.6 / 15.5 ms = 103.2: 1x1. GetModelInfo's seconds
+    hold the prefill: 12 ms a plain step, 15.5 a 1x1 round."""
     told, untold = (AdaptivePolicy(PolicyConfig(menu=(CHAIN1,), prior=0.6), table()) for _ in range(2))
-    for p, plain_s, tree_s in ((told, 16 * MS, 2 * MS), (untold, 0.0, 0.0)):
-        for _ in range(2):  # each shape's first call at the bucket its warm-up (its prefill counted all the same)
-            p.observe_round(1, PLAIN, 80 * MS, steps=8, prefill=plain_s)
-            p.observe_round(1, CHAIN1, 15 * MS, rounds=4, prefill=tree_s)
+    for p in (told, untold):
+        for _ in range(2):  # each shape's first call at the bucket its warm-up
+            p.observe_round(1, PLAIN, 80 * MS, steps=8)
+            p.observe_round(1, CHAIN1, 15 * MS, rounds=4)
+    told.observe_prefill(1, PLAIN, 16 * MS, 80 * MS)
+    told.observe_prefill(1, CHAIN1, 2 * MS, 60 * MS)
     assert untold.rates(members(1), 8) == pytest.approx({PLAIN: 100, CHAIN1: 1.6 / 0.015})
     assert told.rates(members(1), 8) == pytest.approx({PLAIN: 8 / 0.096, CHAIN1: 1.6 / 0.0155})
     assert (untold.choose(members(1), 8), told.choose(members(1), 8)) == (Choice(PLAIN), Choice(CHAIN1))
@@ -155,21 +157,31 @@ def test_the_prefill_each_kind_of_call_carries_is_in_its_rate() -> None:
     assert seconds == pytest.approx({PLAIN: 0.012, CHAIN1: 0.0155})
 
 
-def test_a_bucket_without_calls_of_a_kind_borrows_the_nearest_buckets_prefill() -> None:
-    """Tree calls at bucket 1 only, 4 rounds carrying 2 ms: bucket 8's tree rounds carry 0.5 ms as bucket 1's do,
-    its plain calls nothing (no bucket has had one); the Share's docstring example."""
+def test_the_prefill_counts_once_both_kinds_have_a_share_and_is_borrowed_from_the_nearest_bucket() -> None:
+    """Tree calls alone at bucket 1 (a thirtieth of their time in prefill): no share is added anywhere (plain's
+    unknown would price it free of prefill); with plain calls there too (a fifth), bucket 8, which has no calls,
+    borrows both. The Share's docstring example, and its bad inputs."""
     costs = CostModel(PolicyConfig(menu=(CHAIN1,)), table())
-    costs.observe(costs.of(1), CHAIN1, 15 * MS, 1, rounds=4, prefill=2 * MS)
-    assert costs.prefill(costs.of(8), plain=False) == pytest.approx(0.5 * MS)
-    assert costs.prefill(costs.of(8), plain=True) == 0.0
-    share = Share(2)
-    share.add(3 * MS, 1)
-    share.add(0.0, 1)
-    assert share.value == pytest.approx(1.5 * MS)
-    share.add(2 * MS, 4)
-    assert share.value == pytest.approx(0.4 * MS)
+    costs.observe_prefill(costs.of(1), CHAIN1, 2 * MS, 60 * MS)
+    assert costs.prefill(costs.of(1)) == costs.prefill(costs.of(8)) == (0.0, 0.0)
+    costs.observe_prefill(costs.of(1), PLAIN, 16 * MS, 80 * MS)
+    assert costs.prefill(costs.of(8)) == pytest.approx((0.2, 1 / 30))
+    share = Share(2, 10)
+    share.add(0, 3 * MS, 10 * MS)
+    share.add(1, 0.0, 10 * MS)
+    assert share.value == pytest.approx(0.15)
+    share.add(2, 2 * MS, 40 * MS)
+    assert share.value == pytest.approx(0.04)
+    share.add(20, 5 * MS, 10 * MS)
+    assert share.value == pytest.approx(0.5)
     with pytest.raises(ValueError, match="prefill"):
-        share.add(-1.0, 1)
+        share.add(21, -1.0, 1.0)
+    p = AdaptivePolicy(PolicyConfig(menu=(CHAIN1,)), table())
+    for bad in ((0, 1.0, 1.0), (1, -1.0, 1.0), (1, 1.0, 0.0), (1, 1.0, float("inf"))):
+        with pytest.raises(ValueError, match="prefill"):
+            p.observe_prefill(bad[0], PLAIN, bad[1], bad[2])
+    with pytest.raises(ValueError, match="prefill_window"):
+        PolicyConfig(prefill_window=0)
 
 
 def test_batch_64_history_is_not_charged_to_batch_1() -> None:

@@ -202,6 +202,7 @@ echo "$cmd pipe=${CUDA_MPS_PIPE_DIRECTORY:-}" >> "$FAKE_MPS_RECORD"
 [ -e "$pipe/control" ] || { echo "Cannot find MPS control daemon process" >&2; exit 1; }
 [ "$cmd" = quit ] && rm "$pipe/control"
 [ "$cmd" = get_server_list ] && [ -e "$pipe/servers" ] && cat "$pipe/servers"
+case "$cmd" in "get_client_list "*) f="$pipe/clients-${cmd#get_client_list }"; [ -e "$f" ] && cat "$f";; esac
 exit 0
 """
 
@@ -240,16 +241,19 @@ def test_mps_is_started_under_a_temporary_folder_and_quit_at_exit(fake_mps, capl
     assert _lines(record)[-1] == f"quit pipe={pipe}" and not (Path(pipe) / "control").exists()
 
 
-def test_mps_lists_the_servers_its_clients_started(fake_mps) -> None:
-    """No server before a GPU process connects; the pids get_server_list prints once one has; none from a daemon
-    that no longer answers."""
+def test_mps_lists_the_processes_connected_through_it(fake_mps) -> None:
+    """No client before a GPU process connects; each server's clients once some have; none from a daemon that no
+    longer answers."""
     env, _, _ = fake_mps
     mps = Mps.start(env)
-    assert mps is not None and mps.servers() == []
-    (Path(mps.env["CUDA_MPS_PIPE_DIRECTORY"]) / "servers").write_text("4242\n4343\n")
-    assert mps.servers() == [4242, 4343]
+    assert mps is not None and mps.clients() == set()
+    pipe = Path(mps.env["CUDA_MPS_PIPE_DIRECTORY"])
+    (pipe / "servers").write_text("4242\n4343\n")
+    (pipe / "clients-4242").write_text("11\n12\n")
+    (pipe / "clients-4343").write_text("13\n")
+    assert mps.clients() == {11, 12, 13}
     mps.stop()
-    assert mps.servers() == []
+    assert mps.clients() == set()
 
 
 def test_mps_uses_the_folders_given_in_the_environment(fake_mps, tmp_path) -> None:

@@ -37,7 +37,8 @@ verify, and its trees are drafted behind it from then on; a prompt alone is prop
 caught up from features recomputed over its whole context in the verifier's spare slot.
 
 The policy (common/policy.py) sees the cost of each call that ran every round it asked for, with its joiners'
-first proposes, without the step's prefill; a call cut short (before a try, or the last of a tree stretch: no
+first proposes, without the step's prefill, which it is told apart (the prefill each call's arrivals brought about,
+beside it or by the next step); a call cut short (before a try, or the last of a tree stretch: no
 trees chained behind it) teaches it nothing, its host work shared by fewer rounds than any steady call's, nor
 does the catch-up after a plain stretch (every row joining: its first round overlaps nothing). A drafter that
 cannot draft behind a verify (a draft service in another process) makes every call one round: those are whole.
@@ -97,6 +98,10 @@ class EngineCore(DraftSupply):
         self._launch: tuple[object, dict[str, int]] | None = None  # the chained drafting and its rows by seq id
         self._next: Choice | None = None  # the policy's for the next round, decided at the launch
         self._last_end: float | None = None  # when the last round ended (a steady round's cost runs from there)
+        # the last call's (batch, shape, sampled, prefill beside it, its seconds): charged with the step's prefill
+        # after it (the prompts that arrived while it ran) at the next call
+        self._charge: tuple[int, Shape, bool, float, float] | None = None
+        self._step_prefill = 0.0  # the steps' prefill seconds since the last call, not yet charged
         self._inbox: collections.deque = collections.deque()  # ("add", Request) | ("abort", seq_id), any thread
         self._wake = threading.Event()
         self._snapshot = Snapshot(0, 0, False, {}, [])
@@ -124,6 +129,7 @@ class EngineCore(DraftSupply):
             self._wake.wait(timeout)
             self.times["idle"] += self.clock() - t0
             self._last_end = None  # the next call's cost does not run from before the idle time
+            self._charge = None  # nor is the prefill after it brought about by the last call
         self._wake.clear()
 
     def drafter_down(self) -> None:
@@ -177,7 +183,9 @@ class EngineCore(DraftSupply):
         news: dict[str, list[int]] = {}  # seq id -> tokens committed this step
         self._take_inbox()
         self._admit(self.cfg.max_sequences)
+        p0 = self.clock()
         self._prefill(news)
+        self._step_prefill += self.clock() - p0  # a step without a call leaves it to the next
         self._recover()
         running = self._batch()
         t1 = self.clock()
@@ -358,8 +366,8 @@ class EngineCore(DraftSupply):
 
     def _round(self, running: list[Sequence], news: dict[str, list[int]], setup_s: float, rounds: int) -> int:
         """Up to `rounds` rounds for every running sequence in one verifier call (the module docstring); setup_s:
-        this step's work before it, which the policy's cost sample leaves out. Returns the rounds run (0: plain
-        steps, or a failed verify)."""
+        this step's work before it, which the policy's cost sample leaves out (its prefill told apart).
+        Returns the rounds run (0: plain steps, or a failed verify)."""
         t0 = self.clock()
         shape = (self._next or self._choose(running)).shape
         self._next = None
@@ -485,7 +493,9 @@ class EngineCore(DraftSupply):
         # their proposes: it is the request's longest call
         steady = whole and pure and not catch_up
         outside = (joining_s if joiners_alone else 0.0) + aside[0]  # new prompts' proposes, a prefill beside the call
-        self._observe(t0, len(order), drafted, 1, steady, setup_s, sampled, done, outside, aside[0])
+        self._observe(
+            t0, len(order), drafted, 1, steady, setup_s, sampled, rounds=done, outside_s=outside, beside_s=aside[0]
+        )
         return done
 
     def _plain(self, seqs: list[Sequence], news: dict[str, list[int]], t0: float, setup_s: float) -> None:
@@ -539,6 +549,7 @@ class EngineCore(DraftSupply):
         steady: bool,
         setup_s: float,
         sampled: bool,
+        *,
         rounds: int = 1,
         outside_s: float = 0.0,
         beside_s: float = 0.0,
@@ -548,26 +559,34 @@ class EngineCore(DraftSupply):
         setup_s, before t0) when both ran back to back (at most 50 ms besides the setup between them), or from its
         own start when it is the first after idle time (one request at a time: a request's call that goes on to
         its end is its first), less outside_s (new prompts' proposes in a call of their own, a prefill launched
-        beside its rounds: beside_s), shared by the call's rounds; and the prefill the call carried, told apart
-        (setup_s and beside_s): a plain call leaves the prompts that arrive while it runs to the next step's
-        prefill, a tree call prefills them beside its rounds (common.policy_stats.Share)."""
+        beside its rounds: beside_s), shared by the call's rounds. Every call, steady or not, then brings about
+        the prefill of the prompts that arrive while it runs: beside_s, and the step's prefill before the next call,
+        told to the policy with the next call (none when the engine idles in between: common.policy_stats.Share)."""
         end = self.clock()
         last, self._last_end = self._last_end, end
-        if not steady or (last is not None and t0 - last >= 0.05 + setup_s):
+        back_to_back = last is not None and t0 - last < 0.05 + setup_s
+        call_s = max(end - (last + setup_s if back_to_back else t0) - outside_s, 1e-6)
+        after, self._step_prefill = self._step_prefill, 0.0  # the step's prefill: after the last call, before this
+        if self._charge is not None and back_to_back:
+            b, was, was_sampled, beside, seconds = self._charge
+            log.debug(
+                "prefill: %s, %d sequences, %.3f ms over its %.3f ms", was, b, (beside + after) * 1e3, seconds * 1e3
+            )
+            self.policy.observe_prefill(b, was, beside + after, seconds, was_sampled)
+        self._charge = (batch, shape, sampled, beside_s, call_s)
+        if not steady or (last is not None and not back_to_back):
             return
-        seconds = max((end - t0 if last is None else end - last - setup_s) - outside_s, 1e-6) / rounds
-        prefill = setup_s + beside_s
+        seconds = call_s / rounds
         log.debug(  # the policy's inputs, for an operator asking why (--log-level DEBUG)
-            "cost sample: %s, %d sequences%s, %d rounds of %.3f ms, %d steps, prefill %.3f ms",
+            "cost sample: %s, %d sequences%s, %d rounds of %.3f ms, %d steps",
             shape,
             batch,
             " (sampling)" if sampled else "",
             rounds,
             seconds * 1e3,
             steps,
-            prefill * 1e3,
         )
-        self.policy.observe_round(batch, shape, seconds, steps, sampled, rounds, prefill=prefill)
+        self.policy.observe_round(batch, shape, seconds, steps, sampled, rounds)
 
     # ---- failures ----
     @staticmethod
