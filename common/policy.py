@@ -36,10 +36,11 @@ decode steps) plus the bucket's overhead: the median of what calibration did not
 rounds of the same kind (tree / plain) at this bucket, or, when it has none, at the nearest bucket that
 has (never a figure shared by every batch size). A batch or size past the calibrated ones scales linearly
 from the largest; one between takes the next larger (the graph that runs). Each cost is then raised by the prefill
-its kind of call brings about at the bucket, as a share of its calls' time (common.policy_stats.Share; the nearest
-bucket's where it has no calls of that kind; none until both kinds have a share): the prompts that arrive while a
-call runs are prefilled beside a tree call's rounds, and by the next step after a plain call, so that at 64 sequences
-plain pays about a third more than its calls' time and trees a fifth.
+its kind of call brings about at the bucket, as a share of its calls' time (common.policy_stats.Share, once its
+calls there add up to prefill_least seconds; else the nearest bucket's within a factor of 2; none until both kinds
+have a share): the prompts that arrive while a call runs are prefilled beside a tree call's rounds, and by the next
+step after a plain call (in run AG at 64 sequences the step's prefill before a call came to a third of a plain
+call's time and a fifth of a tree call's: docs/benchmarks.md).
 
 A bucket's menu: the shapes whose rows over the bucket's batch (batch x (nodes + 1)) stay within max_rows (640): at
 64 sequences 1x1, 2x4 and 3x8, at 16 all but 6x60. A larger tree there costs the device more rows than its extra
@@ -180,6 +181,7 @@ class PolicyConfig:
     cost_window: int = 8  # steady calls in a cost median
     cost_memory: int = 512  # bucket rounds after which a cost sample is dropped (when a newer one comes)
     prefill_window: int = 64  # calls of a kind (plain, trees) in a bucket's prefill share
+    prefill_least: float = 0.05  # seconds of a kind's calls at a bucket before their prefill share counts
     retry_base: int = 16  # bucket rounds before a shape left unrun is tried again
     retry_cap: int = 1024  # the longest retry interval (each failed try multiplies it by 2 x lag^2)
     # rounds a try lasts at most, until one is reported steady and a cost sample: from plain, a catch-up (never
@@ -225,6 +227,8 @@ class PolicyConfig:
             raise ValueError(f"margin and stay must be in [0, 1), got {self.margin}, {self.stay}")
         if min(self.cost_window, self.cost_memory, self.try_rounds, self.prefill_window) < 1:
             raise ValueError("cost_window, cost_memory, try_rounds and prefill_window must be >= 1")
+        if not self.prefill_least >= 0:
+            raise ValueError(f"prefill_least must be >= 0 seconds, got {self.prefill_least}")
         if min(self.confirm, self.warm_up) < 0:
             raise ValueError("confirm and warm_up must be >= 0")
         if self.max_rows < 1:

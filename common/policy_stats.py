@@ -210,29 +210,32 @@ class Window:
 
 class Share:
     """The prompts' prefill a kind of call (plain, trees) brings about at a bucket, as a share of its calls' time:
-    the prefill of the prompts that arrived while a call ran (launched beside its rounds, or done by the next
-    step before the next call) over the call's own seconds, summed over its last `size` calls, none older than
-    `memory` bucket rounds when a newer one comes. A tree call prefills most arrivals beside its rounds, a plain call
-    leaves them all to the next step: at 64 sequences on an H200 a third of a plain call's time against a fifth of a
-    tree call's. A sum, not a median: most calls at 16 sequences bring about none and some one prompt's.
-    (size 2, memory 10): adds 3 ms over 10 ms @ 0, 0 over 10 ms @ 1 -> 0.15; 2 ms over 40 ms @ 2 drops the first ->
-    0.04; then 5 ms over 10 ms @ 20 drops both -> 0.5."""
+    the prefill of the prompts that arrived while a call ran (launched beside its rounds, or done after it, before
+    the next call) over the call's seconds, summed over its last `size` calls, none older than `memory` bucket rounds
+    when a newer one comes; none (None) until its calls add up to `least` seconds: a kind a bucket runs only in tries
+    has a few calls there, whose arrivals are chance. A tree call prefills most arrivals beside its rounds, a plain
+    call leaves them all to the next step. A sum, not a median: most calls at 16 sequences bring about none and some
+    one prompt's. (size 2, memory 10, least 15 ms): adds 3 ms over 10 ms @ 0 -> None; 0 over 10 ms @ 1 -> 0.15;
+    2 ms over 40 ms @ 2 drops the first -> 0.04; then 5 ms over 20 ms @ 20 drops both -> 0.25."""
 
-    def __init__(self, size: int, memory: int) -> None:
-        self.samples: deque[tuple[int, float, float]] = deque(maxlen=size)  # (round, prefill s, call s), oldest first
-        self.memory = memory
+    def __init__(self, size: int, memory: int, least: float) -> None:
+        self.samples: deque[tuple[int, float, float]] = deque()  # (round, prefill s, call s), oldest first
+        self.size, self.memory, self.least = size, memory, least
+        self.prefill = self.seconds = 0.0  # the samples' sums
 
     def add(self, now: int, prefill: float, seconds: float) -> None:
         if not seconds > 0 or not prefill >= 0:
             raise ValueError(f"a prefill share needs call seconds > 0 and prefill >= 0, got {seconds}, {prefill}")
-        while self.samples and now - self.samples[0][0] > self.memory:
-            self.samples.popleft()
+        while self.samples and (len(self.samples) >= self.size or now - self.samples[0][0] > self.memory):
+            _, p, x = self.samples.popleft()
+            self.prefill, self.seconds = self.prefill - p, self.seconds - x
         self.samples.append((now, prefill, seconds))
+        self.prefill, self.seconds = self.prefill + prefill, self.seconds + seconds
 
     @property
     def value(self) -> float | None:
-        """Prefill seconds a second of the kind's calls; None before a sample."""
-        return sum(p for _, p, _ in self.samples) / sum(x for _, _, x in self.samples) if self.samples else None
+        """Prefill seconds a second of the kind's calls; None before `least` seconds of them."""
+        return max(self.prefill, 0.0) / self.seconds if self.samples and self.seconds >= self.least else None
 
 
 class Cell:
@@ -259,7 +262,7 @@ class Bucket:
         # per shape: on this bucket's menu (plain always; a tree within max_rows over the bucket's batch)
         self.on_menu = [s.plain or size * (s.nodes + 1) <= cfg.max_rows for s in shapes]
         self.overhead = Window(cfg.cost_window, cfg.cost_memory)  # tree rounds: seconds - calibration
-        self.prefill = (Share(cfg.prefill_window, cfg.cost_memory), Share(cfg.prefill_window, cfg.cost_memory))
+        self.prefill = tuple(Share(cfg.prefill_window, cfg.cost_memory, cfg.prefill_least) for _ in range(2))
         self.rounds = 0  # calls to choose for this bucket
         self.calls: dict[Shape, int] = {}  # steady calls per shape (pinned ones too): the first warm_up no samples
         self.nearest: list[Bucket] = []  # the other buckets, nearest first (log2 distance, then smaller)
@@ -325,11 +328,12 @@ class CostModel:
 
     def prefill(self, bk: Bucket) -> tuple[float, float]:
         """(plain, trees): the prefill each kind brings about at the bucket, as a share of its calls' seconds (Share),
-        each from the bucket or, where it has no calls of that kind, the nearest bucket that has; (0, 0) until both
-        kinds have a share (one kind's prefill alone would price the other as free of it)."""
+        each from the bucket or, where it has too few calls of that kind, the nearest within a factor of 2 that has
+        enough; (0, 0) until both kinds have a share (one kind's prefill alone would price the other as free of it)."""
+        near = [b for b in bk.nearest if abs(math.log2(b.size / bk.size)) <= 1]
         shares = []
         for kind in (0, 1):
-            share = next((v for b in (bk, *bk.nearest) if (v := b.prefill[kind].value) is not None), None)
+            share = next((v for b in (bk, *near) if (v := b.prefill[kind].value) is not None), None)
             if share is None:
                 return 0.0, 0.0
             shares.append(share)

@@ -356,14 +356,15 @@ def test_a_request_arriving_mid_call_is_prefilled_beside_it_and_waits_for_room(e
 
 
 def test_each_calls_arrivals_prefill_is_told_to_the_policy_after_it(engines, plain, monkeypatch, caplog):
-    """Every prefill launch makes the clock jump 1 s, a step's prefill (a launch and its read) 2 s more. Trees: s0
-    comes after idle time, so its prefill (3 s) is charged to no call; s1 arrives while s0's first call goes on and
-    is prefilled beside it (1 s): that call is told to the policy, at the next call, as 1 s of prefill over its own
-    seconds (a few clock reads). Plain: s1 arrives at the step after s0's first plain call, whose prefill (3 s) is
-    charged to that call of one sequence, not to the call of two after it; s2, after 1 s of idle time, to none. No
-    cost sample holds a jump; --log-level DEBUG logs each sample."""
+    """Every prefill launch makes the clock jump 1 s, every read of one 0.5 s (the wait for the device), a step's
+    prefill (a launch and its read) 2 s more. Trees: s0 comes after idle time, so its prefill (3.5 s) is charged to
+    no call; s1 arrives while s0's first call goes on and is prefilled beside it (1 s, read at the step's end: 0.5):
+    that call is told to the policy, at the next call, as 1.5 s of prefill over its own seconds (a few clock reads).
+    Plain: s1 arrives after s0's second plain call, and its prefill (3.5 s) is charged to that call of one sequence,
+    not to the call of two after it; s2, after 40 ms of idle time (within the 50 ms in
+    which two calls count as back to back), to none. No cost sample holds a jump; --log-level DEBUG logs each one."""
     v, d = engines
-    prefill, launch = v.prefill_batch, v.prefill_launch
+    prefill, launch, read = v.prefill_batch, v.prefill_launch, v.prefill_read
     clock = Ticks()
 
     def slow(jump, fn):
@@ -375,9 +376,10 @@ def test_each_calls_arrivals_prefill_is_told_to_the_policy_after_it(engines, pla
 
     monkeypatch.setattr(v, "prefill_batch", slow(2.0, prefill))
     monkeypatch.setattr(v, "prefill_launch", slow(1.0, launch))  # prefill_batch's launch too
+    monkeypatch.setattr(v, "prefill_read", slow(0.5, read))  # and its read
     caplog.set_level(logging.DEBUG, logger="common.engine.core")
     cfg = CoreConfig(max_sequences=2, rounds_per_step=2, call_rounds=8, prefill_ahead=1, plain_steps=4)
-    charged = {}
+    charged, told = {}, 0
     for shape in (TREE, PLAIN):
         policy = Cycle([shape])
         core = EngineCore(v, d, policy, cfg, clock=clock)
@@ -393,15 +395,16 @@ def test_each_calls_arrivals_prefill_is_told_to_the_policy_after_it(engines, pla
         got = run_stream(core, arrivals, stream)
         assert got == {"s0": plain[0], "s1": plain[1]}, shape
         if shape == PLAIN:
-            clock.t += 1.0
+            clock.t += 0.04
             core.wait(0.001)
             assert run(core, {0: [req(2)]})["s2"][0] == plain[2]
         charged[shape] = [(b, kind, round(p, 2)) for b, kind, p, _ in policy.prefill if p > 0.5]
         assert max(x for *_, x in policy.prefill) < 0.01 and max(policy.seconds) < 0.01, (shape, policy.prefill)
+        told += len(policy.seconds)
         clock.t += 1.0  # idle time before the next core
-    assert charged == {TREE: [(1, TREE, 1.0)], PLAIN: [(1, PLAIN, 3.0)]}, charged
+    assert charged == {TREE: [(1, TREE, 1.5)], PLAIN: [(1, PLAIN, 3.5)]}, charged
     samples = [r.getMessage() for r in caplog.records if r.getMessage().startswith("cost sample")]
-    assert samples, "no cost sample logged at DEBUG"
+    assert len(samples) == told > 0, samples
     check_free(core)
 
 

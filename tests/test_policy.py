@@ -157,31 +157,47 @@ def test_the_prefill_each_kind_of_call_brings_about_is_in_its_rate() -> None:
     assert seconds == pytest.approx({PLAIN: 0.012, CHAIN1: 0.0155})
 
 
-def test_the_prefill_counts_once_both_kinds_have_a_share_and_is_borrowed_from_the_nearest_bucket() -> None:
+def test_the_prefill_counts_once_both_kinds_have_a_share_and_is_borrowed_from_near_buckets() -> None:
     """Tree calls alone at bucket 1 (a thirtieth of their time in prefill): no share is added anywhere (plain's
-    unknown would price it free of prefill); with plain calls there too (a fifth), bucket 8, which has no calls,
-    borrows both. The Share's docstring example, and its bad inputs."""
+    unknown would price it free of prefill); with plain calls there too (a fifth), bucket 2 borrows both, bucket 4
+    (4 times as many sequences) neither; bucket 16 borrows bucket 32's (a tenth, half) rather than bucket 1's. A
+    kind's calls count once they add up to prefill_least (50 ms). A sampled call's prefill teaches the sampled
+    variant alone. The Share's docstring example, and bad inputs."""
     costs = CostModel(PolicyConfig(menu=(CHAIN1,)), table())
     costs.observe_prefill(costs.of(1), CHAIN1, 2 * MS, 60 * MS)
-    assert costs.prefill(costs.of(1)) == costs.prefill(costs.of(8)) == (0.0, 0.0)
-    costs.observe_prefill(costs.of(1), PLAIN, 16 * MS, 80 * MS)
-    assert costs.prefill(costs.of(8)) == pytest.approx((0.2, 1 / 30))
-    share = Share(2, 10)
+    assert costs.prefill(costs.of(1)) == costs.prefill(costs.of(2)) == (0.0, 0.0)
+    costs.observe_prefill(costs.of(1), PLAIN, 8 * MS, 40 * MS)
+    assert costs.prefill(costs.of(1)) == (0.0, 0.0)  # plain's 40 ms of calls: too few
+    costs.observe_prefill(costs.of(1), PLAIN, 8 * MS, 40 * MS)
+    assert costs.prefill(costs.of(2)) == pytest.approx((0.2, 1 / 30))
+    assert costs.prefill(costs.of(4)) == (0.0, 0.0)
+    costs.observe_prefill(costs.of(32), PLAIN, 10 * MS, 100 * MS)
+    costs.observe_prefill(costs.of(32), CHAIN1, 50 * MS, 100 * MS)
+    assert costs.prefill(costs.of(16)) == pytest.approx((0.1, 0.5))
+    p = AdaptivePolicy(PolicyConfig(menu=(CHAIN1,), prior=0.6), table())
+    for _ in range(2):
+        p.observe_round(1, PLAIN, 80 * MS, steps=8, sampled=True)
+    for shape in (PLAIN, CHAIN1):
+        p.observe_prefill(1, shape, 20 * MS, 80 * MS, sampled=True)  # a quarter for both
+    assert p.rates(members(1), 8, sampled=True)[PLAIN] == pytest.approx(8 / 0.1)
+    assert p.rates(members(1), 8)[PLAIN] == pytest.approx(100)  # greedy: untouched
+    share = Share(2, 10, 15 * MS)
     share.add(0, 3 * MS, 10 * MS)
+    assert share.value is None
     share.add(1, 0.0, 10 * MS)
     assert share.value == pytest.approx(0.15)
     share.add(2, 2 * MS, 40 * MS)
     assert share.value == pytest.approx(0.04)
-    share.add(20, 5 * MS, 10 * MS)
-    assert share.value == pytest.approx(0.5)
+    share.add(20, 5 * MS, 20 * MS)
+    assert share.value == pytest.approx(0.25)
     with pytest.raises(ValueError, match="prefill"):
         share.add(21, -1.0, 1.0)
-    p = AdaptivePolicy(PolicyConfig(menu=(CHAIN1,)), table())
     for bad in ((0, 1.0, 1.0), (1, -1.0, 1.0), (1, 1.0, 0.0), (1, 1.0, float("inf"))):
         with pytest.raises(ValueError, match="prefill"):
             p.observe_prefill(bad[0], PLAIN, bad[1], bad[2])
-    with pytest.raises(ValueError, match="prefill_window"):
-        PolicyConfig(prefill_window=0)
+    for cfg in ({"prefill_window": 0}, {"prefill_least": -1.0}):
+        with pytest.raises(ValueError, match="prefill"):
+            PolicyConfig(**cfg)
 
 
 def test_batch_64_history_is_not_charged_to_batch_1() -> None:

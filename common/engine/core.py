@@ -66,7 +66,7 @@ from common.engine.base import (
     finish,
 )
 from common.engine.core_drafts import DraftSupply
-from common.engine.core_parts import CoreConfig, Draft, Snapshot
+from common.engine.core_parts import Charge, CoreConfig, Draft, Snapshot
 from common.policy import PLAIN, Choice, Member, Shape
 from common.sequence import Finish, Request, SeqOutput, Sequence, Status, output
 from common.tree import NO_TREE
@@ -98,10 +98,9 @@ class EngineCore(DraftSupply):
         self._launch: tuple[object, dict[str, int]] | None = None  # the chained drafting and its rows by seq id
         self._next: Choice | None = None  # the policy's for the next round, decided at the launch
         self._last_end: float | None = None  # when the last round ended (a steady round's cost runs from there)
-        # the last call's (batch, shape, sampled, prefill beside it, its seconds): charged with the step's prefill
-        # after it (the prompts that arrived while it ran) at the next call
-        self._charge: tuple[int, Shape, bool, float, float] | None = None
-        self._step_prefill = 0.0  # the steps' prefill seconds since the last call, not yet charged
+        self._charge: Charge | None = None  # the last call, charged with the prefill after it at the next call
+        self._step_prefill = 0.0  # prefill seconds since the last call, not yet charged
+        self._calls = 0  # calls timed (_observe) since start: a step that times none breaks the chain of calls
         self._inbox: collections.deque = collections.deque()  # ("add", Request) | ("abort", seq_id), any thread
         self._wake = threading.Event()
         self._snapshot = Snapshot(0, 0, False, {}, [])
@@ -128,8 +127,7 @@ class EngineCore(DraftSupply):
             t0 = self.clock()
             self._wake.wait(timeout)
             self.times["idle"] += self.clock() - t0
-            self._last_end = None  # the next call's cost does not run from before the idle time
-            self._charge = None  # nor is the prefill after it brought about by the last call
+            self._unchain()  # the next call's cost does not run from before the idle time
         self._wake.clear()
 
     def drafter_down(self) -> None:
@@ -180,6 +178,7 @@ class EngineCore(DraftSupply):
     # ---- one step (the engine thread) ----
     def step(self) -> list[SeqOutput]:
         t0 = self.clock()
+        calls = self._calls
         news: dict[str, list[int]] = {}  # seq id -> tokens committed this step
         self._take_inbox()
         self._admit(self.cfg.max_sequences)
@@ -203,6 +202,12 @@ class EngineCore(DraftSupply):
             running = [s for s in running if s.status is Status.RUNNING]
         t2 = self.clock()
         self._read_ahead(news)
+        read_s = self.clock() - t2
+        if self._calls == calls:  # no call timed (none ran, or it failed): the next one's chain starts anew
+            self._unchain()
+        elif self._last_end is not None:  # waiting for the prefill beside the call: its arrivals', not the next call's
+            self._step_prefill += read_s
+            self._last_end += read_s
         outs = self._retire(news)
         t3 = self.clock()
         self.times["retire"] += t3 - t2
@@ -560,20 +565,27 @@ class EngineCore(DraftSupply):
         own start when it is the first after idle time (one request at a time: a request's call that goes on to
         its end is its first), less outside_s (new prompts' proposes in a call of their own, a prefill launched
         beside its rounds: beside_s), shared by the call's rounds. Every call, steady or not, then brings about
-        the prefill of the prompts that arrive while it runs: beside_s, and the step's prefill before the next call,
-        told to the policy with the next call (none when the engine idles in between: common.policy_stats.Share)."""
+        the prefill of the prompts that arrive while it runs: beside_s, the wait for that prefill at the step's end
+        and the step's prefill before the next call, told to the policy with the next call when the two run back to
+        back (none across idle time, a gap over 50 ms, a failed call or a step without one; policy_stats.Share)."""
         end = self.clock()
         last, self._last_end = self._last_end, end
+        self._calls += 1
         back_to_back = last is not None and t0 - last < 0.05 + setup_s
-        call_s = max(end - (last + setup_s if back_to_back else t0) - outside_s, 1e-6)
-        after, self._step_prefill = self._step_prefill, 0.0  # the step's prefill: after the last call, before this
-        if self._charge is not None and back_to_back:
-            b, was, was_sampled, beside, seconds = self._charge
+        wall = max(end - (last + setup_s if back_to_back else t0), 1e-6)
+        call_s = max(wall - outside_s, 1e-6)
+        after, self._step_prefill = self._step_prefill, 0.0  # the prefill after the last call, before this one
+        c = self._charge
+        if c is not None and back_to_back:
             log.debug(
-                "prefill: %s, %d sequences, %.3f ms over its %.3f ms", was, b, (beside + after) * 1e3, seconds * 1e3
+                "prefill: %s, %d sequences, %.3f ms over its %.3f ms",
+                c.shape,
+                c.batch,
+                (c.beside + after) * 1e3,
+                c.seconds * 1e3,
             )
-            self.policy.observe_prefill(b, was, beside + after, seconds, was_sampled)
-        self._charge = (batch, shape, sampled, beside_s, call_s)
+            self.policy.observe_prefill(c.batch, c.shape, c.beside + after, c.seconds, c.sampled)
+        self._charge = Charge(batch, shape, sampled, beside_s, max(wall - beside_s, 1e-6))  # its time, prefill aside
         if not steady or (last is not None and not back_to_back):
             return
         seconds = call_s / rounds
@@ -587,6 +599,11 @@ class EngineCore(DraftSupply):
             steps,
         )
         self.policy.observe_round(batch, shape, seconds, steps, sampled, rounds)
+
+    def _unchain(self) -> None:
+        """Idle time, a failed call or a step without one: the next call is timed from its own start, and the
+        prefill before it is charged to no call."""
+        self._last_end, self._charge, self._step_prefill = None, None, 0.0
 
     # ---- failures ----
     @staticmethod
