@@ -39,7 +39,7 @@ from the largest; one between takes the next larger (the graph that runs). Each 
 its kind of call brings about at the bucket, as a share of its calls' time (common.policy_stats.Share, once its
 calls there add up to prefill_least seconds; else the nearest bucket's within a factor of 2; none until both kinds
 have a share): the prompts that arrive while a call runs are prefilled beside a tree call's rounds, and by the next
-step after a plain call (in run AG at 64 sequences the step's prefill before a call came to a third of a plain
+step after a plain call (on an H200 at 64 sequences the step's prefill before a call came to a third of a plain
 call's time and a fifth of a tree call's: docs/benchmarks.md).
 
 A bucket's menu: the shapes whose rows over the bucket's batch (batch x (nodes + 1)) stay within max_rows (640): at
@@ -377,11 +377,12 @@ class AdaptivePolicy:
         if keep:
             self.round_expected = expected
         bands = [(expected[b], sum(fs), max(fs), fs) for b, fs in groups.items()]
-        plain = costs.seconds(bk, 0, steps, costs.overhead(bk, True)[0])
+        shares = costs.prefill(bk)  # (plain, trees)
+        plain = costs.seconds(bk, 0, steps, costs.overhead(bk, True)[0], shares[0])
         out: list[float | None] = [None if plain is None else n * steps / plain]
         over = costs.overhead(bk, False)[0]
         for i, shape in enumerate(self.cfg.menu):
-            seconds = costs.seconds(bk, i + 1, 1, over) if bk.on_menu[i + 1] else None
+            seconds = costs.seconds(bk, i + 1, 1, over, shares[1]) if bk.on_menu[i + 1] else None
             if seconds is None:
                 out.append(None)
                 continue
@@ -482,10 +483,10 @@ class AdaptivePolicy:
             for size, bk in costs.buckets.items():
                 if size not in costs.calibrated and bk.rounds == 0:
                     continue
-                over = (costs.overhead(bk, True)[0], costs.overhead(bk, False)[0])
+                over, shares = (costs.overhead(bk, True)[0], costs.overhead(bk, False)[0]), costs.prefill(bk)
                 for i in (i for i in order if bk.on_menu[i]):
                     shape, cell = self.shapes[i], bk.cells[i]
-                    seconds = costs.seconds(bk, i, steps, over[i > 0])
+                    seconds = costs.seconds(bk, i, steps, over[i > 0], shares[i > 0])
                     if seconds is not None and i == 0:
                         seconds /= steps
                     stale = bk.rounds - cell.last_run if cell.has_run else None

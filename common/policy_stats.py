@@ -266,6 +266,7 @@ class Bucket:
         self.rounds = 0  # calls to choose for this bucket
         self.calls: dict[Shape, int] = {}  # steady calls per shape (pinned ones too): the first warm_up no samples
         self.nearest: list[Bucket] = []  # the other buckets, nearest first (log2 distance, then smaller)
+        self.near: list[Bucket] = []  # those of them within a factor of 2 (whose prefill share it borrows)
         self.last_pick: int | None = None  # the shape (index) chosen last, judged at the next choose
         self.on_trees = False  # the kind of its last pick that was not a try: plain needs the margin to leave it
         self.trying: int | None = None  # the shape being tried, its rounds left, whether one was steady
@@ -295,6 +296,7 @@ class CostModel:
         for bk in self.buckets.values():
             others = [o for o in self.buckets.values() if o is not bk]
             bk.nearest = sorted(others, key=lambda o, b=bk.size: (abs(math.log2(o.size / b)), o.size))
+            bk.near = [o for o in bk.nearest if abs(math.log2(o.size / bk.size)) <= 1]
 
     def of(self, batch: int) -> Bucket:
         return self.buckets[bucket(batch, self.sizes)]
@@ -330,18 +332,18 @@ class CostModel:
         """(plain, trees): the prefill each kind brings about at the bucket, as a share of its calls' seconds (Share),
         each from the bucket or, where it has too few calls of that kind, the nearest within a factor of 2 that has
         enough; (0, 0) until both kinds have a share (one kind's prefill alone would price the other as free of it)."""
-        near = [b for b in bk.nearest if abs(math.log2(b.size / bk.size)) <= 1]
         shares = []
         for kind in (0, 1):
-            share = next((v for b in (bk, *near) if (v := b.prefill[kind].value) is not None), None)
+            share = next((v for b in (bk, *bk.near) if (v := b.prefill[kind].value) is not None), None)
             if share is None:
                 return 0.0, 0.0
             shares.append(share)
         return shares[0], shares[1]
 
-    def seconds(self, bk: Bucket, i: int, steps: int, over: float) -> float | None:
-        """Seconds of a round of shapes[i] (plain: a call of `steps` steps) with the prefill it brings about; `over`:
-        its kind's overhead. A tree's overhead borrowed from other shapes never makes it cheaper than half its
+    def seconds(self, bk: Bucket, i: int, steps: int, over: float, share: float) -> float | None:
+        """Seconds of a round of shapes[i] (plain: a call of `steps` steps) with the prefill it brings about; `over`
+        and `share`: its kind's overhead and prefill share (overhead(), prefill()), which a caller pricing several
+        shapes looks up once. A tree's overhead borrowed from other shapes never makes it cheaper than half its
         calibration."""
         cal, window = bk.cal[i], bk.cells[i].window
         if cal is None:
@@ -350,7 +352,7 @@ class CostModel:
             call = max(steps * cal + over, 1e-9)
         else:
             call = max(cal + window.median, 1e-9) if window.samples else max(cal + over, cal * 0.5, 1e-9)
-        return None if call is None else call * (1 + self.prefill(bk)[0 if i == 0 else 1])
+        return None if call is None else call * (1 + share)
 
     def source(self, bk: Bucket, i: int) -> str:
         """Where the cost of shapes[i] comes from: 'measured', 'bucket', 'nearest', 'calibration', 'unknown'."""
