@@ -497,9 +497,9 @@ class EngineCore(DraftSupply):
         # from plain is costed by its next call. A call of new prompts alone (one request at a time) is, less
         # their proposes: it is the request's longest call
         steady = whole and pure and not catch_up
-        outside = (joining_s if joiners_alone else 0.0) + aside[0]  # new prompts' proposes, a prefill beside the call
+        alone_s = joining_s if joiners_alone else 0.0  # new prompts' proposes in a call of their own
         self._observe(
-            t0, len(order), drafted, 1, steady, setup_s, sampled, rounds=done, outside_s=outside, beside_s=aside[0]
+            t0, len(order), drafted, 1, steady, setup_s, sampled, rounds=done, joining_s=alone_s, beside_s=aside[0]
         )
         return done
 
@@ -556,15 +556,15 @@ class EngineCore(DraftSupply):
         sampled: bool,
         *,
         rounds: int = 1,
-        outside_s: float = 0.0,
+        joining_s: float = 0.0,
         beside_s: float = 0.0,
     ) -> None:
         """A round's cost for the policy, when the call is steady (not cut short, no catch-up): from the end of
         the call before (the host work between calls is this one's too) less the step's setup (admission, prefill:
         setup_s, before t0) when both ran back to back (at most 50 ms besides the setup between them), or from its
         own start when it is the first after idle time (one request at a time: a request's call that goes on to
-        its end is its first), less outside_s (new prompts' proposes in a call of their own, a prefill launched
-        beside its rounds: beside_s), shared by the call's rounds. Every call, steady or not, then brings about
+        its end is its first), less joining_s (new prompts' proposes in a call of their own) and beside_s (a prefill
+        launched beside its rounds), shared by the call's rounds. Every call, steady or not, then brings about
         the prefill of the prompts that arrive while it runs: beside_s, the wait for that prefill at the step's end
         and the step's prefill before the next call, told to the policy with the next call when the two run back to
         back (none across idle time, a gap over 50 ms, a failed call or a step without one; policy_stats.Share)."""
@@ -573,7 +573,7 @@ class EngineCore(DraftSupply):
         self._calls += 1
         back_to_back = last is not None and t0 - last < 0.05 + setup_s
         wall = max(end - (last + setup_s if back_to_back else t0), 1e-6)
-        call_s = max(wall - outside_s, 1e-6)
+        call_s = max(wall - joining_s - beside_s, 1e-6)
         after, self._step_prefill = self._step_prefill, 0.0  # the prefill after the last call, before this one
         c = self._charge
         if c is not None and back_to_back:
