@@ -3,7 +3,6 @@ run side by side instead of taking turns (started if none runs, quit at exit if 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import shutil
 import subprocess
@@ -19,6 +18,18 @@ log = logging.getLogger("services.stack")
 MPS_CONTROL = "nvidia-cuda-mps-control"
 MPS_DIRS = {"CUDA_MPS_PIPE_DIRECTORY": "pipe", "CUDA_MPS_LOG_DIRECTORY": "log"}  # variable: folder under a temp dir
 MPS_START_S = 5.0  # the daemon forks: its pipe appears shortly after -d returns
+
+
+def control(exe: str, environ: Mapping[str, str], command: str, timeout: float = 5.0) -> str | None:
+    """What the control binary prints for one command on stdin (get_server_list, quit, ...), with the pipe directory
+    `environ` names; None when it fails or no daemon answers there."""
+    try:
+        r = subprocess.run(
+            [exe], input=command + "\n", env=dict(environ), capture_output=True, text=True, timeout=timeout
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return r.stdout if r.returncode == 0 else None
 
 
 def mps_wanted(choice: str, device: str, colocate: bool) -> bool:
@@ -42,13 +53,7 @@ class Mps:
     @staticmethod
     def answers(exe: str, environ: Mapping[str, str]) -> bool:
         """Whether a control daemon answers at the pipe directory `environ` names (or the default one)."""
-        try:
-            r = subprocess.run(
-                [exe], input="get_server_list\n", env=dict(environ), capture_output=True, text=True, timeout=5
-            )
-        except (OSError, subprocess.TimeoutExpired):
-            return False
-        return r.returncode == 0
+        return control(exe, environ, "get_server_list") is not None
 
     @classmethod
     def start(cls, environ: Mapping[str, str]) -> Mps | None:
@@ -91,18 +96,8 @@ class Mps:
 
     def _ask(self, command: str) -> list[int]:
         """The pids a control command prints ([] when the daemon does not answer)."""
-        with contextlib.suppress(OSError, subprocess.TimeoutExpired):
-            r = subprocess.run(
-                [self.exe],
-                input=command + "\n",
-                env={**self.environ, **self.env},
-                capture_output=True,
-                text=True,
-                timeout=5,
-            )
-            if r.returncode == 0:
-                return [int(x) for x in r.stdout.split() if x.isdigit()]
-        return []
+        out = control(self.exe, {**self.environ, **self.env}, command)
+        return [int(x) for x in (out or "").split() if x.isdigit()]
 
     def clients(self) -> set[int]:
         """The pids of the processes connected through the daemon (each server's clients): a GPU process of the
@@ -113,8 +108,5 @@ class Mps:
         """Quit the daemon this stack started (its servers exit once their clients have)."""
         if not self.started:
             return
-        with contextlib.suppress(OSError, subprocess.TimeoutExpired):
-            subprocess.run(
-                [self.exe], input="quit\n", env={**self.environ, **self.env}, capture_output=True, text=True, timeout=10
-            )
+        if control(self.exe, {**self.environ, **self.env}, "quit", timeout=10) is not None:
             log.info("CUDA MPS: control daemon stopped")
