@@ -35,12 +35,7 @@ it costs its calibration (propose(depth) + verify(nodes + 1) step times; a plain
 decode steps) plus the bucket's overhead: the median of what calibration did not explain in recent steady
 rounds of the same kind (tree / plain) at this bucket, or, when it has none, at the nearest bucket that
 has (never a figure shared by every batch size). A batch or size past the calibrated ones scales linearly
-from the largest; one between takes the next larger (the graph that runs). Each cost is then raised by the prefill
-its kind of call brings about at the bucket, as a share of its calls' time (common.policy_stats.Share, once its
-calls there add up to prefill_least seconds; else the nearest bucket's within a factor of 2; none until both kinds
-have a share): the prompts that arrive while a call runs are prefilled beside a tree call's rounds, and by the next
-step after a plain call (on an H200 at 64 sequences the step's prefill before a call came to a third of a plain
-call's time and a fifth of a tree call's: docs/benchmarks.md).
+from the largest; one between takes the next larger (the graph that runs).
 
 A bucket's menu: the shapes whose rows over the bucket's batch (batch x (nodes + 1)) stay within max_rows (640): at
 64 sequences 1x1, 2x4 and 3x8, at 16 all but 6x60. A larger tree there costs the device more rows than its extra
@@ -77,10 +72,10 @@ rounds apart), if it came out at a third of the best's rate, it waits 2 x 16 x 3
 95% of it, 2 x 16 x 1.108 = 36, then 80 (test_a_due_shape_waits_longer_the_further_below_the_best_it_came_out).
 
 What the caller guarantees: observe_round gets steady rounds only (calls that ran every round they asked
-for, no catch-up call after plain rounds; common/engine/core.py), the prefill apart (observe_prefill: each
-call's arrivals' prefill, after it), not a loop wall holding other work, and choose and observe_round see the
-same batch (choose's `batch` when pinned sequences ride along). estimates() tells an operator why: per bucket
-and shape the rate, seconds (the prefill included) and tokens compared, and where the cost comes from.
+for, no prefill, no catch-up call after plain rounds; common/engine/core.py), not a loop wall holding
+other work, and choose and observe_round see the same batch (choose's `batch` when pinned sequences ride
+along). estimates() tells an operator why: per bucket and shape the rate, seconds and tokens compared, and
+where the cost comes from.
 """
 
 from __future__ import annotations
@@ -157,8 +152,7 @@ class Estimate:
     batch: int  # batch bucket: rounds of up to this many sequences
     shape: Shape  # PLAIN or a menu shape
     tokens_per_s: float | None  # committed tokens/s of a round of `batch` sequences; None: no cost known
-    seconds: float | None  # a round's (plain: a decoding step's, its call's overhead shared by the last plain_steps),
-    # the prefill its kind brings about included
+    seconds: float | None  # a round's (plain: a decoding step's, its call's overhead shared by the last plain_steps)
     tokens: float  # committed per sequence per round (plain: 1 a step)
     samples: int  # steady rounds of this shape at this bucket behind the cost (0: calibration + an overhead)
     stale_rounds: int | None  # rounds of this bucket since the shape last ran at it; None: never
@@ -180,8 +174,6 @@ class PolicyConfig:
     seq_relax: float = 8.0  # rounds decided for a sequence without verifying it in which its factor's counts halve
     cost_window: int = 8  # steady calls in a cost median
     cost_memory: int = 512  # bucket rounds after which a cost sample is dropped (when a newer one comes)
-    prefill_window: int = 64  # calls of a kind (plain, trees) in a bucket's prefill share
-    prefill_least: float = 0.05  # seconds of a kind's calls at a bucket before their prefill share counts
     retry_base: int = 16  # bucket rounds before a shape left unrun is tried again
     retry_cap: int = 1024  # the longest retry interval (each failed try multiplies it by 2 x lag^2)
     # rounds a try lasts at most, until one is reported steady and a cost sample: from plain, a catch-up (never
@@ -225,12 +217,8 @@ class PolicyConfig:
             raise ValueError("half_life, pooled_half_life, seq_memory and seq_relax must be > 0")
         if not 0 <= self.margin < 1 or not 0 <= self.stay < 1:
             raise ValueError(f"margin and stay must be in [0, 1), got {self.margin}, {self.stay}")
-        if min(self.cost_window, self.cost_memory, self.try_rounds, self.prefill_window) < 1:
-            raise ValueError("cost_window, cost_memory, try_rounds and prefill_window must be >= 1")
-        if not self.prefill_least >= 0:
-            raise ValueError(f"prefill_least must be >= 0 seconds, got {self.prefill_least}")
-        if min(self.confirm, self.warm_up) < 0:
-            raise ValueError("confirm and warm_up must be >= 0")
+        if self.cost_window < 1 or self.cost_memory < 1 or self.try_rounds < 1 or min(self.confirm, self.warm_up) < 0:
+            raise ValueError("cost_window, cost_memory and try_rounds must be >= 1, confirm and warm_up >= 0")
         if self.max_rows < 1:
             raise ValueError(f"max_rows must be >= 1, got {self.max_rows}")
         if not 1 <= self.retry_base <= self.retry_cap:
@@ -377,12 +365,11 @@ class AdaptivePolicy:
         if keep:
             self.round_expected = expected
         bands = [(expected[b], sum(fs), max(fs), fs) for b, fs in groups.items()]
-        shares = costs.prefill(bk)  # (plain, trees)
-        plain = costs.seconds(bk, 0, steps, costs.overhead(bk, True)[0], shares[0])
+        plain = costs.seconds(bk, 0, steps, costs.overhead(bk, True)[0])
         out: list[float | None] = [None if plain is None else n * steps / plain]
         over = costs.overhead(bk, False)[0]
         for i, shape in enumerate(self.cfg.menu):
-            seconds = costs.seconds(bk, i + 1, 1, over, shares[1]) if bk.on_menu[i + 1] else None
+            seconds = costs.seconds(bk, i + 1, 1, over) if bk.on_menu[i + 1] else None
             if seconds is None:
                 out.append(None)
                 continue
@@ -412,18 +399,6 @@ class AdaptivePolicy:
         counted = costs.observe(bk, shape, seconds, steps, rounds)
         if counted and bk.trying is not None and self.shapes[bk.trying] == shape:
             bk.try_seen = True
-
-    def observe_prefill(self, batch: int, shape: Shape, prefill: float, seconds: float, sampled: bool = False) -> None:
-        """A call of `shape` (any call, steady or not, after which the engine did not idle) ran `seconds` and
-        brought about `prefill` seconds of prefill: the prompts that arrived while it ran, prefilled beside its
-        rounds or by the step after it (common.policy_stats.Share)."""
-        if batch < 1 or not 0 < seconds < math.inf or not 0 <= prefill < math.inf:
-            raise ValueError(
-                f"a call's prefill needs batch >= 1, seconds in (0, inf) and prefill in [0, inf), got {batch}, "
-                f"{seconds}, {prefill}"
-            )
-        costs = self.variants[sampled]
-        costs.observe_prefill(costs.of(batch), shape, prefill, seconds)
 
     def observe(self, seq_id: str, band: str, shape: Shape, accepted: int) -> None:
         """One sequence's verification of a tree of `shape`: `accepted` drafted tokens (bonus excluded)."""
@@ -483,10 +458,10 @@ class AdaptivePolicy:
             for size, bk in costs.buckets.items():
                 if size not in costs.calibrated and bk.rounds == 0:
                     continue
-                over, shares = (costs.overhead(bk, True)[0], costs.overhead(bk, False)[0]), costs.prefill(bk)
+                over = (costs.overhead(bk, True)[0], costs.overhead(bk, False)[0])
                 for i in (i for i in order if bk.on_menu[i]):
                     shape, cell = self.shapes[i], bk.cells[i]
-                    seconds = costs.seconds(bk, i, steps, over[i > 0], shares[i > 0])
+                    seconds = costs.seconds(bk, i, steps, over[i > 0])
                     if seconds is not None and i == 0:
                         seconds /= steps
                     stale = bk.rounds - cell.last_run if cell.has_run else None
@@ -516,9 +491,6 @@ class Policy(Protocol):
     def observe_round(
         self, batch: int, shape: Shape, seconds: float, steps: int = 1, sampled: bool = False, rounds: int = 1
     ) -> None: ...
-    def observe_prefill(
-        self, batch: int, shape: Shape, prefill: float, seconds: float, sampled: bool = False
-    ) -> None: ...
     def observe_verified(self, rows: Iterable[tuple[str, str, Shape, int]]) -> None: ...
     def forget(self, seq_id: str) -> None: ...
     def estimates(self, bands: Sequence[str] = ("greedy",)) -> list[Estimate]: ...
@@ -545,9 +517,6 @@ class FixedPolicy:
     def observe_round(
         self, batch: int, shape: Shape, seconds: float, steps: int = 1, sampled: bool = False, rounds: int = 1
     ) -> None:
-        pass
-
-    def observe_prefill(self, batch: int, shape: Shape, prefill: float, seconds: float, sampled: bool = False) -> None:
         pass
 
     def observe_verified(self, rows: Iterable[tuple[str, str, Shape, int]]) -> None:

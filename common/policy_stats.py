@@ -208,36 +208,6 @@ class Window:
                 return
 
 
-class Share:
-    """The prompts' prefill a kind of call (plain, trees) brings about at a bucket, as a share of its calls' time:
-    the prefill of the prompts that arrived while a call ran (launched beside its rounds, or done after it, before
-    the next call) over the call's seconds, summed over its last `size` calls, none older than `memory` bucket rounds
-    when a newer one comes; none (None) until its calls add up to `least` seconds: a kind a bucket runs only in tries
-    has a few calls there, whose arrivals are chance. A tree call prefills most arrivals beside its rounds, a plain
-    call leaves them all to the next step. A sum, not a median: most calls at 16 sequences bring about none and some
-    one prompt's. (size 2, memory 10, least 15 ms): adds 3 ms over 10 ms @ 0 -> None; 0 over 10 ms @ 1 -> 0.15;
-    2 ms over 40 ms @ 2 drops the first -> 0.04; then 5 ms over 20 ms @ 20 drops both -> 0.25."""
-
-    def __init__(self, size: int, memory: int, least: float) -> None:
-        self.samples: deque[tuple[int, float, float]] = deque()  # (round, prefill s, call s), oldest first
-        self.size, self.memory, self.least = size, memory, least
-        self.prefill = self.seconds = 0.0  # the samples' sums
-
-    def add(self, now: int, prefill: float, seconds: float) -> None:
-        if not seconds > 0 or not prefill >= 0:
-            raise ValueError(f"a prefill share needs call seconds > 0 and prefill >= 0, got {seconds}, {prefill}")
-        while self.samples and (len(self.samples) >= self.size or now - self.samples[0][0] > self.memory):
-            _, p, x = self.samples.popleft()
-            self.prefill, self.seconds = self.prefill - p, self.seconds - x
-        self.samples.append((now, prefill, seconds))
-        self.prefill, self.seconds = self.prefill + prefill, self.seconds + seconds
-
-    @property
-    def value(self) -> float | None:
-        """Prefill seconds a second of the kind's calls; None before `least` seconds of them."""
-        return max(self.prefill, 0.0) / self.seconds if self.samples and self.seconds >= self.least else None
-
-
 class Cell:
     """One (bucket, shape): its recent steady rounds (what calibration did not explain) and its retries."""
 
@@ -262,11 +232,9 @@ class Bucket:
         # per shape: on this bucket's menu (plain always; a tree within max_rows over the bucket's batch)
         self.on_menu = [s.plain or size * (s.nodes + 1) <= cfg.max_rows for s in shapes]
         self.overhead = Window(cfg.cost_window, cfg.cost_memory)  # tree rounds: seconds - calibration
-        self.prefill = tuple(Share(cfg.prefill_window, cfg.cost_memory, cfg.prefill_least) for _ in range(2))
         self.rounds = 0  # calls to choose for this bucket
         self.calls: dict[Shape, int] = {}  # steady calls per shape (pinned ones too): the first warm_up no samples
         self.nearest: list[Bucket] = []  # the other buckets, nearest first (log2 distance, then smaller)
-        self.near: list[Bucket] = []  # those of them within a factor of 2 (whose prefill share it borrows)
         self.last_pick: int | None = None  # the shape (index) chosen last, judged at the next choose
         self.on_trees = False  # the kind of its last pick that was not a try: plain needs the margin to leave it
         self.trying: int | None = None  # the shape being tried, its rounds left, whether one was steady
@@ -296,7 +264,6 @@ class CostModel:
         for bk in self.buckets.values():
             others = [o for o in self.buckets.values() if o is not bk]
             bk.nearest = sorted(others, key=lambda o, b=bk.size: (abs(math.log2(o.size / b)), o.size))
-            bk.near = [o for o in bk.nearest if abs(math.log2(o.size / bk.size)) <= 1]
 
     def of(self, batch: int) -> Bucket:
         return self.buckets[bucket(batch, self.sizes)]
@@ -328,41 +295,21 @@ class CostModel:
                 return w.median, src
         return 0.0, "calibration"
 
-    def prefill(self, bk: Bucket) -> tuple[float, float]:
-        """(plain, trees): the prefill each kind brings about at the bucket, as a share of its calls' seconds (Share),
-        each from the bucket or, where it has too few calls of that kind, the nearest within a factor of 2 that has
-        enough; (0, 0) until both kinds have a share (one kind's prefill alone would price the other as free of it)."""
-        shares = []
-        for kind in (0, 1):
-            share = next((v for b in (bk, *bk.near) if (v := b.prefill[kind].value) is not None), None)
-            if share is None:
-                return 0.0, 0.0
-            shares.append(share)
-        return shares[0], shares[1]
-
-    def seconds(self, bk: Bucket, i: int, steps: int, over: float, share: float) -> float | None:
-        """Seconds of a round of shapes[i] (plain: a call of `steps` steps) with the prefill it brings about; `over`
-        and `share`: its kind's overhead and prefill share (overhead(), prefill()), which a caller pricing several
-        shapes looks up once. A tree's overhead borrowed from other shapes never makes it cheaper than half its
-        calibration."""
+    def seconds(self, bk: Bucket, i: int, steps: int, over: float) -> float | None:
+        """Seconds of a round of shapes[i] (plain: a call of `steps` steps); `over`: its kind's overhead.
+        A tree's overhead borrowed from other shapes never makes it cheaper than half its calibration."""
         cal, window = bk.cal[i], bk.cells[i].window
         if cal is None:
-            call = (steps if i == 0 else 1) * window.median if window.samples else None
-        elif i == 0:
-            call = max(steps * cal + over, 1e-9)
-        else:
-            call = max(cal + window.median, 1e-9) if window.samples else max(cal + over, cal * 0.5, 1e-9)
-        return None if call is None else call * (1 + share)
+            return (steps if i == 0 else 1) * window.median if window.samples else None
+        if i == 0:
+            return max(steps * cal + over, 1e-9)
+        return max(cal + window.median, 1e-9) if window.samples else max(cal + over, cal * 0.5, 1e-9)
 
     def source(self, bk: Bucket, i: int) -> str:
         """Where the cost of shapes[i] comes from: 'measured', 'bucket', 'nearest', 'calibration', 'unknown'."""
         if bk.cells[i].window.samples:
             return "measured"
         return "unknown" if bk.cal[i] is None else self.overhead(bk, i == 0)[1]
-
-    def observe_prefill(self, bk: Bucket, shape: Shape, prefill: float, seconds: float) -> None:
-        """A call of `shape`'s kind ran `seconds` and brought about `prefill` seconds of prefill (Share)."""
-        bk.prefill[0 if shape.plain else 1].add(bk.rounds, prefill, seconds)
 
     def observe(self, bk: Bucket, shape: Shape, seconds: float, steps: int, rounds: int = 1) -> bool:
         """A steady call's cost: seconds of one round (a tree, `rounds` of them in the call: its samples' weight) or

@@ -64,7 +64,6 @@ class Cycle:
         self.shapes = itertools.cycle(shapes)
         self.rounds: list = []  # observe_round's calls
         self.seconds: list[float] = []  # and the costs they reported
-        self.prefill: list[tuple] = []  # observe_prefill's calls: (batch, shape, prefill s, seconds)
 
     def choose(self, members, plain_steps, batch=None, sampled=False):
         return Choice(next(self.shapes))
@@ -72,9 +71,6 @@ class Cycle:
     def observe_round(self, batch, shape, seconds, steps=1, sampled=False, rounds=1):
         self.rounds.append((batch, shape, steps))
         self.seconds.append(seconds)
-
-    def observe_prefill(self, batch, shape, prefill, seconds, sampled=False):
-        self.prefill.append((batch, shape, prefill, seconds))
 
     def observe_verified(self, rows):
         pass
@@ -208,11 +204,11 @@ def test_the_policy_is_told_the_cost_of_whole_calls_only(engines, plain):
         check_free(core)
 
 
-def test_a_try_is_costed_by_a_whole_call_not_the_one_cut_before_it(engines, plain, monkeypatch):
+def test_a_try_is_costed_by_a_whole_call_not_the_one_cut_before_it(engines, plain, monkeypatch, caplog):
     """A policy trying 2x4 (explored) for two calls after every two 3x8 ones: the call before each try is cut to
     one round and ends its step, so the try's calls run the two rounds of a fresh step; every tree cost the
     policy is told comes from a call of two rounds (a cut call's one round would carry a whole call's host
-    work)."""
+    work). --log-level DEBUG logs each cost sample told."""
     v, d = engines
     policy = Cycle([TREE, TREE, Shape(2, 4), Shape(2, 4)])
     tries = policy.choose
@@ -221,11 +217,12 @@ def test_a_try_is_costed_by_a_whole_call_not_the_one_cut_before_it(engines, plai
     core = EngineCore(v, d, policy, cfg)
     told = []
     observe = core._observe
-    monkeypatch.setattr(
-        core, "_observe", lambda *a, **k: told.append((a[2], a[4], k.get("rounds", 1))) or observe(*a, **k)
-    )
+    monkeypatch.setattr(core, "_observe", lambda *a, **k: told.append((a[2], a[4], a[7])) or observe(*a, **k))
+    caplog.set_level(logging.DEBUG, logger="common.engine.core")
     got = run(core, {0: [req(0, 16), req(1, 16)]})
     assert [got[f"s{i}"][0] for i in range(2)] == [plain[0][:16], plain[1][:16]]
+    samples = [r.getMessage() for r in caplog.records if r.getMessage().startswith("cost sample")]
+    assert len(samples) == len(policy.seconds) > 0 and "2 rounds of" in samples[-1], samples
     reported = [(shape, rounds) for shape, steady, rounds in told if steady and not shape.plain]
     assert any(rounds == 1 for shape, steady, rounds in told if not shape.plain), told  # cut calls ran
     assert reported and all(rounds == 2 for _, rounds in reported), told
@@ -352,59 +349,6 @@ def test_a_request_arriving_mid_call_is_prefilled_beside_it_and_waits_for_room(e
     assert launched[:2] == [(["s0"], False), (["s1"], True)], launched  # s1 beside s0's first call
     assert (["s2"], True) not in launched and (["s2"], False) in launched, launched
     assert max(rows) == 1, rows
-    check_free(core)
-
-
-def test_each_calls_arrivals_prefill_is_told_to_the_policy_after_it(engines, plain, monkeypatch, caplog):
-    """Every prefill launch makes the clock jump 1 s, every read of one 0.5 s (the wait for the device), a step's
-    prefill (a launch and its read) 2 s more. Trees: s0 comes after idle time, so its prefill (3.5 s) is charged to
-    no call; s1 arrives while s0's first call goes on and is prefilled beside it (1 s, read at the step's end: 0.5):
-    that call is told to the policy, at the next call, as 1.5 s of prefill over its own seconds (a few clock reads).
-    Plain: s1 arrives after s0's second plain call, and its prefill (3.5 s) is charged to that call of one sequence,
-    not to the call of two after it; s2, after 40 ms of idle time (within the 50 ms in
-    which two calls count as back to back), to none. No cost sample holds a jump; --log-level DEBUG logs each one."""
-    v, d = engines
-    prefill, launch, read = v.prefill_batch, v.prefill_launch, v.prefill_read
-    clock = Ticks()
-
-    def slow(jump, fn):
-        def wrapped(items):
-            clock.t += jump
-            return fn(items)
-
-        return wrapped
-
-    monkeypatch.setattr(v, "prefill_batch", slow(2.0, prefill))
-    monkeypatch.setattr(v, "prefill_launch", slow(1.0, launch))  # prefill_batch's launch too
-    monkeypatch.setattr(v, "prefill_read", slow(0.5, read))  # and its read
-    caplog.set_level(logging.DEBUG, logger="common.engine.core")
-    cfg = CoreConfig(max_sequences=2, rounds_per_step=2, call_rounds=8, prefill_ahead=1, plain_steps=4)
-    charged, told = {}, 0
-    for shape in (TREE, PLAIN):
-        policy = Cycle([shape])
-        core = EngineCore(v, d, policy, cfg, clock=clock)
-        stream, added = [], []
-
-        def publish(outs, core=core, added=added, stream=stream):
-            if not added:  # a tree call: s1 arrives while s0's first call goes on
-                added.append(core.add(req(1)))
-            stream.extend(outs)
-
-        core.publish = publish if shape == TREE else None
-        arrivals = {0: [req(0)]} if shape == TREE else {0: [req(0)], 2: [req(1)]}
-        got = run_stream(core, arrivals, stream)
-        assert got == {"s0": plain[0], "s1": plain[1]}, shape
-        if shape == PLAIN:
-            clock.t += 0.04
-            core.wait(0.001)
-            assert run(core, {0: [req(2)]})["s2"][0] == plain[2]
-        charged[shape] = [(b, kind, round(p, 2)) for b, kind, p, _ in policy.prefill if p > 0.5]
-        assert max(x for *_, x in policy.prefill) < 0.01 and max(policy.seconds) < 0.01, (shape, policy.prefill)
-        told += len(policy.seconds)
-        clock.t += 1.0  # idle time before the next core
-    assert charged == {TREE: [(1, TREE, 1.5)], PLAIN: [(1, PLAIN, 3.5)]}, charged
-    samples = [r.getMessage() for r in caplog.records if r.getMessage().startswith("cost sample")]
-    assert len(samples) == told > 0, samples
     check_free(core)
 
 

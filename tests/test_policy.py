@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 
 from common.policy import PLAIN, AdaptivePolicy, Choice, FixedPolicy, Member, PolicyConfig, Shape, StepCost, band
-from common.policy_stats import Clock, CostModel, SequenceFactor, Share, Window
+from common.policy_stats import Clock, CostModel, SequenceFactor, Window
 
 MS = 1e-3
 CHAIN1, CHAIN4 = Shape(1, 1), Shape(4, 4)
@@ -135,69 +135,6 @@ def test_plain_steps_per_call_amortise_the_plain_overhead() -> None:
     assert p.choose(members(1), 1) == Choice(CHAIN1)
     assert p.rates(members(1), 8)[PLAIN] == pytest.approx(8 / 0.088)
     assert p.choose(members(1), 8) == Choice(PLAIN)
-
-
-def test_the_prefill_each_kind_of_call_brings_about_is_in_its_rate() -> None:
-    """Plain calls of 8 steps at the calibration (80 ms) whose arrivals' prefill took 16 ms (a fifth of their time)
-    and 1x1 rounds of 15 ms in calls of 4 (60 ms) whose arrivals took 2 ms (a thirtieth), alpha .6 (the prior).
-    Without the prefill plain 8 / 80 ms = 100 tok/s and 1x1 1.6 / 15 ms = 106.7, within the 10% margin: a bucket on
-    plain stays there. With it plain 8 / 96 ms = 83.3 and 1x1 1.6 / 15.5 ms = 103.2: 1x1. GetModelInfo's seconds
-    hold the prefill: 12 ms a plain step, 15.5 a 1x1 round."""
-    told, untold = (AdaptivePolicy(PolicyConfig(menu=(CHAIN1,), prior=0.6), table()) for _ in range(2))
-    for p in (told, untold):
-        for _ in range(2):  # each shape's first call at the bucket its warm-up
-            p.observe_round(1, PLAIN, 80 * MS, steps=8)
-            p.observe_round(1, CHAIN1, 15 * MS, rounds=4)
-    told.observe_prefill(1, PLAIN, 16 * MS, 80 * MS)
-    told.observe_prefill(1, CHAIN1, 2 * MS, 60 * MS)
-    assert untold.rates(members(1), 8) == pytest.approx({PLAIN: 100, CHAIN1: 1.6 / 0.015})
-    assert told.rates(members(1), 8) == pytest.approx({PLAIN: 8 / 0.096, CHAIN1: 1.6 / 0.0155})
-    assert (untold.choose(members(1), 8), told.choose(members(1), 8)) == (Choice(PLAIN), Choice(CHAIN1))
-    seconds = {e.shape: e.seconds for e in told.estimates() if e.batch == 1}
-    assert seconds == pytest.approx({PLAIN: 0.012, CHAIN1: 0.0155})
-
-
-def test_the_prefill_counts_once_both_kinds_have_a_share_and_is_borrowed_from_near_buckets() -> None:
-    """Tree calls alone at bucket 1 (a thirtieth of their time in prefill): no share is added anywhere (plain's
-    unknown would price it free of prefill); with plain calls there too (a fifth), bucket 2 borrows both, bucket 4
-    (4 times as many sequences) neither; bucket 16 borrows bucket 32's (a tenth, half) rather than bucket 1's. A
-    kind's calls count once they add up to prefill_least (50 ms). A sampled call's prefill teaches the sampled
-    variant alone. The Share's docstring example, and bad inputs."""
-    costs = CostModel(PolicyConfig(menu=(CHAIN1,)), table())
-    costs.observe_prefill(costs.of(1), CHAIN1, 2 * MS, 60 * MS)
-    assert costs.prefill(costs.of(1)) == costs.prefill(costs.of(2)) == (0.0, 0.0)
-    costs.observe_prefill(costs.of(1), PLAIN, 8 * MS, 40 * MS)
-    assert costs.prefill(costs.of(1)) == (0.0, 0.0)  # plain's 40 ms of calls: too few
-    costs.observe_prefill(costs.of(1), PLAIN, 8 * MS, 40 * MS)
-    assert costs.prefill(costs.of(2)) == pytest.approx((0.2, 1 / 30))
-    assert costs.prefill(costs.of(4)) == (0.0, 0.0)
-    costs.observe_prefill(costs.of(32), PLAIN, 10 * MS, 100 * MS)
-    costs.observe_prefill(costs.of(32), CHAIN1, 50 * MS, 100 * MS)
-    assert costs.prefill(costs.of(16)) == pytest.approx((0.1, 0.5))
-    p = AdaptivePolicy(PolicyConfig(menu=(CHAIN1,), prior=0.6), table())
-    for _ in range(2):
-        p.observe_round(1, PLAIN, 80 * MS, steps=8, sampled=True)
-    for shape in (PLAIN, CHAIN1):
-        p.observe_prefill(1, shape, 20 * MS, 80 * MS, sampled=True)  # a quarter for both
-    assert p.rates(members(1), 8, sampled=True)[PLAIN] == pytest.approx(8 / 0.1)
-    assert p.rates(members(1), 8)[PLAIN] == pytest.approx(100)  # greedy: untouched
-    share = Share(2, 10, 15 * MS)
-    share.add(0, 3 * MS, 10 * MS)
-    assert share.value is None
-    share.add(1, 0.0, 10 * MS)
-    assert share.value == pytest.approx(0.15)
-    share.add(2, 2 * MS, 40 * MS)
-    assert share.value == pytest.approx(0.04)
-    share.add(20, 5 * MS, 20 * MS)
-    assert share.value == pytest.approx(0.25)
-    with pytest.raises(ValueError, match="prefill"):
-        share.add(21, -1.0, 1.0)
-    for bad in ((0, 1.0, 1.0), (1, -1.0, 1.0), (1, 1.0, 0.0), (1, 1.0, float("inf"))):
-        with pytest.raises(ValueError, match="prefill"):
-            p.observe_prefill(bad[0], PLAIN, bad[1], bad[2])
-    for cfg in ({"prefill_window": 0}, {"prefill_least": -1.0}):
-        with pytest.raises(ValueError, match="prefill"):
-            PolicyConfig(**cfg)
 
 
 def test_batch_64_history_is_not_charged_to_batch_1() -> None:

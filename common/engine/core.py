@@ -37,8 +37,7 @@ verify, and its trees are drafted behind it from then on; a prompt alone is prop
 caught up from features recomputed over its whole context in the verifier's spare slot.
 
 The policy (common/policy.py) sees the cost of each call that ran every round it asked for, with its joiners'
-first proposes, without the step's prefill, which it is told apart (the prefill each call's arrivals brought about,
-beside it or by the next step); a call cut short (before a try, or the last of a tree stretch: no
+first proposes, without the step's prefill; a call cut short (before a try, or the last of a tree stretch: no
 trees chained behind it) teaches it nothing, its host work shared by fewer rounds than any steady call's, nor
 does the catch-up after a plain stretch (every row joining: its first round overlaps nothing). A drafter that
 cannot draft behind a verify (a draft service in another process) makes every call one round: those are whole.
@@ -66,7 +65,7 @@ from common.engine.base import (
     finish,
 )
 from common.engine.core_drafts import DraftSupply
-from common.engine.core_parts import Charge, CoreConfig, Draft, Snapshot
+from common.engine.core_parts import CoreConfig, Draft, Snapshot
 from common.policy import PLAIN, Choice, Member, Shape
 from common.sequence import Finish, Request, SeqOutput, Sequence, Status, output
 from common.tree import NO_TREE
@@ -98,9 +97,6 @@ class EngineCore(DraftSupply):
         self._launch: tuple[object, dict[str, int]] | None = None  # the chained drafting and its rows by seq id
         self._next: Choice | None = None  # the policy's for the next round, decided at the launch
         self._last_end: float | None = None  # when the last round ended (a steady round's cost runs from there)
-        self._charge: Charge | None = None  # the last call, charged with the prefill after it at the next call
-        self._step_prefill = 0.0  # prefill seconds since the last call, not yet charged
-        self._calls = 0  # calls timed (_observe) since start: a step that times none breaks the chain of calls
         self._inbox: collections.deque = collections.deque()  # ("add", Request) | ("abort", seq_id), any thread
         self._wake = threading.Event()
         self._snapshot = Snapshot(0, 0, False, {}, [])
@@ -127,7 +123,7 @@ class EngineCore(DraftSupply):
             t0 = self.clock()
             self._wake.wait(timeout)
             self.times["idle"] += self.clock() - t0
-            self._unchain()  # the next call's cost does not run from before the idle time
+            self._last_end = None  # the next call's cost does not run from before the idle time
         self._wake.clear()
 
     def drafter_down(self) -> None:
@@ -178,13 +174,10 @@ class EngineCore(DraftSupply):
     # ---- one step (the engine thread) ----
     def step(self) -> list[SeqOutput]:
         t0 = self.clock()
-        calls = self._calls
         news: dict[str, list[int]] = {}  # seq id -> tokens committed this step
         self._take_inbox()
         self._admit(self.cfg.max_sequences)
-        p0 = self.clock()
         self._prefill(news)
-        self._step_prefill += self.clock() - p0  # a step without a call leaves it to the next
         self._recover()
         running = self._batch()
         t1 = self.clock()
@@ -202,12 +195,6 @@ class EngineCore(DraftSupply):
             running = [s for s in running if s.status is Status.RUNNING]
         t2 = self.clock()
         self._read_ahead(news)
-        read_s = self.clock() - t2
-        if self._calls == calls:  # no call timed (none ran, or it failed): the next one's chain starts anew
-            self._unchain()
-        elif self._last_end is not None:  # waiting for the prefill beside the call: its arrivals', not the next call's
-            self._step_prefill += read_s
-            self._last_end += read_s
         outs = self._retire(news)
         t3 = self.clock()
         self.times["retire"] += t3 - t2
@@ -371,8 +358,8 @@ class EngineCore(DraftSupply):
 
     def _round(self, running: list[Sequence], news: dict[str, list[int]], setup_s: float, rounds: int) -> int:
         """Up to `rounds` rounds for every running sequence in one verifier call (the module docstring); setup_s:
-        this step's work before it, which the policy's cost sample leaves out (its prefill told apart).
-        Returns the rounds run (0: plain steps, or a failed verify)."""
+        this step's work before it, which the policy's cost sample leaves out. Returns the rounds run (0: plain
+        steps, or a failed verify)."""
         t0 = self.clock()
         shape = (self._next or self._choose(running)).shape
         self._next = None
@@ -497,10 +484,8 @@ class EngineCore(DraftSupply):
         # from plain is costed by its next call. A call of new prompts alone (one request at a time) is, less
         # their proposes: it is the request's longest call
         steady = whole and pure and not catch_up
-        alone_s = joining_s if joiners_alone else 0.0  # new prompts' proposes in a call of their own
-        self._observe(
-            t0, len(order), drafted, 1, steady, setup_s, sampled, rounds=done, joining_s=alone_s, beside_s=aside[0]
-        )
+        outside = (joining_s if joiners_alone else 0.0) + aside[0]  # new prompts' proposes, a prefill beside the call
+        self._observe(t0, len(order), drafted, 1, steady, setup_s, sampled, done, outside)
         return done
 
     def _plain(self, seqs: list[Sequence], news: dict[str, list[int]], t0: float, setup_s: float) -> None:
@@ -554,41 +539,20 @@ class EngineCore(DraftSupply):
         steady: bool,
         setup_s: float,
         sampled: bool,
-        *,
         rounds: int = 1,
         joining_s: float = 0.0,
-        beside_s: float = 0.0,
     ) -> None:
         """A round's cost for the policy, when the call is steady (not cut short, no catch-up): from the end of
         the call before (the host work between calls is this one's too) less the step's setup (admission, prefill:
         setup_s, before t0) when both ran back to back (at most 50 ms besides the setup between them), or from its
         own start when it is the first after idle time (one request at a time: a request's call that goes on to
-        its end is its first), less joining_s (new prompts' proposes in a call of their own) and beside_s (a prefill
-        launched beside its rounds), shared by the call's rounds. Every call, steady or not, then brings about
-        the prefill of the prompts that arrive while it runs: beside_s, the wait for that prefill at the step's end
-        and the step's prefill before the next call, told to the policy with the next call when the two run back to
-        back (none across idle time, a gap over 50 ms, a failed call or a step without one; policy_stats.Share)."""
+        its end is its first), less joining_s (new prompts' proposes in a call of their own), shared by the
+        call's rounds."""
         end = self.clock()
         last, self._last_end = self._last_end, end
-        self._calls += 1
-        back_to_back = last is not None and t0 - last < 0.05 + setup_s
-        wall = max(end - (last + setup_s if back_to_back else t0), 1e-6)
-        call_s = max(wall - joining_s - beside_s, 1e-6)
-        after, self._step_prefill = self._step_prefill, 0.0  # the prefill after the last call, before this one
-        c = self._charge
-        if c is not None and back_to_back:
-            log.debug(
-                "prefill: %s, %d sequences, %.3f ms over its %.3f ms",
-                c.shape,
-                c.batch,
-                (c.beside + after) * 1e3,
-                c.seconds * 1e3,
-            )
-            self.policy.observe_prefill(c.batch, c.shape, c.beside + after, c.seconds, c.sampled)
-        self._charge = Charge(batch, shape, sampled, beside_s, max(wall - beside_s, 1e-6))  # its time, prefill aside
-        if not steady or (last is not None and not back_to_back):
+        if not steady or (last is not None and t0 - last >= 0.05 + setup_s):
             return
-        seconds = call_s / rounds
+        seconds = max((end - t0 if last is None else end - last - setup_s) - joining_s, 1e-6) / rounds
         log.debug(  # the policy's inputs, for an operator asking why (--log-level DEBUG)
             "cost sample: %s, %d sequences%s, %d rounds of %.3f ms, %d steps",
             shape,
@@ -599,11 +563,6 @@ class EngineCore(DraftSupply):
             steps,
         )
         self.policy.observe_round(batch, shape, seconds, steps, sampled, rounds)
-
-    def _unchain(self) -> None:
-        """Idle time, a failed call or a step without one: the next call is timed from its own start, and the
-        prefill before it is charged to no call."""
-        self._last_end, self._charge, self._step_prefill = None, None, 0.0
 
     # ---- failures ----
     @staticmethod

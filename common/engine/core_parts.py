@@ -70,15 +70,3 @@ class Snapshot:
     estimates: list  # the policy's (common.policy.Estimate)
     times: dict[str, float] = field(default_factory=dict)  # EngineCore.times: seconds by phase since start
     calls: dict[str, int] = field(default_factory=dict)  # EngineCore.calls: rounds and plain_calls since start
-
-
-@dataclass(frozen=True)
-class Charge:
-    """A call the policy is yet to be told the prefill of: what its arrivals cost, beside its rounds (beside) and
-    after it, before the next call (common.policy.AdaptivePolicy.observe_prefill)."""
-
-    batch: int
-    shape: Shape
-    sampled: bool  # a row of it samples (the policy's sampled variant)
-    beside: float  # seconds of prefill launched beside its rounds
-    seconds: float  # its own time: from the call before it (less the step's setup) to its end, less `beside`

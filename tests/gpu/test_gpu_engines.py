@@ -105,16 +105,16 @@ def f32(ckpt):
 
 def test_capture_succeeds(f32) -> None:
     verifier, drafter, _ = f32
-    for eng in (verifier, drafter):
-        rep = eng.graphs.report
-        assert rep.failed == [], rep.failed
+    for graphs in (verifier.graphs, verifier.prefill_graphs, drafter.graphs):
+        assert graphs.report.failed == [], graphs.report.failed
     # every bucket has its graph: verify (deep and shallow trees, and sampled) per batch x tree bucket,
-    # decode per batch bucket and Sampler, prefill per rows x tokens bucket; the drafter's proposal per batch
-    # bucket x new-token count 1..steps + 1, and its expansion
+    # decode per batch bucket and Sampler; prefill (a pool and stream of its own) per rows x tokens bucket; the
+    # drafter's proposal per batch bucket x new-token count 1..steps + 1, and its expansion
     prefill = len(verifier.prefill_batch_buckets) * len(verifier.prefill_buckets)  # rows x tokens buckets
+    assert len(verifier.prefill_graphs.report.captured) == prefill
     # verify: greedy deep and shallow, sampled (temperature only; top-k or top-p) shallow; decode: 3 samplers
     per_batch = 4 * len(verifier.tree_buckets) + 3
-    assert len(verifier.graphs.report.captured) == len(verifier.batch_buckets) * per_batch + prefill
+    assert len(verifier.graphs.report.captured) == len(verifier.batch_buckets) * per_batch
     # (top-k variants at every depth bucket, the q rule's sampled variant at the drafter's depth)
     per_depth = drafter.max_new + 1  # a propose graph per count of new tokens, and the expansion
     variants = len(drafter.depth_buckets) + 1
@@ -128,7 +128,8 @@ def test_capture_succeeds_bf16(ckpt) -> None:
     drafter = Eagle3Drafter(
         _head(ckpt, torch.bfloat16), verifier.model.embed_tokens, DRAFTING, 4, 512, DEV, graphs=True, graph_cfg=GRAPHS
     )
-    assert verifier.graphs.report.failed == [] and drafter.graphs.report.failed == []
+    for graphs in (verifier.graphs, verifier.prefill_graphs, drafter.graphs):
+        assert graphs.report.failed == [], graphs.report.failed
 
 
 def test_outputs_equal_eager(ckpt, f32, prompts, monkeypatch) -> None:
