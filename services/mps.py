@@ -88,16 +88,19 @@ class Mps:
 
     def answering(self, within: float) -> bool:
         deadline = time.monotonic() + within
-        while not self.answers(self.exe, {**self.environ, **self.env}):
+        while self._control("get_server_list") is None:
             if time.monotonic() > deadline:
                 return False
             time.sleep(0.2)
         return True
 
+    def _control(self, command: str, timeout: float = 5.0) -> str | None:
+        """control() at this daemon's pipe directory."""
+        return control(self.exe, {**self.environ, **self.env}, command, timeout)
+
     def _ask(self, command: str) -> list[int]:
         """The pids a control command prints ([] when the daemon does not answer)."""
-        out = control(self.exe, {**self.environ, **self.env}, command)
-        return [int(x) for x in (out or "").split() if x.isdigit()]
+        return [int(x) for x in (self._control(command) or "").split() if x.isdigit()]
 
     def clients(self) -> set[int]:
         """The pids of the processes connected through the daemon (each server's clients): a GPU process of the
@@ -108,5 +111,5 @@ class Mps:
         """Quit the daemon this stack started (its servers exit once their clients have)."""
         if not self.started:
             return
-        if control(self.exe, {**self.environ, **self.env}, "quit", timeout=10) is not None:
+        if self._control("quit", timeout=10) is not None:
             log.info("CUDA MPS: control daemon stopped")

@@ -306,8 +306,8 @@ def main() -> None:
         log.info("starting the draft%s, verifier and gateway ...", " (in the verifier's process)" if colocate else "")
         stack.start()
         if mps is not None:
-            gpu = {n: p for n, p in stack.pids().items() if n != "gateway"}
-            missing = sorted(n for n, pid in gpu.items() if pid not in mps.clients())
+            gpu, clients = {n: p for n, p in stack.pids().items() if n != "gateway"}, mps.clients()
+            missing = sorted(n for n, pid in gpu.items() if pid not in clients)
             if missing:
                 log.warning("CUDA MPS: %s did not connect through the daemon: it takes turns at the GPU", missing)
             else:
