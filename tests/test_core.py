@@ -230,6 +230,26 @@ def test_a_try_is_costed_by_a_whole_call_not_the_one_cut_before_it(engines, plai
     check_free(core)
 
 
+def test_each_switch_between_plain_and_trees_is_logged_with_the_rates(engines, plain, monkeypatch, caplog):
+    """--log-level DEBUG: a choice that switches a batch between plain and trees is logged with the policy's rates
+    (a policy without rates: '-'), every switch once and nothing else."""
+    v, d = engines
+    policy = Cycle([PLAIN, TREE])
+    made = []
+    cycle = policy.choose
+    monkeypatch.setattr(policy, "choose", lambda *a, **k: made.append(c := cycle(*a, **k)) or c)
+    monkeypatch.setattr(policy, "rates", lambda *a: {PLAIN: 100.0, TREE: 1234.4}, raising=False)
+    core = EngineCore(v, d, policy, CoreConfig(max_sequences=2, plain_steps=2, rounds_per_step=2))
+    caplog.set_level(logging.DEBUG, logger="common.engine.core")
+    got = run(core, {0: [req(0, 16), req(1, 16)]})
+    assert [got[f"s{i}"][0] for i in range(2)] == [plain[0][:16], plain[1][:16]]
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("choice:")]
+    kinds = [c.shape.plain for c in made]
+    switches = [c.shape for k, c, last in zip(kinds, made, [True, *kinds]) if k != last]
+    assert len(switches) >= 2 and [line.split()[1] for line in lines] == [str(s) for s in switches], (lines, made)
+    assert lines[0] == f"choice: {TREE} at 2 sequences; tok/s plain 100, {TREE} 1,234", lines
+
+
 def test_a_lone_batch_goes_on_in_one_call_its_tokens_going_out_as_it_goes(engines, plain, monkeypatch):
     """Two rounds a step, calls of up to 8: a request alone runs on past its call's two rounds, the verifier
     launching one round behind the last as the core reads each (AHEAD launched beyond the one read), its tokens

@@ -107,6 +107,7 @@ class EngineCore(DraftSupply):
         # a prefill launched beside a call (cfg.prefill_ahead) and its (sequence, tokens); read at the step's end
         self._ahead: tuple[list[tuple[Sequence, int]], object] | None = None
         self._out: set[str] = set()  # finished sequences whose last output a call published (released at the step end)
+        self._plain_last: dict[bool, bool] = {}  # sampled (a round variant) -> whether its last choice was plain
 
     # ---- the service's side (any thread) ----
     def add(self, req: Request) -> None:
@@ -354,7 +355,22 @@ class EngineCore(DraftSupply):
         if not members:
             return Choice(PLAIN)
         sampled = any(s.band != "greedy" for s in running)
-        return self.policy.choose(members, self.cfg.plain_steps, batch=len(running), sampled=sampled)
+        choice = self.policy.choose(members, self.cfg.plain_steps, batch=len(running), sampled=sampled)
+        if choice.shape.plain != self._plain_last.get(sampled, True) and log.isEnabledFor(logging.DEBUG):
+            # a switch between plain and trees, with the rates the policy compared (--log-level DEBUG): why a
+            # batch leaves trees or takes them
+            rates = getattr(self.policy, "rates", None)
+            seen = rates(members, self.cfg.plain_steps, len(running), sampled) if rates is not None else {}
+            log.debug(
+                "choice: %s at %d sequences%s%s; tok/s %s",
+                choice.shape,
+                len(running),
+                " (sampling)" if sampled else "",
+                ", a try" if choice.explored else "",
+                ", ".join(f"{shape} {rate:,.0f}" for shape, rate in seen.items()) or "-",
+            )
+        self._plain_last[sampled] = choice.shape.plain
+        return choice
 
     def _round(self, running: list[Sequence], news: dict[str, list[int]], setup_s: float, rounds: int) -> int:
         """Up to `rounds` rounds for every running sequence in one verifier call (the module docstring); setup_s:
