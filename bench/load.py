@@ -27,8 +27,8 @@ Figures: requests/s = OK requests / ghz's total time; p50 / p99 latency of the O
 the mean completion tokens of the requests the run sent (from that count: greedy output does not depend on the
 load, up to bf16 near-ties); and each kind's requests/s over plain's in the same phase (the sampled kinds over
 plain-0.7's), the figure of merit. GetModelInfo is saved whole after every phase (the policy's choices so far),
-and its engine_time and engine_calls read after every run: where the verifier's engine thread spent that run (a
-table of its own).
+and its engine_time and engine_calls read after every run: where the verifier's engine thread spent that run and
+how often the policy switched a batch between plain and trees (a table of its own).
 Writes OUT/load.json, OUT/load.md (also printed), OUT/commands.txt (every ghz command line as run), OUT/data/
 (the data files) and, with a stack of its own, OUT/stack.log.
 """
@@ -182,7 +182,7 @@ class Row:
     failure: str | None = None  # why ghz gave no report
     error_kinds: dict | None = None  # ghz's errorDistribution
     engine: dict | None = None  # the verifier's engine_time over the run (engine_spent), seconds by phase
-    calls: dict | None = None  # and its engine_calls (rounds, plain_calls)
+    calls: dict | None = None  # and its engine_calls (rounds, plain_calls, switches)
 
 
 def row_from_report(run: Run, report: dict) -> Row:
@@ -222,15 +222,16 @@ def engine_spent(before: dict, after: dict) -> dict[str, float]:
 
 def engine_line(r: Row) -> str | None:
     """A run's row of the engine table: busy seconds, each phase's share of them, ms a speculative round and a
-    plain call. {idle 1, setup 1, verify 2, commit 1}, {rounds 10} -> busy 4.0 s (idle left out), setup 25%,
-    verify 50%, commit 25%, 3 s / 10 = 300 ms a round."""
+    plain call, the policy's switches between plain and trees. {idle 1, setup 1, verify 2, commit 1}, {rounds 10,
+    switches 2} -> busy 4.0 s (idle left out), setup 25%, verify 50%, commit 25%, 3 s / 10 = 300 ms a round, 2."""
     e = r.engine
     if not e:
         return None
     busy = sum(v for k, v in e.items() if k != "idle")
     if busy <= 0:
         return None
-    rounds, calls = (r.calls or {}).get("rounds", 0), (r.calls or {}).get("plain_calls", 0)
+    got = r.calls or {}
+    rounds, calls, switches = got.get("rounds", 0), got.get("plain_calls", 0), got.get("switches", 0)
 
     def share(*keys: str) -> str:
         return f"{100 * sum(e.get(k, 0.0) for k in keys) / busy:.0f}%"
@@ -240,7 +241,8 @@ def engine_line(r: Row) -> str | None:
     return (
         f"| {r.phase} | {r.concurrency} | {r.kind} | {busy:.2f} | {share('setup')} "
         f"| {share('choose', 'trees')} | {share('joining')} | {share('verify')} | {share('commit')} "
-        f"| {share(*PLAIN_PHASES)} | {share('retire')} | {rounds:.0f} | {per_round} | {calls:.0f} | {per_call} |"
+        f"| {share(*PLAIN_PHASES)} | {share('retire')} | {rounds:.0f} | {per_round} | {calls:.0f} | {per_call} "
+        f"| {switches:.0f} |"
     )
 
 
@@ -292,11 +294,12 @@ def markdown(rows: list[Row], counted: dict[str, dict], meta: dict) -> str:
             "seconds (idle left out), each phase's share of them (trees: the policy's choice and reading or",
             "proposing the trees; joining: prompts' and catch-ups' proposes; verify: the device's rounds, less the",
             "commits they hid; plain: plain calls and their commits), then the speculative rounds and ms a round (its",
-            "call's choose, trees, joining, verify and commit shared by its rounds), the plain calls and ms a call.",
+            "call's choose, trees, joining, verify and commit shared by its rounds), the plain calls and ms a call,",
+            "and the policy's switches of a batch between plain decoding and trees (tries included).",
             "",
             "| phase | c | kind | busy s | setup | trees | joining | verify | commit | plain | retire "
-            "| rounds | ms a round | plain calls | ms a call |",
-            "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| rounds | ms a round | plain calls | ms a call | switches |",
+            "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
             *engine,
         ]
     failures = [r for r in rows if r.failure or r.error_kinds]

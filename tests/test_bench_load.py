@@ -138,15 +138,16 @@ def test_a_run_without_a_report_is_a_row_of_errors():
 
 def test_the_engine_table_from_two_reads_of_engine_time():
     """engine_time before {idle 5, verify 1}, after {idle 6, setup 1, verify 3, commit 1, plain 0}; engine_calls
-    {rounds 10} -> {rounds 20}: the run spent idle 1, setup 1, verify 2, commit 1 (busy 4 s, idle left out: 25% /
-    50% / 25%) in 10 rounds, (2 + 1) s / 10 = 300 ms a round; no plain call."""
+    {rounds 10, switches 3} -> {rounds 20, switches 5}: the run spent idle 1, setup 1, verify 2, commit 1 (busy 4 s,
+    idle left out: 25% / 50% / 25%) in 10 rounds, (2 + 1) s / 10 = 300 ms a round; no plain call; 2 switches."""
     spent = engine_spent(
         {"idle": 5.0, "verify": 1.0}, {"idle": 6.0, "setup": 1.0, "verify": 3.0, "commit": 1.0, "plain": 0.0}
     )
     assert spent == {"idle": 1.0, "setup": 1.0, "verify": 2.0, "commit": 1.0}
     r = failed_row(Run(3, 64, "default", 256), "x")
-    r.engine, r.calls = spent, engine_spent({"rounds": 10}, {"rounds": 20})
-    assert engine_line(r) == "| 3 | 64 | default | 4.00 | 25% | 0% | 0% | 50% | 25% | 0% | 0% | 10 | 300.00 | 0 | - |"
+    r.engine, r.calls = spent, engine_spent({"rounds": 10, "switches": 3}, {"rounds": 20, "switches": 5})
+    line = "| 3 | 64 | default | 4.00 | 25% | 0% | 0% | 50% | 25% | 0% | 0% | 10 | 300.00 | 0 | - | 2 |"
+    assert engine_line(r) == line
     md = markdown([r], {}, {"title": "t", "command": "c", "stack": "s", "ghz_version": "v"})
     assert engine_line(r) in md
     r.engine = {"idle": 2.0}  # an idle run: no line

@@ -230,9 +230,9 @@ def test_a_try_is_costed_by_a_whole_call_not_the_one_cut_before_it(engines, plai
     check_free(core)
 
 
-def test_each_switch_between_plain_and_trees_is_logged_with_the_rates(engines, plain, monkeypatch, caplog):
-    """--log-level DEBUG: a choice that switches a batch between plain and trees is logged with the policy's rates
-    (a policy without rates: '-'), every switch once and nothing else."""
+def test_each_switch_between_plain_and_trees_is_counted_and_logged_with_the_rates(engines, plain, monkeypatch, caplog):
+    """A choice that switches a batch between plain and trees is counted (calls' switches: GetModelInfo's
+    engine_calls) and, at --log-level DEBUG, logged with the policy's rates: every switch once and nothing else."""
     v, d = engines
     policy = Cycle([PLAIN, TREE])
     made = []
@@ -248,6 +248,7 @@ def test_each_switch_between_plain_and_trees_is_logged_with_the_rates(engines, p
     switches = [c.shape for k, c, last in zip(kinds, made, [True, *kinds]) if k != last]
     assert len(switches) >= 2 and [line.split()[1] for line in lines] == [str(s) for s in switches], (lines, made)
     assert lines[0] == f"choice: {TREE} at 2 sequences; tok/s plain 100, {TREE} 1,234", lines
+    assert core.calls["switches"] == len(switches), core.calls
 
 
 def test_a_lone_batch_goes_on_in_one_call_its_tokens_going_out_as_it_goes(engines, plain, monkeypatch):

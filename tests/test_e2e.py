@@ -112,6 +112,7 @@ def test_the_policy_on_keeps_greedy_output(stack, heldout):
     assert 1 in buckets or 2 in buckets or 4 in buckets, info.policy_estimates
     spent, calls = dict(info.engine_time), dict(info.engine_calls)
     assert calls["rounds"] >= 1 and calls["plain_calls"] >= 1 and spent["verify"] > 0 and spent["plain"] > 0, spent
+    assert calls["switches"] >= 1, calls  # the policy moved the batch from plain to a tree at least once
 
 
 def test_chunked_prefill_and_the_draft_in_the_verifiers_process_equal_plain_greedy(heldout):

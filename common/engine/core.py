@@ -88,8 +88,9 @@ class EngineCore(DraftSupply):
         self.drafts: dict[str, Draft] = {}  # speculative sequences: what their drafter has not seen
         self.choices: collections.Counter[Shape] = collections.Counter()
         # where the engine thread's time goes (seconds by phase: core_parts.ROUND_PHASES, PLAIN_PHASES, idle, setup,
-        # retire) and its calls counted (rounds: speculative rounds; plain_calls): bench.engine_bench reports them
-        # per round, Info and bench.load per run; a few clock reads a step
+        # retire) and its calls counted (rounds: speculative rounds; plain_calls; switches: the policy's choices that
+        # moved a batch between plain and trees): bench.engine_bench reports them per round, Info and bench.load per
+        # run; a few clock reads a step
         self.times: collections.Counter[str] = collections.Counter()
         self.calls: collections.Counter[str] = collections.Counter()
         self.degraded = False  # the drafter failed: every sequence plain until it answers again
@@ -356,21 +357,28 @@ class EngineCore(DraftSupply):
             return Choice(PLAIN)
         sampled = any(s.band != "greedy" for s in running)
         choice = self.policy.choose(members, self.cfg.plain_steps, batch=len(running), sampled=sampled)
-        if choice.shape.plain != self._plain_last.get(sampled, True) and log.isEnabledFor(logging.DEBUG):
-            # a switch between plain and trees, with the rates the policy compared (--log-level DEBUG): why a
-            # batch leaves trees or takes them
+        if choice.shape.plain != self._plain_last.get(sampled, True):
+            self._switched(choice, members, len(running), sampled)
+        self._plain_last[sampled] = choice.shape.plain
+        return choice
+
+    def _switched(self, choice: Choice, members: list[Member], batch: int, sampled: bool) -> None:
+        """A choice that moves a batch between plain decoding and trees (tries included; the first tree choice
+        of a round variant counts, the core starting on plain): counted (engine_calls' switches: each switch to
+        trees costs a catch-up of every row, so a batch that goes back and forth loses to both kinds), and logged
+        at --log-level DEBUG with the rates the policy compared: why a batch leaves trees or takes them."""
+        self.calls["switches"] += 1
+        if log.isEnabledFor(logging.DEBUG):
             rates = getattr(self.policy, "rates", None)
-            seen = rates(members, self.cfg.plain_steps, len(running), sampled) if rates is not None else {}
+            seen = rates(members, self.cfg.plain_steps, batch, sampled) if rates is not None else {}
             log.debug(
                 "choice: %s at %d sequences%s%s; tok/s %s",
                 choice.shape,
-                len(running),
+                batch,
                 " (sampling)" if sampled else "",
                 ", a try" if choice.explored else "",
                 ", ".join(f"{shape} {rate:,.0f}" for shape, rate in seen.items()) or "-",
             )
-        self._plain_last[sampled] = choice.shape.plain
-        return choice
 
     def _round(self, running: list[Sequence], news: dict[str, list[int]], setup_s: float, rounds: int) -> int:
         """Up to `rounds` rounds for every running sequence in one verifier call (the module docstring); setup_s:

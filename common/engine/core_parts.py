@@ -69,4 +69,4 @@ class Snapshot:
     choices: dict[Shape, int]  # rounds per shape since start (PLAIN: plain steps)
     estimates: list  # the policy's (common.policy.Estimate)
     times: dict[str, float] = field(default_factory=dict)  # EngineCore.times: seconds by phase since start
-    calls: dict[str, int] = field(default_factory=dict)  # EngineCore.calls: rounds and plain_calls since start
+    calls: dict[str, int] = field(default_factory=dict)  # EngineCore.calls: rounds, plain_calls, switches since start

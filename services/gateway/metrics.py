@@ -77,7 +77,8 @@ class Metrics:
         )
         self.engine_calls = Gauge(
             "specdec_engine_calls",
-            "The verifier's speculative rounds ('rounds') and plain decoding calls ('plain_calls') since it started "
+            "The verifier's speculative rounds ('rounds'), plain decoding calls ('plain_calls') and the policy's "
+            "switches of a batch between plain decoding and trees ('switches') since it started "
             "(GetModelInfo.engine_calls)",
             ["kind"],
             registry=r,
