@@ -488,6 +488,9 @@ class Policy(Protocol):
     def choose(
         self, members: Sequence[Member], plain_steps: int, batch: int | None = None, sampled: bool = False
     ) -> Choice: ...
+    def rates(
+        self, members: Sequence[Member], plain_steps: int, batch: int | None = None, sampled: bool = False
+    ) -> dict[Shape, float]: ...
     def observe_round(
         self, batch: int, shape: Shape, seconds: float, steps: int = 1, sampled: bool = False, rounds: int = 1
     ) -> None: ...

@@ -68,6 +68,9 @@ class Cycle:
     def choose(self, members, plain_steps, batch=None, sampled=False):
         return Choice(next(self.shapes))
 
+    def rates(self, members, plain_steps, batch=None, sampled=False):
+        return {}
+
     def observe_round(self, batch, shape, seconds, steps=1, sampled=False, rounds=1):
         self.rounds.append((batch, shape, steps))
         self.seconds.append(seconds)
@@ -238,7 +241,7 @@ def test_each_switch_between_plain_and_trees_is_counted_and_logged_with_the_rate
     made = []
     cycle = policy.choose
     monkeypatch.setattr(policy, "choose", lambda *a, **k: made.append(c := cycle(*a, **k)) or c)
-    monkeypatch.setattr(policy, "rates", lambda *a: {PLAIN: 100.0, TREE: 1234.4}, raising=False)
+    monkeypatch.setattr(policy, "rates", lambda *a: {PLAIN: 100.0, TREE: 1234.4})
     core = EngineCore(v, d, policy, CoreConfig(max_sequences=2, plain_steps=2, rounds_per_step=2))
     caplog.set_level(logging.DEBUG, logger="common.engine.core")
     got = run(core, {0: [req(0, 16), req(1, 16)]})
@@ -249,6 +252,18 @@ def test_each_switch_between_plain_and_trees_is_counted_and_logged_with_the_rate
     assert len(switches) >= 2 and [line.split()[1] for line in lines] == [str(s) for s in switches], (lines, made)
     assert lines[0] == f"choice: {TREE} at 2 sequences; tok/s plain 100, {TREE} 1,234", lines
     assert core.calls["switches"] == len(switches), core.calls
+
+
+def test_a_sampled_row_joining_a_batch_on_trees_is_no_switch(engines):
+    """Trees every round: a greedy request, then a sampled one joining its batch (the round variant changes, the
+    batch stays on trees): one switch, the first tree choice."""
+    v, d = engines
+    core = EngineCore(v, d, Cycle([TREE]), CoreConfig(max_sequences=2, plain_steps=2, rounds_per_step=2))
+    hot = Request("s1", PROMPTS[1], SamplingConfig(temperature=0.7, seed=5), max_new=8)
+    got = run(core, {0: [req(0, 16)], 2: [hot]})
+    assert set(got) == {"s0", "s1"} and core.calls["rounds"] > 0
+    assert core.calls["switches"] == 1, core.calls
+    check_free(core)
 
 
 def test_a_lone_batch_goes_on_in_one_call_its_tokens_going_out_as_it_goes(engines, plain, monkeypatch):

@@ -108,7 +108,7 @@ class EngineCore(DraftSupply):
         # a prefill launched beside a call (cfg.prefill_ahead) and its (sequence, tokens); read at the step's end
         self._ahead: tuple[list[tuple[Sequence, int]], object] | None = None
         self._out: set[str] = set()  # finished sequences whose last output a call published (released at the step end)
-        self._plain_last: dict[bool, bool] = {}  # sampled (a round variant) -> whether its last choice was plain
+        self._on_trees = False  # the policy's last choice was a tree (the core starts on plain)
 
     # ---- the service's side (any thread) ----
     def add(self, req: Request) -> None:
@@ -357,20 +357,19 @@ class EngineCore(DraftSupply):
             return Choice(PLAIN)
         sampled = any(s.band != "greedy" for s in running)
         choice = self.policy.choose(members, self.cfg.plain_steps, batch=len(running), sampled=sampled)
-        if choice.shape.plain != self._plain_last.get(sampled, True):
+        if choice.shape.plain == self._on_trees:
+            self._on_trees = not choice.shape.plain
             self._switched(choice, members, len(running), sampled)
-        self._plain_last[sampled] = choice.shape.plain
         return choice
 
     def _switched(self, choice: Choice, members: list[Member], batch: int, sampled: bool) -> None:
-        """A choice that moves a batch between plain decoding and trees (tries included; the first tree choice
-        of a round variant counts, the core starting on plain): counted (engine_calls' switches: each switch to
-        trees costs a catch-up of every row, so a batch that goes back and forth loses to both kinds), and logged
-        at --log-level DEBUG with the rates the policy compared: why a batch leaves trees or takes them."""
+        """A choice that moves the batch between plain decoding and trees, whatever its round variant (tries
+        included; the first tree choice counts, the core starting on plain): counted (engine_calls' switches: each
+        switch to trees costs a catch-up of every row, so a batch that goes back and forth loses to both kinds), and
+        logged at --log-level DEBUG with the rates the policy compared: why a batch leaves trees or takes them."""
         self.calls["switches"] += 1
         if log.isEnabledFor(logging.DEBUG):
-            rates = getattr(self.policy, "rates", None)
-            seen = rates(members, self.cfg.plain_steps, batch, sampled) if rates is not None else {}
+            seen = self.policy.rates(members, self.cfg.plain_steps, batch, sampled)
             log.debug(
                 "choice: %s at %d sequences%s%s; tok/s %s",
                 choice.shape,
