@@ -388,6 +388,34 @@ def test_a_request_arriving_mid_call_is_prefilled_beside_it_and_waits_for_room(e
     check_free(core)
 
 
+def test_a_prefill_beside_a_call_counts_once_in_the_engine_time(engines, plain, monkeypatch):
+    """The scenario above on a clock that only the prefill launched beside a call moves (1 s): the engine time's
+    phases hold that second once, in setup, whatever the verify call around it took."""
+    v, d = engines
+    now, launch = [0.0], v.prefill_launch
+
+    def slow(items):
+        if core._ahead is None and any(it.seq_id == "s1" for it in items):
+            now[0] += 1.0
+        return launch(items)
+
+    monkeypatch.setattr(v, "prefill_launch", slow)
+    cfg = CoreConfig(max_sequences=1, rounds_per_step=2, call_rounds=8, prefill_ahead=1)
+    core = EngineCore(v, d, FixedPolicy(TREE), cfg, clock=lambda: now[0])
+    stream = []
+
+    def publish(outs):
+        if "s1" not in core.seqs and not core._inbox and now[0] == 0.0:
+            core.add(req(1))
+        stream.extend(outs)
+
+    core.publish = publish
+    assert run_stream(core, {0: [req(0)]}, stream) == {"s0": plain[0], "s1": plain[1]}
+    assert now[0] == 1.0  # s1 was prefilled beside s0's call
+    assert core.times["setup"] == 1.0 and sum(core.times.values()) == 1.0, dict(core.times)
+    check_free(core)
+
+
 def test_a_sampled_prompt_prefilled_beside_a_call_draws_as_a_steps_prefill_would(engines):
     """Seeded sampled requests, one arriving at each mid-call publish, two sequences at a time: with two prompts
     prefilled beside a call (prefill_ahead 2) each output is the one it gets with every prompt prefilled by a step

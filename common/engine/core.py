@@ -491,7 +491,9 @@ class EngineCore(DraftSupply):
         times["choose"] += t1 - t0 + t3 - t2
         times["trees"] += t2 - t1 - joining_s
         times["joining"] += joining_s
-        times["verify"] += t4 - t3 - committing[0]  # the device's rounds, less the commits they hid
+        # the device's rounds, less the commits they hid and the prefill launched beside them (setup's: each second
+        # of the engine thread counts in one phase)
+        times["verify"] += t4 - t3 - committing[0] - aside[0]
         times["commit"] += committing[0]
         times["setup"] += aside[0]
         self.calls["rounds"] += done
