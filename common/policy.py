@@ -8,11 +8,14 @@ plus the accepted drafted tokens; a plain iteration commits `plain_steps` tokens
     rate(plain) = len(members) * plain_steps / seconds(bucket, plain, plain_steps)
     E[band, s]  = sum_{k=1..depth} prod_{i<=k} alpha(band, s, i)
 
-A bucket that runs plain switches to a tree only when the tree's rate exceeds plain's by `margin` (10%); a bucket
-that runs trees stays on them while the best tree's rate is at least plain's (hysteresis). A switch to trees costs
-what a rate leaves out (the catch-up of every row's drafting over the plain stretch, a call cut short) and staying
-costs nothing: without the hysteresis, a batch whose tree and plain estimates sit at the margin's edge switches back
-and forth and pays a catch-up each time, below both kinds (docs/decisions.md). Between trees the same: a bucket on a
+A bucket that runs plain switches to a tree only when the tree's rate exceeds plain's by `margin` (5%); a bucket
+that runs trees leaves them only when plain's rate exceeds the best tree's by `leave` (5%): hysteresis, a band
+centred on parity. A switch to trees costs what a rate leaves out (the catch-up of every row's drafting over the
+plain stretch, a call cut short) and staying costs nothing: without the band, a batch whose tree and plain estimates
+sit near each other switches back and forth and pays a catch-up each time, below both kinds (docs/decisions.md). At
+64 sequences the estimates move by a tenth within a second; a band of 0 to +10% (plain favoured by the whole of it)
+held a sampled batch on plain for seconds while its own rates put 3x8 5-9% ahead (the pinned 3x8 ran 1.14x plain
+there): centred, a wrong kind costs at most 5% while it lasts. Between trees the same: a bucket on a
 tree keeps it while another's rate beats it by less than `stay` (5%; a switch ends the device chain's call).
 
 Acceptance (AcceptanceTable). alpha(band, s, i) = (passed + w * pool) / (reached + w): decayed counts of the
@@ -59,7 +62,7 @@ per 1024 rounds; tests/test_policy.py measures it).
 
 Worked example (tests/test_policy.py::test_the_docstring_example). Calibration at batch 1: decode 10 ms,
 verify of 2 / 5 rows 11 / 14 ms, propose of depth 1 / 4 1 / 4 ms; menu (1x1, 4x4), prior 0.6 per level,
-margin and stay 0, nothing observed, one greedy sequence, plain_steps 1:
+margin, leave and stay 0, nothing observed, one greedy sequence, plain_steps 1:
     plain 1 / 10 ms = 100 tok/s;  1x1 (1 + .6) / 12 ms = 133.3;  4x4 (1 + .6 + .36 + .216 + .1296) / 18 ms
     = 2.3056 / 18 ms = 128.1  -> 1x1.
 Steady rounds of 1x1 at batch 1 then take 15 ms (acceptance not reported: still the prior): the first is its warm-up at
@@ -191,9 +194,13 @@ class PolicyConfig:
     warm_up: int = 1
     seed: int = 0  # orders cells due in the same round with equal estimates
     # a bucket that runs plain switches to a tree only when its rate beats plain's by this share: what a switch costs
-    # that a rate leaves out (the catch-up of every row's drafting, a call cut short); a bucket on trees leaves them
-    # when plain's rate beats the best tree's (module docstring: hysteresis)
-    margin: float = 0.1
+    # that a rate leaves out (the catch-up of every row's drafting, a call cut short); module docstring: hysteresis
+    margin: float = 0.05
+    # a bucket on trees leaves them only when plain's rate beats the best tree's by this share (the band's other side):
+    # at 64 sequences the rates of 3x8 and plain move by a tenth within a second, and a band of margin alone (0 to
+    # +10%) let a sampled batch switch 32 times in one run of 2,048 requests (0.93x plain) and hold plain for seconds
+    # while 3x8 rated 5-9% ahead; margin 5% and leave 5% ran it at 1.07x and 1.11x (docs/benchmarks.md, runs AR and AS)
+    leave: float = 0.05
     # a bucket on a tree keeps it while another tree's rate beats it by less than this share: a switch between trees
     # ends the call (its verify graph's tree bucket changes, so the device chain cannot go on: one more call's host
     # work and wait), which rates leave out; without it a bucket whose trees' estimates sit within a few percent
@@ -215,8 +222,8 @@ class PolicyConfig:
             raise ValueError("prior must be in (0, 1), prior_weight and seq_prior > 0")
         if min(self.half_life, self.seq_memory, self.pooled_half_life, self.seq_relax) <= 0:
             raise ValueError("half_life, pooled_half_life, seq_memory and seq_relax must be > 0")
-        if not 0 <= self.margin < 1 or not 0 <= self.stay < 1:
-            raise ValueError(f"margin and stay must be in [0, 1), got {self.margin}, {self.stay}")
+        if not all(0 <= x < 1 for x in (self.margin, self.leave, self.stay)):
+            raise ValueError(f"margin, leave and stay must be in [0, 1), got {self.margin}, {self.leave}, {self.stay}")
         if self.cost_window < 1 or self.cost_memory < 1 or self.try_rounds < 1 or min(self.confirm, self.warm_up) < 0:
             raise ValueError("cost_window, cost_memory and try_rounds must be >= 1, confirm and warm_up >= 0")
         if self.max_rows < 1:
@@ -266,8 +273,9 @@ class AdaptivePolicy:
         bk.rounds += 1
         self._relax(members)
         rates = self._rates(members, plain_steps, bk, costs, keep=True)
-        bonus = 0.0 if bk.on_trees else self.cfg.margin  # hysteresis: only a switch to trees needs the margin
-        scores = [None if r is None else r * (1 + bonus) if i == 0 else r for i, r in enumerate(rates)]
+        # hysteresis (module docstring): the kind the bucket runs is favoured, plain by `margin`, trees by `leave`
+        favour = (1.0, 1.0 + self.cfg.leave) if bk.on_trees else (1.0 + self.cfg.margin, 1.0)  # (plain, each tree)
+        scores = [None if r is None else r * favour[i > 0] for i, r in enumerate(rates)]
         best, top = None, -1.0
         for i, score in enumerate(scores):  # ties: the first of plain, *menu
             if score is not None and score > top:
