@@ -3,6 +3,7 @@ by hand: rates per batch bucket, acceptance per temperature band, and retries th
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Callable
 
@@ -631,6 +632,58 @@ def test_a_bucket_keeps_the_kind_it_runs_while_the_other_is_within_its_band() ->
             assert not choice.explored
             picks.append(choice.shape)
         assert picks == [PLAIN, CHAIN1, CHAIN1, want, PLAIN, PLAIN], leave
+
+
+def noisy_batch(cfg: PolicyConfig, tree_ms: float, calls: int = 2000, seed: int = 0) -> float:
+    """64 greedy sequences under `cfg` with 3x8 its one tree, calls as the core makes them: a plain call 8 steps of
+    9.6 ms in all, a tree call 4 rounds of tree_ms each, every cost drawn with noise (sd 5% plain, 12% a round: run
+    AR's spread of cost samples at 64), every row of a round accepting each level with probability .6; a tree call
+    right after a plain one is a catch-up (no cost sample). Returns the share of the time spent in tree calls."""
+    rng = random.Random(seed)
+    tree = Shape(3, 8)
+    cal = [
+        StepCost("decode", 64, 1, 1.2 * MS),
+        StepCost("verify", 64, 9, 1.6 * MS),
+        StepCost("propose", 64, 3, 0.5 * MS),
+    ]
+    p, seqs = AdaptivePolicy(cfg, cal), members(64)
+    spent, last = {True: 0.0, False: 0.0}, PLAIN
+    for _ in range(calls):
+        shape = p.choose(seqs, 8).shape
+        if shape.plain:
+            seconds = 9.6 * MS * (1 + rng.gauss(0, 0.05))
+            p.observe_round(64, PLAIN, seconds, 8)
+        else:
+            rounds = [tree_ms * MS * (1 + rng.gauss(0, 0.12)) for _ in range(4)]
+            for _ in rounds:
+                p.observe_verified([(m.seq_id, m.band, tree, accepted(rng, 0.6, 3)) for m in seqs])
+            seconds = sum(rounds)
+            if not last.plain:
+                p.observe_round(64, tree, seconds / 4, rounds=4)
+        spent[shape.plain] += seconds
+        last = shape
+    return spent[False] / (spent[False] + spent[True])
+
+
+def accepted(rng: random.Random, alpha: float, depth: int) -> int:
+    """Drafted tokens a row accepts when each level passes with probability alpha, up to depth."""
+    a = 0
+    while a < depth and rng.random() < alpha:
+        a += 1
+    return a
+
+
+def test_an_edge_of_a_twentieth_decides_a_noisy_batch_either_way() -> None:
+    """The band centred on parity against noisy samples at 64 sequences (noisy_batch). 3x8 commits 1 + .6 + .36 +
+    .216 = 2.176 tokens a sequence a round: at 2.46 ms a round 64 x 2.176 / 2.46 ms = 56,611 tok/s against plain's
+    64 x 8 / 9.6 ms = 53,333 (trees 6.1% ahead): the batch spends at least 95% of its time in tree calls (tries of
+    plain and catch-ups the rest); at 2.76 ms, 50,458 (plain 5.7% ahead): at most 5%. A band of 0 to +10% (margin
+    10%, no leave: plain favoured by all of it) holds the first batch on plain whenever noise takes it there: 30-92%
+    of its time in tree calls over seeds 0-3 (72% at 0; the band 97-100%, and 1-2% in the second world)."""
+    cfg = PolicyConfig(menu=(Shape(3, 8),))
+    assert noisy_batch(cfg, 2.46) >= 0.95
+    assert noisy_batch(cfg, 2.76) <= 0.05
+    assert noisy_batch(PolicyConfig(menu=(Shape(3, 8),), margin=0.1, leave=0.0), 2.46) < 0.9
 
 
 def test_a_bucket_on_a_tree_keeps_it_while_another_is_within_stay() -> None:
