@@ -9,14 +9,13 @@ plus the accepted drafted tokens; a plain iteration commits `plain_steps` tokens
     E[band, s]  = sum_{k=1..depth} prod_{i<=k} alpha(band, s, i)
 
 A bucket that runs plain switches to a tree only when the tree's rate exceeds plain's by `margin` (5%); a bucket
-that runs trees leaves them only when plain's rate exceeds the best tree's by `leave` (5%): hysteresis, a band
-centred on parity. A switch to trees costs what a rate leaves out (the catch-up of every row's drafting over the
-plain stretch, a call cut short) and staying costs nothing: without the band, a batch whose tree and plain estimates
-sit near each other switches back and forth and pays a catch-up each time, below both kinds (docs/decisions.md). At
-64 sequences the estimates move by a tenth within a second; a band of 0 to +10% (plain favoured by the whole of it)
-held a sampled batch on plain for seconds while its own rates put 3x8 5-9% ahead (the pinned 3x8 ran 1.14x plain
-there): centred, a wrong kind costs at most 5% while it lasts. Between trees the same: a bucket on a
-tree keeps it while another's rate beats it by less than `stay` (5%; a switch ends the device chain's call).
+that runs trees leaves them when plain's rate reaches the best tree's plus `leave` (5%): hysteresis, a band centred
+on parity. A switch to trees costs what a rate leaves out (the catch-up of every row's drafting over the plain
+stretch, a call cut short) and staying costs nothing: without the band, a batch whose tree and plain estimates sit
+near each other switches back and forth and pays a catch-up each time, below both kinds. Centred, a batch that noise
+holds in the wrong kind loses at most 5% while it lasts (docs/decisions.md has the runs behind both sides). Between
+trees the same: a bucket on a tree keeps it while another's rate beats it by less than `stay` (5%; a switch ends the
+device chain's call).
 
 Acceptance (AcceptanceTable). alpha(band, s, i) = (passed + w * pool) / (reached + w): decayed counts of the
 rounds of s that reached level i and accepted there, w = prior_weight pseudo-rounds of the pooled figure:
@@ -46,7 +45,8 @@ tokens pay for, and each try of it costs a round of that price (PolicyConfig.max
 
 Exploration without an absorbing state. Each (bucket, shape) cell has a retry interval, retry_base bucket rounds at
 first. Every run of a cell is judged at its bucket's next round: still the best, the interval goes back to retry_base;
-not the best, it grows to 2 x interval x lag^2 (up to retry_cap), lag the best's score over the cell's: a near miss is
+not the best, it grows to 2 x interval x lag^2 (up to retry_cap), lag the best's score over the cell's (scores: the
+rates with the band's favour, so that on trees plain's lag is 5% longer and from plain a tree's 5%): a near miss is
 retried about twice as late, a shape at half the best's rate eight times as late (less likely to have become the best,
 and its try loses more). A cell's first `confirm` runs judged not the best keep retry_base: its cost there may rest on a
 first call's one-off (a kernel's load), which the next runs outvote. A cell not run at its bucket for its interval is
@@ -196,10 +196,9 @@ class PolicyConfig:
     # a bucket that runs plain switches to a tree only when its rate beats plain's by this share: what a switch costs
     # that a rate leaves out (the catch-up of every row's drafting, a call cut short); module docstring: hysteresis
     margin: float = 0.05
-    # a bucket on trees leaves them only when plain's rate beats the best tree's by this share (the band's other side):
-    # at 64 sequences the rates of 3x8 and plain move by a tenth within a second, and a band of margin alone (0 to
-    # +10%) let a sampled batch switch 32 times in one run of 2,048 requests (0.93x plain) and hold plain for seconds
-    # while 3x8 rated 5-9% ahead; margin 5% and leave 5% ran it at 1.07x and 1.11x (docs/benchmarks.md, runs AR and AS)
+    # a bucket on trees leaves them when plain's rate reaches the best tree's plus this share (the band's other side):
+    # at 64 sequences the rates of 3x8 and plain move by a tenth within a second, and a band of 0 to +10% held a
+    # sampled batch on plain for seconds while its rates put 3x8 5-9% ahead (docs/decisions.md)
     leave: float = 0.05
     # a bucket on a tree keeps it while another tree's rate beats it by less than this share: a switch between trees
     # ends the call (its verify graph's tree bucket changes, so the device chain cannot go on: one more call's host

@@ -236,7 +236,8 @@ class Bucket:
         self.calls: dict[Shape, int] = {}  # steady calls per shape (pinned ones too): the first warm_up no samples
         self.nearest: list[Bucket] = []  # the other buckets, nearest first (log2 distance, then smaller)
         self.last_pick: int | None = None  # the shape (index) chosen last, judged at the next choose
-        self.on_trees = False  # the kind of its last pick that was not a try: plain needs the margin to leave it
+        # the kind of its last pick that was not a try: plain needs `margin` to leave it, trees `leave`
+        self.on_trees = False
         self.trying: int | None = None  # the shape being tried, its rounds left, whether one was steady
         self.try_left, self.try_seen = 0, False
         self.tried_at = -math.inf  # the round the last try began (tries begin retry_base rounds apart at most)

@@ -392,14 +392,22 @@ def test_a_prefill_beside_a_call_counts_once_in_the_engine_time(engines, plain, 
     """The scenario above on a clock that only the prefill launched beside a call moves (1 s): the engine time's
     phases hold that second once, in setup, whatever the verify call around it took."""
     v, d = engines
-    now, launch = [0.0], v.prefill_launch
+    now, launch, verify, inside, beside = [0.0], v.prefill_launch, v.verify_rounds_steps, [False], []
 
     def slow(items):
         if core._ahead is None and any(it.seq_id == "s1" for it in items):
+            beside.append(inside[0])
             now[0] += 1.0
         return launch(items)
 
+    def counted(items, rounds=1, then=None, each=None):
+        inside[0] = True
+        out = yield from verify(items, rounds, then, each)
+        inside[0] = False
+        return out
+
     monkeypatch.setattr(v, "prefill_launch", slow)
+    monkeypatch.setattr(v, "verify_rounds_steps", counted)
     cfg = CoreConfig(max_sequences=1, rounds_per_step=2, call_rounds=8, prefill_ahead=1)
     core = EngineCore(v, d, FixedPolicy(TREE), cfg, clock=lambda: now[0])
     stream = []
@@ -411,7 +419,7 @@ def test_a_prefill_beside_a_call_counts_once_in_the_engine_time(engines, plain, 
 
     core.publish = publish
     assert run_stream(core, {0: [req(0)]}, stream) == {"s0": plain[0], "s1": plain[1]}
-    assert now[0] == 1.0  # s1 was prefilled beside s0's call
+    assert beside == [True]  # s1 was prefilled beside s0's call, not by a step's own prefill
     assert core.times["setup"] == 1.0 and sum(core.times.values()) == 1.0, dict(core.times)
     check_free(core)
 
