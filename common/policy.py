@@ -198,7 +198,7 @@ class PolicyConfig:
     margin: float = 0.05
     # a bucket on trees leaves them when plain's rate reaches the best tree's plus this share (the band's other side):
     # at 64 sequences the rates of 3x8 and plain move by a tenth within a second, and a band of 0 to +10% held a
-    # sampled batch on plain for seconds while its rates put 3x8 5-9% ahead (docs/decisions.md)
+    # sampled batch on plain for seconds while its rates put 3x8 3-10% ahead (docs/decisions.md)
     leave: float = 0.05
     # a bucket on a tree keeps it while another tree's rate beats it by less than this share: a switch between trees
     # ends the call (its verify graph's tree bucket changes, so the device chain cannot go on: one more call's host
