@@ -388,6 +388,76 @@ def test_a_request_arriving_mid_call_is_prefilled_beside_it_and_waits_for_room(e
     check_free(core)
 
 
+@pytest.mark.parametrize("shape", [PLAIN, TREE])
+def test_a_prompt_arriving_between_steps_is_prefilled_beside_the_steps_call(engines, plain, monkeypatch, shape):
+    """s0 runs alone (one round or plain call a step); s1 arrives before its third step. With prefill_ahead 2 the
+    step launches s1's prefill, runs s0's call beside it, reads it at its end: s1's first call is the next step's,
+    with s0. Without (prefill_ahead 0) the step prefills s1 first (launch and read back to back) and its call takes
+    both. Either way each gets plain decoding's tokens."""
+    v, d = engines
+    events = []  # ("launch" | "read" | "call", seq ids)
+    launch, read, decode, verify = v.prefill_launch, v.prefill_read, v.decode_many, v.verify_rounds_steps
+
+    def launched(items):
+        events.append(("launch", [it.seq_id for it in items]))
+        return launch(items)
+
+    def was_read(x):
+        events.append(("read", [it.seq_id for it in x.items]))
+        return read(x)
+
+    def decoded(seq_ids, steps, with_hidden=False):
+        events.append(("call", list(seq_ids)))
+        return decode(seq_ids, steps, with_hidden)
+
+    def verified(items, rounds=1, then=None, each=None):
+        events.append(("call", [it.seq_id for it in items]))
+        return (yield from verify(items, rounds, then, each))
+
+    monkeypatch.setattr(v, "prefill_launch", launched)
+    monkeypatch.setattr(v, "prefill_read", was_read)
+    monkeypatch.setattr(v, "decode_many", decoded)
+    monkeypatch.setattr(v, "verify_rounds_steps", verified)
+    for ahead in (2, 0):
+        events.clear()
+        cfg = CoreConfig(max_sequences=2, rounds_per_step=1, call_rounds=1, plain_steps=2, prefill_ahead=ahead)
+        core = EngineCore(v, d, FixedPolicy(shape), cfg)
+        assert run_stream(core, {0: [req(0, max_new=12)], 2: [req(1, max_new=6)]}, []) == {
+            "s0": plain[0][:12],
+            "s1": plain[1][:6],
+        }
+        at = events.index(("launch", ["s1"]))
+        if ahead:
+            assert events[at + 1 : at + 4] == [("call", ["s0"]), ("read", ["s1"]), ("call", ["s0", "s1"])], events
+        else:
+            assert events[at + 1 : at + 3] == [("read", ["s1"]), ("call", ["s0", "s1"])], events
+        check_free(core)
+
+
+def test_a_prompt_aborted_while_its_prefill_runs_beside_a_call_is_released(engines, plain, monkeypatch):
+    """s1 arrives between steps while s0 runs: its prefill is launched beside the step's call; the client aborts it
+    as that call begins, and the launch after the call's first round takes the abort from the inbox before s1's
+    prefill is read. The read leaves it out, the step's end releases its slot, s0 is untouched."""
+    v, d = engines
+    cfg = CoreConfig(max_sequences=2, rounds_per_step=2, call_rounds=2, prefill_ahead=2)
+    core = EngineCore(v, d, FixedPolicy(TREE), cfg)
+    verify, aborted = v.verify_rounds_steps, []
+
+    def verified(items, rounds=1, then=None, each=None):
+        if "s1" in core.seqs and core._ahead and not aborted:
+            aborted.append(core.seqs["s1"].prefilled)
+            core.abort("s1")
+        return (yield from verify(items, rounds, then, each))
+
+    monkeypatch.setattr(v, "verify_rounds_steps", verified)
+    stream = []
+    got = run_stream(core, {0: [req(0)], 1: [req(1)]}, stream)
+    assert aborted == [len(PROMPTS[1])], aborted  # launched, not yet read, when aborted
+    assert got["s0"] == plain[0] and not got.get("s1")
+    assert [o.finish for o in stream if o.seq_id == "s1"] == [Finish.ABORT]
+    check_free(core)
+
+
 def test_a_prefill_beside_a_call_counts_once_in_the_engine_time(engines, plain, monkeypatch):
     """The scenario above on a clock that only the prefill launched beside a call moves (1 s): the engine time's
     phases hold that second once, in setup, whatever the verify call around it took."""
@@ -395,7 +465,7 @@ def test_a_prefill_beside_a_call_counts_once_in_the_engine_time(engines, plain, 
     now, launch, verify, inside, beside = [0.0], v.prefill_launch, v.verify_rounds_steps, [False], []
 
     def slow(items):
-        if core._ahead is None and any(it.seq_id == "s1" for it in items):
+        if not core._ahead and any(it.seq_id == "s1" for it in items):
             beside.append(inside[0])
             now[0] += 1.0
         return launch(items)
@@ -441,9 +511,9 @@ def test_a_sampled_prompt_prefilled_beside_a_call_draws_as_a_steps_prefill_would
         stream = []
         launch = core._launch_ahead
 
-        def noted(core=core, launch=launch, ahead=ahead):
-            launch()
-            if core._ahead is not None:  # a prompt launched beside the call
+        def noted(limit, core=core, launch=launch, ahead=ahead):
+            launch(limit)
+            if core._ahead:  # a prompt launched beside the call
                 beside.append(ahead)
 
         core._launch_ahead = noted

@@ -5,7 +5,9 @@ process. It is the only place a round exists.
 One step (EngineCore.step):
 
     admit waiting requests while slots are free          (WAITING -> PREFILLING)
-    prefill up to `prefill_chunk` prompt tokens           (-> RUNNING with its first token)
+    while sequences run: new prompts prefilled on the device beside this step's call, read at its end (they join
+        the next step's call); what is left (a prompt in chunks, every prompt when nothing runs) prefilled now,
+        up to `prefill_chunk` prompt tokens              (-> RUNNING with its first token)
     up to `rounds_per_step` rounds for every running sequence, in verifier calls of one host synchronisation
     (a call cut short, before a try or with nothing chained behind it, ends the step):
         shape = the policy's (decided when the last call was launched, or now)
@@ -65,7 +67,7 @@ from common.engine.base import (
     finish,
 )
 from common.engine.core_drafts import DraftSupply
-from common.engine.core_parts import CoreConfig, Draft, Snapshot
+from common.engine.core_parts import Beside, CoreConfig, Draft, Snapshot
 from common.policy import PLAIN, Choice, Member, Shape
 from common.sequence import Finish, Request, SeqOutput, Sequence, Status, output
 from common.tree import NO_TREE
@@ -105,8 +107,7 @@ class EngineCore(DraftSupply):
         # the outputs of a call that goes on, every rounds_per_step rounds and a finish at once (the service routes
         # them to their streams); None: they go out with the step's
         self.publish: Callable[[list[SeqOutput]], None] | None = None
-        # a prefill launched beside a call (cfg.prefill_ahead) and its (sequence, tokens); read at the step's end
-        self._ahead: tuple[list[tuple[Sequence, int]], object] | None = None
+        self._ahead: list[Beside] = []  # prefills launched beside the step's call (cfg.prefill_ahead), read at its end
         self._out: set[str] = set()  # finished sequences whose last output a call published (released at the step end)
         self._on_trees = False  # the policy's last choice was a tree (the core starts on plain)
 
@@ -143,7 +144,7 @@ class EngineCore(DraftSupply):
         what it held is released, so that the core starts clean."""
         for s in self.seqs.values():
             s.end(Finish.ERROR, e)
-        self._launch, self._next, self._ahead = None, None, None  # a prefill beside a call: its slots counted
+        self._launch, self._next, self._ahead = None, None, []  # a prefill beside a call: its slots counted
         try:
             return self._retire({})
         except Exception:  # noqa: BLE001 - the engines' state is suspect: forget the sequences anyway
@@ -179,6 +180,8 @@ class EngineCore(DraftSupply):
         news: dict[str, list[int]] = {}  # seq id -> tokens committed this step
         self._take_inbox()
         self._admit(self.cfg.max_sequences)
+        if self.cfg.prefill_ahead and self._batch():  # a call runs this step: the new prompts are prefilled beside it
+            self._launch_ahead(self.cfg.max_sequences)
         self._prefill(news)
         self._recover()
         running = self._batch()
@@ -239,9 +242,9 @@ class EngineCore(DraftSupply):
         budget = self.cfg.prefill_chunk or float("inf")
         work: list[tuple[Sequence, int]] = []
         for s in self.seqs.values():
-            if s.status is not Status.PREFILLING or budget <= 0:
-                continue
             left = len(s.req.prompt_ids) - s.prefilled
+            if s.status is not Status.PREFILLING or budget <= 0 or not left:  # not left: launched, not yet read
+                continue
             if whole and (s.prefilled or left > budget):
                 break
             n = int(min(left, budget))
@@ -276,14 +279,17 @@ class EngineCore(DraftSupply):
                 s.prefilled += n
                 self._prefilled(s, out, news)
 
-    def _launch_ahead(self) -> None:
-        """Inside a call that runs on (a round's commit): the requests that arrived admitted while the verifier has
-        slots for them (prefill_ahead beyond max_sequences; finished rows hold theirs until the step's end), and
-        the new prompts among them that fit whole (_prefill_work) prefilled on the device beside the call's rounds
-        (Verifier.prefill_launch), counted as prefilled from then on (the verifier counts them so); read at the
-        step's end (_read_ahead). A launch that fails leaves them to the next step's prefill."""
+    def _launch_ahead(self, limit: int) -> None:
+        """At a step's start while sequences run, and inside a call that runs on (a round's commit): the requests
+        admitted while the verifier has slots for them (prefill_ahead beyond max_sequences; finished rows hold theirs
+        until the step's end), and the new prompts among them that fit whole (_prefill_work) prefilled on the device
+        beside the call (Verifier.prefill_launch), counted as prefilled from then on (the verifier counts them so);
+        read at the step's end (_read_ahead). The engine thread does not wait for their prefill: it goes on with the
+        call. limit: sequences admitted at most (at a step's start max_sequences, as the step's own admission: what is
+        not launched is prefilled by the step; inside a call prefill_ahead beyond it). A launch that fails leaves them
+        to a step's own prefill (this one's, at a step's start)."""
         self._take_inbox()
-        self._admit(self.cfg.max_sequences + self.cfg.prefill_ahead)
+        self._admit(limit)
         work = self._prefill_work(whole=True)
         if not work:
             return
@@ -294,23 +300,23 @@ class EngineCore(DraftSupply):
             return
         for s, n in work:
             s.prefilled += n
-        self._ahead = (work, launch)
+        self._ahead.append(Beside(work, launch))
 
     def _read_ahead(self, news: dict[str, list[int]]) -> None:
-        """The prefill launched beside the step's call, read (its sequences running from the next step on)."""
-        if self._ahead is None:
-            return
-        work, launch = self._ahead
-        self._ahead = None
-        try:
-            outs = self.verifier.prefill_read(launch)
-        except Exception as e:  # noqa: BLE001 - freed by the verifier: the next step's prefill tries them again
-            log.warning("reading a prefill of %d prompts failed (%s): the next step prefills them", len(work), e)
-            for s, _ in work:
-                s.prefilled = 0
-            return
-        for (s, _), out in zip(work, outs):  # PREFILLING all (the inbox, aborts included, is taken at a step's start)
-            self._prefilled(s, out, news)
+        """The prefills launched beside the step's call, read (their sequences running from the next step on)."""
+        launches, self._ahead = self._ahead, []
+        for beside in launches:
+            work = beside.work
+            try:
+                outs = self.verifier.prefill_read(beside.launch)
+            except Exception as e:  # noqa: BLE001 - freed by the verifier: the next step's prefill tries them again
+                log.warning("reading a prefill of %d prompts failed (%s): the next step prefills them", len(work), e)
+                for s, _ in work:
+                    s.prefilled = 0
+                continue
+            for (s, _), out in zip(work, outs):
+                if s.status is Status.PREFILLING:  # not aborted since (a call's later launch takes the inbox)
+                    self._prefilled(s, out, news)
 
     def _prefill_input(self, s: Sequence, n: int) -> PrefillInput:
         chunk = s.req.prompt_ids[s.prefilled : s.prefilled + n]
@@ -454,9 +460,9 @@ class EngineCore(DraftSupply):
                     d.tokens += tokens
                     d.hidden.append(out.hidden)
             self.policy.observe_verified(verified)
-            if self.cfg.prefill_ahead and self._inbox and self._ahead is None and r + 1 < done:  # rounds still to run
+            if self.cfg.prefill_ahead and self._inbox and r + 1 < done:  # rounds still to run
                 a0 = self.clock()
-                self._launch_ahead()
+                self._launch_ahead(self.cfg.max_sequences + self.cfg.prefill_ahead)
                 beside = self.clock() - a0
                 aside[0] += beside
             # every row drafted on the device (a row without a tree would decode a token a round in a tree's verify)

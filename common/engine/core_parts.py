@@ -8,6 +8,7 @@ import torch
 
 from common.engine.base import ProposeInput
 from common.policy import Shape
+from common.sequence import Sequence
 
 # EngineCore.times' phases of a speculative call and of a plain call (their counts: EngineCore.calls' 'rounds' and
 # 'plain_calls'); besides them: idle, setup (admission, prefill, catching up a drafter), retire
@@ -32,7 +33,8 @@ class CoreConfig:
     call_rounds: int = 32
     # prompts prefilled while a call runs, beside its rounds on the device (the verifier holds as many slots
     # beyond max_sequences: VerifierConfig.prefill_ahead): a request arriving mid-call joins the next call with its
-    # prefill done rather than the step waiting for it. 0: prompts are prefilled at a step's start only
+    # prefill done rather than the step waiting for it; with it, a step's own new prompts are launched beside the
+    # step's call too when sequences run (read at its end). 0: prompts are prefilled at a step's start, before its call
     prefill_ahead: int = 0
 
     def __post_init__(self) -> None:
@@ -70,3 +72,11 @@ class Snapshot:
     estimates: list  # the policy's (common.policy.Estimate)
     times: dict[str, float] = field(default_factory=dict)  # EngineCore.times: seconds by phase since start
     calls: dict[str, int] = field(default_factory=dict)  # EngineCore.calls: rounds, plain_calls, switches since start
+
+
+@dataclass(frozen=True)
+class Beside:
+    """A prefill launched beside a step's call (EngineCore._launch_ahead), read at the step's end."""
+
+    work: list[tuple[Sequence, int]]  # the sequences and the prompt tokens each had prefilled
+    launch: object  # the engine's handle (VerifierEngine.prefill_launch), for its prefill_read
