@@ -140,7 +140,7 @@ def test_soft_cross_entropy_is_minus_p_log_q_over_the_masked_rows():
     x = torch.zeros(1, 2, 4, requires_grad=True)
     tl = torch.tensor([[[30.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 5.0]]])  # row 0: p ~ one-hot
     loss = soft_cross_entropy(x, tl, tl.logsumexp(-1), torch.tensor([[1.0, 0.0]]))
-    assert abs(float(loss) - math.log(4)) < 1e-6
+    assert abs(loss.item() - math.log(4)) < 1e-6
     g = torch.Generator().manual_seed(0)
     x = (3 * torch.randn(3, 5, 50, generator=g)).requires_grad_()
     tl = 3 * torch.randn(3, 5, 50, generator=g)
