@@ -111,6 +111,7 @@ def run_stream(core: EngineCore, arrivals: dict[int, list[Request]], stream: lis
         if step > max(arrivals) and not core.seqs and not core._inbox:
             break
         stream.extend(core.step())
+        assert step < 400, "the core does not finish"
     tokens: dict[str, list[int]] = {}
     for o in stream:
         tokens.setdefault(o.seq_id, []).extend(o.tokens)
@@ -434,6 +435,37 @@ def test_a_prompt_arriving_between_steps_is_prefilled_beside_the_steps_call(engi
         check_free(core)
 
 
+def test_a_prefill_beside_a_call_whose_read_fails_is_prefilled_again(engines, plain, monkeypatch):
+    """s1 arrives while s0 runs: its prefill is launched beside the step's call, and reading it fails (the verifier
+    frees what the launch began, as Verifier.prefill_read does). The next step prefills s1 again; both get plain
+    decoding's tokens and nothing stays held."""
+    v, d = engines
+    cfg = CoreConfig(max_sequences=2, rounds_per_step=1, call_rounds=1, prefill_ahead=2)
+    core = EngineCore(v, d, FixedPolicy(TREE), cfg)
+    launch, read, launched, failed = v.prefill_launch, v.prefill_read, [], []
+
+    def noted(items):
+        launched.append([it.seq_id for it in items])
+        return launch(items)
+
+    def failing_once(x):
+        ids = [it.seq_id for it in x.items]
+        if "s1" in ids and not failed:
+            failed.append(ids)
+            v.release(ids)
+            raise RuntimeError("the device lost the prefill")
+        return read(x)
+
+    monkeypatch.setattr(v, "prefill_launch", noted)
+    monkeypatch.setattr(v, "prefill_read", failing_once)
+    assert run_stream(core, {0: [req(0, max_new=12)], 2: [req(1, max_new=6)]}, []) == {
+        "s0": plain[0][:12],
+        "s1": plain[1][:6],
+    }
+    assert failed == [["s1"]] and launched.count(["s1"]) == 2, launched
+    check_free(core)
+
+
 def test_a_prompt_aborted_while_its_prefill_runs_beside_a_call_is_released(engines, plain, monkeypatch):
     """s1 arrives between steps while s0 runs: its prefill is launched beside the step's call; the client aborts it
     as that call begins, and the launch after the call's first round takes the abort from the inbox before s1's
@@ -543,7 +575,7 @@ def test_a_failed_step_frees_a_prompt_prefilled_beside_its_call(engines, monkeyp
     read = core._read_ahead
 
     def failing(news):
-        if core._ahead is not None:
+        if core._ahead:
             raise RuntimeError("a bug")
         read(news)
 
