@@ -435,34 +435,50 @@ def test_a_prompt_arriving_between_steps_is_prefilled_beside_the_steps_call(engi
         check_free(core)
 
 
-def test_a_prefill_beside_a_call_whose_read_fails_is_prefilled_again(engines, plain, monkeypatch):
-    """s1 arrives while s0 runs: its prefill is launched beside the step's call, and reading it fails (the verifier
-    frees what the launch began, as Verifier.prefill_read does). The next step prefills s1 again; both get plain
-    decoding's tokens and nothing stays held."""
+@pytest.mark.parametrize("fails", ["launch", "read"])
+def test_a_prefill_beside_a_call_that_fails_is_prefilled_again(engines, plain, monkeypatch, fails):
+    """s1 arrives while s0 runs: its prefill is launched beside the step's call. Its launch fails (the step's own
+    prefill takes s1 at once), or reading it fails (the verifier frees what the launch began, as
+    Verifier.prefill_read does; the next step prefills s1 again). Both get plain decoding's tokens, nothing stays
+    held."""
     v, d = engines
     cfg = CoreConfig(max_sequences=2, rounds_per_step=1, call_rounds=1, prefill_ahead=2)
     core = EngineCore(v, d, FixedPolicy(TREE), cfg)
-    launch, read, launched, failed = v.prefill_launch, v.prefill_read, [], []
+    launch, read, batch, calls, failed = v.prefill_launch, v.prefill_read, v.prefill_batch, [], []
 
     def noted(items):
-        launched.append([it.seq_id for it in items])
+        ids = [it.seq_id for it in items]
+        calls.append(("launch", ids))
+        if fails == "launch" and "s1" in ids and not failed:
+            failed.append(ids)
+            raise RuntimeError("no room for the launch")
         return launch(items)
 
-    def failing_once(x):
+    def read_once(x):
         ids = [it.seq_id for it in x.items]
-        if "s1" in ids and not failed:
+        if fails == "read" and "s1" in ids and not failed:
             failed.append(ids)
             v.release(ids)
             raise RuntimeError("the device lost the prefill")
         return read(x)
 
+    def whole(items):
+        calls.append(("prefill", [it.seq_id for it in items]))
+        return batch(items)
+
     monkeypatch.setattr(v, "prefill_launch", noted)
-    monkeypatch.setattr(v, "prefill_read", failing_once)
+    monkeypatch.setattr(v, "prefill_read", read_once)
+    monkeypatch.setattr(v, "prefill_batch", whole)
     assert run_stream(core, {0: [req(0, max_new=12)], 2: [req(1, max_new=6)]}, []) == {
         "s0": plain[0][:12],
         "s1": plain[1][:6],
     }
-    assert failed == [["s1"]] and launched.count(["s1"]) == 2, launched
+    assert failed == [["s1"]], calls
+    if fails == "launch":  # the same step prefills it
+        at = calls.index(("launch", ["s1"]))
+        assert calls[at + 1] == ("prefill", ["s1"]), calls
+    else:  # launched again beside the next step's call
+        assert calls.count(("launch", ["s1"])) == 2, calls
     check_free(core)
 
 
