@@ -559,8 +559,8 @@ def test_a_sampled_prompt_prefilled_beside_a_call_draws_as_a_steps_prefill_would
         stream = []
         launch = core._launch_ahead
 
-        def noted(limit, core=core, launch=launch, ahead=ahead):
-            launch(limit)
+        def noted(core=core, launch=launch, ahead=ahead):
+            launch()
             if core._ahead:  # a prompt launched beside the call
                 beside.append(ahead)
 

@@ -181,7 +181,7 @@ class EngineCore(DraftSupply):
         self._take_inbox()
         self._admit(self.cfg.max_sequences)
         if self.cfg.prefill_ahead and self._batch():  # a call runs this step: the new prompts are prefilled beside it
-            self._launch_ahead(self.cfg.max_sequences)
+            self._launch_ahead()
         self._prefill(news)
         self._recover()
         running = self._batch()
@@ -279,17 +279,14 @@ class EngineCore(DraftSupply):
                 s.prefilled += n
                 self._prefilled(s, out, news)
 
-    def _launch_ahead(self, limit: int) -> None:
-        """At a step's start while sequences run, and inside a call that runs on (a round's commit): the requests
-        admitted while the verifier has slots for them (prefill_ahead beyond max_sequences; finished rows hold theirs
-        until the step's end), and the new prompts among them that fit whole (_prefill_work) prefilled on the device
-        beside the call (Verifier.prefill_launch), counted as prefilled from then on (the verifier counts them so);
-        read at the step's end (_read_ahead). The engine thread does not wait for their prefill: it goes on with the
-        call. limit: sequences admitted at most (at a step's start max_sequences, as the step's own admission: what is
-        not launched is prefilled by the step; inside a call prefill_ahead beyond it). A launch that fails leaves them
-        to a step's own prefill (this one's, at a step's start)."""
-        self._take_inbox()
-        self._admit(limit)
+    def _launch_ahead(self) -> None:
+        """At a step's start while sequences run (after the step's admission), and inside a call that runs on (a
+        round's commit, after admitting the requests that arrived while the verifier has slots for them: prefill_ahead
+        beyond max_sequences; finished rows hold theirs until the step's end): the admitted new prompts that fit whole
+        (_prefill_work) prefilled on the device beside the call (Verifier.prefill_launch), counted as prefilled from
+        then on (the verifier counts them so); read at the step's end (_read_ahead). The engine thread does not wait
+        for their prefill: it goes on with the call. A launch that fails leaves them to a step's own prefill (this
+        one's, at a step's start)."""
         work = self._prefill_work(whole=True)
         if not work:
             return
@@ -462,7 +459,9 @@ class EngineCore(DraftSupply):
             self.policy.observe_verified(verified)
             if self.cfg.prefill_ahead and self._inbox and r + 1 < done:  # rounds still to run
                 a0 = self.clock()
-                self._launch_ahead(self.cfg.max_sequences + self.cfg.prefill_ahead)
+                self._take_inbox()
+                self._admit(self.cfg.max_sequences + self.cfg.prefill_ahead)
+                self._launch_ahead()
                 beside = self.clock() - a0
                 aside[0] += beside
             # every row drafted on the device (a row without a tree would decode a token a round in a tree's verify)
