@@ -60,6 +60,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = Path(__file__).resolve().parent / "prompts" / "heldout-mixed.jsonl"
 CATEGORIES = ("chat", "code", "math", "qa", "summarization", "writing")
 CALL = "specdec.v1.Generation.Complete"
+RUN_DONE = "%s: %d/%d OK, %.2f req/s, p50 %s ms"  # a run's log line (bench.policy_log reads it)
 WARM_UP_CONCURRENCY = 4  # each kind's untimed ghz run before the phases: --warm-up requests, at most 4 in flight
 SAMPLING = {"temperature": 0.7, "top_p": 0.9}
 RUN_LENGTH = 32  # requests a run per request in flight (at least the prompts): 512 at c=16, 2,048 at c=64
@@ -366,7 +367,7 @@ def run_phases(ghz: Ghz, client: Client, files: dict[str, Path], runs: list[Run]
             before, engine = engine, client.engine()  # the verifier's snapshot is of its last step: no wait
             rows[-1].engine, rows[-1].calls = (engine_spent(a, b) for a, b in zip(before, engine, strict=True))
             log.info(
-                "%s: %d/%d OK, %.2f req/s, p50 %s ms",
+                RUN_DONE,
                 run,
                 rows[-1].ok,
                 run.requests,

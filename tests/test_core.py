@@ -12,6 +12,7 @@ import logging
 import pytest
 import torch
 
+from bench import policy_log
 from common.config import DraftingConfig, SamplingConfig
 from common.engine.base import PrefillInput
 from common.engine.core import AHEAD, CoreConfig, EngineCore
@@ -227,6 +228,7 @@ def test_a_try_is_costed_by_a_whole_call_not_the_one_cut_before_it(engines, plai
     assert [got[f"s{i}"][0] for i in range(2)] == [plain[0][:16], plain[1][:16]]
     samples = [r.getMessage() for r in caplog.records if r.getMessage().startswith("cost sample")]
     assert len(samples) == len(policy.seconds) > 0 and "2 rounds of" in samples[-1], samples
+    assert all(policy_log.SAMPLE.search(s) for s in samples), samples  # the lines bench.policy_log reads
     reported = [(shape, rounds) for shape, steady, rounds in told if steady and not shape.plain]
     assert any(rounds == 1 for shape, steady, rounds in told if not shape.plain), told  # cut calls ran
     assert reported and all(rounds == 2 for _, rounds in reported), told
@@ -252,6 +254,7 @@ def test_each_switch_between_plain_and_trees_is_counted_and_logged_with_the_rate
     switches = [c.shape for k, c, last in zip(kinds, made, [True, *kinds]) if k != last]
     assert len(switches) >= 2 and [line.split()[1] for line in lines] == [str(s) for s in switches], (lines, made)
     assert lines[0] == f"choice: {TREE} at 2 sequences; tok/s plain 100, {TREE} 1,234", lines
+    assert all(policy_log.CHOICE.search(line) for line in lines), lines  # the lines bench.policy_log reads
     assert core.calls["switches"] == len(switches), core.calls
 
 

@@ -3,6 +3,8 @@ cut by them, and the figures worked out by hand."""
 
 from __future__ import annotations
 
+from bench.load import RUN_DONE
+from bench.load import Run as LoadRun
 from bench.policy_log import main, report, runs, stamped
 
 BENCH = """\
@@ -46,3 +48,11 @@ def test_runs_and_their_samples_by_hand(tmp_path, caplog):
     caplog.set_level("INFO", logger="bench.policy_log")
     assert main(["--verifier-log", str(tmp_path / "v.log"), "--bench-log", str(tmp_path / "b.log")]) == 0
     assert "### phase 1, c=64, plain" in caplog.text
+
+
+def test_the_bench_line_it_reads_is_the_one_bench_load_writes():
+    """bench.load's own run line (its RUN_DONE with its Run, after its log format's time and logger name) is found:
+    100 requests at 25 req/s end at 13:25:10 and began 4 s before."""
+    line = "2026-11-29 13:25:10,000 bench.load " + RUN_DONE % (LoadRun(2, 16, "3x8", 100), 100, 100, 25.0, "90")
+    (found,) = runs(line)
+    assert (found.phase, found.concurrency, found.kind, found.start.second, found.end.second) == (2, 16, "3x8", 6, 10)
