@@ -5,9 +5,9 @@ process. It is the only place a round exists.
 One step (EngineCore.step):
 
     admit waiting requests while slots are free          (WAITING -> PREFILLING)
-    while sequences run: new prompts prefilled on the device beside this step's call, read at its end (they join
-        the next step's call); what is left (a prompt in chunks, every prompt when nothing runs) prefilled now,
-        up to `prefill_chunk` prompt tokens              (-> RUNNING with its first token)
+    while sequences run (prefill_ahead on: a GPU): new prompts prefilled on the device beside this step's call,
+        read at its end (they join the next step's call); what is left (a prompt in chunks, every prompt when
+        nothing runs or on a CPU) prefilled now, up to `prefill_chunk` prompt tokens   (-> RUNNING, first token)
     up to `rounds_per_step` rounds for every running sequence, in verifier calls of one host synchronisation
     (a call cut short, before a try or with nothing chained behind it, ends the step):
         shape = the policy's (decided when the last call was launched, or now)
