@@ -1,6 +1,6 @@
 """Prompt collection: the quality filters and deduplication on hand-computed cases, each source's reader on a
 small synthetic file in its real format, the funnel's arithmetic, and Magpie sampling on a tiny random model
-(the template prefix it feeds, the stop at the end of the turn, shard resumption, the writing shards' openers
+(the template prefix it feeds, the stop at the end of the turn, shard resumption, the steered shards' openers
 and the prompt manifest's request)."""
 
 from __future__ import annotations
@@ -14,16 +14,21 @@ import numpy as np
 import pytest
 import torch
 
+from bench.load import read_prompts as read_heldout
 from common.config import LlamaConfig
 from common.model.llama import LlamaModel
 from common.model_path import default_model_path
 from common.tokenizer import Tokenizer
+from training import prompts
 from training.dedup import DedupConfig, Deduplicator, Duplicate, MinHasher, shingle_hashes
 from training.filters import FilterConfig, is_greeting, is_repetitive, normalize
 from training.generate import Sampling, generate_batch, sample_top_p
 from training.magpie import (
     DEFAULT_STEER,
+    QA_STEERS,
+    STEER_FAMILIES,
     STEERS,
+    SUMMARY_STEERS,
     WRITING_STEERS,
     MagpieConfig,
     finished_items,
@@ -35,13 +40,23 @@ from training.magpie import (
     steer_prefixes,
 )
 from training.pipeline import Context, build_parser, magpie_config, prompts_request, stage_prompts
-from training.prompts import EVAL_LABEL, MANIFEST, STEPS, Funnel, PromptConfig, select_training
+from training.prompts import (
+    EVAL_LABEL,
+    MANIFEST,
+    STEPS,
+    TRAIN_FILE,
+    Funnel,
+    PromptConfig,
+    build_prompts,
+    select_training,
+)
 from training.sources import (
     TRAIN_SOURCES,
     read_chatterbot,
     read_chitchat,
     read_gsm8k,
     read_humaneval,
+    read_jsonl,
     read_mtbench,
     read_sharegpt,
     read_writingbench,
@@ -345,7 +360,7 @@ def test_magpie_shards_resume(tiny, tmp_path):
     assert [r["text"] for r in again] == [r["text"] for r in first]  # a redone shard draws the same messages
 
 
-# ---- Magpie writing shards ----
+# ---- Magpie steered shards ----
 def writing_ids(cfg: MagpieConfig, n: int) -> dict[int, str]:
     """{shard: steer id} of the shards among 0..n-1 that are steered."""
     return {k: cfg.steer(k).id for k in range(n) if cfg.steer(k) != DEFAULT_STEER}
@@ -353,11 +368,11 @@ def writing_ids(cfg: MagpieConfig, n: int) -> dict[int, str]:
 
 def test_writing_shards_by_hand():
     # share 0.25: floor(k * 0.25) = 0 0 0 0 1 1 1 1 2 for k = 0..8 steps up after shards 3 and 7
-    cfg = MagpieConfig(count=8 * 16, shard_size=16, writing_share=0.25)
+    cfg = MagpieConfig(count=8 * 16, shard_size=16, steered_share=0.25)
     assert writing_ids(cfg, 8) == {3: "writing-story", 7: "writing-poem"}
     assert cfg.steers() == [DEFAULT_STEER, WRITING_STEERS[0], WRITING_STEERS[1]]
     # the count does not move them: 100 shards keep shards 3 and 7, then 11, 15, ...
-    assert writing_ids(MagpieConfig(count=100 * 16, shard_size=16, writing_share=0.25), 16) == {
+    assert writing_ids(MagpieConfig(count=100 * 16, shard_size=16, steered_share=0.25), 16) == {
         3: "writing-story",
         7: "writing-poem",
         11: "writing-essay",
@@ -365,29 +380,54 @@ def test_writing_shards_by_hand():
     }
     # share 0.3, read as 3/10: floor(0.3 k) = 0 0 0 0 1 1 1 2 2 2 3 for k = 0..10 -> shards 3, 6, 9 (the binary
     # float 0.3 is just below 3/10: floor(10 x it) would be 2 and shard 9 would not be one)
-    assert list(writing_ids(MagpieConfig(count=10, shard_size=1, writing_share=0.3), 10)) == [3, 6, 9]
+    assert list(writing_ids(MagpieConfig(count=10, shard_size=1, steered_share=0.3), 10)) == [3, 6, 9]
     # share 1: every shard, the 9 steers in turn (shard 9 starts again with the story)
-    every = MagpieConfig(count=10, shard_size=1, writing_share=1.0)
+    every = MagpieConfig(count=10, shard_size=1, steered_share=1.0)
     assert writing_ids(every, 10) == {k: WRITING_STEERS[k % 9].id for k in range(10)}
     assert writing_ids(every, 10)[9] == "writing-story"
     # share 0: plain Magpie everywhere, files named as before
     none = MagpieConfig(count=8, shard_size=1)
-    assert none.writing_share == 0.0 and writing_ids(none, 8) == {} and none.steers() == [DEFAULT_STEER]
+    assert none.steered_share == 0.0 and writing_ids(none, 8) == {} and none.steers() == [DEFAULT_STEER]
     assert shard_path(Path("m"), 3) == shard_path(Path("m"), 3, DEFAULT_STEER) == Path("m/magpie-00003.jsonl")
     assert shard_path(Path("m"), 7, WRITING_STEERS[1]) == Path("m/magpie-00007-writing-poem.jsonl")
 
 
+def test_families_take_turns_by_hand():
+    """Families (qa, summary) at share 1: steered shard i takes family i % 2 and that family's steer i // 2; at
+    share 0.5, shards 1, 3, 5, 7 are the steered ones 0-3, so they get qa 0, summary 0, qa 1, summary 1."""
+    both = MagpieConfig(count=6, shard_size=1, steered_share=1.0, steer_families=("qa", "summary"))
+    assert [both.steer(k) for k in range(6)] == [
+        QA_STEERS[0],
+        SUMMARY_STEERS[0],
+        QA_STEERS[1],
+        SUMMARY_STEERS[1],
+        QA_STEERS[2],
+        SUMMARY_STEERS[2],
+    ]
+    half = MagpieConfig(count=8, shard_size=1, steered_share=0.5, steer_families=("qa", "summary"))
+    assert writing_ids(half, 8) == {1: "qa-why-do", 3: "summary-article", 5: "qa-how-does", 7: "summary-passage"}
+    # a family runs round: steered shard 16 of (qa, summary) is qa's ninth, its 8 steers wrapped to the first
+    assert both.steer(16) == QA_STEERS[0] and both.steer(17) == SUMMARY_STEERS[8 % 6]
+    assert MagpieConfig(count=1).steer_families == ("writing",)  # the default: writing shards as before
+
+
+@pytest.mark.parametrize("families", [(), ("qa", "qa"), ("poetry",)])
+def test_steer_families_validate(families):
+    with pytest.raises(ValueError, match="steer_families"):
+        MagpieConfig(count=1, steered_share=0.5, steer_families=families)
+
+
 def test_steer_ids_are_unique_and_short():
     ids = [st.id for st in STEERS]
-    assert len(set(ids)) == len(ids) == 10
-    assert all(st.opener for st in WRITING_STEERS) and DEFAULT_STEER.opener == ""
+    assert len(set(ids)) == len(ids) == 1 + sum(len(f) for f in STEER_FAMILIES.values()) == 30
+    assert all(st.opener for st in STEERS[1:]) and DEFAULT_STEER.opener == ""
     assert all(i.replace("-", "").isalpha() and i.islower() for i in ids)  # safe in a file name
 
 
 @pytest.mark.parametrize("share", [-0.1, 1.5, float("nan")])
-def test_writing_share_validates(share):
-    with pytest.raises(ValueError, match="writing_share"):
-        MagpieConfig(count=1, writing_share=share)
+def test_steered_share_validates(share):
+    with pytest.raises(ValueError, match="steered_share"):
+        MagpieConfig(count=1, steered_share=share)
 
 
 def test_writing_prefix_is_the_turn_prefix_and_the_opener(tokenizer):
@@ -397,13 +437,13 @@ def test_writing_prefix_is_the_turn_prefix_and_the_opener(tokenizer):
     prefixes = steer_prefixes(turn, tokenizer.encode_prompt, list(STEERS))
     assert prefixes["default"] == turn
     assert prefixes["writing-email"] == turn + tokenizer.encode_prompt("Draft an email")
-    for st in WRITING_STEERS:
+    for st in STEERS[1:]:
         chat = tokenizer.encode_chat([("user", st.opener + " about the sea, in a calm tone.")])
         assert chat[: len(prefixes[st.id])] == prefixes[st.id], st.id
 
 
 def test_share_zero_samples_as_before(tiny, tokenizer, tmp_path):
-    """writing_share 0: the default prefix, the same seeds and the same file and row bytes as before writing
+    """steered_share 0: the default prefix, the same seeds and the same file and row bytes as before steered
     shards existed (rebuilt here the way magpie.py wrote them: generate_batch under cfg.sampling(k, b), rows
     {"id", "text", "tokens", "finished"} and nothing else)."""
     cfg = MagpieConfig(count=5, batch_size=2, shard_size=3, max_new_tokens=4)
@@ -437,7 +477,7 @@ def test_writing_shards_sample_after_their_opener(tiny, tokenizer, tmp_path):
     before = read_shards(tmp_path, plain)
 
     model = RecordingModel(tiny).eval()
-    cfg = MagpieConfig(count=8, batch_size=2, shard_size=2, max_new_tokens=3, writing_share=0.5)
+    cfg = MagpieConfig(count=8, batch_size=2, shard_size=2, max_new_tokens=3, steered_share=0.5)
     assert [cfg.steer(k) for k in range(4)] == steers
     assert magpie_stage(model, prefixes, tokenizer.decode, tmp_path, cfg, eos, CPU)
     prefills = [f.tolist() for f in model.fed if f.shape[1] > 1]  # decode steps feed one token a row
@@ -464,36 +504,61 @@ def test_writing_shards_sample_after_their_opener(tiny, tokenizer, tmp_path):
     assert sum(c["finished"] for c in counts.values()) == len(finished_items(rows))
 
 
-def test_prompts_manifest_tracks_writing_share(tiny, tokenizer, tmp_path, monkeypatch):
-    """The prompts stage reuses a build only for the same request: a changed --magpie-writing is another request
-    (the stage goes on to sample; --minutes 0 stops it before the first shard), the same one is found built, and
-    a manifest from before the option existed reads as share 0."""
+def test_prompts_manifest_tracks_the_steers(tiny, tokenizer, tmp_path, monkeypatch):
+    """The prompts stage reuses a build only for the same request: a changed --magpie-steered or --magpie-families
+    is another request (the stage goes on to sample; --minutes 0 stops it before the first shard), the same one,
+    read back from the manifest's JSON, is found built."""
     monkeypatch.setattr(Context, "tokenizer", property(lambda self: tokenizer))
     monkeypatch.setattr(Context, "model", property(lambda self: tiny))
 
-    def args(share: str, magpie: str = "4"):
+    def args(share: str, magpie: str = "4", families: str = "qa,summary"):
         argv = ["prompts", "--workdir", str(tmp_path), "--magpie", magpie, "--magpie-shard", "2", "--minutes", "0"]
-        return build_parser().parse_args([*argv, "--magpie-writing", share])
+        return build_parser().parse_args([*argv, "--magpie-steered", share, "--magpie-families", families])
 
-    assert prompts_request(args("0.3"), magpie_config(args("0.3")))["magpie"]["writing_share"] == 0.3
-    assert build_parser().parse_args(["prompts", "--workdir", "w"]).magpie_writing == 0.0
-    (tmp_path / MANIFEST).write_text(json.dumps({"request": prompts_request(args("0.3"), magpie_config(args("0.3")))}))
+    request = prompts_request(args("0.3"), magpie_config(args("0.3")))
+    assert request["magpie"]["steered_share"] == 0.3 and request["magpie"]["steer_families"] == ["qa", "summary"]
+    defaults = build_parser().parse_args(["prompts", "--workdir", "w"])
+    assert (defaults.magpie_steered, defaults.magpie_families) == (0.0, "writing")
+    (tmp_path / MANIFEST).write_text(json.dumps({"request": request}))
     assert stage_prompts(Context(args("0.3")))  # already built
     assert not (tmp_path / "magpie").exists()
-    assert not stage_prompts(Context(args("0")))  # another request: rebuilding, out of time before shard 0
+    assert not stage_prompts(Context(args("0.3", families="qa")))  # another request: rebuilding, out of time
     assert list((tmp_path / "magpie").iterdir()) == []
-
-    old = prompts_request(args("0"), magpie_config(args("0")))
-    del old["magpie"]["writing_share"]  # as written before --magpie-writing existed
-    (tmp_path / MANIFEST).write_text(json.dumps({"request": old}))
-    assert stage_prompts(Context(args("0")))
-    assert not stage_prompts(Context(args("0.3")))
+    assert not stage_prompts(Context(args("0")))
 
     assert magpie_config(args("0", magpie="0")) is None
-    with pytest.raises(ValueError, match="--magpie-writing"):
+    with pytest.raises(ValueError, match="--magpie-steered"):
         magpie_config(args("0.3", magpie="0"))
-    with pytest.raises(ValueError, match="writing_share"):
+    with pytest.raises(ValueError, match="steered_share"):
         magpie_config(args("1.5"))
+    with pytest.raises(ValueError, match="steer_families"):
+        magpie_config(args("0.3", families="qa,poetry"))
+
+
+class NoItems:
+    def items(self) -> list:
+        return []
+
+
+def test_heldout_benchmark_prompts_are_never_trained_on(tokenizer, tmp_path, monkeypatch):
+    """The benchmarks' held-out prompts enter the deduplicator as eval prompts: a training prompt equal to one, or
+    near-equal (punctuation and case), is dropped as eval_overlap; another question on the same subject stays."""
+    monkeypatch.setattr(prompts, "HUMANEVAL", NoItems())  # the eval packages are not installed in CI
+    monkeypatch.setattr(prompts, "WRITINGBENCH", NoItems())
+    held = [p.text for p in read_heldout()]
+    leaves = next(t for t in held if t.startswith("Why do leaves"))
+    extra = {
+        "magpie": [
+            ("m0", leaves),
+            ("m1", leaves.upper().replace("?", "!")),
+            ("m2", "Why do some trees keep their green needles through the whole winter?"),
+            ("m3", held[-1]),
+        ]
+    }
+    manifest = build_prompts(tmp_path, tokenizer, PromptConfig(heldout=0), [], extra)
+    assert [r["id"] for r in read_jsonl(tmp_path / TRAIN_FILE)] == ["m2"]
+    assert manifest["funnel"]["magpie"]["tokens"] == 4 and manifest["funnel"]["magpie"]["eval_overlap"] == 1
+    assert manifest["counts"]["heldout_mixed"] == len(held) == 48
 
 
 def test_sample_top_p_keeps_the_nucleus():

@@ -8,13 +8,14 @@ skipped when present, so a run stopped by its time budget continues where it lef
 its own seed (derived from the config's seed, the shard and the batch), so a shard's content does not depend
 on which run wrote it.
 
-Writing shards (issue 11: WritingBench trails the other held-out sets, and few training prompts ask for writing):
-a `writing_share` of the shards, spread evenly and chosen from the config alone (MagpieConfig.steer), starts every
-user message with the opening words of a writing request ("Write a short story about", "Draft an email", "Please
-rewrite", ...; WRITING_STEERS in turn) and samples the rest, so the model writes requests for stories, poems,
-essays, emails, posts, letters, reports, product copy and edits (a
-writing assistant's system prompt steered the 135M model much less, see docs/training.md). Such a shard's file and
-rows name its steer's id; with writing_share 0 (the default) every shard, prefix and seed is as before.
+Steered shards (issues 11 and 36: the held-out categories the head accepts least are those few training prompts
+look like): a `steered_share` of the shards, spread evenly and chosen from the config alone (MagpieConfig.steer),
+starts every user message with the opening words of a request of one of `steer_families` (STEER_FAMILIES:
+writing "Write a short story about", "Draft an email", ...; qa "Why do", "How does", ...; summary "Summarize this
+article:", ...; chat "Can you suggest", "Any tips for", ...) and samples the rest, so the model writes the passage to
+summarize, the question or the piece of writing it asks for (a writing assistant's system prompt steered the 135M
+model much less, see docs/training.md). Such a shard's file and rows name its steer's id; with steered_share 0 (the
+default) every shard, prefix and seed is as before.
 """
 
 from __future__ import annotations
@@ -59,7 +60,34 @@ WRITING_STEERS = (
     Steer("writing-product", "Write a product description"),
     Steer("writing-rewrite", "Please rewrite"),
 )
-STEERS = (DEFAULT_STEER, *WRITING_STEERS)  # ids unique (tests/test_prompts.py)
+QA_STEERS = (
+    Steer("qa-why-do", "Why do"),
+    Steer("qa-how-does", "How does"),
+    Steer("qa-what-causes", "What causes"),
+    Steer("qa-why-is", "Why is"),
+    Steer("qa-how-do", "How do"),
+    Steer("qa-difference", "What is the difference between"),
+    Steer("qa-explain", "Explain how"),
+    Steer("qa-what-happens", "What happens when"),
+)
+SUMMARY_STEERS = (
+    Steer("summary-article", "Summarize this article:"),
+    Steer("summary-passage", "Summarize the following passage in a few sentences:"),
+    Steer("summary-short", "Give me a short summary of this text:"),
+    Steer("summary-email", "Summarize the following email:"),
+    Steer("summary-paragraph", "Summarize this paragraph:"),
+    Steer("summary-review", "Summarize this review:"),
+)
+CHAT_STEERS = (
+    Steer("chat-suggest", "Can you suggest"),
+    Steer("chat-tips", "Any tips for"),
+    Steer("chat-how-can-i", "How can I"),
+    Steer("chat-i-want", "I want to"),
+    Steer("chat-my", "My"),
+    Steer("chat-advice", "I need some advice"),
+)
+STEER_FAMILIES = {"writing": WRITING_STEERS, "qa": QA_STEERS, "summary": SUMMARY_STEERS, "chat": CHAT_STEERS}
+STEERS = (DEFAULT_STEER, *(st for family in STEER_FAMILIES.values() for st in family))  # ids unique (test_prompts)
 
 
 @dataclass(frozen=True)
@@ -71,15 +99,21 @@ class MagpieConfig:
     temperature: float = 1.0
     top_p: float = 0.95
     seed: int = 0
-    writing_share: float = 0.0  # share of the shards whose messages start as a WRITING_STEERS request, in [0, 1]
+    steered_share: float = 0.0  # share of the shards whose messages start with a steer's opener, in [0, 1]
+    steer_families: tuple[str, ...] = ("writing",)  # STEER_FAMILIES the steered shards take in turn
 
     def __post_init__(self) -> None:
         for name in ("count", "batch_size", "shard_size", "max_new_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         Sampling(self.temperature, self.top_p)  # raises ValueError on bad values
-        if not 0.0 <= self.writing_share <= 1.0:  # NaN fails too
-            raise ValueError(f"writing_share must be in [0, 1], got {self.writing_share}")
+        if not 0.0 <= self.steered_share <= 1.0:  # NaN fails too
+            raise ValueError(f"steered_share must be in [0, 1], got {self.steered_share}")
+        unknown = [f for f in self.steer_families if f not in STEER_FAMILIES]
+        if unknown or not self.steer_families or len(set(self.steer_families)) < len(self.steer_families):
+            raise ValueError(
+                f"steer_families must name distinct families of {', '.join(STEER_FAMILIES)}, got {self.steer_families}"
+            )
 
     def n_shards(self) -> int:
         return (self.count + self.shard_size - 1) // self.shard_size
@@ -89,18 +123,21 @@ class MagpieConfig:
         return Sampling(self.temperature, self.top_p, seed)
 
     def steer(self, k: int) -> Steer:
-        """Shard k's steer, from the share and k alone (not the count, so more shards leave the first ones as
-        they are). n(k) = floor(k * share) writing shards come before shard k; shard k is one when n(k + 1) >
-        n(k), and the i-th of them (from 0) takes WRITING_STEERS[i % 9] (9 steers); the others are plain Magpie.
-        Example, share 0.25: n(k + 1) = floor((k + 1) / 4) steps up at k = 3, 7, 11, so shards 3, 7, 11 get
-        steers 0, 1, 2 (story, poem, essay) and shards 0-2, 4-6, 8-10 the default; share 1: shard k gets steer
-        k % 9. The share is read as the decimal it prints as (0.3 -> 3/10, not the binary float just below it),
-        so 10 shards at 0.3 hold exactly 3 writing shards."""
-        share = Fraction(str(self.writing_share))
+        """Shard k's steer, from the share, the families and k alone (not the count, so more shards leave the first
+        ones as they are). n(k) = floor(k * share) steered shards come before shard k; shard k is one when
+        n(k + 1) > n(k). The i-th of them (from 0) takes family f = families[i % F] (F families) and that family's
+        steer (i // F) % len(f); the other shards are plain Magpie. Example, share 0.25, families (writing,):
+        n(k + 1) = floor((k + 1) / 4) steps up at k = 3, 7, 11, so shards 3, 7, 11 get WRITING_STEERS 0, 1, 2
+        (story, poem, essay) and shards 0-2, 4-6, 8-10 the default; families (qa, summary) at share 1: shards 0-3
+        get qa 0, summary 0, qa 1, summary 1. The share is read as the decimal it prints as (0.3 -> 3/10, not the
+        binary float just below it), so 10 shards at 0.3 hold exactly 3 steered shards."""
+        share = Fraction(str(self.steered_share))
         before = math.floor(k * share)
         if math.floor((k + 1) * share) == before:
             return DEFAULT_STEER
-        return WRITING_STEERS[before % len(WRITING_STEERS)]
+        n_families = len(self.steer_families)
+        family = STEER_FAMILIES[self.steer_families[before % n_families]]
+        return family[(before // n_families) % len(family)]
 
     def steers(self) -> list[Steer]:
         """The distinct steers of this config's shards, in order of first use."""
@@ -108,8 +145,8 @@ class MagpieConfig:
 
 
 def shard_path(outdir: Path, k: int, steer: Steer = DEFAULT_STEER) -> Path:
-    """Shard k's file; a steered shard's name holds the steer's id, so a run with another writing_share never
-    takes the shard for its own: magpie-00003.jsonl, magpie-00007-writing-poem.jsonl."""
+    """Shard k's file; a steered shard's name holds the steer's id, so a run with another steered share or
+    families never takes the shard for its own: magpie-00003.jsonl, magpie-00007-writing-poem.jsonl."""
     if steer == DEFAULT_STEER:
         return outdir / f"magpie-{k:05d}.jsonl"
     return outdir / f"magpie-{k:05d}-{steer.id}.jsonl"
@@ -127,7 +164,7 @@ def sample_shard(
     """Shard k's rows {"id", "text", "tokens", "finished"}: message k * shard_size + i for i in the shard.
     prefix: the template up to the user turn, then cfg.steer(k)'s opener (steer_prefixes); a steered message's
     text starts with the opener ("tokens" counts the sampled ones) and its row carries {"steer": the id} (the
-    default's rows are as before writing shards existed)."""
+    default's rows are as before steered shards existed)."""
     n = min(cfg.shard_size, cfg.count - k * cfg.shard_size)
     steer = cfg.steer(k)
     tag = {} if steer == DEFAULT_STEER else {"steer": steer.id}

@@ -61,11 +61,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--magpie-temperature", type=float, default=1.0)
     g.add_argument("--magpie-top-p", type=float, default=0.95)
     g.add_argument(
-        "--magpie-writing",
+        "--magpie-steered",
         type=float,
         default=0.0,
         metavar="SHARE",
-        help="share of the Magpie shards whose messages start as a writing request (0..1, default 0)",
+        help="share of the Magpie shards whose messages start with a steer's opener (0..1, default 0)",
+    )
+    g.add_argument(
+        "--magpie-families",
+        default="writing",
+        metavar="F,F",
+        help="steer families the steered shards take in turn: writing, qa, summary, chat (default writing)",
     )
     g.add_argument(
         "--seed", type=int, default=0, help="Magpie sampling, the training prompts' shuffle, generate's sampled prompts"
@@ -235,8 +241,8 @@ def magpie_config(a: argparse.Namespace) -> MagpieConfig | None:
     from training.magpie import MagpieConfig
 
     if a.magpie <= 0:
-        if a.magpie_writing > 0:
-            raise ValueError("--magpie-writing needs Magpie prompts (--magpie N)")
+        if a.magpie_steered > 0:
+            raise ValueError("--magpie-steered needs Magpie prompts (--magpie N)")
         return None
     return MagpieConfig(
         count=a.magpie,
@@ -246,26 +252,25 @@ def magpie_config(a: argparse.Namespace) -> MagpieConfig | None:
         temperature=a.magpie_temperature,
         top_p=a.magpie_top_p,
         seed=a.seed,
-        writing_share=a.magpie_writing,
+        steered_share=a.magpie_steered,
+        steer_families=tuple(f.strip() for f in a.magpie_families.split(",") if f.strip()),
     )
 
 
 def prompts_request(a: argparse.Namespace, mcfg: MagpieConfig | None) -> dict:
     """What a prompt build answers, as its manifest records it: the training sources, every Magpie setting
-    (mcfg = magpie_config(a), writing share included) and the seed. A build is reused only for an equal request."""
+    (mcfg = magpie_config(a), steers included) and the seed, as JSON reads them back (the families as a list). A
+    build is reused only for an equal request."""
     from training.sources import TRAIN_SOURCES
 
     sources = list(TRAIN_SOURCES) if a.sources == "all" else [s.strip() for s in a.sources.split(",") if s.strip()]
-    return {"sources": sources, "magpie": None if mcfg is None else asdict(mcfg), "seed": a.seed}
+    magpie = None if mcfg is None else json.loads(json.dumps(asdict(mcfg)))
+    return {"sources": sources, "magpie": magpie, "seed": a.seed}
 
 
 def built_request(manifest: Path) -> dict | None:
-    """The request a prompt build's manifest records. Manifests written before --magpie-writing existed were
-    built at share 0: their Magpie settings read as {..., "writing_share": 0.0}, so such a build still matches."""
-    request = json.loads(manifest.read_text()).get("request")
-    if request is not None and request.get("magpie") is not None:
-        request["magpie"] = {"writing_share": 0.0} | request["magpie"]
-    return request
+    """The request a prompt build's manifest records."""
+    return json.loads(manifest.read_text()).get("request")
 
 
 def stage_prompts(ctx: Context) -> bool:

@@ -3,7 +3,8 @@
 Output files in the work dir, one JSON object per line: {"id", "source", "text", "prompt_ids"} where prompt_ids
 is the chat-templated token sequence of the single user turn. The eval sets are chosen as they always were
 (ShareGPT's first `heldout` usable conversations, HumanEval, WritingBench's English queries) and enter the
-deduplicator first, so no training prompt equal or near-equal to an eval prompt survives. Training prompts
+deduplicator first, with the benchmarks' held-out prompts (bench/prompts/heldout-mixed.jsonl), so no training
+prompt equal or near-equal to an eval or held-out prompt survives. Training prompts
 then pass the quality filters (training/filters.py), the token bound and deduplication, source by source in
 priority order; the manifest counts each source's prompts left after each step (STEPS).
 """
@@ -18,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from bench.load import CATEGORIES
+from bench.load import read_prompts as read_heldout  # the benchmarks' reader of their one format
 from training.dedup import DedupConfig, Deduplicator
 from training.filters import FILTERS, FilterConfig, is_english
 from training.sources import HUMANEVAL, SHAREGPT, TRAIN_SOURCES, WRITINGBENCH, Item, package_versions
@@ -145,8 +147,9 @@ def build_prompts(
     humaneval = list(encode("humaneval", HUMANEVAL.items()))
     writing = list(encode("writingbench", WRITINGBENCH.items()))
     dedup = Deduplicator(cfg.dedup)
-    for row in heldout + humaneval + writing:
-        dedup.add(row["text"], EVAL_LABEL)
+    benches = [p.text for p in read_heldout()]  # the held-out prompts the head's acceptance is measured on
+    for text in [row["text"] for row in heldout + humaneval + writing] + benches:
+        dedup.add(text, EVAL_LABEL)
 
     names = [s for s in TRAIN_SOURCES if s in set(sources)]
     streams = [(s, sharegpt if s == "sharegpt" else TRAIN_SOURCES[s].items()) for s in names]
@@ -173,6 +176,7 @@ def build_prompts(
             "sharegpt_heldout": len(heldout),
             "humaneval": len(humaneval),
             "writingbench": len(writing),
+            "heldout_mixed": len(benches),
         },
         **(meta or {}),
     }
@@ -184,7 +188,6 @@ def build_prompts(
 def heldout_prompts(tokenizer) -> dict[str, list[list[int]]]:
     """bench/prompts/heldout-mixed.jsonl's prompts as evaluation sets: {"heldout-CATEGORY": [prompt ids]}, each one
     user message in the chat template (as the gateway sends it), in the file's order within a category."""
-    from bench.load import read_prompts as read_heldout  # the benchmarks' reader of that file (its one format)
 
     sets: dict[str, list[list[int]]] = {f"heldout-{c}": [] for c in CATEGORIES}
     for p in read_heldout():
