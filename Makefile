@@ -10,7 +10,7 @@ BENCH_OUT ?= bench-results
 LOAD_ARGS ?=
 export GATEWAY_ADDR
 
-.PHONY: setup stubs run serve test test-gpu lint bench bench-steps bench-engine bench-load bench-sampling clean
+.PHONY: setup stubs run serve test test-gpu lint bench bench-steps bench-engine bench-load bench-sampling bench-accept clean
 
 setup: $(STAMP) $(STUBS)
 
@@ -77,6 +77,11 @@ bench-load: setup
 ## make bench-sampling (GPU): mean acceptance length of both sampling rules at temperature 0.7 and 1.0
 bench-sampling: setup
 	$(PY) -m bench.sampling_accept --device cuda --prompts 48 --max-new-tokens 128 --out $(BENCH_OUT)/sampling
+
+## make bench-accept (GPU): the draft head's mean acceptance per held-out category through the public API, 6x60
+##   pinned, 256 tokens, temperature 0 and 0.7; ACCEPT_ARGS="--head DIR" measures another head
+bench-accept: setup
+	$(PY) -m bench.accept --out $(BENCH_OUT)/accept $(ACCEPT_ARGS)
 
 clean:
 	rm -rf specdec $(VENV) .pytest_cache

@@ -546,7 +546,7 @@ def ghz_version(ghz: str) -> str:
     return (done.stdout + done.stderr).strip()
 
 
-def _git_commit(checkout: Path) -> str:
+def git_commit(checkout: Path) -> str:
     done = subprocess.run(["git", "-C", str(checkout), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     return done.stdout.strip() if done.returncode == 0 else "unknown"
 
@@ -613,7 +613,7 @@ def main(argv: list[str] | None = None) -> int:
             proc = StackProcess(a.checkout.resolve(), a.python, ["--device", a.device, *a.stack_arg], out / "stack.log")
             stack.callback(proc.stop)
             gateway = proc.start(a.start_timeout)
-            commit = _git_commit(proc.checkout)
+            commit = git_commit(proc.checkout)
             stack_line = (
                 f"`python {shlex.join(proc.command[1:])}` in {proc.checkout} (commit {commit}), log in stack.log"
             )

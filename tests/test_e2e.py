@@ -145,3 +145,27 @@ def test_chunked_prefill_and_the_draft_in_the_verifiers_process_equal_plain_gree
 def _sample(metrics: str, name: str) -> float:
     """A sample's value in a Prometheus exposition."""
     return float(next(line for line in metrics.splitlines() if line.startswith(name)).rsplit(" ", 1)[1])
+
+
+def test_bench_accept_through_the_stack(stack, tmp_path):
+    """bench.accept against the stack: the first two held-out mixed prompts (a chat and a code one), greedy and at
+    temperature 0.7, 6 tokens each, the 6x60 tree pinned: every request speculates, each asked category's pooled
+    acceptance lies in [1, 7] (a 6-level tree commits at most 7 tokens a round), the others have none, and the
+    JSON holds every answer."""
+    from bench import accept
+
+    argv = ["--gateway", stack.gateway, "--prompts", "2", "--max-tokens", "6", "--out", str(tmp_path)]
+    assert accept.main(argv) == 0
+    result = json.loads((tmp_path / "accept.json").read_text())
+    answers = result["answers"]
+    assert [(a["category"], a["temperature"]) for a in answers] == [
+        ("chat", 0),
+        ("code", 0),
+        ("chat", 0.7),
+        ("code", 0.7),
+    ]
+    assert all(a["rounds"] >= 1 and 1 <= a["tokens"] <= 6 for a in answers), answers
+    for figures in result["figures"].values():
+        assert all(1.0 <= figures[c] <= 7.0 for c in ("chat", "code", "all")), figures
+        assert all(figures[c] is None for c in ("math", "qa", "summarization", "writing")), figures
+    assert "| 0.7 |" in (tmp_path / "accept.md").read_text()

@@ -1,0 +1,183 @@
+"""Mean acceptance length per held-out category, through the public API: what a draft head buys users.
+
+    python -m bench.accept --out DIR                              # starts `python -m services.stack --device cuda`
+    python -m bench.accept --out DIR --head W/head                # the stack with another EAGLE-3 head
+    python -m bench.accept --gateway 127.0.0.1:50051 --out DIR    # a gateway that is already serving
+
+Each prompt of bench/prompts/heldout-mixed.jsonl (eight each of chat, code, math, QA, summarization and writing,
+never trained on: the deduplicator of training/prompts.py drops training prompts equal or near-equal to them) is
+sent once, one request at a time, with the tree pinned (--tree, default 6x60: the drafter's top-k 10, depth 6,
+60 nodes), max_tokens 256, stopped by EOS, at each --temperatures entry (0: greedy; otherwise top-p --top-p and
+seed = the prompt's index). A request's answer says its verification rounds and mean acceptance length (committed
+tokens per round, the bonus token included); a category's figure pools its requests' rounds: the sum of
+acceptance x rounds over the sum of rounds, i.e. committed tokens per round. "all" pools every category.
+Writes DIR/accept.json (every request's tokens, rounds and acceptance, the table, GetModelInfo) and DIR/accept.md
+(also printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import shlex
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from bench.load import CATEGORIES, PROMPTS, ROOT, Client, Prompt, StackProcess, git_commit, read_prompts
+
+log = logging.getLogger("bench.accept")
+ALL = "all"
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One request's outcome: its prompt's category, the temperature, and what the API answered."""
+
+    category: str
+    temperature: float
+    tokens: int
+    finish: str
+    rounds: int
+    acceptance: float  # committed tokens per round (0 when rounds is 0)
+
+
+def parse_tree(text: str) -> dict:
+    """'6x60' -> {"depth": 6, "nodes": 60} (the API's tree field)."""
+    depth, _, nodes = text.partition("x")
+    if not (depth.isdigit() and nodes.isdigit()) or int(depth) < 1 or int(nodes) < int(depth):
+        raise argparse.ArgumentTypeError(f"--tree takes DEPTHxNODES with nodes >= depth >= 1, got {text!r}")
+    return {"depth": int(depth), "nodes": int(nodes)}
+
+
+def message(prompt: Prompt, index: int, tree: dict, temperature: float, top_p: float, max_tokens: int) -> dict:
+    """The request for one prompt (field names as in generation.proto): greedy at temperature 0, else sampled with
+    top-p and seed = the prompt's index."""
+    m = {"messages": [{"role": "user", "content": prompt.text}], "max_tokens": max_tokens, "tree": dict(tree)}
+    if temperature > 0:
+        m |= {"temperature": temperature, "top_p": top_p, "seed": index}
+    return m
+
+
+def pooled(answers: list[Answer]) -> float | None:
+    """Committed tokens per round over the answers' rounds together (None without a round):
+    acceptance 4.0 over 10 rounds and 2.0 over 30 -> (40 + 60) / 40 = 2.5."""
+    rounds = sum(a.rounds for a in answers)
+    return sum(a.acceptance * a.rounds for a in answers) / rounds if rounds else None
+
+
+def table(answers: list[Answer]) -> dict[float, dict[str, float | None]]:
+    """{temperature: {category: pooled acceptance, ..., "all": over every category}}, in CATEGORIES' order."""
+    out: dict[float, dict[str, float | None]] = {}
+    for t in dict.fromkeys(a.temperature for a in answers):
+        at = [a for a in answers if a.temperature == t]
+        out[t] = {c: pooled([a for a in at if a.category == c]) for c in CATEGORIES} | {ALL: pooled(at)}
+    return out
+
+
+def markdown(figures: dict[float, dict[str, float | None]], answers: list[Answer], meta: dict) -> str:
+    cols = [*CATEGORIES, ALL]
+    lines = [
+        f"# Acceptance per category: {meta['title']}",
+        "",
+        f"`{meta['command']}`; {meta['stack']}. Mean acceptance length (committed tokens per verification round, the",
+        "bonus token included), each category's requests' rounds pooled.",
+        "",
+        "| temperature | " + " | ".join(cols) + " | rounds | tokens |",
+        "|---:|" + "---:|" * (len(cols) + 2),
+    ]
+    for t, row in figures.items():
+        at = [a for a in answers if a.temperature == t]
+        cells = ["-" if row[c] is None else f"{row[c]:.2f}" for c in cols]
+        lines.append(
+            f"| {t:g} | " + " | ".join(cells) + f" | {sum(a.rounds for a in at)} | {sum(a.tokens for a in at)} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def ask(client: Client, prompts: list[Prompt], args: argparse.Namespace) -> list[Answer]:
+    answers = []
+    for t in args.temperatures:
+        start = time.monotonic()
+        for i, p in enumerate(prompts):
+            r = client.complete(message(p, i, args.tree, t, args.top_p, args.max_tokens), args.request_timeout)
+            answers.append(Answer(p.category, t, r["tokens"], r["finish"], r["rounds"], r["acceptance"]))
+        log.info("temperature %g: %d requests in %.1f s", t, len(prompts), time.monotonic() - start)
+    return answers
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.accept", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--out", default="bench-results/accept")
+    p.add_argument("--gateway", default=None, help="HOST:PORT of a gateway already serving (no stack started)")
+    p.add_argument("--checkout", type=Path, default=ROOT, help="start the stack of this checkout (default: this one)")
+    p.add_argument("--python", default=sys.executable, help="the interpreter that runs the stack")
+    p.add_argument("--device", default="cuda", help="the stack's --device")
+    p.add_argument("--head", default="", help="the draft's EAGLE-3 head folder (default: the shipped one)")
+    p.add_argument("--stack-arg", action="append", default=[], metavar="ARG", help="one more services.stack flag")
+    p.add_argument("--start-timeout", type=float, default=600.0, help="seconds for the stack to serve")
+    p.add_argument("--tree", type=parse_tree, default=parse_tree("6x60"), help="the pinned tree, DEPTHxNODES")
+    p.add_argument("--temperatures", default="0,0.7", help="comma-separated; 0 is greedy")
+    p.add_argument("--top-p", type=float, default=0.9, help="top-p of the sampled requests")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--prompts-file", type=Path, default=PROMPTS)
+    p.add_argument("--prompts", type=int, default=None, help="the first N prompts only (interleaved by category)")
+    p.add_argument("--request-timeout", type=float, default=300.0, help="seconds a request")
+    a = p.parse_args(argv)
+    try:
+        a.temperatures = [float(t) for t in a.temperatures.split(",") if t.strip()]
+    except ValueError:
+        p.error(f"--temperatures takes comma-separated numbers, got {a.temperatures!r}")
+    if not a.temperatures or min(a.temperatures) < 0 or a.max_tokens < 1:
+        p.error("--temperatures takes numbers >= 0 (at least one), --max-tokens a positive integer")
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    prompts = read_prompts(a.prompts_file)[: a.prompts]
+    with contextlib.ExitStack() as stack:
+        if a.gateway:
+            gateway, stack_line = a.gateway, f"a running gateway at {a.gateway}"
+        else:
+            args = ["--device", a.device, *([f"--draft-arg=--head={a.head}"] if a.head else []), *a.stack_arg]
+            proc = StackProcess(a.checkout.resolve(), a.python, args, out / "stack.log")
+            stack.callback(proc.stop)
+            gateway = proc.start(a.start_timeout)
+            commit = git_commit(proc.checkout)
+            stack_line = f"`python {shlex.join(proc.command[1:])}` in {proc.checkout} (commit {commit})"
+        client = Client(gateway)
+        stack.callback(client.close)
+        info = client.model_info()
+        answers = ask(client, prompts, a)
+    figures = table(answers)
+    meta = {
+        "title": f"{info.get('device', '?')}, {info.get('dtype', '?')}, {len(prompts)} held-out prompts, "
+        f"tree {a.tree['depth']}x{a.tree['nodes']} pinned, max_tokens {a.max_tokens}, EOS stops, one at a time",
+        "command": "python -m bench.accept " + shlex.join(argv if argv is not None else sys.argv[1:]),
+        "stack": stack_line,
+        "head": a.head or "the shipped head (models/eagle3-smollm2)",
+        "model_info": info,
+    }
+    md = markdown(figures, answers, meta)
+    (out / "accept.md").write_text(md)
+    result = {
+        "meta": meta,
+        "figures": {f"{t:g}": row for t, row in figures.items()},
+        "answers": [asdict(x) for x in answers],
+    }
+    (out / "accept.json").write_text(json.dumps(result, indent=1) + "\n")
+    sys.stdout.write(md)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
