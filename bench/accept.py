@@ -27,7 +27,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench.load import CATEGORIES, PROMPTS, ROOT, Client, Prompt, StackProcess, git_commit, read_prompts
+from bench.load import CATEGORIES, PROMPTS, Client, Prompt, open_gateway, read_prompts, stack_options
 
 log = logging.getLogger("bench.accept")
 ALL = "all"
@@ -114,13 +114,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         prog="python -m bench.accept", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--out", default="bench-results/accept")
-    p.add_argument("--gateway", default=None, help="HOST:PORT of a gateway already serving (no stack started)")
-    p.add_argument("--checkout", type=Path, default=ROOT, help="start the stack of this checkout (default: this one)")
-    p.add_argument("--python", default=sys.executable, help="the interpreter that runs the stack")
-    p.add_argument("--device", default="cuda", help="the stack's --device")
+    stack_options(p)
     p.add_argument("--head", default="", help="the draft's EAGLE-3 head folder (default: the shipped one)")
-    p.add_argument("--stack-arg", action="append", default=[], metavar="ARG", help="one more services.stack flag")
-    p.add_argument("--start-timeout", type=float, default=600.0, help="seconds for the stack to serve")
     p.add_argument("--tree", type=parse_tree, default=parse_tree("6x60"), help="the pinned tree, DEPTHxNODES")
     p.add_argument("--temperatures", default="0,0.7", help="comma-separated; 0 is greedy")
     p.add_argument("--top-p", type=float, default=0.9, help="top-p of the sampled requests")
@@ -145,15 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     prompts = read_prompts(a.prompts_file)[: a.prompts]
     with contextlib.ExitStack() as stack:
-        if a.gateway:
-            gateway, stack_line = a.gateway, f"a running gateway at {a.gateway}"
-        else:
-            args = ["--device", a.device, *([f"--draft-arg=--head={a.head}"] if a.head else []), *a.stack_arg]
-            proc = StackProcess(a.checkout.resolve(), a.python, args, out / "stack.log")
-            stack.callback(proc.stop)
-            gateway = proc.start(a.start_timeout)
-            commit = git_commit(proc.checkout)
-            stack_line = f"`python {shlex.join(proc.command[1:])}` in {proc.checkout} (commit {commit})"
+        gateway, stack_line = open_gateway(a, out, stack, (f"--draft-arg=--head={a.head}",) if a.head else ())
         client = Client(gateway)
         stack.callback(client.close)
         info = client.model_info()

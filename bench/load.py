@@ -551,12 +551,8 @@ def git_commit(checkout: Path) -> str:
     return done.stdout.strip() if done.returncode == 0 else "unknown"
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m bench.load", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--out", default="bench-results/load")
-    p.add_argument("--ghz", default=None, help="the ghz binary (default: $GHZ, ghz on PATH, ../shared/tools/ghz)")
+def stack_options(p: argparse.ArgumentParser) -> None:
+    """The options of a bench that starts the stack of a checkout, or takes a gateway already serving."""
     p.add_argument("--gateway", default=None, help="HOST:PORT of a gateway already serving (no stack started)")
     p.add_argument("--checkout", type=Path, default=ROOT, help="start the stack of this checkout (default: this one)")
     p.add_argument("--python", default=sys.executable, help="the interpreter that runs the stack")
@@ -569,6 +565,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="one more flag for services.stack, repeatable (--stack-arg=--colocate=off)",
     )
     p.add_argument("--start-timeout", type=float, default=600.0, help="seconds for the stack to serve")
+
+
+def open_gateway(
+    a: argparse.Namespace, out: Path, stack: contextlib.ExitStack, extra: tuple[str, ...] = ()
+) -> tuple[str, str]:
+    """a.gateway (stack_options), or the stack of a.checkout started with --device, `extra` and the --stack-arg
+    flags, its output in out/stack.log, stopped when `stack` closes: (the gateway, a line saying which stack)."""
+    if a.gateway:
+        return a.gateway, f"a running gateway at {a.gateway}"
+    args = ["--device", a.device, *extra, *a.stack_arg]
+    proc = StackProcess(a.checkout.resolve(), a.python, args, out / "stack.log")
+    stack.callback(proc.stop)
+    gateway = proc.start(a.start_timeout)
+    commit = git_commit(proc.checkout)
+    return gateway, f"`python {shlex.join(proc.command[1:])}` in {proc.checkout} (commit {commit}), log in stack.log"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.load", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--out", default="bench-results/load")
+    p.add_argument("--ghz", default=None, help="the ghz binary (default: $GHZ, ghz on PATH, ../shared/tools/ghz)")
+    stack_options(p)
     p.add_argument("--concurrency", default="1,16,64,1", help="the phases' concurrency, in order")
     p.add_argument("--kinds", default=",".join(GREEDY), help=f"of {', '.join(KINDS)}")
     p.add_argument("--sampled", action="store_true", help="add " + " and ".join(SAMPLED))
@@ -607,16 +627,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = schedule(a.concurrency, a.kinds, len(prompts), a.requests)
     binary = find_ghz(a.ghz)
     with contextlib.ExitStack() as stack:
-        if a.gateway:
-            gateway, stack_line = a.gateway, f"a running gateway at {a.gateway}"
-        else:
-            proc = StackProcess(a.checkout.resolve(), a.python, ["--device", a.device, *a.stack_arg], out / "stack.log")
-            stack.callback(proc.stop)
-            gateway = proc.start(a.start_timeout)
-            commit = git_commit(proc.checkout)
-            stack_line = (
-                f"`python {shlex.join(proc.command[1:])}` in {proc.checkout} (commit {commit}), log in stack.log"
-            )
+        gateway, stack_line = open_gateway(a, out, stack)
         ghz = Ghz(binary, gateway, a.request_timeout, a.run_timeout, a.connections)
         client = Client(gateway)
         stack.callback(client.close)
