@@ -543,8 +543,8 @@ class NoItems:
 def test_heldout_benchmark_prompts_are_never_trained_on(tokenizer, tmp_path, monkeypatch):
     """The benchmarks' held-out prompts enter the deduplicator as eval prompts: a training prompt equal to one, or
     near-equal (punctuation and case), is dropped as eval_overlap; another question on the same subject stays."""
-    monkeypatch.setattr(prompts, "HUMANEVAL", NoItems())  # the eval packages are not installed in CI
-    monkeypatch.setattr(prompts, "WRITINGBENCH", NoItems())
+    for source in ("SHAREGPT", "HUMANEVAL", "WRITINGBENCH"):  # the source packages are not installed in CI
+        monkeypatch.setattr(prompts, source, NoItems())
     held = [p.text for p in read_heldout()]
     leaves = next(t for t in held if t.startswith("Why do leaves"))
     extra = {
