@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bench.load import CATEGORIES, PROMPTS, Client, Prompt, open_gateway, read_prompts, stack_options
+from common.policy import Shape
 
 log = logging.getLogger("bench.accept")
 ALL = "all"
@@ -45,18 +46,22 @@ class Answer:
     acceptance: float  # committed tokens per round (0 when rounds is 0)
 
 
-def parse_tree(text: str) -> dict:
-    """'6x60' -> {"depth": 6, "nodes": 60} (the API's tree field)."""
-    depth, _, nodes = text.partition("x")
-    if not (depth.isdigit() and nodes.isdigit()) or int(depth) < 1 or int(nodes) < int(depth):
+def parse_tree(text: str) -> Shape:
+    """--tree's value: a tree shape, Shape.parse's DEPTHxNODES ('6x60' -> Shape(6, 60)); plain refused."""
+    try:
+        shape = Shape.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"--tree takes DEPTHxNODES with nodes >= depth >= 1: {e}") from None
+    if shape.plain:
         raise argparse.ArgumentTypeError(f"--tree takes DEPTHxNODES with nodes >= depth >= 1, got {text!r}")
-    return {"depth": int(depth), "nodes": int(nodes)}
+    return shape
 
 
-def message(prompt: Prompt, index: int, tree: dict, temperature: float, top_p: float, max_tokens: int) -> dict:
+def message(prompt: Prompt, index: int, tree: Shape, temperature: float, top_p: float, max_tokens: int) -> dict:
     """The request for one prompt (field names as in generation.proto): greedy at temperature 0, else sampled with
     top-p and seed = the prompt's index."""
-    m = {"messages": [{"role": "user", "content": prompt.text}], "max_tokens": max_tokens, "tree": dict(tree)}
+    m = {"messages": [{"role": "user", "content": prompt.text}], "max_tokens": max_tokens}
+    m["tree"] = {"depth": tree.depth, "nodes": tree.nodes}
     if temperature > 0:
         m |= {"temperature": temperature, "top_p": top_p, "seed": index}
     return m
@@ -148,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     figures = table(answers)
     meta = {
         "title": f"{info.get('device', '?')}, {info.get('dtype', '?')}, {len(prompts)} held-out prompts, "
-        f"tree {a.tree['depth']}x{a.tree['nodes']} pinned, max_tokens {a.max_tokens}, EOS stops, one at a time",
+        f"tree {a.tree} pinned, max_tokens {a.max_tokens}, EOS stops, one at a time",
         "command": "python -m bench.accept " + shlex.join(argv if argv is not None else sys.argv[1:]),
         "stack": stack_line,
         "head": a.head or "the shipped head (models/eagle3-smollm2)",
