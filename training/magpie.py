@@ -8,14 +8,13 @@ skipped when present, so a run stopped by its time budget continues where it lef
 its own seed (derived from the config's seed, the shard and the batch), so a shard's content does not depend
 on which run wrote it.
 
-Steered shards (issues 11 and 36: the held-out categories the head accepts least are those few training prompts
-look like): a `steered_share` of the shards, spread evenly and chosen from the config alone (MagpieConfig.steer),
-starts every user message with the opening words of a request of one of `steer_families` (STEER_FAMILIES:
-writing "Write a short story about", "Draft an email", ...; qa "Why do", "How does", ...; summary "Summarize this
-article:", ...; chat "Can you suggest", "Any tips for", ...) and samples the rest, so the model writes the passage to
-summarize, the question or the piece of writing it asks for (a writing assistant's system prompt steered the 135M
-model much less, see docs/training.md). Such a shard's file and rows name its steer's id; with steered_share 0 (the
-default) every shard, prefix and seed is as before.
+Steered shards (for the held-out categories the head accepts least, whose kind of prompt the other sources rarely
+hold): a `steered_share` of the shards, spread evenly and chosen from the config alone (MagpieConfig.steer), starts
+every user message with the opening words of a request of one of `steer_families` (STEER_FAMILIES: writing "Write a
+short story about", "Draft an email", ...; qa "Why do", "How does", ...; summary "Summarize this article:", ...; chat
+"Can you suggest", "Any tips for", ...) and samples the rest, so the model writes the passage to summarize, the
+question or the piece of writing it asks for. Such a shard's file and rows name its steer's id; at steered_share 0
+(the default) every shard is a plain Magpie shard.
 """
 
 from __future__ import annotations
