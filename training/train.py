@@ -237,7 +237,7 @@ def optimize_step(
             cfg.ttt_steps,
             cfg.step_weight,
             attention=attention,
-            compile=cfg.compile,
+            compile=cfg.compile and device.type == "cuda",  # CPU runs eagerly: compiling costs it minutes
         )
     opt.zero_grad(set_to_none=True)
     res.loss.backward()

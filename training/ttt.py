@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+import torch.fx.experimental._config as fx_config
 
 from common.kernels import TTTPlan
 from common.model.eagle3 import Eagle3Head
@@ -162,15 +163,30 @@ def soft_cross_entropy(
     return (ce * pmask).sum() / pmask.sum().clamp(min=1.0)
 
 
+def compile_step(backend="inductor"):
+    """ttt_step through torch.compile with dynamic shapes: one graph per TTT step j whatever the batch and length
+    (not one per padded length; static shapes gave wrong gradients, see common.kernels.ttt.rope_attention).
+    Traced with duck sizing off: by default dynamo assumes that dimensions of equal size at tracing are equal
+    symbols and guards on it, so a batch whose size matched an unrelated dimension (a batch of 2 and the K/V pair,
+    64 rows and the head dimension) compiled all the steps again when the next batch differed; on an H200 a
+    training stage hit dynamo's recompile limit (8) on its second batch and ran the rest eagerly."""
+    step = torch.compile(ttt_step, dynamic=True, backend=backend)
+
+    @functools.wraps(ttt_step)
+    def run(*args):
+        with fx_config.patch(use_duck_shape=False):  # read when a call traces: compiled graphs are unaffected
+            return step(*args)
+
+    return run
+
+
 @functools.cache
 def compiled_step():
-    """ttt_step compiled by TorchInductor, for CUDA: the norms, RoPE, SwiGLU, casts, the TTT attention's
-    diagonal and merge (common.kernels.ttt) and the vocabulary-wide loss become a few fused kernels.
-    dynamic=True: one graph per TTT step j whatever the batch and length (not one per padded length; static
-    shapes gave wrong gradients, see common.kernels.ttt.rope_attention). Built on first use (importing
-    the compiler costs a CPU process time); compiling costs about two minutes once per process (134 s for 6
-    steps on an H100; dynamo's recompile limit, 8, caps the steps it compiles: more run eagerly)."""
-    return torch.compile(ttt_step, dynamic=True)
+    """compile_step() by TorchInductor, for CUDA: the norms, RoPE, SwiGLU, casts, the TTT attention's diagonal
+    and merge (common.kernels.ttt) and the vocabulary-wide loss become a few fused kernels. Built on first use
+    (importing the compiler costs a CPU process time); compiling costs a few minutes once per process (134 s for
+    6 steps on an H100, 175 s on an H200: training.ttt_step's warm-up at batch 64 x 1024)."""
+    return compile_step()
 
 
 def ttt_forward(
@@ -184,11 +200,11 @@ def ttt_forward(
     compile: bool = False,
 ) -> TTTResult:
     """embeds [B, T, H] = embed(x_{r+1}); aux [B, T, 3H_target] = a_r. Returns the weighted loss.
-    compile: run ttt_step through torch.compile when on CUDA (the same function; CPU runs it eagerly)."""
+    compile: each step through compiled_step() (the same function compiled; the caller decides, on CUDA)."""
     b, t, _ = embeds.shape
     device = embeds.device
     c = head.cfg
-    step_fn = compiled_step() if compile and device.type == "cuda" else ttt_step
+    step_fn = compiled_step() if compile else ttt_step
     cache_dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     cache = KVCache.allocate(1, b, attention.cache_len(t, steps), c.num_kv_heads, c.head_dim, cache_dtype, device)
     kv: list[torch.Tensor] = []  # FusedAttention: each step's K/V [B, T, 2, KVH, D], appended by its forward
