@@ -466,7 +466,7 @@ def count_tokens(client: Client, data: dict[str, list[dict]], timeout: float) ->
     return counted
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """In the stack's process, before exec: SIGTERM when this process dies (Linux; elsewhere a no-op)."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
@@ -495,7 +495,7 @@ class StackProcess:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
             )
         log.info(
             "started %s in %s (gateway %s), waiting for SERVING", shlex.join(self.command), self.checkout, self.gateway
