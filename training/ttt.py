@@ -167,9 +167,9 @@ def compile_step(backend="inductor"):
     """ttt_step through torch.compile with dynamic shapes: one graph per TTT step j whatever the batch and length
     (not one per padded length; static shapes gave wrong gradients, see common.kernels.ttt.rope_attention).
     Traced with duck sizing off: by default dynamo assumes that dimensions of equal size at tracing are equal
-    symbols and guards on it, so a batch whose size matched an unrelated dimension (a batch of 2 and the K/V pair,
-    64 rows and the head dimension) compiled all the steps again when the next batch differed; on an H200 a
-    training stage hit dynamo's recompile limit (8) on its second batch and ran the rest eagerly."""
+    symbols and guards on it, so a batch whose size matched an unrelated dimension (on CPU 2 rows and the K/V pair's
+    2) compiled all the steps again when the next batch differed; on an H200 a training stage hit dynamo's
+    recompile limit (8) on its second batch and ran the rest eagerly."""
     step = torch.compile(ttt_step, dynamic=True, backend=backend)
 
     @functools.wraps(ttt_step)
