@@ -361,7 +361,7 @@ def test_magpie_shards_resume(tiny, tmp_path):
 
 
 # ---- Magpie steered shards ----
-def writing_ids(cfg: MagpieConfig, n: int) -> dict[int, str]:
+def steered_ids(cfg: MagpieConfig, n: int) -> dict[int, str]:
     """{shard: steer id} of the shards among 0..n-1 that are steered."""
     return {k: cfg.steer(k).id for k in range(n) if cfg.steer(k) != DEFAULT_STEER}
 
@@ -369,10 +369,10 @@ def writing_ids(cfg: MagpieConfig, n: int) -> dict[int, str]:
 def test_writing_shards_by_hand():
     # share 0.25: floor(k * 0.25) = 0 0 0 0 1 1 1 1 2 for k = 0..8 steps up after shards 3 and 7
     cfg = MagpieConfig(count=8 * 16, shard_size=16, steered_share=0.25)
-    assert writing_ids(cfg, 8) == {3: "writing-story", 7: "writing-poem"}
+    assert steered_ids(cfg, 8) == {3: "writing-story", 7: "writing-poem"}
     assert cfg.steers() == [DEFAULT_STEER, WRITING_STEERS[0], WRITING_STEERS[1]]
     # the count does not move them: 100 shards keep shards 3 and 7, then 11, 15, ...
-    assert writing_ids(MagpieConfig(count=100 * 16, shard_size=16, steered_share=0.25), 16) == {
+    assert steered_ids(MagpieConfig(count=100 * 16, shard_size=16, steered_share=0.25), 16) == {
         3: "writing-story",
         7: "writing-poem",
         11: "writing-essay",
@@ -380,14 +380,14 @@ def test_writing_shards_by_hand():
     }
     # share 0.3, read as 3/10: floor(0.3 k) = 0 0 0 0 1 1 1 2 2 2 3 for k = 0..10 -> shards 3, 6, 9 (the binary
     # float 0.3 is just below 3/10: floor(10 x it) would be 2 and shard 9 would not be one)
-    assert list(writing_ids(MagpieConfig(count=10, shard_size=1, steered_share=0.3), 10)) == [3, 6, 9]
+    assert list(steered_ids(MagpieConfig(count=10, shard_size=1, steered_share=0.3), 10)) == [3, 6, 9]
     # share 1: every shard, the 9 steers in turn (shard 9 starts again with the story)
     every = MagpieConfig(count=10, shard_size=1, steered_share=1.0)
-    assert writing_ids(every, 10) == {k: WRITING_STEERS[k % 9].id for k in range(10)}
-    assert writing_ids(every, 10)[9] == "writing-story"
+    assert steered_ids(every, 10) == {k: WRITING_STEERS[k % 9].id for k in range(10)}
+    assert steered_ids(every, 10)[9] == "writing-story"
     # share 0: plain Magpie everywhere, files named as before
     none = MagpieConfig(count=8, shard_size=1)
-    assert none.steered_share == 0.0 and writing_ids(none, 8) == {} and none.steers() == [DEFAULT_STEER]
+    assert none.steered_share == 0.0 and steered_ids(none, 8) == {} and none.steers() == [DEFAULT_STEER]
     assert shard_path(Path("m"), 3) == shard_path(Path("m"), 3, DEFAULT_STEER) == Path("m/magpie-00003.jsonl")
     assert shard_path(Path("m"), 7, WRITING_STEERS[1]) == Path("m/magpie-00007-writing-poem.jsonl")
 
@@ -405,7 +405,7 @@ def test_families_take_turns_by_hand():
         SUMMARY_STEERS[2],
     ]
     half = MagpieConfig(count=8, shard_size=1, steered_share=0.5, steer_families=("qa", "summary"))
-    assert writing_ids(half, 8) == {1: "qa-why-do", 3: "summary-article", 5: "qa-how-does", 7: "summary-passage"}
+    assert steered_ids(half, 8) == {1: "qa-why-do", 3: "summary-article", 5: "qa-how-does", 7: "summary-passage"}
     # a family runs round: steered shard 16 of (qa, summary) is qa's ninth, its 8 steers wrapped to the first
     assert both.steer(16) == QA_STEERS[0] and both.steer(17) == SUMMARY_STEERS[8 % 6]
     assert MagpieConfig(count=1).steer_families == ("writing",)  # the default: writing shards as before
@@ -430,7 +430,7 @@ def test_steered_share_validates(share):
         MagpieConfig(count=1, steered_share=share)
 
 
-def test_writing_prefix_is_the_turn_prefix_and_the_opener(tokenizer):
+def test_steer_prefix_is_the_turn_prefix_and_the_opener(tokenizer):
     """A steer's prefix is the template up to the user turn and its opener's tokens: the start of the chat whose
     user message begins with the opener (what the training prompt built from the message will be)."""
     turn = tokenizer.encode_turn_prefix("user")

@@ -188,7 +188,6 @@ def build_prompts(
 def heldout_prompts(tokenizer) -> dict[str, list[list[int]]]:
     """bench/prompts/heldout-mixed.jsonl's prompts as evaluation sets: {"heldout-CATEGORY": [prompt ids]}, each one
     user message in the chat template (as the gateway sends it), in the file's order within a category."""
-
     sets: dict[str, list[list[int]]] = {f"heldout-{c}": [] for c in CATEGORIES}
     for p in read_heldout():
         sets[f"heldout-{p.category}"].append(tokenizer.encode_chat([("user", p.text)]))
