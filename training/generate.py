@@ -23,6 +23,7 @@ import torch
 from common.config import SamplingConfig
 from common.engine.base import PrefillInput
 from common.model.llama import Batch, KVCache, LlamaModel
+from training.parallel import Part
 
 log = logging.getLogger(__name__)
 GEN_DIR = "gen"  # a workdir's regenerated responses: gen-KKKKK.npz shards and DONE
@@ -278,12 +279,19 @@ def load_sequences(gendir: Path) -> Sequences:
 
 
 def missing_shards(
-    paths: list[Path], deadline: float | None, stage: str, check: Callable[[int, Path], None] | None = None
+    paths: list[Path],
+    deadline: float | None,
+    stage: str,
+    check: Callable[[int, Path], None] | None = None,
+    part: Part | None = None,
 ) -> Iterator[tuple[int, Path]]:
     """(k, path) of the shards not written yet, in order, until the time budget is spent; the stage is finished
     when every path exists afterwards (finished shards are never redone: that is what makes stages resumable).
-    check(k, path) is called for each shard found (it raises when the shard is not what shard k would be)."""
+    check(k, path) is called for each shard found (it raises when the shard is not what shard k would be).
+    part: only the shards it owns (another process writes the others): 5 paths, Part(1, 2) -> shards 1 and 3."""
     for k, path in enumerate(paths):
+        if part is not None and not part.owns(k):
+            continue
         if path.exists():
             if check is not None:
                 check(k, path)
@@ -300,11 +308,12 @@ def generate_stage(
     outdir: Path,
     cfg: GenerateConfig,
     deadline: float | None = None,
+    part: Part | None = None,
 ) -> bool:
     """Generate responses (generate(prompts, sampling) -> responses, sampling[i] = row_sampling of prompt i's row)
     shard by shard, skipping finished shards; a shard found must hold shard k's prompts (ids) answered as cfg says
     (temperatures), else ValueError, so that a shard carried in from another run never stands for other prompts.
-    Returns True when all are done."""
+    Returns True when all are done; part: this process writes only the shards the part owns."""
     outdir.mkdir(parents=True, exist_ok=True)
     if cfg.limit is not None:
         rows = rows[: cfg.limit]
@@ -334,7 +343,7 @@ def generate_stage(
                 "or pass the settings it was made with"
             )
 
-    for k, path in missing_shards(paths, deadline, "generate", check):
+    for k, path in missing_shards(paths, deadline, "generate", check, part):
         part = rows[k * cfg.shard_size : (k + 1) * cfg.shard_size]
         first = k * cfg.shard_size
         order = sorted(range(len(part)), key=lambda i: len(part[i]["prompt_ids"]))  # similar lengths together

@@ -33,6 +33,7 @@ import torch
 
 from common.model.llama import LlamaModel
 from training.generate import Sampling, generate_batch, missing_shards
+from training.parallel import Part
 from training.sources import Item, read_jsonl
 
 log = logging.getLogger(__name__)
@@ -189,13 +190,15 @@ def magpie_stage(
     eos_id: int,
     device: torch.device,
     deadline: float | None = None,
+    part: Part | None = None,
 ) -> bool:
     """Sample cfg.count user messages shard by shard, skipping finished shards. True when all are done.
-    prefixes: steer id -> its prefix (steer_prefixes over cfg.steers())."""
+    prefixes: steer id -> its prefix (steer_prefixes over cfg.steers()); part: this process samples only the
+    shards the part owns."""
     outdir.mkdir(parents=True, exist_ok=True)
     n_shards = cfg.n_shards()
     paths = [shard_path(outdir, k, cfg.steer(k)) for k in range(n_shards)]
-    for k, path in missing_shards(paths, deadline, "magpie"):
+    for k, path in missing_shards(paths, deadline, "magpie", part=part):
         t0, steer = time.time(), cfg.steer(k)
         rows = sample_shard(model, prefixes[steer.id], decode, cfg, k, eos_id, device)
         tmp = path.with_suffix(".tmp")

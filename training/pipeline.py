@@ -8,8 +8,10 @@ state (training state, generated shards, prompt files) to the next machine (trai
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
+import os
 import sys
 import time
 from dataclasses import asdict
@@ -21,6 +23,7 @@ import torch
 from common.model.llama import LlamaModel
 from common.weights import Checkpoint, load_checkpoint
 from training.generate import GEN_DIR
+from training.parallel import Group, Part, launch
 
 if TYPE_CHECKING:
     from training.magpie import MagpieConfig
@@ -28,6 +31,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 STAGES = ("prompts", "generate", "features", "train", "eval", "all", "pack", "unpack")
+PARALLEL_STAGES = ("prompts", "generate", "train")  # --workers N
 FEAT_DIR, MAGPIE_DIR = "features", "magpie"
 
 
@@ -48,6 +52,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="base model dtype (default: bfloat16 on cuda, float32 on cpu)",
     )
     p.add_argument("--minutes", type=float, default=None, help="wall-clock budget of this invocation")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="processes, one a GPU with --device cuda (training/parallel.py): the prompts stage's Magpie shards and "
+        "generate's shards split between them, train data-parallel (one step = a batch on each)",
+    )
+    p.add_argument("--part", type=Part.parse, default=None, help=argparse.SUPPRESS)  # set by --workers' launcher
     p.add_argument("--log-level", default="INFO")
     g = p.add_argument_group("prompts")
     g.add_argument("--max-prompt-tokens", type=int, default=512)
@@ -297,9 +309,11 @@ def stage_prompts(ctx: Context) -> bool:
         tok = ctx.tokenizer
         prefixes = steer_prefixes(tok.encode_turn_prefix("user"), tok.encode_prompt, mcfg.steers())
         if not magpie_stage(
-            ctx.model, prefixes, tok.decode, w / MAGPIE_DIR, mcfg, tok.eos_token_id, ctx.device, ctx.deadline
+            ctx.model, prefixes, tok.decode, w / MAGPIE_DIR, mcfg, tok.eos_token_id, ctx.device, ctx.deadline, a.part
         ):
             return False
+        if a.part is not None:  # the launcher builds the prompt files once every part is done
+            return True
         rows = read_shards(w / MAGPIE_DIR, mcfg)
         extra["magpie"] = finished_items(rows)
         meta["magpie"] = {"generated": len(rows), "finished": len(extra["magpie"]), "by_steer": steer_counts(rows)}
@@ -349,18 +363,18 @@ def stage_generate(ctx: Context) -> bool:
             dtype=ctx.dtype_name,
             device=str(ctx.device),
         )
-        engine = make_verifier(ctx.ckpt, vcfg, graphs=True)
+        engine = functools.cache(lambda: make_verifier(ctx.ckpt, vcfg, graphs=True))  # not when every shard exists
 
         def generate(prompts: list[list[int]], sampling: list) -> list[list[int]]:
-            return engine_generate(engine, prompts, cfg.max_new_tokens, eos, sampling=sampling)
+            return engine_generate(engine(), prompts, cfg.max_new_tokens, eos, sampling=sampling)
     else:
         from training.generate import generate_batch
 
         def generate(prompts: list[list[int]], sampling: list) -> list[list[int]]:
             return generate_batch(ctx.model, prompts, cfg.max_new_tokens, eos, ctx.device)
 
-    ok = generate_stage(generate, rows, w / GEN_DIR, cfg, ctx.deadline)
-    if ok:
+    ok = generate_stage(generate, rows, w / GEN_DIR, cfg, ctx.deadline, a.part)
+    if ok and a.part is None:
         n = len(rows) if cfg.limit is None else min(cfg.limit, len(rows))
         done.write_text(json.dumps({"prompts": n, "max_new_tokens": cfg.max_new_tokens, **sampled}) + "\n")
     return ok
@@ -413,8 +427,13 @@ def stage_train(ctx: Context) -> bool:
     )
     seqs = load_sequences(w / GEN_DIR)
     feats = StoredFeatures(w / FEAT_DIR) if a.offline_features else None
-    trainer = Trainer(ctx.model, seqs, w, cfg, ctx.device, feats, init_from=a.init_head, total_given=given)
-    return trainer.run(ctx.deadline, StageBudget(steps=a.train_steps, minutes=a.train_minutes))
+    group = Group.from_env(ctx.device)  # the --workers launcher's ranks, or None
+    try:
+        trainer = Trainer(ctx.model, seqs, w, cfg, ctx.device, feats, a.init_head, given, group)
+        return trainer.run(ctx.deadline, StageBudget(steps=a.train_steps, minutes=a.train_minutes))
+    finally:
+        if group is not None:
+            group.close()
 
 
 def stage_pack(ctx: Context) -> bool:
@@ -523,8 +542,21 @@ def stage_eval(ctx: Context, max_new_tokens: int | None = None) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    tag = f" [part {args.part.index}/{args.part.count}]" if args.part else ""
+    if "WORLD_SIZE" in os.environ:  # a rank of train --workers
+        tag = f" [rank {os.environ.get('RANK')}/{os.environ['WORLD_SIZE']}]"
+    logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s %(levelname)s %(name)s{tag}: %(message)s")
+    if args.workers > 1:
+        if args.stage not in PARALLEL_STAGES:
+            raise SystemExit(f"--workers: only the stages {', '.join(PARALLEL_STAGES)} run in several processes")
+        rest = without_workers(argv)
+        cuda = torch.device(args.device).type == "cuda"
+        code = launch(rest, args.workers, cuda, distributed=args.stage == "train")
+        if code != 0 or args.stage == "train":
+            return code
+        args = build_parser().parse_args(rest)  # every part done: this process finishes the stage
     ctx = Context(args)
     runners = {
         "prompts": stage_prompts,
@@ -539,7 +571,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if stage_eval(ctx) else 1
     if args.stage != "all":
         ok = runners[args.stage](ctx)
-        if not ok:
+        if args.part is not None:  # the launcher's own run says whether the stage is finished
+            log.info("%s: part %d/%d ends", args.stage, args.part.index, args.part.count)
+        elif not ok:
             log.info("%s: stopped by the time budget; run the same command again to continue", args.stage)
         return 0
     for name in ("prompts", "generate", "train"):
@@ -553,6 +587,19 @@ def main(argv: list[str] | None = None) -> int:
         log.info("all: %.0fs left, less than the eval reserve; run the same command again to evaluate", ctx.left_s())
         return 0
     return 0 if stage_eval(ctx, args.eval_max_new_tokens) else 1
+
+
+def without_workers(argv: list[str]) -> list[str]:
+    """argv less its --workers option: ['train', '--workers', '4', '--lr', '1'] -> ['train', '--lr', '1']."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--workers":
+            skip = True
+        elif not a.startswith("--workers="):
+            out.append(a)
+    return out
 
 
 if __name__ == "__main__":

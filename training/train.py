@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -17,6 +18,7 @@ from common.model.eagle3_io import save_eagle3
 from common.model.llama import LlamaModel
 from training.features import StoredFeatures, base_features, pad_batch
 from training.generate import Sequences
+from training.parallel import Group
 from training.ttt import FusedAttention, StepAttention, TTTResult, TTTTargets, make_targets, ttt_forward
 
 log = logging.getLogger(__name__)
@@ -222,9 +224,11 @@ def optimize_step(
     cfg: TrainConfig,
     lr: float,
     attention: StepAttention = FusedAttention(),
+    group: Group | None = None,
 ) -> StepOutcome:
     """One optimizer step: the TTT forward (bf16 autocast and, with cfg.compile, torch.compile on a GPU),
-    backward, clipping, AdamW. The Trainer and training.ttt_step both run this."""
+    backward, the gradients averaged over the group's ranks (data-parallel), clipping, AdamW. The Trainer and
+    training.ttt_step both run this."""
     for g in opt.param_groups:
         g["lr"] = lr
     device = inputs.embeds.device
@@ -241,6 +245,8 @@ def optimize_step(
         )
     opt.zero_grad(set_to_none=True)
     res.loss.backward()
+    if group is not None:
+        group.average([p.grad for p in head.parameters() if p.grad is not None])
     # a non-finite gradient stops training before the step (RuntimeError), not minutes of NaN weights later
     gnorm = torch.nn.utils.clip_grad_norm_(head.parameters(), cfg.grad_clip, error_if_nonfinite=True)
     opt.step()
@@ -266,9 +272,13 @@ class Trainer:
         features: StoredFeatures | None = None,
         init_from: Path | None = None,
         total_given: bool = True,
+        group: Group | None = None,
     ) -> None:
         """A saved state in workdir/train is continued (resume_config: with its recorded total when total_given is
-        False, refused when cfg changes its schedule); otherwise the head starts from init_from or from the base."""
+        False, refused when cfg changes its schedule); otherwise the head starts from init_from or from the base.
+        group: data-parallel ranks (training.parallel): each step takes the epoch's next `world` batches, rank r the
+        r-th; every rank starts from the same weights and state, rank 0 alone writes the log, the state and the
+        head."""
         self.dir = workdir / "train"
         self.dir.mkdir(parents=True, exist_ok=True)
         state_path = self.dir / STATE_FILE
@@ -276,11 +286,15 @@ class Trainer:
         if st is not None:
             cfg = resume_config(cfg, st.get("config", {}), total_given)
         self.base, self.seqs, self.cfg, self.device, self.features = base, seqs, cfg, device, features
+        self.group = group
+        self.rank, self.world = (0, 1) if group is None else (group.rank, group.world)
         self.head_dir = workdir / "head"
         keep = [i for i in range(len(seqs)) if seqs.get(i)[0].shape[0] - seqs.get(i)[1] >= 2]
         self.index = np.array(keep, dtype=np.int64)  # sequences with a response to learn from
         if self.index.size == 0:
             raise ValueError("no sequence has a response of 2 tokens or more")
+        if -(-self.index.size // cfg.batch_size) < self.world:
+            raise ValueError(f"{self.index.size} sequences make fewer batches than the {self.world} ranks")
         self.lengths = np.array([min(len(seqs.get(int(i))[0]), cfg.max_len) for i in self.index])
         self.hcfg = Eagle3Config.for_base(base.cfg, cfg.draft_vocab)
         torch.manual_seed(cfg.seed)
@@ -337,6 +351,7 @@ class Trainer:
             "elapsed": self.elapsed,
             "samples": self.samples,
             "sequences": int(self.index.size),  # the training set the epochs' order is drawn over
+            "ranks": self.world,  # batches per step (a later stage may run on another number of GPUs)
             "config": asdict(self.cfg),
         }
         write_state(self.dir / STATE_FILE, state)
@@ -362,10 +377,13 @@ class Trainer:
         return self._epoch_cache[1]
 
     def _next_batch(self) -> np.ndarray:
-        if self.pos >= len(self._batches()):
+        """This rank's batch of the step: with 2 ranks, step 1 takes the epoch's batches 0 (rank 0) and 1 (rank 1),
+        step 2 batches 2 and 3; an epoch's last batches that do not make a whole step are left to the next epoch's
+        order."""
+        if self.pos + self.world > len(self._batches()):
             self.epoch, self.pos = self.epoch + 1, 0
-        b = self._batches()[self.pos]
-        self.pos += 1
+        b = self._batches()[self.pos + self.rank]
+        self.pos += self.world
         return self.index[b]
 
     def train_step(self) -> dict:
@@ -392,7 +410,8 @@ class Trainer:
             embeds = self.base.embed_tokens(ids[:, 1:]).float()  # [B, T-1, H] embed(x_{r+1})
         aux = feats.aux[:, :-1].float()  # [B, T-1, 3H] a_r
         lr = lr_at(cfg, self.step, self.elapsed)
-        done = optimize_step(self.head, self.opt, TTTInputs(embeds=embeds, aux=aux, targets=targets), cfg, lr)
+        inputs = TTTInputs(embeds=embeds, aux=aux, targets=targets)
+        done = optimize_step(self.head, self.opt, inputs, cfg, lr, group=self.group)
         self.step += 1
         res = done.result
         return {
@@ -402,29 +421,32 @@ class Trainer:
             "grad_norm": done.grad_norm,
             "step_loss": res.step_loss,
             "step_acc": res.step_acc,
-            "tokens": int(valid.sum()),
-            "samples": b,
+            "tokens": int(valid.sum()),  # this rank's
+            "samples": b * self.world,
         }
 
     def run(self, deadline: float | None = None, budget: StageBudget | None = None) -> bool:
         """Train until the schedule's total is reached, the deadline passes or this stage's budget is spent; saves
-        the state on the way out and exports the head (W/head) when this call trained. True when training finished."""
+        the state on the way out and exports the head (W/head) when this call trained. True when training finished.
+        With a group, rank 0's clock decides for every rank (when to stop, each step's time in the schedule)."""
         cfg = self.cfg
         budget = budget or StageBudget()
+        lead = self.group is None or self.group.lead
         first_step, first_elapsed = self.step, self.elapsed
         window: list[dict] = []
         t_last = time.time()
-        with (self.dir / LOG_FILE).open("a") as logf:
+        with (self.dir / LOG_FILE).open("a") if lead else contextlib.nullcontext() as logf:
             while not self.done():
                 stage_spent = (budget.steps is not None and self.step - first_step >= budget.steps) or (
                     budget.minutes is not None and self.elapsed - first_elapsed >= budget.minutes * 60
                 )
-                if stage_spent or (deadline is not None and time.time() > deadline):
-                    if window:  # the steps since the last log line, so that the log covers every stage
+                late = deadline is not None and time.time() > deadline
+                if self.group is not None:  # the deadline is each rank's clock: rank 0's decides
+                    late = bool(self.group.from_lead([late])[0])
+                if stage_spent or late:
+                    if window and lead:  # the steps since the last log line, so that the log covers every stage
                         logf.write(json.dumps(summarize(window) | {"elapsed_min": round(self.elapsed / 60, 2)}) + "\n")
-                    self.save_state()
-                    if self.step > first_step:
-                        self.export()
+                    self._finish_stage(exported=self.step > first_step)
                     why = "this stage's budget" if stage_spent else "the time budget"
                     log.info(
                         "train: %s spent at step %d (%.1f min trained); state saved", why, self.step, self.elapsed / 60
@@ -433,15 +455,18 @@ class Trainer:
                 rec = self.train_step()
                 now = time.time()
                 rec["seconds"] = now - t_last
-                self.elapsed += now - t_last
+                if self.group is not None:
+                    rec["seconds"] = self.group.from_lead([rec["seconds"]])[0]
+                self.elapsed += rec["seconds"]
                 self.samples += rec["samples"]
                 t_last = now
                 window.append(rec)
                 if self.step % cfg.log_every == 0 or self.done():
                     avg = summarize(window)
                     avg["elapsed_min"] = round(self.elapsed / 60, 2)
-                    logf.write(json.dumps(avg) + "\n")
-                    logf.flush()
+                    if lead:
+                        logf.write(json.dumps(avg) + "\n")
+                        logf.flush()
                     log.info(
                         "train step %d lr %.2e loss %.3f acc/step %s (%.1f samples/s, %.1f min)",
                         self.step,
@@ -452,24 +477,36 @@ class Trainer:
                         self.elapsed / 60,
                     )
                     window = []
-                if self.step % cfg.save_every == 0:
+                if self.step % cfg.save_every == 0 and lead:
                     self.save_state()
-        self.save_state()
-        self.export()
-        done = {
-            "step": self.step,
-            "elapsed_min": self.elapsed / 60,
-            "samples": self.samples,
-            # the throughput for the model card: sequences per second of training wall time (batching,
-            # features, forward, backward, optimizer and the periodic saves)
-            "samples_per_s": self.samples / max(self.elapsed, 1e-9),
-            "batch_size": self.cfg.batch_size,
-            "max_len": self.cfg.max_len,
-            "ttt_steps": self.cfg.ttt_steps,
-            "device": str(self.device),
-        }
-        (self.dir / "DONE").write_text(json.dumps(done) + "\n")
+        self._finish_stage(exported=True)
+        if lead:
+            done = {
+                "step": self.step,
+                "elapsed_min": self.elapsed / 60,
+                "samples": self.samples,
+                # the throughput for the model card: sequences per second of training wall time (batching,
+                # features, forward, backward, optimizer and the periodic saves), over every rank
+                "samples_per_s": self.samples / max(self.elapsed, 1e-9),
+                "batch_size": self.cfg.batch_size,
+                "ranks": self.world,
+                "max_len": self.cfg.max_len,
+                "ttt_steps": self.cfg.ttt_steps,
+                "device": str(self.device),
+            }
+            (self.dir / "DONE").write_text(json.dumps(done) + "\n")
         return True
+
+    def _finish_stage(self, exported: bool) -> None:
+        """The stage's end: rank 0 saves the state (and exports the head when this stage trained), then every rank
+        checks that its weights are rank 0's (Group.check_same)."""
+        if self.group is None or self.group.lead:
+            self.save_state()
+            if exported:
+                self.export()
+        if self.group is not None:
+            self.group.check_same(list(self.head.parameters()))
+            log.info("train: the %d ranks hold the same weights at step %d", self.world, self.step)
 
 
 def summarize(recs: list[dict]) -> dict:
