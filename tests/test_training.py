@@ -18,7 +18,7 @@ from common.engine.verifier import Verifier, VerifierConfig
 from common.kernels import reference
 from common.kernels.ttt import attention as ttt_attention
 from common.model.eagle3 import Eagle3Config, Eagle3Head
-from common.model.eagle3_io import load_eagle3
+from common.model.eagle3_io import load_eagle3, save_eagle3
 from common.model.llama import Batch, KVCache, LlamaModel
 from common.weights import Checkpoint
 from training.evaluate import EvalConfig, evaluate_set
@@ -489,3 +489,27 @@ def test_the_compiled_step_traces_each_ttt_step_once_whatever_the_batch(monkeypa
             assert torch.allclose(got.loss, want.loss, rtol=1e-5) and got.step_acc == want.step_acc
     finally:
         torch._dynamo.reset()
+
+
+def test_a_saved_head_regrows_its_draft_vocabulary(tmp_path):
+    """--init-head with another --draft-vocab: the vocabulary is rebuilt from the responses; a token both had keeps
+    the saved head's lm_head row, a new one gets the base's row, every other weight is the saved head's."""
+    base = tiny_base()
+    w = make_workdir(tmp_path, base, n=16)
+    seqs = load_sequences(w / "gen")
+    saved = random_head(3)
+    saved.set_vocab_map(torch.arange(448, 512))  # the saved vocabulary: base ids 448..511
+    save_eagle3(saved, Eagle3Config.for_base(CFG, 64), tmp_path / "saved", aux_layers=base.aux_layers)
+    saved, _ = load_eagle3(tmp_path / "saved")  # as saved (bf16)
+    row_of = {t: i for i, t in enumerate(range(448, 512))}
+    cfg = TrainConfig(draft_vocab=96, steps=1, batch_size=4, max_len=24, ttt_steps=2)
+    head = Trainer(base, seqs, w, cfg, CPU, init_from=tmp_path / "saved").head
+    vocab = (head.d2t + torch.arange(96)).tolist()
+    assert vocab == draft_vocab(seqs, 96, CFG.vocab_size).tolist()
+    assert {t in row_of for t in vocab} == {True, False} and not set(row_of) <= set(vocab)  # kept, new and dropped
+    for row, t in enumerate(vocab):
+        want = saved.lm_head.weight[row_of[t]] if t in row_of else base.lm_head.weight[t]
+        assert torch.equal(head.lm_head.weight[row], want.float()), (row, t)
+    assert torch.equal(head.t2d.nonzero().flatten(), torch.tensor(vocab))
+    for name in ("fc.weight", "midlayer.self_attn.q_proj.weight", "norm.weight"):
+        assert torch.equal(head.state_dict()[name], saved.state_dict()[name].float()), name

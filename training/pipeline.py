@@ -115,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="the sampled prompts' temperature (top-p 1)",
     )
     g = p.add_argument_group("train")
-    g.add_argument("--draft-vocab", type=int, default=8192)
+    g.add_argument("--draft-vocab", type=int, default=8192, help="the draft vocabulary's size (most frequent tokens)")
     g.add_argument(
         "--total-steps",
         type=int,
@@ -151,7 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--init-head",
         type=Path,
         default=None,
-        help="continue training from this EAGLE-3 head folder (e.g. models/eagle3-smollm2)",
+        help="continue training from this EAGLE-3 head folder (e.g. models/eagle3-smollm2); with another "
+        "--draft-vocab than the head's, the vocabulary is rebuilt from the responses (the rows of the tokens both "
+        "have are kept, new ones start from the base's lm_head)",
     )
     g = p.add_argument_group("eval")
     g.add_argument("--head", type=Path, default=None, help="EAGLE-3 head folder (default: W/head)")
@@ -208,11 +210,12 @@ def build_parser() -> argparse.ArgumentParser:
 class Context:
     """Lazily loaded shared objects (the checkpoint is loaded once per invocation)."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, start: float | None = None) -> None:
+        """start: when the invocation began (time.time(); default now), which --minutes counts from."""
         self.args = args
         self.device = torch.device(args.device)
         self.dtype_name = args.dtype or ("bfloat16" if self.device.type == "cuda" else "float32")
-        self.start = time.time()
+        self.start = time.time() if start is None else start
         self.deadline = None if args.minutes is None else self.start + args.minutes * 60 - 20
         self._ckpt: Checkpoint | None = None
         self._model: LlamaModel | None = None
@@ -542,6 +545,7 @@ def stage_eval(ctx: Context, max_new_tokens: int | None = None) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
+    start = time.time()
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     tag = f" [part {args.part.index}/{args.part.count}]" if args.part else ""
@@ -556,8 +560,10 @@ def main(argv: list[str] | None = None) -> int:
         code = launch(rest, args.workers, cuda, distributed=args.stage == "train")
         if code != 0 or args.stage == "train":
             return code
-        args = build_parser().parse_args(rest)  # every part done: this process finishes the stage
-    ctx = Context(args)
+        # the parts have ended: this process finishes the stage, within what is left of --minutes (the shards of parts
+        # stopped by the budget are left to the next invocation)
+        args = build_parser().parse_args(rest)
+    ctx = Context(args, start)
     runners = {
         "prompts": stage_prompts,
         "generate": stage_generate,
