@@ -22,6 +22,7 @@ from common.model.eagle3_io import load_eagle3, save_eagle3
 from common.model.llama import Batch, KVCache, LlamaModel
 from common.weights import Checkpoint
 from training.evaluate import EvalConfig, evaluate_set
+from training.features import pad_batch
 from training.filters import is_english
 from training.generate import generate_batch, load_sequences, save_shard
 from training.sources import first_human_turn, iter_json_array
@@ -513,3 +514,20 @@ def test_a_saved_head_regrows_its_draft_vocabulary(tmp_path):
     assert torch.equal(head.t2d.nonzero().flatten(), torch.tensor(vocab))
     for name in ("fc.weight", "midlayer.self_attn.q_proj.weight", "norm.weight"):
         assert torch.equal(head.state_dict()[name], saved.state_dict()[name].float()), name
+
+
+def test_ttt_rows_padded_to_a_multiple_of_8_leave_the_step_unchanged(tmp_path):
+    """A batch's TTT rows are padded to a multiple of 8 (one compiled graph per TTT step on a GPU); the padding is
+    masked out, so the first step's loss and accuracies equal the unpadded batch's."""
+    pb = pad_batch([(np.arange(10), 3), (np.arange(13), 4)], 24, CPU, rows_multiple=8)
+    assert pb.ids.shape == (2, 17) and pb.lengths.tolist() == [10, 13] and pb.ids[0, 10:].eq(0).all()
+    assert pad_batch([(np.arange(30), 3)], 24, CPU, rows_multiple=8).ids.shape == (1, 25)  # cut at 24, rows to 24
+    base = tiny_base()
+    w = make_workdir(tmp_path, base, n=16)
+    seqs = load_sequences(w / "gen")
+    recs = []
+    for m in (1, 8):
+        cfg = TrainConfig(draft_vocab=128, steps=2, batch_size=4, max_len=23, ttt_steps=3, rows_multiple=m)
+        recs.append(Trainer(base, seqs, tmp_path / f"rows{m}", cfg, CPU).train_step())
+    assert recs[0]["tokens"] == recs[1]["tokens"] and recs[0]["step_acc"] == recs[1]["step_acc"]
+    assert math.isclose(recs[0]["loss"], recs[1]["loss"], rel_tol=1e-5), (recs[0]["loss"], recs[1]["loss"])

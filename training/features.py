@@ -25,12 +25,18 @@ class PaddedBatch:
     prompt_len: torch.Tensor  # [B]
 
 
-def pad_batch(seqs: list[tuple[np.ndarray, int]], max_len: int, device: torch.device) -> PaddedBatch:
+def pad_batch(
+    seqs: list[tuple[np.ndarray, int]], max_len: int, device: torch.device, rows_multiple: int = 1
+) -> PaddedBatch:
+    """(tokens, prompt_len) rows cut at max_len and right-padded with 0 to the longest, then further until T - 1 (the
+    rows training-time test predicts from) is a multiple of rows_multiple: lengths 10 and 13, multiple 8 -> T = 17."""
     t = min(max_len, max(len(s) for s, _ in seqs))
+    longest = t
+    t = 1 + -(-(t - 1) // rows_multiple) * rows_multiple
     ids = np.zeros((len(seqs), t), dtype=np.int64)
     lens = np.zeros(len(seqs), dtype=np.int64)
     for i, (s, _) in enumerate(seqs):
-        n = min(len(s), t)
+        n = min(len(s), longest)
         ids[i, :n] = s[:n]
         lens[i] = n
     return PaddedBatch(

@@ -46,9 +46,13 @@ class TrainConfig:
     save_every: int = 200
     log_every: int = 20
     seed: int = 0
+    # a batch's TTT rows (T - 1) padded to a multiple of this: TorchInductor guards a compiled step on the rows'
+    # divisibility by 8 (aligned loads), so on an H200 pair batches of other lengths recompiled the six steps until
+    # dynamo's recompile limit (8) and the rest of the stage ran eagerly; padded rows are masked out of the loss
+    rows_multiple: int = 8
 
     def __post_init__(self) -> None:
-        for name in ("draft_vocab", "steps", "batch_size", "ttt_steps", "save_every", "log_every"):
+        for name in ("draft_vocab", "steps", "batch_size", "ttt_steps", "save_every", "log_every", "rows_multiple"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.ttt_steps < 1 or self.ttt_steps > 16:
@@ -413,7 +417,7 @@ class Trainer:
     def train_step(self) -> dict:
         cfg = self.cfg
         idx = self._next_batch()
-        pb = pad_batch([self.seqs.get(int(i)) for i in idx], cfg.max_len, self.device)
+        pb = pad_batch([self.seqs.get(int(i)) for i in idx], cfg.max_len, self.device, cfg.rows_multiple)
         ids = pb.ids  # [B, T]
         b, t = ids.shape
         if self.features is not None:

@@ -168,8 +168,8 @@ def compile_step(backend="inductor"):
     (not one per padded length; static shapes gave wrong gradients, see common.kernels.ttt.rope_attention).
     Traced with duck sizing off: by default dynamo assumes that dimensions of equal size at tracing are equal
     symbols and guards on it, so a batch whose size matched an unrelated dimension (on CPU 2 rows and the K/V pair's
-    2) compiled all the steps again when the next batch differed; on an H200 a training stage hit dynamo's
-    recompile limit (8) on its second batch and ran the rest eagerly."""
+    2) compiled all the steps again when the next batch differed. On a GPU, Inductor also guards on the rows'
+    divisibility by 8, which the Trainer keeps fixed by padding (TrainConfig.rows_multiple)."""
     step = torch.compile(ttt_step, dynamic=True, backend=backend)
 
     @functools.wraps(ttt_step)
