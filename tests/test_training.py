@@ -493,7 +493,7 @@ def test_the_compiled_step_traces_each_ttt_step_once_whatever_the_batch(monkeypa
 
 
 def test_a_saved_head_regrows_its_draft_vocabulary(tmp_path):
-    """--init-head with another --draft-vocab: the vocabulary is rebuilt from the responses; a token both had keeps
+    """--init-head rebuilds the draft vocabulary from the responses (here 64 tokens to 96); a token both had keeps
     the saved head's lm_head row, a new one gets the base's row, every other weight is the saved head's."""
     base = tiny_base()
     w = make_workdir(tmp_path, base, n=16)

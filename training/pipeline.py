@@ -151,9 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--init-head",
         type=Path,
         default=None,
-        help="continue training from this EAGLE-3 head folder (e.g. models/eagle3-smollm2); with another "
-        "--draft-vocab than the head's, the vocabulary is rebuilt from the responses (the rows of the tokens both "
-        "have are kept, new ones start from the base's lm_head)",
+        help="continue training from this EAGLE-3 head folder (e.g. models/eagle3-smollm2); the draft vocabulary "
+        "is rebuilt from the responses (--draft-vocab tokens: the rows of the tokens the head has are kept, new ones "
+        "start from the base's lm_head)",
     )
     g = p.add_argument_group("eval")
     g.add_argument("--head", type=Path, default=None, help="EAGLE-3 head folder (default: W/head)")

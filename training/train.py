@@ -183,11 +183,12 @@ def init_head(head: Eagle3Head, base: LlamaModel, draft_to_base: torch.Tensor, s
 
 
 @torch.no_grad()
-def regrow_vocab(head: Eagle3Head, saved: Eagle3Head, base: LlamaModel, draft_to_base: torch.Tensor) -> None:
-    """head takes a trained head's weights with another draft vocabulary, draft_to_base [size] (ascending base ids):
-    an lm_head row of a token in both vocabularies is the saved head's, a new token's row is the base lm_head's
+def regrow_vocab(head: Eagle3Head, saved: Eagle3Head, base: LlamaModel, draft_to_base: torch.Tensor) -> int:
+    """head takes a trained head's weights with the draft vocabulary draft_to_base [size] (ascending base ids; of any
+    size): an lm_head row of a token in both vocabularies is the saved head's, a new token's row is the base lm_head's
     (as init_head starts every row), a token only the saved head had is dropped; the rest is the saved head's.
-    Saved vocabulary (base ids) [3, 7, 9], new [3, 5, 9, 11]: rows [saved[0], base[5], saved[2], base[11]]."""
+    Returns how many rows were kept. Saved vocabulary (base ids) [3, 7, 9], new [3, 5, 9, 11]: rows [saved[0],
+    base[5], saved[2], base[11]], 2 kept."""
     kept = {k: v for k, v in saved.state_dict().items() if k not in ("lm_head.weight", "d2t", "t2d")}
     head.load_state_dict(kept, strict=False)
     head.set_vocab_map(draft_to_base)
@@ -198,6 +199,7 @@ def regrow_vocab(head: Eagle3Head, saved: Eagle3Head, base: LlamaModel, draft_to
     rows = base.lm_head.weight[draft_to_base.to(base.lm_head.weight.device)].float().cpu()  # [size, H]
     rows[both] = saved.lm_head.weight[saved_row[draft_to_base[both]]].float()
     head.lm_head.weight.copy_(rows)
+    return int(both.sum())
 
 
 def lr_at(cfg: TrainConfig, step: int, elapsed: float) -> float:
@@ -339,18 +341,15 @@ class Trainer:
             from common.model.eagle3_io import load_eagle3
 
             saved, saved_cfg = load_eagle3(init_from)
-            if saved_cfg.draft_vocab_size == cfg.draft_vocab:
-                self.head.load_state_dict(saved.float().state_dict())
-                log.info("train: starting from the head in %s", init_from)
-            else:
-                d2b = draft_vocab(seqs, cfg.draft_vocab, base.cfg.vocab_size)
-                regrow_vocab(self.head, saved.float(), base, d2b)
-                log.info(
-                    "train: starting from the head in %s, its draft vocabulary of %d tokens regrown to %d",
-                    init_from,
-                    saved_cfg.draft_vocab_size,
-                    cfg.draft_vocab,
-                )
+            d2b = draft_vocab(seqs, cfg.draft_vocab, base.cfg.vocab_size)  # the vocabulary follows this data
+            kept = regrow_vocab(self.head, saved.float(), base, d2b)
+            log.info(
+                "train: starting from the head in %s: %d of its %d draft tokens kept, %d new",
+                init_from,
+                kept,
+                saved_cfg.draft_vocab_size,
+                cfg.draft_vocab - kept,
+            )
         else:
             d2b = draft_vocab(seqs, cfg.draft_vocab, base.cfg.vocab_size)
             init_head(self.head, base, d2b, cfg.seed)
