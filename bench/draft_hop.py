@@ -2,13 +2,13 @@
 three-process stack (--colocate off) puts on every round's critical path, against the same drafter called in
 this process (the colocated stack's draft has no hop), measured in the same run.
 
-    python -m bench.draft_hop --out DIR [--device cuda] [--mps] [--proposes 400]
+    python -m bench.draft_hop --out DIR [--device cuda] [--mps] [--proposes 400] [--per-sequence 100]
 
 Starts `python -m services.draft` (the shipped head, the service's defaults) on a loopback port, with --mps
 under the CUDA MPS control daemon as the stack runs it (started if none is running, quit at the end; this
 process joins it too), and drives it as the verifier does (services.verifier.remote_draft.RemoteDrafter:
 hidden states by CUDA IPC on a GPU, inline bytes on CPU). Sequences one at a time: each started with a
-32-token prompt, then 100 proposes of 4 new tokens (a round's accepted tokens and its bonus) for trees of 60
+32-token prompt, then --per-sequence proposes of 4 new tokens (a round's accepted tokens and its bonus) for trees of 60
 nodes, then released; --proposes in all, random features (the trees' shape does not depend on them). Then the
 same sequences and proposes through a drafter built in this process (services.draft.build_drafter). Figures in
 microseconds, median and p90 of each sequence's proposes after its first 10:
@@ -42,7 +42,6 @@ log = logging.getLogger("bench.draft_hop")
 PROMPT = 32  # tokens of each sequence's first propose
 NEW = 4  # tokens a later propose carries: a round's accepted tokens and its bonus
 NODES = 60  # the trees' size (the pinned 6x60 tree's)
-PER_SEQUENCE = 100  # proposes of one sequence before it is released
 SEQUENCES = 2  # the drafters' capacity (one sequence is drafted at a time): fewer CUDA graphs to capture
 SKIP = 10  # each sequence's first proposes left out of the figures (the service's first-use work)
 
@@ -105,7 +104,7 @@ def run(a: argparse.Namespace, env: dict[str, str], workdir: Path) -> dict:
     built = build_drafter(cfg, SEQUENCES)  # the service builds the same drafter from the same defaults
     dtype = torch_dtype(pick_dtype(a.device))  # the features' dtype: the engines' on this device
     g = torch.Generator().manual_seed(0)
-    sequences = a.proposes // PER_SEQUENCE
+    sequences = a.proposes // a.per_sequence
 
     def hidden(k: int) -> torch.Tensor:
         return torch.randn(k, built.hidden_width, generator=g).to(device, dtype)  # [k, 3H]
@@ -144,7 +143,7 @@ def run(a: argparse.Namespace, env: dict[str, str], workdir: Path) -> dict:
         for s in range(sequences):
             remote.propose([first(f"r{s}")])
             remote.calls.clear()
-            remote_us.append(timed(PER_SEQUENCE, lambda i, s=s: remote.propose([later(f"r{s}", i)])))
+            remote_us.append(timed(a.per_sequence, lambda i, s=s: remote.propose([later(f"r{s}", i)])))
             trips.append([t for t, _ in remote.calls])
             computes.append([c for _, c in remote.calls])
             remote.release([f"r{s}"])
@@ -156,7 +155,7 @@ def run(a: argparse.Namespace, env: dict[str, str], workdir: Path) -> dict:
     local_us = []
     for s in range(sequences):
         built.drafter.propose([first(f"l{s}")])
-        local_us.append(timed(PER_SEQUENCE, lambda i, s=s: built.drafter.propose([later(f"l{s}", i)])))
+        local_us.append(timed(a.per_sequence, lambda i, s=s: built.drafter.propose([later(f"l{s}", i)])))
         built.drafter.release([f"l{s}"])
     gaps = [[t - c for t, c in zip(ts, cs)] for ts, cs in zip(trips, computes)]
     return {
@@ -195,11 +194,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("bench-results/draft_hop"))
     p.add_argument("--device", default="cuda", help="the draft's and this process's device")
     p.add_argument("--mps", action="store_true", help="under the CUDA MPS control daemon, as the stack runs it")
-    p.add_argument("--proposes", type=int, default=400, help="proposes of each kind (whole hundreds)")
+    p.add_argument("--proposes", type=int, default=400, help="proposes of each kind (whole sequences)")
+    p.add_argument(
+        "--per-sequence", type=int, default=100, help=f"proposes of one sequence before it is released (> {SKIP})"
+    )
     p.add_argument("--start-timeout", type=float, default=300.0, help="seconds for the draft to start")
     a = p.parse_args(argv)
-    if a.proposes < PER_SEQUENCE or a.proposes % PER_SEQUENCE:
-        p.error(f"--proposes takes a multiple of {PER_SEQUENCE}")
+    if a.per_sequence <= SKIP:
+        p.error(f"--per-sequence takes more than the {SKIP} proposes a sequence's figures leave out")
+    if a.proposes < a.per_sequence or a.proposes % a.per_sequence:
+        p.error(f"--proposes takes a multiple of --per-sequence ({a.per_sequence})")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(x for x in (str(ROOT), os.environ.get("PYTHONPATH")) if x)

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from bench.draft_hop import SKIP, kept, spread, timed
+from bench.draft_hop import SKIP, kept, main, spread, timed
 from bench.load import ROOT
 
 
@@ -28,9 +28,10 @@ def test_timed_calls_in_order_and_times_each():
     assert seen == [0, 1, 2] and len(out) == 3 and all(t >= 0 for t in out)
 
 
-def draft_hop(proposes: int, out, timeout: float) -> subprocess.CompletedProcess:
+def draft_hop(proposes: int, out, timeout: float, per_sequence: int = 100) -> subprocess.CompletedProcess:
+    args = ["--device", "cpu", "--proposes", str(proposes), "--per-sequence", str(per_sequence), "--out", str(out)]
     return subprocess.run(
-        [sys.executable, "-m", "bench.draft_hop", "--device", "cpu", "--proposes", str(proposes), "--out", str(out)],
+        [sys.executable, "-m", "bench.draft_hop", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -38,20 +39,29 @@ def draft_hop(proposes: int, out, timeout: float) -> subprocess.CompletedProcess
     )
 
 
-def test_proposes_must_be_whole_hundreds(tmp_path):
-    done = draft_hop(150, tmp_path, 60)
-    assert done.returncode == 2 and "--proposes takes a multiple of 100" in done.stderr
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--proposes", "150"], "--proposes takes a multiple of --per-sequence (100)"),
+        (["--proposes", "20", "--per-sequence", "10"], f"--per-sequence takes more than the {SKIP}"),
+    ],
+)
+def test_proposes_must_be_whole_sequences(tmp_path, capsys, args, says):
+    with pytest.raises(SystemExit) as stop:
+        main(["--device", "cpu", "--out", str(tmp_path), *args])
+    assert stop.value.code == 2 and says in capsys.readouterr().err
 
 
 def test_run_on_cpu_against_a_draft_service(tmp_path):
-    done = draft_hop(100, tmp_path, 240)
+    done = draft_hop(40, tmp_path, 240, per_sequence=20)  # two sequences of 20, the first 10 of each left out
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads((tmp_path / "draft_hop.json").read_text())
     f = got["figures"]
     assert got["transport"] == "inline bytes"  # no CUDA IPC off a GPU
     assert list(f) == ["in process", "remote", "round trip", "draft compute", "transport", "Info"]
-    assert all(f[k]["n"] == 100 - SKIP for k in ("in process", "remote", "round trip", "draft compute", "transport"))
-    assert f["Info"]["n"] == 100 - SKIP
+    proposes = ("in process", "remote", "round trip", "draft compute", "transport")
+    assert all(f[k]["n"] == 2 * (20 - SKIP) for k in proposes)
+    assert f["Info"]["n"] == 40 - SKIP
     # the parts nest: the remote propose holds its round trip, which holds the service's compute
     assert f["remote"]["median"] >= f["round trip"]["median"] > f["draft compute"]["median"] > 0
     assert 0 < f["transport"]["median"] < f["round trip"]["median"]

@@ -101,18 +101,23 @@ def test_the_policy_on_keeps_greedy_output(stack, heldout):
 
     from specdec.v1 import generation_pb2_grpc as gpb_grpc
 
-    spec = complete_many(stack.gateway, requests(heldout.prompts[:3], GUARD_TOKENS))
-    for i, (a, b) in enumerate(zip(spec, heldout.plain)):
-        assert list(a.token_ids) == list(b.token_ids) and a.finish_reason == b.finish_reason, i
-    with grpc.insecure_channel(stack.gateway) as ch:
-        info = gpb_grpc.GenerationStub(ch).GetModelInfo(gpb.ModelInfoRequest(), timeout=10)
+    # a tree's try comes due after a bucket's rounds (common.policy), and how the three requests batch depends on
+    # their arrival: the same requests again, at most three more times, until the policy has moved to a tree
+    for _ in range(4):
+        spec = complete_many(stack.gateway, requests(heldout.prompts[:3], GUARD_TOKENS))
+        for i, (a, b) in enumerate(zip(spec, heldout.plain)):
+            assert list(a.token_ids) == list(b.token_ids) and a.finish_reason == b.finish_reason, i
+        with grpc.insecure_channel(stack.gateway) as ch:
+            info = gpb_grpc.GenerationStub(ch).GetModelInfo(gpb.ModelInfoRequest(), timeout=10)
+        if info.engine_calls.get("switches", 0) >= 1:
+            break
     chosen = {(c.tree.depth, c.tree.nodes) for c in info.policy_choices if c.rounds}
     assert (0, 0) in chosen and len(chosen) > 1, chosen  # plain steps and at least one tree
     buckets = {e.batch for e in info.policy_estimates if e.HasField("tokens_per_s")}
     assert 1 in buckets or 2 in buckets or 4 in buckets, info.policy_estimates
     spent, calls = dict(info.engine_time), dict(info.engine_calls)
     assert calls["rounds"] >= 1 and calls["plain_calls"] >= 1 and spent["verify"] > 0 and spent["plain"] > 0, spent
-    assert calls["switches"] >= 1, calls  # the policy moved the batch from plain to a tree at least once
+    assert calls.get("switches", 0) >= 1, calls  # the policy moved the batch from plain to a tree at least once
 
 
 def test_chunked_prefill_and_the_draft_in_the_verifiers_process_equal_plain_greedy(heldout):
