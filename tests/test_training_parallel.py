@@ -14,7 +14,7 @@ import torch
 
 from training.generate import GenerateConfig, generate_stage, load_sequences, missing_shards
 from training.parallel import Part
-from training.pipeline import without_workers
+from training.pipeline import main, without_workers
 from training.train import TrainConfig, Trainer
 
 from .test_training import CFG as TINY
@@ -30,6 +30,9 @@ def test_a_part_owns_every_nth_shard():
     paths = [Path(f"/nonexistent/s{k}") for k in range(5)]
     assert [k for k, _ in missing_shards(paths, None, "t", part=Part(1, 2))] == [1, 3]
     assert without_workers(["train", "--workers", "4", "--lr", "1", "--workers=2"]) == ["train", "--lr", "1"]
+    for argv, says in ((["eval", "--workers", "2"], "only the stages"), (["train", "--workers", "0"], "1 or more")):
+        with pytest.raises(SystemExit, match=says):
+            main([*argv, "--workdir", "/nonexistent"])
 
 
 def test_parts_write_disjoint_shards_and_the_whole_run_finds_them(tmp_path):

@@ -552,6 +552,8 @@ def main(argv: list[str] | None = None) -> int:
     if "WORLD_SIZE" in os.environ:  # a rank of train --workers
         tag = f" [rank {os.environ.get('RANK')}/{os.environ['WORLD_SIZE']}]"
     logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s %(levelname)s %(name)s{tag}: %(message)s")
+    if args.workers < 1:
+        raise SystemExit(f"--workers takes 1 or more processes, got {args.workers}")
     if args.workers > 1:
         if args.stage not in PARALLEL_STAGES:
             raise SystemExit(f"--workers: only the stages {', '.join(PARALLEL_STAGES)} run in several processes")
