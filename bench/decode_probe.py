@@ -5,7 +5,7 @@ whole proposal, greedy against a batch with a sampling row; the verification of 
 sampling (the one-hot rule's trees and the q rule's), each at a stated context length; and the sampled verify's
 two kernels alone (the top-p threshold, the one-hot acceptance), each replayed from a graph of its launch.
 
-    PYTHONPATH=. python -m bench.decode_probe --out DIR [--context 256] [--batches 1,16,64] [-v]
+    PYTHONPATH=. python -m bench.decode_probe --out DIR [--context 256] [--batches 1,16,64] [--draft-vocab N] [-v]
 
 (--device cpu runs the same steps eagerly at small sizes: a check of the probe itself, its times no measure.)
 
@@ -105,6 +105,12 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--model", default=None, help="GGUF or HF folder (default: the embedded model)")
     ap.add_argument("--head", default=str(DEFAULT_HEAD))
+    ap.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=None,
+        help="a head of this many draft tokens instead, its weights random (the times depend on its shapes alone)",
+    )
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--context", type=int, default=256, help="committed tokens per sequence while probing")
     ap.add_argument("--batches", default="1,16,64")
@@ -113,6 +119,7 @@ def main() -> None:
     args = ap.parse_args()
     dev = args.device
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    from common.model.eagle3 import Eagle3Config, Eagle3Head
     from common.model.eagle3_io import load_eagle3
     from common.weights import load_checkpoint
 
@@ -123,7 +130,11 @@ def main() -> None:
     gc = GraphConfig(batch_buckets=tuple(sorted(set(batches) | {1, 16})), tree_buckets=(16, 32, 64))
     vcfg = VerifierConfig(max_sequences=max_b + 8, max_context=2048, max_tree_nodes=63, dtype=args.dtype, device=dev)
     verifier = Verifier(ckpt, vcfg, graphs=True, graph_cfg=gc)
-    head, _ = load_eagle3(args.head)
+    if args.draft_vocab is None:
+        head, _ = load_eagle3(args.head)
+    else:
+        head = Eagle3Head(Eagle3Config.for_base(ckpt.config, args.draft_vocab))
+        head.set_vocab_map(torch.arange(args.draft_vocab))
     head.to(device=dev, dtype=verifier.model.embed_tokens.weight.dtype).eval()
     drafting = DraftingConfig(sampling_rule="q")  # the q rule's proposal and trees too (one-hot trees: greedy ones)
     drafter = Eagle3Drafter(

@@ -36,7 +36,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from bench.load import ROOT, die_with_parent, git_commit
+from bench.load import ROOT, git_commit
+from services.stack import bind_to_parent
 
 log = logging.getLogger("bench.draft_hop")
 PROMPT = 32  # tokens of each sequence's first propose
@@ -74,9 +75,7 @@ def start_draft(args: list[str], env: dict[str, str], workdir: Path, timeout: fl
     log_path = workdir / "draft.log"
     cmd = [sys.executable, "-m", "services.draft", "--addr", "127.0.0.1:0", "--port-file", str(port_file), *args]
     with log_path.open("ab") as out:
-        proc = subprocess.Popen(
-            cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, preexec_fn=die_with_parent
-        )
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, preexec_fn=bind_to_parent)
     deadline = time.monotonic() + timeout
     while not port_file.exists():
         if proc.poll() is not None:

@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import ctypes
 import json
 import logging
 import os
@@ -54,6 +53,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from common.engine.core_parts import PLAIN_PHASES, ROUND_PHASES
+from services.stack import bind_to_parent
 
 log = logging.getLogger("bench.load")
 ROOT = Path(__file__).resolve().parents[1]
@@ -466,12 +466,6 @@ def count_tokens(client: Client, data: dict[str, list[dict]], timeout: float) ->
     return counted
 
 
-def die_with_parent() -> None:
-    """In the stack's process, before exec: SIGTERM when this process dies (Linux; elsewhere a no-op)."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 class StackProcess:
     """`python -m services.stack` of a checkout as a child process: the gateway on a free loopback port
     (GATEWAY_ADDR), cwd and PYTHONPATH the checkout, output in `log_path`; stopped with SIGTERM (it drains)."""
@@ -495,7 +489,7 @@ class StackProcess:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                preexec_fn=die_with_parent,
+                preexec_fn=bind_to_parent,
             )
         log.info(
             "started %s in %s (gateway %s), waiting for SERVING", shlex.join(self.command), self.checkout, self.gateway

@@ -73,8 +73,9 @@ def colocate_argument(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _bind_to_parent() -> None:
-    """In the child, before exec: SIGTERM when the parent dies (Linux; elsewhere a no-op)."""
+def bind_to_parent() -> None:
+    """In the child, before exec: SIGTERM when the parent dies (Linux; elsewhere a no-op). The stack's children,
+    the benchmarks' stacks and draft services, and the training launcher's processes all start with it."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
@@ -153,7 +154,7 @@ class Stack:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                preexec_fn=_bind_to_parent,
+                preexec_fn=bind_to_parent,
             )
 
     def serving(self, name: str) -> bool:

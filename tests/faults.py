@@ -19,7 +19,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.stack import _bind_to_parent
+from services.stack import bind_to_parent
 from specdec.v1 import generation_pb2 as gpb
 from specdec.v1 import generation_pb2_grpc as gpb_grpc
 from specdec.v1 import internal_pb2 as pb
@@ -86,7 +86,7 @@ class ServedStack:
         with open(folder / "stack.log", "a") as out:
             # bound to the test's life too: should pytest be killed, the stack gets SIGTERM, drains and exits
             proc = subprocess.Popen(
-                cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_bind_to_parent
+                cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, preexec_fn=bind_to_parent
             )
         s = cls(proc, addr, folder)
         if wait:

@@ -64,7 +64,7 @@ def _children(pid: int) -> list[int]:
 
 def _execd(pid: int) -> bool:
     """Whether the stack's child `pid` runs its service: past the exec, so past the stack's preexec_fn that binds it to
-    the stack (a kill between a fork and that prctl leaves an orphan: services/stack.py's _bind_to_parent does not
+    the stack (a kill between a fork and that prctl leaves an orphan: services/stack.py's bind_to_parent does not
     check whether the parent is still there)."""
     try:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()

@@ -531,3 +531,20 @@ def test_ttt_rows_padded_to_a_multiple_of_8_leave_the_step_unchanged(tmp_path):
         recs.append(Trainer(base, seqs, tmp_path / f"rows{m}", cfg, CPU).train_step())
     assert recs[0]["tokens"] == recs[1]["tokens"] and recs[0]["step_acc"] == recs[1]["step_acc"]
     assert math.isclose(recs[0]["loss"], recs[1]["loss"], rel_tol=1e-5), (recs[0]["loss"], recs[1]["loss"])
+
+
+def test_vocabulary_coverage_by_hand(tmp_path, capsys):
+    """training.vocab: the most frequent tokens (ties by lower id) and the share of held-out response tokens a
+    vocabulary holds, by hand and through the command over a shard."""
+    from training.train import top_tokens
+    from training.vocab import coverage, main
+
+    assert top_tokens(np.array([0, 5, 5, 9]), 2).tolist() == [1, 3]
+    assert coverage(np.array([1, 3, 0, 6]), np.array([1, 3])) == 0.9
+    (tmp_path / "gen").mkdir()
+    # responses (after the 1-token prompts): rows 0-2 choose, row 3 is held out; 7 and 8 chosen at size 2
+    rows = [[1, 7, 7, 8], [1, 7, 8], [1, 8, 9], [1, 7, 9, 9, 5]]
+    save_shard(tmp_path / "gen" / "gen-00000.npz", [r[:1] for r in rows], [r[1:] for r in rows], ["a", "b", "c", "d"])
+    assert main(["--gen", str(tmp_path / "gen"), "--sizes", "2,3", "--held-out", "0.25", "--vocab-size", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "| 2 | 25.0% |" in out and "| 3 | 75.0% |" in out  # row 3's 7, 9, 9, 5: {7, 8} holds 1, {7, 8, 9} 3

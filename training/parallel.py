@@ -74,7 +74,9 @@ class Group:
         return self.rank == 0
 
     def average(self, grads: Sequence[torch.Tensor]) -> None:
-        """Replace each gradient by its mean over the ranks (one all-reduce of the gradients flattened together)."""
+        """Replace each gradient by its mean over the ranks (one all-reduce of the gradients flattened together).
+        Not DistributedDataParallel: its reducer is armed by the wrapped module's forward, and training-time test
+        calls the head's parts step by step (training.ttt.ttt_step), never head.forward."""
         flat = torch.cat([g.reshape(-1) for g in grads])  # [sum of numels]
         dist.all_reduce(flat)
         flat /= self.world
@@ -115,6 +117,8 @@ def launch(argv: list[str], workers: int, cuda: bool, distributed: bool) -> int:
     process sees one GPU when cuda (the i-th of the launcher's CUDA_VISIBLE_DEVICES, else GPU i); distributed:
     they form a Group (train), else process i gets `--part i/workers` (magpie, generate). The first process that
     fails stops the others (SIGTERM) and its exit status is returned."""
+    from services.stack import bind_to_parent
+
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     gpus = visible.split(",") if visible else [str(i) for i in range(workers)]
     if cuda and len(gpus) < workers:
@@ -131,7 +135,8 @@ def launch(argv: list[str], workers: int, cuda: bool, distributed: bool) -> int:
             env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
         else:
             args += ["--part", f"{i}/{workers}"]
-        procs.append(subprocess.Popen([sys.executable, "-m", "training.pipeline", *args], env=env))
+        cmd = [sys.executable, "-m", "training.pipeline", *args]
+        procs.append(subprocess.Popen(cmd, env=env, preexec_fn=bind_to_parent))  # none outlives a killed launcher
     log.info("parallel: %d processes (pids %s)", workers, ", ".join(str(p.pid) for p in procs))
     failed: list[int] = []
     try:

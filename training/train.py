@@ -47,8 +47,8 @@ class TrainConfig:
     log_every: int = 20
     seed: int = 0
     # a batch's TTT rows (T - 1) padded to a multiple of this: TorchInductor guards a compiled step on the rows'
-    # divisibility by 8 (aligned loads), so on an H200 pair batches of other lengths recompiled the six steps until
-    # dynamo's recompile limit (8) and the rest of the stage ran eagerly; padded rows are masked out of the loss
+    # divisibility by 8 (aligned loads), and unpadded batches of other lengths would compile the six steps again
+    # until dynamo's recompile limit (8), then run eagerly; padded rows are masked out of the loss
     rows_multiple: int = 8
 
     def __post_init__(self) -> None:
@@ -132,17 +132,32 @@ def write_state(path: Path, state: dict) -> None:
     tmp.replace(path)
 
 
+def response_counts(seqs: Sequences, vocab_size: int, rows: range | None = None) -> np.ndarray:
+    """[vocab_size] int64: how often each token occurs in the responses of `rows` (default: every sequence)."""
+    rows = range(len(seqs)) if rows is None else rows
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for i in rows:
+        s, p = seqs.get(i)
+        counts += np.bincount(s[p:], minlength=vocab_size)
+    return counts
+
+
+def top_tokens(counts: np.ndarray, size: int) -> np.ndarray:
+    """The `size` most frequent tokens of counts [vocab], ties by lower id, ascending: counts [0, 5, 5, 9], size 2
+    -> [1, 3] (9, then the lower of the two 5s)."""
+    if size > counts.shape[0]:
+        raise ValueError(f"draft vocab {size} exceeds the base vocabulary {counts.shape[0]}")
+    order = np.lexsort((np.arange(counts.shape[0]), -counts))  # by count desc, then id asc
+    return np.sort(order[:size])
+
+
 def draft_vocab(seqs: Sequences, size: int, vocab_size: int) -> torch.Tensor:
     """The `size` most frequent response tokens (ties and shortfall filled by lowest id), ascending.
     Returns draft_to_base [size] int64."""
     if size > vocab_size:
         raise ValueError(f"draft vocab {size} exceeds the base vocabulary {vocab_size}")
-    counts = np.zeros(vocab_size, dtype=np.int64)
-    for i in range(len(seqs)):
-        s, p = seqs.get(i)
-        np.add.at(counts, s[p:].astype(np.int64), 1)
-    order = np.lexsort((np.arange(vocab_size), -counts))  # by count desc, then id asc
-    chosen = np.sort(order[:size])
+    counts = response_counts(seqs, vocab_size)
+    chosen = top_tokens(counts, size)
     covered = counts[chosen].sum() / max(counts.sum(), 1)
     log.info("draft vocab: %d tokens cover %.2f%% of response tokens", size, 100 * covered)
     return torch.from_numpy(chosen.astype(np.int64))
