@@ -19,7 +19,7 @@ from common.kernels import reference
 from common.kernels.ttt import attention as ttt_attention
 from common.model.eagle3 import Eagle3Config, Eagle3Head
 from common.model.eagle3_io import load_eagle3, save_eagle3
-from common.model.llama import MLP, Batch, KVCache, LlamaModel
+from common.model.llama import Batch, KVCache, LlamaModel
 from common.weights import Checkpoint
 from training.evaluate import EvalConfig, evaluate_set
 from training.features import pad_batch
@@ -514,37 +514,6 @@ def test_a_saved_head_regrows_its_draft_vocabulary(tmp_path):
     assert torch.equal(head.t2d.nonzero().flatten(), torch.tensor(vocab))
     for name in ("fc.weight", "midlayer.self_attn.q_proj.weight", "norm.weight"):
         assert torch.equal(head.state_dict()[name], saved.state_dict()[name].float()), name
-
-
-def test_a_saved_head_widens_its_ffn_keeping_its_function(tmp_path):
-    """--head-intermediate wider than the saved head's FFN: the saved units keep their weights, the new ones start
-    with zero down columns, so the wider head's first step has the saved head's loss and accuracies."""
-    from training.train import widen_mlp
-
-    narrow, wide = MLP(2, 2), MLP(2, 3)
-    with torch.no_grad():
-        narrow.gate_proj.weight.copy_(torch.tensor([[1.0, 2.0], [3.0, 4.0]]))
-        narrow.up_proj.weight.copy_(torch.tensor([[5.0, 6.0], [7.0, 8.0]]))
-        narrow.down_proj.weight.copy_(torch.tensor([[1.0, -1.0], [2.0, 0.5]]))
-    widen_mlp(wide, narrow)
-    assert wide.gate_proj.weight[:2].tolist() == [[1.0, 2.0], [3.0, 4.0]] and wide.up_proj.weight[2].abs().max() < 0.1
-    assert wide.down_proj.weight.tolist() == [[1.0, -1.0, 0.0], [2.0, 0.5, 0.0]]
-    x = torch.tensor([[0.3, -0.7]])
-    assert torch.allclose(wide(x), narrow(x))
-    with pytest.raises(ValueError, match="narrower"):
-        widen_mlp(narrow, wide)
-    base = tiny_base()
-    w = make_workdir(tmp_path, base, n=16)
-    seqs = load_sequences(w / "gen")
-    save_eagle3(random_head(3), Eagle3Config.for_base(CFG, 64), tmp_path / "saved", aux_layers=base.aux_layers)
-    recs = []
-    for width in (None, 3 * CFG.intermediate_size):
-        cfg = TrainConfig(draft_vocab=64, steps=2, batch_size=4, max_len=24, ttt_steps=3, head_intermediate=width)
-        trainer = Trainer(base, seqs, tmp_path / f"w{width}", cfg, CPU, init_from=tmp_path / "saved")
-        recs.append(trainer.train_step())
-    assert trainer.head.midlayer.mlp.down_proj.weight.shape == (CFG.hidden_size, 3 * CFG.intermediate_size)
-    assert recs[0]["step_acc"] == recs[1]["step_acc"]
-    assert math.isclose(recs[0]["loss"], recs[1]["loss"], rel_tol=1e-5), (recs[0]["loss"], recs[1]["loss"])
 
 
 def test_ttt_rows_padded_to_a_multiple_of_8_leave_the_step_unchanged(tmp_path):

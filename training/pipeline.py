@@ -144,12 +144,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-len", type=int, default=768)
     g.add_argument("--lr", type=float, default=3e-4)
     g.add_argument("--ttt-steps", type=int, default=6)
-    g.add_argument(
-        "--head-intermediate",
-        type=int,
-        default=None,
-        help="the head's FFN width (default: the base's); a narrower --init-head is widened keeping its function",
-    )
     g.add_argument("--save-every", type=int, default=200)
     g.add_argument("--log-every", type=int, default=20)
     g.add_argument("--offline-features", action="store_true", help="train on stored features instead of online")
@@ -431,7 +425,6 @@ def stage_train(ctx: Context) -> bool:
         max_len=a.max_len,
         lr=a.lr,
         ttt_steps=a.ttt_steps,
-        head_intermediate=a.head_intermediate,
         save_every=a.save_every,
         log_every=a.log_every,
     )

@@ -15,7 +15,7 @@ import torch
 
 from common.model.eagle3 import Eagle3Config, Eagle3Head
 from common.model.eagle3_io import save_eagle3
-from common.model.llama import MLP, LlamaModel
+from common.model.llama import LlamaModel
 from training.features import StoredFeatures, base_features, pad_batch
 from training.generate import Sequences
 from training.parallel import Group
@@ -50,16 +50,11 @@ class TrainConfig:
     # divisibility by 8 (aligned loads), and unpadded batches of other lengths would compile the six steps again
     # until dynamo's recompile limit (8), then run eagerly; padded rows are masked out of the loss
     rows_multiple: int = 8
-    # the head's FFN width (None: the base's, 1536 for SmolLM2); a head started from a narrower one is widened
-    # without changing its function (widen_mlp)
-    head_intermediate: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("draft_vocab", "steps", "batch_size", "ttt_steps", "save_every", "log_every", "rows_multiple"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.head_intermediate is not None and self.head_intermediate < 1:
-            raise ValueError(f"head_intermediate must be >= 1, got {self.head_intermediate}")
         if self.ttt_steps < 1 or self.ttt_steps > 16:
             raise ValueError(f"ttt_steps must be in [1, 16], got {self.ttt_steps}")
         if self.max_len < 4:
@@ -86,7 +81,6 @@ RESUME_FIELDS = (
     "ttt_steps",
     "step_weight",
     "seed",
-    "head_intermediate",
 )
 
 
@@ -170,25 +164,6 @@ def draft_vocab(seqs: Sequences, size: int, vocab_size: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def widen_mlp(mlp: MLP, saved: MLP, seed: int = 0) -> None:
-    """mlp (width I) takes saved's function (width I0 <= I): its gate and up rows 0..I0 and down columns 0..I0 are
-    saved's; the I - I0 new units get small random gate and up rows (std 0.02) and zero down columns, so they add
-    nothing to the output until training moves them. Example: I0 2, I 3: gate rows [s0, s1, r], down columns
-    [s0, s1, 0]."""
-    width, was = mlp.down_proj.weight.shape[1], saved.down_proj.weight.shape[1]
-    if width < was:
-        raise ValueError(f"the head's FFN width {width} is narrower than the saved head's {was}")
-    g = torch.Generator().manual_seed(seed)
-    for name in ("gate_proj", "up_proj"):
-        w = torch.randn(width, mlp.down_proj.weight.shape[0], generator=g) * 0.02  # [I, H]
-        w[:was] = getattr(saved, name).weight.float()
-        getattr(mlp, name).weight.copy_(w)
-    down = torch.zeros(mlp.down_proj.weight.shape)  # [H, I]
-    down[:, :was] = saved.down_proj.weight.float()
-    mlp.down_proj.weight.copy_(down)
-
-
-@torch.no_grad()
 def init_head(head: Eagle3Head, base: LlamaModel, draft_to_base: torch.Tensor, seed: int = 0) -> None:
     """lm_head/norm from the base's head rows of the draft vocab; midlayer from the base's last layer
     (the 2H-wide q/k/v get half of the base weight on each input half); fc picks the high layer's
@@ -200,8 +175,9 @@ def init_head(head: Eagle3Head, base: LlamaModel, draft_to_base: torch.Tensor, s
     head.norm.weight.copy_(base.norm.weight.float())
     last = base.layers[-1]
     m = head.midlayer
-    if base.cfg.hidden_size == head.cfg.hidden_size and base.cfg.intermediate_size <= head.cfg.intermediate_size:
-        widen_mlp(m.mlp, last.mlp, seed)  # the base's last FFN (a wider head's new units start silent)
+    if base.cfg.hidden_size == head.cfg.hidden_size and base.cfg.intermediate_size == head.cfg.intermediate_size:
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            getattr(m.mlp, name).weight.copy_(getattr(last.mlp, name).weight.float())
         m.post_attention_layernorm.weight.copy_(last.post_attention_layernorm.weight.float())
         m.input_layernorm.weight.copy_(last.input_layernorm.weight.float())
         m.hidden_norm.weight.copy_(last.input_layernorm.weight.float())
@@ -227,11 +203,9 @@ def regrow_vocab(head: Eagle3Head, saved: Eagle3Head, base: LlamaModel, draft_to
     size): an lm_head row of a token in both vocabularies is the saved head's, a new token's row is the base lm_head's
     (as init_head starts every row), a token only the saved head had is dropped; the rest is the saved head's.
     Returns how many rows were kept. Saved vocabulary (base ids) [3, 7, 9], new [3, 5, 9, 11]: rows [saved[0],
-    base[5], saved[2], base[11]], 2 kept. A wider head's FFN takes the saved one's function (widen_mlp)."""
-    mlp = ("midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight")
-    kept = {k: v for k, v in saved.state_dict().items() if k not in ("lm_head.weight", "d2t", "t2d", *mlp)}
+    base[5], saved[2], base[11]], 2 kept."""
+    kept = {k: v for k, v in saved.state_dict().items() if k not in ("lm_head.weight", "d2t", "t2d")}
     head.load_state_dict(kept, strict=False)
-    widen_mlp(head.midlayer.mlp, saved.midlayer.mlp)
     head.set_vocab_map(draft_to_base)
     old = saved.d2t + torch.arange(saved.d2t.shape[0])  # [saved size] the saved vocabulary's base ids
     saved_row = torch.zeros(saved.t2d.shape[0], dtype=torch.int64)  # [base vocab] base id -> its saved row
@@ -362,8 +336,6 @@ class Trainer:
             raise ValueError(f"{self.index.size} sequences make fewer batches than the {self.world} ranks")
         self.lengths = np.array([min(len(seqs.get(int(i))[0]), cfg.max_len) for i in self.index])
         self.hcfg = Eagle3Config.for_base(base.cfg, cfg.draft_vocab)
-        if cfg.head_intermediate is not None:
-            self.hcfg = replace(self.hcfg, intermediate_size=cfg.head_intermediate)
         torch.manual_seed(cfg.seed)
         self.head = Eagle3Head(self.hcfg)
         self.step, self.epoch, self.pos, self.elapsed = 0, 0, 0, 0.0
@@ -387,13 +359,11 @@ class Trainer:
             d2b = draft_vocab(seqs, cfg.draft_vocab, base.cfg.vocab_size)  # the vocabulary follows this data
             kept = regrow_vocab(self.head, saved.float(), base, d2b)
             log.info(
-                "train: starting from the head in %s: %d of its %d draft tokens kept, %d new; FFN %d wide (was %d)",
+                "train: starting from the head in %s: %d of its %d draft tokens kept, %d new",
                 init_from,
                 kept,
                 saved_cfg.draft_vocab_size,
                 cfg.draft_vocab - kept,
-                self.hcfg.intermediate_size,
-                saved_cfg.intermediate_size,
             )
         else:
             d2b = draft_vocab(seqs, cfg.draft_vocab, base.cfg.vocab_size)
