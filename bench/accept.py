@@ -4,13 +4,13 @@
     python -m bench.accept --out DIR --head W/head                # the stack with another EAGLE-3 head
     python -m bench.accept --gateway 127.0.0.1:50051 --out DIR    # a gateway that is already serving
 
-Each prompt of bench/prompts/heldout-mixed.jsonl (eight each of chat, code, math, QA, summarization and writing,
-never trained on: the deduplicator of training/prompts.py drops training prompts equal or near-equal to them) is
-sent once, one request at a time, with the tree pinned (--tree, default 6x60: the drafter's top-k 10, depth 6,
-60 nodes), max_tokens 256, stopped by EOS, at each --temperatures entry (0: greedy; otherwise top-p --top-p and
-seed = the prompt's index). A request's answer says its verification rounds and mean acceptance length (committed
-tokens per round, the bonus token included); a category's figure pools its requests' rounds: the sum of
-acceptance x rounds over the sum of rounds, i.e. committed tokens per round. "all" pools every category.
+Each prompt of bench/prompts/heldout-mixed.jsonl and heldout-more.jsonl (24 each of chat, code, math, QA,
+summarization and writing, never trained on: the deduplicator of training/prompts.py drops training prompts equal or
+near-equal to them) is sent once, one request at a time, with the tree pinned (--tree, default 6x60: the drafter's
+top-k 10, depth 6, 60 nodes), max_tokens 256, stopped by EOS, at each --temperatures entry (0: greedy; otherwise
+top-p --top-p and seed = the prompt's index). A request's answer says its verification rounds and mean acceptance
+length (committed tokens per round, the bonus token included); a category's figure pools its requests' rounds: the
+sum of acceptance x rounds over the sum of rounds, i.e. committed tokens per round. "all" pools every category.
 Writes DIR/accept.json (every request's tokens, rounds and acceptance, the table, GetModelInfo) and DIR/accept.md
 (also printed).
 """
@@ -27,7 +27,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench.load import CATEGORIES, PROMPTS, Client, Prompt, open_gateway, read_prompts, stack_options
+from bench.load import CATEGORIES, HELDOUT, Client, Prompt, open_gateway, read_prompts, stack_options
 from common.policy import Shape
 
 log = logging.getLogger("bench.accept")
@@ -125,7 +125,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--temperatures", default="0,0.7", help="comma-separated; 0 is greedy")
     p.add_argument("--top-p", type=float, default=0.9, help="top-p of the sampled requests")
     p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--prompts-file", type=Path, default=PROMPTS)
+    p.add_argument("--prompts-file", type=Path, nargs="+", default=list(HELDOUT), help="prompt files, read in turn")
     p.add_argument("--prompts", type=int, default=None, help="the first N prompts only (interleaved by category)")
     p.add_argument("--request-timeout", type=float, default=300.0, help="seconds a request")
     a = p.parse_args(argv)
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    prompts = read_prompts(a.prompts_file)[: a.prompts]
+    prompts = [p for f in a.prompts_file for p in read_prompts(f)][: a.prompts]
     with contextlib.ExitStack() as stack:
         gateway, stack_line = open_gateway(a, out, stack, (f"--draft-arg=--head={a.head}",) if a.head else ())
         client = Client(gateway)

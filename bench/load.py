@@ -57,7 +57,9 @@ from services.stack import bind_to_parent
 
 log = logging.getLogger("bench.load")
 ROOT = Path(__file__).resolve().parents[1]
-PROMPTS = Path(__file__).resolve().parent / "prompts" / "heldout-mixed.jsonl"
+PROMPTS = Path(__file__).resolve().parent / "prompts" / "heldout-mixed.jsonl"  # the load and engine benches' 48
+# every prompt never trained on: bench.accept's 144 (24 a category), the prompts training's deduplicator excludes
+HELDOUT = (PROMPTS, PROMPTS.with_name("heldout-more.jsonl"))
 CATEGORIES = ("chat", "code", "math", "qa", "summarization", "writing")
 CALL = "specdec.v1.Generation.Complete"
 RUN_DONE = "%s: %d/%d OK, %.2f req/s, p50 %s ms"  # a run's log line (bench.policy_log reads it)

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from bench.load import HELDOUT
 from bench.load import read_prompts as read_heldout
 from common.config import LlamaConfig
 from common.model.llama import LlamaModel
@@ -545,7 +546,7 @@ def test_heldout_benchmark_prompts_are_never_trained_on(tokenizer, tmp_path, mon
     near-equal (punctuation and case), is dropped as eval_overlap; another question on the same subject stays."""
     for source in ("SHAREGPT", "HUMANEVAL", "WRITINGBENCH"):  # the source packages are not installed in CI
         monkeypatch.setattr(prompts, source, NoItems())
-    held = [p.text for p in read_heldout()]
+    held = [p.text for f in HELDOUT for p in read_heldout(f)]
     leaves = next(t for t in held if t.startswith("Why do leaves"))
     extra = {
         "magpie": [
@@ -558,7 +559,7 @@ def test_heldout_benchmark_prompts_are_never_trained_on(tokenizer, tmp_path, mon
     manifest = build_prompts(tmp_path, tokenizer, PromptConfig(heldout=0), [], extra)
     assert [r["id"] for r in read_jsonl(tmp_path / TRAIN_FILE)] == ["m2"]
     assert manifest["funnel"]["magpie"]["tokens"] == 4 and manifest["funnel"]["magpie"]["eval_overlap"] == 1
-    assert manifest["counts"]["heldout_mixed"] == len(held) == 48
+    assert manifest["counts"]["heldout_bench"] == len(held) == 144
 
 
 def test_sample_top_p_keeps_the_nucleus():

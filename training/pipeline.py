@@ -161,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--sets",
         default="sharegpt,humaneval,writingbench",
         help="eval sets, comma-separated: sharegpt, humaneval, writingbench (the prompts stage's), heldout-CATEGORY "
-        "(bench/prompts/heldout-mixed.jsonl's chat, code, math, qa, summarization or writing prompts; never trained "
+        "(bench.load.HELDOUT's chat, code, math, qa, summarization or writing prompts, 24 each; never trained "
         "on) or heldout (all six, and their pooled figure as heldout-all)",
     )
     g.add_argument("--eval-batch", type=int, default=16)

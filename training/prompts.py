@@ -3,7 +3,7 @@
 Output files in the work dir, one JSON object per line: {"id", "source", "text", "prompt_ids"} where prompt_ids
 is the chat-templated token sequence of the single user turn. The eval sets are chosen as they always were
 (ShareGPT's first `heldout` usable conversations, HumanEval, WritingBench's English queries) and enter the
-deduplicator first, with the benchmarks' held-out prompts (bench/prompts/heldout-mixed.jsonl), so no training
+deduplicator first, with the benchmarks' held-out prompts (bench.load.HELDOUT), so no training
 prompt equal or near-equal to an eval or held-out prompt survives. Training prompts
 then pass the quality filters (training/filters.py), the token bound and deduplication, source by source in
 priority order; the manifest counts each source's prompts left after each step (STEPS).
@@ -18,7 +18,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from bench.load import CATEGORIES
+from bench.load import CATEGORIES, HELDOUT
 from bench.load import read_prompts as read_heldout  # the benchmarks' reader of their one format
 from training.dedup import DedupConfig, Deduplicator
 from training.filters import FILTERS, FilterConfig, is_english
@@ -32,7 +32,7 @@ EVAL_FILES = {
     "humaneval": "humaneval.jsonl",
     "writingbench": "writingbench.jsonl",
 }
-# the benchmarks' held-out prompts (bench/prompts/heldout-mixed.jsonl: eight a category, never trained on) as
+# the benchmarks' held-out prompts (bench.load.HELDOUT: 24 a category, never trained on) as
 # evaluation sets, one a category; "heldout" names all six
 HELDOUT_SETS = {"heldout": [f"heldout-{c}" for c in CATEGORIES]}
 MANIFEST = "prompts_manifest.json"
@@ -147,7 +147,7 @@ def build_prompts(
     humaneval = list(encode("humaneval", HUMANEVAL.items()))
     writing = list(encode("writingbench", WRITINGBENCH.items()))
     dedup = Deduplicator(cfg.dedup)
-    benches = [p.text for p in read_heldout()]  # the held-out prompts the head's acceptance is measured on
+    benches = [p.text for f in HELDOUT for p in read_heldout(f)]  # the prompts the head's acceptance is measured on
     for text in [row["text"] for row in heldout + humaneval + writing] + benches:
         dedup.add(text, EVAL_LABEL)
 
@@ -176,7 +176,7 @@ def build_prompts(
             "sharegpt_heldout": len(heldout),
             "humaneval": len(humaneval),
             "writingbench": len(writing),
-            "heldout_mixed": len(benches),
+            "heldout_bench": len(benches),
         },
         **(meta or {}),
     }
@@ -186,9 +186,9 @@ def build_prompts(
 
 
 def heldout_prompts(tokenizer) -> dict[str, list[list[int]]]:
-    """bench/prompts/heldout-mixed.jsonl's prompts as evaluation sets: {"heldout-CATEGORY": [prompt ids]}, each one
+    """bench.load.HELDOUT's prompts as evaluation sets: {"heldout-CATEGORY": [prompt ids]}, each one
     user message in the chat template (as the gateway sends it), in the file's order within a category."""
     sets: dict[str, list[list[int]]] = {f"heldout-{c}": [] for c in CATEGORIES}
-    for p in read_heldout():
+    for p in (p for f in HELDOUT for p in read_heldout(f)):
         sets[f"heldout-{p.category}"].append(tokenizer.encode_chat([("user", p.text)]))
     return sets

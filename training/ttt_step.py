@@ -6,8 +6,8 @@ the same initial weights in the same run:
   fused        the same, each TTT step (head forward, attention, loss) through torch.compile with dynamic
                shapes: training now
 
-    python -m bench.ttt_step --out DIR                                        # CPU smoke (small)
-    python -m bench.ttt_step --device cuda --batch 8,16,32 --seq 1024 --steps 6 --out DIR
+    python -m training.ttt_step --out DIR                                        # CPU smoke (small)
+    python -m training.ttt_step --device cuda --batch 8,16,32 --seq 1024 --steps 6 --out DIR
 
 A step is training.train.optimize_step, the function the Trainer runs: `steps` unrolled head forwards
 (bf16 autocast on CUDA), backward, gradient clipping and AdamW. The head has the shipped head's shapes
@@ -233,7 +233,7 @@ def markdown(report: dict) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
-        prog="python -m bench.ttt_step", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m training.ttt_step", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--device", default="cpu")
