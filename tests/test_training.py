@@ -516,6 +516,63 @@ def test_a_saved_head_regrows_its_draft_vocabulary(tmp_path):
         assert torch.equal(head.state_dict()[name], saved.state_dict()[name].float()), name
 
 
+def test_source_weights_repeat_a_sources_sequences_and_weigh_its_tokens(tmp_path):
+    """--source-weights sharegpt=3,magpie=0: each epoch holds three copies of every ShareGPT sequence, none of
+    Magpie's and one of the rest, and the draft vocabulary counts the tokens of each sequence as often."""
+    from training.sources import parse_source_weights, source_of
+    from training.train import response_counts, sequence_copies
+
+    assert [source_of(i) for i in ("5laNzPs_36", "gsm8k-317", "chatterbot-coding-17", "magpie-00049-01748")] == [
+        "sharegpt",
+        "gsm8k",
+        "chatterbot",
+        "magpie",
+    ]
+    weights = parse_source_weights("sharegpt=3, magpie=0")
+    assert weights == (("magpie", 0), ("sharegpt", 3))
+    for bad in ("shargpt=3", "sharegpt=-1", "sharegpt=1.5", "sharegpt"):
+        with pytest.raises(ValueError, match=bad.split("=")[0]):
+            parse_source_weights(bad)
+    (tmp_path / "gen").mkdir()
+    ids = ["aB_0", "gsm8k-1", "magpie-00000-00001", "cD_1"]  # ShareGPT, GSM8K, Magpie, ShareGPT
+    prompts, responses = [[5, 6], [5, 7], [5, 8], [5, 9]], [[10, 11, 11], [12, 13], [14, 15, 16], [10, 17]]
+    save_shard(tmp_path / "gen" / "gen-00000.npz", prompts, responses, ids)
+    seqs = load_sequences(tmp_path / "gen")
+    copies = sequence_copies(seqs, weights)
+    assert copies.tolist() == [3, 1, 0, 3]
+    counts = response_counts(seqs, 20, copies=copies)
+    assert counts[10:18].tolist() == [6, 6, 1, 1, 0, 0, 0, 3]  # 10: in two ShareGPT responses, x3; 11: twice in one
+    cfg = TrainConfig(draft_vocab=4, steps=1, batch_size=2, max_len=8, ttt_steps=2, source_weights=weights)
+    trainer = Trainer(tiny_base(), seqs, tmp_path, cfg, CPU)
+    assert sorted(trainer.index.tolist()) == [0, 0, 0, 1, 3, 3, 3]
+    assert (trainer.head.d2t + torch.arange(4)).tolist() == [10, 11, 12, 17]  # 6, 6, 3 (17), 1 (12 and 13 tie)
+
+
+def test_a_saved_heads_vocabulary_swaps_a_token_only_for_a_clearly_more_frequent_one(tmp_path):
+    """--vocab-swap-ratio K: a head continued from a saved one of the same size keeps its draft tokens, except where a
+    token outside the vocabulary is more than K times as frequent as the kept token it replaces."""
+    from training.train import kept_vocab, response_counts
+
+    counts, saved = np.array([10, 1, 8, 3, 2]), np.array([1, 3])
+    assert kept_vocab(counts, saved, 2.0).tolist() == [0, 2]  # 10 > 2 x 1 and 8 > 2 x 3
+    assert kept_vocab(counts, saved, 3.0).tolist() == [0, 3]  # 8 < 3 x 3: the swaps stop
+    assert kept_vocab(counts, saved, 11.0).tolist() == [1, 3]
+    assert kept_vocab(np.array([5, 5, 5, 5]), np.array([2, 3]), 1.0).tolist() == [2, 3]  # a tie keeps the old token
+    base = tiny_base()
+    w = make_workdir(tmp_path, base, n=16)
+    seqs = load_sequences(w / "gen")
+    saved = random_head(3)
+    saved.set_vocab_map(torch.arange(448, 512))
+    save_eagle3(saved, Eagle3Config.for_base(CFG, 64), tmp_path / "saved", aux_layers=base.aux_layers)
+    counts = response_counts(seqs, CFG.vocab_size)
+    for ratio in (1.0, 1e9):
+        cfg = TrainConfig(draft_vocab=64, steps=1, batch_size=4, max_len=24, ttt_steps=2, vocab_swap_ratio=ratio)
+        head = Trainer(base, seqs, tmp_path / f"r{ratio}", cfg, CPU, init_from=tmp_path / "saved").head
+        vocab = (head.d2t + torch.arange(64)).tolist()
+        assert vocab == kept_vocab(counts, np.arange(448, 512), ratio).tolist()
+        assert (vocab == list(range(448, 512))) == (ratio == 1e9), ratio
+
+
 def test_ttt_rows_padded_to_a_multiple_of_8_leave_the_step_unchanged(tmp_path):
     """A batch's TTT rows are padded to a multiple of 8 (one compiled graph per TTT step on a GPU); the padding is
     masked out, so the first step's loss and accuracies equal the unpadded batch's."""

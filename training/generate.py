@@ -255,6 +255,7 @@ class Sequences:
     tokens: np.ndarray  # [total] int32 concatenated prompt+response tokens
     offsets: np.ndarray  # [N+1] int64
     prompt_len: np.ndarray  # [N] int64
+    ids: np.ndarray | None = None  # [N] str: the prompts' ids (training.sources.source_of names their source)
 
     def __len__(self) -> int:
         return int(self.prompt_len.shape[0])
@@ -268,14 +269,16 @@ def load_sequences(gendir: Path) -> Sequences:
     files = [f for f in files if ".tmp" not in f.name]
     if not files:
         raise FileNotFoundError(f"no generated shards in {gendir}: run the generate stage first")
-    toks, offs, plen, base = [], [np.zeros(1, dtype=np.int64)], [], 0
+    toks, offs, plen, ids, base = [], [np.zeros(1, dtype=np.int64)], [], [], 0
     for f in files:
         z = np.load(f)
         toks.append(z["tokens"])
         offs.append(z["offsets"][1:] + base)
         plen.append(z["prompt_len"])
+        ids.append(z["ids"])
         base += int(z["offsets"][-1])
-    return Sequences(tokens=np.concatenate(toks), offsets=np.concatenate(offs), prompt_len=np.concatenate(plen))
+    tokens, offsets = np.concatenate(toks), np.concatenate(offs)
+    return Sequences(tokens=tokens, offsets=offsets, prompt_len=np.concatenate(plen), ids=np.concatenate(ids))
 
 
 def missing_shards(

@@ -11,10 +11,11 @@ on which run wrote it.
 Steered shards (for the held-out categories the head accepts least, whose kind of prompt the other sources rarely
 hold): a `steered_share` of the shards, spread evenly and chosen from the config alone (MagpieConfig.steer), starts
 every user message with the opening words of a request of one of `steer_families` (STEER_FAMILIES: writing "Write a
-short story about", "Draft an email", ...; qa "Why do", "How does", ...; summary "Summarize this article:", ...; chat
-"Can you suggest", "Any tips for", ...) and samples the rest, so the model writes the passage to summarize, the
-question or the piece of writing it asks for. Such a shard's file and rows name its steer's id; at steered_share 0
-(the default) every shard is a plain Magpie shard.
+short story about", "Draft an email", ...; qa "Why do", "How does", ...; summary "Summarize this article:", ...;
+chat "Can you suggest", "Any tips for", ...; code "Write a Python function that", "Explain what this code does:",
+...) and samples the rest, so the model writes the passage to summarize, the question, the piece of writing or the
+code it asks for. Such a shard's file and rows name its steer's id; at steered_share 0 (the default) every shard is
+a plain Magpie shard.
 """
 
 from __future__ import annotations
@@ -86,7 +87,24 @@ CHAT_STEERS = (
     Steer("chat-my", "My"),
     Steer("chat-advice", "I need some advice"),
 )
-STEER_FAMILIES = {"writing": WRITING_STEERS, "qa": QA_STEERS, "summary": SUMMARY_STEERS, "chat": CHAT_STEERS}
+# the code a user pastes or asks for: the other sources' code is mostly ShareGPT's (7% of issue 36's prompts)
+CODE_STEERS = (
+    Steer("code-python-function", "Write a Python function that"),
+    Steer("code-explain", "Explain what this code does:"),
+    Steer("code-javascript", "Write a JavaScript function that"),
+    Steer("code-fix", "Fix the bug in this code:"),
+    Steer("code-sql", "Write a SQL query that"),
+    Steer("code-python-class", "Write a Python class"),
+    Steer("code-bash", "Write a bash script that"),
+    Steer("code-how-do-i", "How do I use Python to"),
+)
+STEER_FAMILIES = {
+    "writing": WRITING_STEERS,
+    "qa": QA_STEERS,
+    "summary": SUMMARY_STEERS,
+    "chat": CHAT_STEERS,
+    "code": CODE_STEERS,
+}
 STEERS = (DEFAULT_STEER, *(st for family in STEER_FAMILIES.values() for st in family))  # ids unique (test_prompts)
 
 

@@ -24,6 +24,7 @@ from common.model.llama import LlamaModel
 from common.weights import Checkpoint, load_checkpoint
 from training.generate import GEN_DIR
 from training.parallel import Group, Part, launch
+from training.sources import parse_source_weights
 
 if TYPE_CHECKING:
     from training.magpie import MagpieConfig
@@ -33,6 +34,14 @@ log = logging.getLogger(__name__)
 STAGES = ("prompts", "generate", "features", "train", "eval", "all", "pack", "unpack")
 PARALLEL_STAGES = ("prompts", "generate", "train")  # --workers N
 FEAT_DIR, MAGPIE_DIR = "features", "magpie"
+
+
+def source_weights_arg(text: str) -> tuple[tuple[str, int], ...]:
+    """--source-weights' value (training.sources.parse_source_weights), its error as argparse's."""
+    try:
+        return parse_source_weights(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--magpie-families",
         default="writing",
         metavar="F,F",
-        help="steer families the steered shards take in turn: writing, qa, summary, chat (default writing)",
+        help="steer families the steered shards take in turn: writing, qa, summary, chat, code (default writing)",
     )
     g.add_argument(
         "--seed", type=int, default=0, help="Magpie sampling, the training prompts' shuffle, generate's sampled prompts"
@@ -144,9 +153,23 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-len", type=int, default=768)
     g.add_argument("--lr", type=float, default=3e-4)
     g.add_argument("--ttt-steps", type=int, default=6)
+    g.add_argument(
+        "--source-weights",
+        type=source_weights_arg,
+        default=(),
+        help="SOURCE=COPIES,...: each epoch holds COPIES copies of a source's sequences and the draft vocabulary "
+        "counts their tokens as often (e.g. sharegpt=3: most of the code is in ShareGPT); other sources once",
+    )
     g.add_argument("--save-every", type=int, default=200)
     g.add_argument("--log-every", type=int, default=20)
     g.add_argument("--offline-features", action="store_true", help="train on stored features instead of online")
+    g.add_argument(
+        "--vocab-swap-ratio",
+        type=float,
+        default=3.0,
+        help="with --init-head: keep a draft token unless one outside the vocabulary is more than this many times as "
+        "frequent in the responses (1: the most frequent tokens; default 3)",
+    )
     g.add_argument(
         "--init-head",
         type=Path,
@@ -425,6 +448,8 @@ def stage_train(ctx: Context) -> bool:
         max_len=a.max_len,
         lr=a.lr,
         ttt_steps=a.ttt_steps,
+        source_weights=a.source_weights,
+        vocab_swap_ratio=a.vocab_swap_ratio,
         save_every=a.save_every,
         log_every=a.log_every,
     )

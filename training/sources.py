@@ -181,6 +181,29 @@ EXTRA_SOURCES = (
     Source("chitchat", "chitchat-dataset", "chitchat_dataset", "dataset.json", "MIT", read_chitchat),
 )
 TRAIN_SOURCES = {s.name: s for s in (SHAREGPT, *EXTRA_SOURCES)}
+MAGPIE = "magpie"  # the base model's own user turns (training/magpie.py): ids "magpie-KKKKK-NNNNN"
+SOURCE_NAMES = (*TRAIN_SOURCES, MAGPIE)
+
+
+def source_of(prompt_id: str) -> str:
+    """The source a training prompt's id names: every source but ShareGPT starts its ids with its name and a dash
+    ("gsm8k-317", "chatterbot-coding-17", "magpie-00049-01748"); ShareGPT keeps its conversation ids ("5laNzPs_36")."""
+    head = prompt_id.split("-", 1)[0]
+    return head if head in SOURCE_NAMES else SHAREGPT.name
+
+
+def parse_source_weights(text: str) -> tuple[tuple[str, int], ...]:
+    """ "sharegpt=3,magpie=1" -> (("magpie", 1), ("sharegpt", 3)): copies of each named source's sequences per epoch,
+    sorted by name; ValueError naming what is wrong (an unknown source, a count that is not an integer >= 0)."""
+    weights: dict[str, int] = {}
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        name, sep, count = item.partition("=")
+        if not sep or name not in SOURCE_NAMES:
+            raise ValueError(f"{item!r}: give SOURCE=COPIES with SOURCE one of {', '.join(SOURCE_NAMES)}")
+        if not count.strip().isdigit():
+            raise ValueError(f"{item!r}: COPIES must be an integer >= 0")
+        weights[name] = int(count)
+    return tuple(sorted(weights.items()))
 
 
 def dist_version(dist: str) -> str:

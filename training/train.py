@@ -19,6 +19,7 @@ from common.model.llama import LlamaModel
 from training.features import StoredFeatures, base_features, pad_batch
 from training.generate import Sequences
 from training.parallel import Group
+from training.sources import SOURCE_NAMES, source_of
 from training.ttt import FusedAttention, StepAttention, TTTResult, TTTTargets, make_targets, ttt_forward
 
 log = logging.getLogger(__name__)
@@ -50,15 +51,27 @@ class TrainConfig:
     # divisibility by 8 (aligned loads), and unpadded batches of other lengths would compile the six steps again
     # until dynamo's recompile limit (8), then run eagerly; padded rows are masked out of the loss
     rows_multiple: int = 8
+    # (source, copies): each epoch holds that many copies of the named source's sequences (0 leaves it out), and the
+    # draft vocabulary counts their tokens that many times; sources not named appear once (training.sources)
+    source_weights: tuple[tuple[str, int], ...] = ()
+    # a head continued from a saved one (--init-head) keeps a draft token unless a token outside its vocabulary is more
+    # than this many times as frequent in these responses (kept_vocab; 1: the most frequent tokens; 3 was chosen on
+    # the eval sets' responses, docs/training.md "Session 24")
+    vocab_swap_ratio: float = 3.0
 
     def __post_init__(self) -> None:
         for name in ("draft_vocab", "steps", "batch_size", "ttt_steps", "save_every", "log_every", "rows_multiple"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name, copies in self.source_weights:
+            if name not in SOURCE_NAMES or copies < 0:
+                raise ValueError(f"source_weights: {name}={copies} (a source of {SOURCE_NAMES}, copies >= 0)")
         if self.ttt_steps < 1 or self.ttt_steps > 16:
             raise ValueError(f"ttt_steps must be in [1, 16], got {self.ttt_steps}")
         if self.max_len < 4:
             raise ValueError(f"max_len must be >= 4, got {self.max_len}")
+        if not self.vocab_swap_ratio >= 1:
+            raise ValueError(f"vocab_swap_ratio must be >= 1, got {self.vocab_swap_ratio}")
         if not self.lr > 0:
             raise ValueError(f"lr must be positive, got {self.lr}")
         if self.minutes is not None and not self.minutes > 0:
@@ -81,6 +94,7 @@ RESUME_FIELDS = (
     "ttt_steps",
     "step_weight",
     "seed",
+    "source_weights",
 )
 
 
@@ -132,13 +146,30 @@ def write_state(path: Path, state: dict) -> None:
     tmp.replace(path)
 
 
-def response_counts(seqs: Sequences, vocab_size: int, rows: range | None = None) -> np.ndarray:
-    """[vocab_size] int64: how often each token occurs in the responses of `rows` (default: every sequence)."""
+def sequence_copies(seqs: Sequences, weights: tuple[tuple[str, int], ...]) -> np.ndarray:
+    """[N] int64: the copies of each sequence an epoch holds (TrainConfig.source_weights; 1 for a source not named).
+    Sources "5laNzPs_36" (ShareGPT), "gsm8k-3", "magpie-00001-00002" with sharegpt=3, magpie=0 -> [3, 1, 0]."""
+    copies = np.ones(len(seqs), dtype=np.int64)
+    if not weights:
+        return copies
+    if seqs.ids is None:
+        raise ValueError("source weights need the prompts' ids, which these sequences lack")
+    by_source = dict(weights)
+    for i, pid in enumerate(seqs.ids):
+        copies[i] = by_source.get(source_of(str(pid)), 1)
+    return copies
+
+
+def response_counts(
+    seqs: Sequences, vocab_size: int, rows: range | None = None, copies: np.ndarray | None = None
+) -> np.ndarray:
+    """[vocab_size] int64: how often each token occurs in the responses of `rows` (default: every sequence), each
+    sequence counted copies[i] times (default once)."""
     rows = range(len(seqs)) if rows is None else rows
     counts = np.zeros(vocab_size, dtype=np.int64)
     for i in rows:
         s, p = seqs.get(i)
-        counts += np.bincount(s[p:], minlength=vocab_size)
+        counts += np.bincount(s[p:], minlength=vocab_size) * (1 if copies is None else int(copies[i]))
     return counts
 
 
@@ -151,16 +182,33 @@ def top_tokens(counts: np.ndarray, size: int) -> np.ndarray:
     return np.sort(order[:size])
 
 
-def draft_vocab(seqs: Sequences, size: int, vocab_size: int) -> torch.Tensor:
-    """The `size` most frequent response tokens (ties and shortfall filled by lowest id), ascending.
-    Returns draft_to_base [size] int64."""
+def draft_vocab(seqs: Sequences, size: int, vocab_size: int, copies: np.ndarray | None = None) -> torch.Tensor:
+    """The `size` most frequent response tokens (ties and shortfall filled by lowest id), ascending, each sequence
+    counted copies[i] times (default once). Returns draft_to_base [size] int64."""
     if size > vocab_size:
         raise ValueError(f"draft vocab {size} exceeds the base vocabulary {vocab_size}")
-    counts = response_counts(seqs, vocab_size)
+    counts = response_counts(seqs, vocab_size, copies=copies)
     chosen = top_tokens(counts, size)
     covered = counts[chosen].sum() / max(counts.sum(), 1)
     log.info("draft vocab: %d tokens cover %.2f%% of response tokens", size, 100 * covered)
     return torch.from_numpy(chosen.astype(np.int64))
+
+
+def kept_vocab(counts: np.ndarray, saved: np.ndarray, ratio: float) -> np.ndarray:
+    """A trained head's vocabulary (saved: base ids) brought to new token counts [vocab]: the most frequent tokens
+    outside it replace its least frequent ones, pair by pair, while the incoming token's count is more than `ratio`
+    times the outgoing one's (at least 1). Ratio 1 gives the most frequent tokens (ties aside); a larger one keeps the
+    tokens the head was trained on unless the new data clearly prefers others. Ascending base ids. Counts [10, 1, 8, 3,
+    2], saved [1, 3]: ratio 2 -> [0, 2] (10 > 2 x 1, 8 > 2 x 3); ratio 3 -> [0, 3] (8 < 3 x 3 stops the swaps)."""
+    inside = np.zeros(counts.shape[0], dtype=bool)
+    inside[saved] = True
+    outside = np.flatnonzero(~inside)
+    incoming = outside[np.lexsort((outside, -counts[outside]))]  # count descending, then id ascending
+    outgoing = saved[np.lexsort((-saved, counts[saved]))]  # count ascending, then id descending
+    m = min(incoming.size, outgoing.size)
+    swap = counts[incoming[:m]] > ratio * np.maximum(counts[outgoing[:m]], 1)  # [m] true up to the first that fails
+    n = m if swap.all() else int(np.argmin(swap))
+    return np.sort(np.concatenate((outgoing[n:], incoming[:n])))
 
 
 @torch.no_grad()
@@ -328,10 +376,12 @@ class Trainer:
         self.group = group
         self.rank, self.world = (0, 1) if group is None else (group.rank, group.world)
         self.head_dir = workdir / "head"
+        copies = sequence_copies(seqs, cfg.source_weights)  # [N]
         keep = [i for i in range(len(seqs)) if seqs.get(i)[0].shape[0] - seqs.get(i)[1] >= 2]
-        self.index = np.array(keep, dtype=np.int64)  # sequences with a response to learn from
+        # sequences with a response to learn from, each as often as its source's weight says
+        self.index = np.repeat(np.array(keep, dtype=np.int64), copies[keep])
         if self.index.size == 0:
-            raise ValueError("no sequence has a response of 2 tokens or more")
+            raise ValueError("no sequence has a response of 2 tokens or more (of a source given 1 copy or more)")
         if -(-self.index.size // cfg.batch_size) < self.world:
             raise ValueError(f"{self.index.size} sequences make fewer batches than the {self.world} ranks")
         self.lengths = np.array([min(len(seqs.get(int(i))[0]), cfg.max_len) for i in self.index])
@@ -356,7 +406,12 @@ class Trainer:
             from common.model.eagle3_io import load_eagle3
 
             saved, saved_cfg = load_eagle3(init_from)
-            d2b = draft_vocab(seqs, cfg.draft_vocab, base.cfg.vocab_size)  # the vocabulary follows this data
+            if saved_cfg.draft_vocab_size == cfg.draft_vocab:  # the vocabulary follows this data (kept_vocab)
+                counts = response_counts(seqs, base.cfg.vocab_size, copies=copies)
+                old = (saved.d2t + torch.arange(cfg.draft_vocab)).numpy()
+                d2b = torch.from_numpy(kept_vocab(counts, old, cfg.vocab_swap_ratio).astype(np.int64))
+            else:  # another size: the most frequent tokens
+                d2b = draft_vocab(seqs, cfg.draft_vocab, base.cfg.vocab_size, copies)
             kept = regrow_vocab(self.head, saved.float(), base, d2b)
             log.info(
                 "train: starting from the head in %s: %d of its %d draft tokens kept, %d new",
@@ -366,7 +421,7 @@ class Trainer:
                 cfg.draft_vocab - kept,
             )
         else:
-            d2b = draft_vocab(seqs, cfg.draft_vocab, base.cfg.vocab_size)
+            d2b = draft_vocab(seqs, cfg.draft_vocab, base.cfg.vocab_size, copies)
             init_head(self.head, base, d2b, cfg.seed)
         self.head.to(device)
         self.head.train()
