@@ -153,24 +153,33 @@ def test_a_later_stage_cannot_change_the_schedule(staged, tmp_path):
     assert read_state(w / "train" / STATE_FILE)["step"] == TINY.steps and (w / "train" / "DONE").exists()
 
 
-def test_pipeline_train_records_the_total_once(staged, tmp_path, monkeypatch):
+def test_pipeline_train_records_the_total_once(staged, tmp_path, monkeypatch, capsys):
     """`train --total-steps` is given once: a later call without it continues the recorded total; with another
-    one it stops with an error before training."""
+    one it stops with an error before training. --source-weights is recorded too (the staged ids are ShareGPT's
+    form, so every sequence is taken twice), and another weight is refused the same way."""
     from training import pipeline
 
     w = tmp_path / "w"
     shutil.copytree(staged["first"] / "gen", w / "gen")
     monkeypatch.setattr(pipeline.Context, "model", property(lambda self: staged["base"]))
     flags = ["--batch-size", "4", "--max-len", "24", "--ttt-steps", "2", "--lr", str(LR), "--draft-vocab", "128"]
+    flags += ["--source-weights", "sharegpt=2"]
 
     def train(*extra: str) -> bool:
         args = pipeline.build_parser().parse_args(["train", "--workdir", str(w), *flags, *extra])
         return pipeline.stage_train(pipeline.Context(args))
 
     assert not train("--total-steps", "5", "--train-steps", "2")
-    assert read_state(w / "train" / STATE_FILE)["config"]["steps"] == 5
+    state = read_state(w / "train" / STATE_FILE)
+    assert state["config"]["steps"] == 5 and state["config"]["source_weights"] == (("sharegpt", 2),)
+    assert state["sequences"] == 2 * len(load_sequences(w / "gen"))
     with pytest.raises(ValueError, match=r"steps 5 \(this call: 7\)"):
         train("--total-steps", "7")
+    with pytest.raises(ValueError, match=r"source_weights"):
+        train("--source-weights", "sharegpt=3")
+    with pytest.raises(SystemExit):
+        train("--source-weights", "sharegpt=two")
+    assert "COPIES must be an integer" in capsys.readouterr().err
     assert train("--train-steps", "9")  # the recorded total, 5, ends it
     assert read_state(w / "train" / STATE_FILE)["step"] == 5
 
