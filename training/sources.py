@@ -193,8 +193,8 @@ def source_of(prompt_id: str) -> str:
 
 
 def parse_source_weights(text: str) -> tuple[tuple[str, int], ...]:
-    """ "sharegpt=3,magpie=1" -> (("magpie", 1), ("sharegpt", 3)): copies of each named source's sequences per epoch,
-    sorted by name; ValueError naming what is wrong (an unknown source, a count that is not an integer >= 0)."""
+    """The copies of each named source's sequences per epoch, sorted by name: "sharegpt=3,magpie=1" -> (("magpie", 1),
+    ("sharegpt", 3)); ValueError naming what is wrong (an unknown source, a count that is not an integer >= 0)."""
     weights: dict[str, int] = {}
     for item in (x.strip() for x in text.split(",") if x.strip()):
         name, sep, count = item.partition("=")
