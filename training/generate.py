@@ -275,10 +275,11 @@ def load_sequences(gendir: Path) -> Sequences:
         toks.append(z["tokens"])
         offs.append(z["offsets"][1:] + base)
         plen.append(z["prompt_len"])
-        ids.append(z["ids"])
+        ids.append(z["ids"] if "ids" in z.files else None)
         base += int(z["offsets"][-1])
     tokens, offsets = np.concatenate(toks), np.concatenate(offs)
-    return Sequences(tokens=tokens, offsets=offsets, prompt_len=np.concatenate(plen), ids=np.concatenate(ids))
+    all_ids = None if any(i is None for i in ids) else np.concatenate(ids)  # a shard without ids: no source weights
+    return Sequences(tokens=tokens, offsets=offsets, prompt_len=np.concatenate(plen), ids=all_ids)
 
 
 def missing_shards(
