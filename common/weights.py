@@ -1,6 +1,6 @@
 """Load a Llama-family checkpoint: the embedded GGUF (default) or a Hugging Face safetensors folder.
 
-A GGUF file is parsed and dequantized once (about 8 s on a CPU core for the embedded model, most of it the gguf
+A GGUF file is parsed and dequantized once (about 7 s on a CPU core for the embedded model, most of it the gguf
 package's reader walking the tokenizer's arrays) and its float32 weights cached as safetensors under
 $XDG_CACHE_HOME/specdec/checkpoints/ (common.model_path.cache_root), keyed by the file's path, size and mtime; later
 loads, a restarted service's among them, read the cache (under a second). A cache that cannot be written or read is

@@ -505,7 +505,7 @@ def test_a_saved_head_regrows_its_draft_vocabulary(tmp_path):
     row_of = {t: i for i, t in enumerate(range(448, 512))}
     cfg = TrainConfig(draft_vocab=96, steps=1, batch_size=4, max_len=24, ttt_steps=2)
     head = Trainer(base, seqs, w, cfg, CPU, init_from=tmp_path / "saved").head
-    vocab = (head.d2t + torch.arange(96)).tolist()
+    vocab = head.base_ids().tolist()
     assert vocab == draft_vocab(seqs, 96, CFG.vocab_size).tolist()
     assert {t in row_of for t in vocab} == {True, False} and not set(row_of) <= set(vocab)  # kept, new and dropped
     for row, t in enumerate(vocab):
@@ -545,7 +545,7 @@ def test_source_weights_repeat_a_sources_sequences_and_weigh_its_tokens(tmp_path
     cfg = TrainConfig(draft_vocab=4, steps=1, batch_size=2, max_len=8, ttt_steps=2, source_weights=weights)
     trainer = Trainer(tiny_base(), seqs, tmp_path, cfg, CPU)
     assert sorted(trainer.index.tolist()) == [0, 0, 0, 1, 3, 3, 3]
-    assert (trainer.head.d2t + torch.arange(4)).tolist() == [10, 11, 12, 17]  # 6, 6, 3 (17), 1 (12 and 13 tie)
+    assert trainer.head.base_ids().tolist() == [10, 11, 12, 17]  # 6, 6, 3 (17), 1 (12 and 13 tie)
 
 
 def test_a_saved_heads_vocabulary_swaps_a_token_only_for_a_clearly_more_frequent_one(tmp_path):
@@ -568,7 +568,7 @@ def test_a_saved_heads_vocabulary_swaps_a_token_only_for_a_clearly_more_frequent
     for ratio in (1.0, 1e9):
         cfg = TrainConfig(draft_vocab=64, steps=1, batch_size=4, max_len=24, ttt_steps=2, vocab_swap_ratio=ratio)
         head = Trainer(base, seqs, tmp_path / f"r{ratio}", cfg, CPU, init_from=tmp_path / "saved").head
-        vocab = (head.d2t + torch.arange(64)).tolist()
+        vocab = head.base_ids().tolist()
         assert vocab == kept_vocab(counts, np.arange(448, 512), ratio).tolist()
         assert (vocab == list(range(448, 512))) == (ratio == 1e9), ratio
 

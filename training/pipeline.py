@@ -124,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="the sampled prompts' temperature (top-p 1)",
     )
     g = p.add_argument_group("train")
-    g.add_argument("--draft-vocab", type=int, default=8192, help="the draft vocabulary's size (most frequent tokens)")
+    g.add_argument("--draft-vocab", type=int, default=8192, help="the draft vocabulary's size")
     g.add_argument(
         "--total-steps",
         type=int,
@@ -174,9 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--init-head",
         type=Path,
         default=None,
-        help="continue training from this EAGLE-3 head folder (e.g. models/eagle3-smollm2); the draft vocabulary "
-        "is rebuilt from the responses (--draft-vocab tokens: the rows of the tokens the head has are kept, new ones "
-        "start from the base's lm_head)",
+        help="continue training from this EAGLE-3 head folder (e.g. models/eagle3-smollm2); its draft vocabulary "
+        "follows the responses (--vocab-swap-ratio; of another --draft-vocab size: the most frequent tokens), the rows "
+        "of the tokens it keeps are its own, new ones start from the base's lm_head",
     )
     g = p.add_argument_group("eval")
     g.add_argument("--head", type=Path, default=None, help="EAGLE-3 head folder (default: W/head)")

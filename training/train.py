@@ -185,8 +185,6 @@ def top_tokens(counts: np.ndarray, size: int) -> np.ndarray:
 def draft_vocab(seqs: Sequences, size: int, vocab_size: int, copies: np.ndarray | None = None) -> torch.Tensor:
     """The `size` most frequent response tokens (ties and shortfall filled by lowest id), ascending, each sequence
     counted copies[i] times (default once). Returns draft_to_base [size] int64."""
-    if size > vocab_size:
-        raise ValueError(f"draft vocab {size} exceeds the base vocabulary {vocab_size}")
     counts = response_counts(seqs, vocab_size, copies=copies)
     chosen = top_tokens(counts, size)
     covered = counts[chosen].sum() / max(counts.sum(), 1)
@@ -255,7 +253,7 @@ def regrow_vocab(head: Eagle3Head, saved: Eagle3Head, base: LlamaModel, draft_to
     kept = {k: v for k, v in saved.state_dict().items() if k not in ("lm_head.weight", "d2t", "t2d")}
     head.load_state_dict(kept, strict=False)
     head.set_vocab_map(draft_to_base)
-    old = saved.d2t + torch.arange(saved.d2t.shape[0])  # [saved size] the saved vocabulary's base ids
+    old = saved.base_ids()  # [saved size]
     saved_row = torch.zeros(saved.t2d.shape[0], dtype=torch.int64)  # [base vocab] base id -> its saved row
     saved_row[old] = torch.arange(old.shape[0])
     both = saved.t2d[draft_to_base]  # [size] bool: the token was in the saved vocabulary
@@ -408,7 +406,7 @@ class Trainer:
             saved, saved_cfg = load_eagle3(init_from)
             if saved_cfg.draft_vocab_size == cfg.draft_vocab:  # the vocabulary follows this data (kept_vocab)
                 counts = response_counts(seqs, base.cfg.vocab_size, copies=copies)
-                old = (saved.d2t + torch.arange(cfg.draft_vocab)).numpy()
+                old = saved.base_ids().numpy()
                 d2b = torch.from_numpy(kept_vocab(counts, old, cfg.vocab_swap_ratio).astype(np.int64))
             else:  # another size: the most frequent tokens
                 d2b = draft_vocab(seqs, cfg.draft_vocab, base.cfg.vocab_size, copies)
@@ -425,7 +423,7 @@ class Trainer:
             init_head(self.head, base, d2b, cfg.seed)
         self.head.to(device)
         self.head.train()
-        self.draft_to_base = self.head.d2t + torch.arange(cfg.draft_vocab, device=device)
+        self.draft_to_base = self.head.base_ids()
         self.opt = make_optimizer(self.head, cfg)
         if st is not None:
             self.opt.load_state_dict(st["opt"])

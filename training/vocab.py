@@ -56,12 +56,10 @@ def main(argv: list[str] | None = None) -> int:
         "|---|---:|---:|",
     ]
     if a.head is not None:
-        import torch
-
         from common.model.eagle3_io import load_eagle3
 
         head, cfg = load_eagle3(a.head)
-        vocab = (head.d2t + torch.arange(cfg.draft_vocab_size)).numpy()  # [draft vocab] base ids
+        vocab = head.base_ids().numpy()  # [draft vocab]
         lines.append(f"| {a.head} | {cfg.draft_vocab_size} | {100 * coverage(held, vocab):.1f}% |")
     for size in (int(s) for s in a.sizes.split(",")):
         covered = coverage(held, top_tokens(chosen_on, size))

@@ -121,6 +121,10 @@ class Eagle3Head(Float32RopeTables):
     def to_base_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
 
+    def base_ids(self) -> torch.Tensor:
+        """[draft_vocab] the base ids of the draft vocabulary, ascending (draft id i is base id base_ids()[i])."""
+        return self.to_base_ids(torch.arange(self.d2t.shape[0], device=self.d2t.device))
+
     def hidden_and_normed(
         self, embeds: torch.Tensor, hidden: torch.Tensor, batch: Batch, cache: KVCache, layer_cache: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor]:
