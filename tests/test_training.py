@@ -605,3 +605,26 @@ def test_vocabulary_coverage_by_hand(tmp_path, capsys):
     assert main(["--gen", str(tmp_path / "gen"), "--sizes", "2,3", "--held-out", "0.25", "--vocab-size", "16"]) == 0
     out = capsys.readouterr().out
     assert "| 2 | 25.0% |" in out and "| 3 | 75.0% |" in out  # row 3's 7, 9, 9, 5: {7, 8} holds 1, {7, 8, 9} 3
+
+
+def test_vocabulary_coverage_against_other_responses_by_hand(tmp_path, capsys):
+    """training.vocab --against: a head's vocabulary and the one --vocab-swap-ratio would give it, measured per group
+    on responses (here written beforehand, so no generation runs)."""
+    from training.vocab import main
+
+    (tmp_path / "gen").mkdir()
+    responses = [[10, 11, 11], [12, 13], [14, 15, 16], [10, 17]]  # counts: 10 and 11 twice, the rest once
+    save_shard(tmp_path / "gen" / "gen-00000.npz", [[5]] * 4, responses, ["a", "b", "c", "d"])
+    saved = Eagle3Head(Eagle3Config.for_base(CFG, 2))
+    saved.set_vocab_map(torch.tensor([10, 12]))
+    save_eagle3(saved, saved.cfg, tmp_path / "head", aux_layers=(2, 4, 5))
+    against = tmp_path / "evalset.jsonl"
+    against.write_text('{"source": "s", "prompt_ids": [1, 2]}\n{"source": "t", "prompt_ids": [3]}\n')
+    (tmp_path / "r.json").write_text('[{"group": "s", "response": [10, 10, 13]}, {"group": "t", "response": [12, 5]}]')
+    argv = ["--gen", str(tmp_path / "gen"), "--head", str(tmp_path / "head"), "--against", str(against)]
+    argv += ["--responses", str(tmp_path / "r.json"), "--swap-ratios", "1,3", "--vocab-size", "512"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "| s | t |" in out and f"| {tmp_path / 'head'} | 66.7 | 50.0 |" in out
+    assert "| --vocab-swap-ratio 1 (1 new) | 66.7 | 0.0 |" in out  # 11 (twice) in for 12 (once): [10, 11]
+    assert "| --vocab-swap-ratio 3 (0 new) | 66.7 | 50.0 |" in out  # 2 is not more than 3 x 1
