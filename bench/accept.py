@@ -12,7 +12,8 @@ top-p --top-p and seed = the prompt's index). A request's answer says its verifi
 length (committed tokens per round, the bonus token included); a category's figure pools its requests' rounds: the
 sum of acceptance x rounds over the sum of rounds, i.e. committed tokens per round. "all" pools every category.
 Writes DIR/accept.json (every request's tokens, rounds and acceptance, the table, GetModelInfo) and DIR/accept.md
-(also printed).
+(also printed). `--compare BASE/accept.json NEW/accept.json` prints, without a run, the mean and standard error of
+NEW's acceptance minus BASE's, prompt by prompt, per category and temperature.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ import argparse
 import contextlib
 import json
 import logging
+import math
 import shlex
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -83,6 +86,36 @@ def table(answers: list[Answer]) -> dict[float, dict[str, float | None]]:
     return out
 
 
+def paired(base: list[Answer], new: list[Answer]) -> dict[float, dict[str, tuple[float, float]]]:
+    """{temperature: {category: (mean, standard error) of new's acceptance minus base's, prompt by prompt}} of two runs
+    over the same prompts (ValueError otherwise). Differences 0.2, 0.4, 0.3 -> (0.3, 0.1 / sqrt(3))."""
+    if [(a.category, a.temperature) for a in base] != [(a.category, a.temperature) for a in new]:
+        raise ValueError("the two runs did not send the same prompts at the same temperatures")
+    out: dict[float, dict[str, tuple[float, float]]] = {}
+    for t in dict.fromkeys(a.temperature for a in base):
+        out[t] = {}
+        for c in CATEGORIES:
+            d = [y.acceptance - x.acceptance for x, y in zip(base, new) if x.temperature == t and x.category == c]
+            if len(d) > 1:
+                out[t][c] = (statistics.fmean(d), statistics.stdev(d) / math.sqrt(len(d)))
+    return out
+
+
+def compare(base_file: Path, new_file: Path) -> str:
+    """`--compare BASE NEW`'s markdown: paired() of two accept.json files."""
+    runs = [[Answer(**x) for x in json.loads(f.read_text())["answers"]] for f in (base_file, new_file)]
+    lines = [
+        f"# {new_file} against {base_file}: acceptance, prompt by prompt (mean +- standard error)",
+        "",
+        "| temperature | " + " | ".join(CATEGORIES) + " |",
+        "|---:|" + "---:|" * len(CATEGORIES),
+    ]
+    for t, row in paired(*runs).items():
+        cells = [f"{row[c][0]:+.2f} +- {row[c][1]:.2f}" if c in row else "-" for c in CATEGORIES]
+        lines.append(f"| {t:g} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def markdown(figures: dict[float, dict[str, float | None]], answers: list[Answer], meta: dict) -> str:
     cols = [*CATEGORIES, ALL]
     lines = [
@@ -128,6 +161,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompts-file", type=Path, nargs="+", default=list(HELDOUT), help="prompt files, read in turn")
     p.add_argument("--prompts", type=int, default=None, help="the first N prompts only (interleaved by category)")
     p.add_argument("--request-timeout", type=float, default=300.0, help="seconds a request")
+    p.add_argument(
+        "--compare",
+        type=Path,
+        nargs=2,
+        metavar=("BASE", "NEW"),
+        help="no run: two accept.json files over the same prompts, their paired differences per category",
+    )
     a = p.parse_args(argv)
     try:
         a.temperatures = [float(t) for t in a.temperatures.split(",") if t.strip()]
@@ -140,6 +180,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
+    if a.compare:
+        sys.stdout.write(compare(*a.compare))
+        return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

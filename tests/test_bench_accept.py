@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 import pytest
 
@@ -65,3 +66,17 @@ def test_parse_args():
     for bad in (["--temperatures", "hot"], ["--temperatures", "-1"], ["--max-tokens", "0"]):
         with pytest.raises(SystemExit):
             parse_args(bad)
+
+
+def test_two_runs_are_compared_prompt_by_prompt():
+    """--compare: NEW's acceptance minus BASE's per prompt, their mean and standard error per category; runs over other
+    prompts are refused."""
+    from bench.accept import paired
+
+    base = [answer("code", 0, 10, a) for a in (4.0, 4.0, 4.0)] + [answer("chat", 0, 10, 3.0)]
+    new = [answer("code", 0, 10, a) for a in (4.2, 4.4, 4.3)] + [answer("chat", 0, 10, 3.5)]
+    got = paired(base, new)[0]
+    assert set(got) == {"code"}  # one chat prompt: no standard error
+    assert math.isclose(got["code"][0], 0.3) and math.isclose(got["code"][1], 0.1 / math.sqrt(3))
+    with pytest.raises(ValueError, match="same prompts"):
+        paired(base, new[::-1])
