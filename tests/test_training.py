@@ -625,6 +625,6 @@ def test_vocabulary_coverage_against_other_responses_by_hand(tmp_path, capsys):
     argv += ["--responses", str(tmp_path / "r.json"), "--swap-ratios", "1,3", "--vocab-size", "512"]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "| s | t |" in out and f"| {tmp_path / 'head'} | 66.7 | 50.0 |" in out
-    assert "| --vocab-swap-ratio 1 (1 new) | 66.7 | 0.0 |" in out  # 11 (twice) in for 12 (once): [10, 11]
-    assert "| --vocab-swap-ratio 3 (0 new) | 66.7 | 50.0 |" in out  # 2 is not more than 3 x 1
+    assert "| s | t | all |" in out and f"| {tmp_path / 'head'} | 66.7 | 50.0 | 60.0 |" in out
+    assert "| --vocab-swap-ratio 1 (1 new) | 66.7 | 0.0 | 40.0 |" in out  # 11 (twice) in for 12 (once): [10, 11]
+    assert "| --vocab-swap-ratio 3 (0 new) | 66.7 | 50.0 | 60.0 |" in out  # 2 is not more than 3 x 1

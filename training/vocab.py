@@ -12,12 +12,13 @@ markdown table.
     python -m training.vocab --gen W/gen --head models/eagle3-smollm2 --against F [F ...] --responses FILE
         [--swap-ratios 1,2,3,4] [--against-limit N] [--max-prompt-tokens 400] [--chunk 24]
 
-measures instead on the base model's greedy responses (CPU, float32, 256 tokens, --chunk prompts a batch, each file's
-prompts in turn) to the prompts of the files F: the benchmarks' ({"category", "prompt"} a line, bench/prompts/*.jsonl,
-grouped by category) or the prompts stage's ({"source", "prompt_ids"}, e.g. W/humaneval.jsonl, grouped by source),
-the first --against-limit of each file, those of at most --max-prompt-tokens. The responses are written to FILE and
-read back from it on the next call. The rows: --head's vocabulary, and the vocabulary `train --init-head` would give
-it at each --swap-ratios over the responses of --gen (training.train.kept_vocab).
+measures instead on the base model's greedy responses (CPU, float32, 256 tokens, --chunk prompts a batch, each
+file's prompts in turn) to the prompts of the files F: the benchmarks' ({"category", "prompt"} a line,
+bench/prompts/*.jsonl, grouped by category) or the prompts stage's ({"source", "prompt_ids"}, e.g.
+W/humaneval.jsonl, grouped by source), the first --against-limit of each file, those of at most --max-prompt-tokens,
+and pooled as "all". The responses are written to FILE and read back from it on the next call. The rows: --head's
+vocabulary, and the vocabulary `train --init-head` would give it at each --swap-ratios over the responses of --gen
+(training.train.kept_vocab).
 """
 
 from __future__ import annotations
@@ -102,6 +103,7 @@ def against_table(a: argparse.Namespace, copies: np.ndarray, seqs) -> list[str]:
     groups: dict[str, np.ndarray] = {}
     for g, r in pairs:
         groups[g] = groups.get(g, np.zeros(a.vocab_size, dtype=np.int64)) + np.bincount(r, minlength=a.vocab_size)
+    groups["all"] = sum(groups.values())
     head, _ = load_eagle3(a.head)
     saved = head.base_ids().numpy()  # [draft vocab]
     counts = response_counts(seqs, a.vocab_size, copies=copies)
