@@ -6,14 +6,15 @@
 
 Each prompt of bench/prompts/heldout-mixed.jsonl and heldout-more.jsonl (24 each of chat, code, math, QA,
 summarization and writing, never trained on: the deduplicator of training/prompts.py drops training prompts equal or
-near-equal to them) is sent once, one request at a time, with the tree pinned (--tree, default 6x60: the drafter's
-top-k 10, depth 6, 60 nodes), max_tokens 256, stopped by EOS, at each --temperatures entry (0: greedy; otherwise
-top-p --top-p and seed = the prompt's index). A request's answer says its verification rounds and mean acceptance
-length (committed tokens per round, the bonus token included); a category's figure pools its requests' rounds: the
-sum of acceptance x rounds over the sum of rounds, i.e. committed tokens per round. "all" pools every category.
+near-equal to them) is sent one request at a time, with the tree pinned (--tree, default 6x60: the drafter's top-k
+10, depth 6, 60 nodes), max_tokens 256, stopped by EOS, at each --temperatures entry: once greedy at 0, otherwise
+with top-p --top-p --seeds times (the i-th of n prompts with seeds i, i + n, i + 2n, ...). A request's answer says
+its verification rounds and mean acceptance length (committed tokens per round, the bonus token included); a
+category's figure pools its requests' rounds: the sum of acceptance x rounds over the sum of rounds, i.e. committed
+tokens per round. "all" pools every category.
 Writes DIR/accept.json (every request's tokens, rounds and acceptance, the table, GetModelInfo) and DIR/accept.md
 (also printed). `--compare BASE/accept.json NEW/accept.json` prints, without a run, the mean and standard error of
-NEW's acceptance minus BASE's, prompt by prompt, per category and temperature.
+NEW's acceptance minus BASE's, prompt by prompt (a prompt's seeds averaged), per category and temperature.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ class Answer:
     finish: str
     rounds: int
     acceptance: float  # committed tokens per round (0 when rounds is 0)
+    prompt: int = -1  # the prompt's index in the run's list
+    seed: int | None = None  # a sampled request's seed
 
 
 def parse_tree(text: str) -> Shape:
@@ -60,13 +63,13 @@ def parse_tree(text: str) -> Shape:
     return shape
 
 
-def message(prompt: Prompt, index: int, tree: Shape, temperature: float, top_p: float, max_tokens: int) -> dict:
+def message(prompt: Prompt, seed: int, tree: Shape, temperature: float, top_p: float, max_tokens: int) -> dict:
     """The request for one prompt (field names as in generation.proto): greedy at temperature 0, else sampled with
-    top-p and seed = the prompt's index."""
+    top-p and the seed."""
     m = {"messages": [{"role": "user", "content": prompt.text}], "max_tokens": max_tokens}
     m["tree"] = {"depth": tree.depth, "nodes": tree.nodes}
     if temperature > 0:
-        m |= {"temperature": temperature, "top_p": top_p, "seed": index}
+        m |= {"temperature": temperature, "top_p": top_p, "seed": seed}
     return m
 
 
@@ -88,22 +91,42 @@ def table(answers: list[Answer]) -> dict[float, dict[str, float | None]]:
 
 def paired(base: list[Answer], new: list[Answer]) -> dict[float, dict[str, tuple[float, float]]]:
     """{temperature: {category: (mean, standard error) of new's acceptance minus base's, prompt by prompt}} of two runs
-    over the same prompts (ValueError otherwise). Differences 0.2, 0.4, 0.3 -> (0.3, 0.1 / sqrt(3))."""
-    if [(a.category, a.temperature) for a in base] != [(a.category, a.temperature) for a in new]:
-        raise ValueError("the two runs did not send the same prompts at the same temperatures")
+    that sent the same requests (ValueError otherwise). A prompt sent with several seeds counts once, its difference
+    the mean over its seeds. Differences 0.2, 0.4, 0.3 -> (0.3, 0.1 / sqrt(3))."""
+    if [(a.category, a.temperature, a.prompt, a.seed) for a in base] != [
+        (a.category, a.temperature, a.prompt, a.seed) for a in new
+    ]:
+        raise ValueError("the two runs did not send the same prompts at the same temperatures and seeds")
     out: dict[float, dict[str, tuple[float, float]]] = {}
     for t in dict.fromkeys(a.temperature for a in base):
         out[t] = {}
         for c in CATEGORIES:
-            d = [y.acceptance - x.acceptance for x, y in zip(base, new) if x.temperature == t and x.category == c]
+            by_prompt: dict[int, list[float]] = {}
+            for x, y in zip(base, new):
+                if x.temperature == t and x.category == c:
+                    by_prompt.setdefault(x.prompt, []).append(y.acceptance - x.acceptance)
+            d = [statistics.fmean(v) for v in by_prompt.values()]
             if len(d) > 1:
                 out[t][c] = (statistics.fmean(d), statistics.stdev(d) / math.sqrt(len(d)))
     return out
 
 
+def load_answers(path: Path) -> list[Answer]:
+    """An accept.json's answers; in a file written before answers named their prompt (one pass a temperature, in the
+    prompts' order) each answer gets its position within its temperature."""
+    position: dict[float, int] = {}
+    answers = []
+    for x in json.loads(path.read_text())["answers"]:
+        if "prompt" not in x:
+            x = x | {"prompt": position.get(x["temperature"], 0)}
+            position[x["temperature"]] = x["prompt"] + 1
+        answers.append(Answer(**x))
+    return answers
+
+
 def compare(base_file: Path, new_file: Path) -> str:
     """`--compare BASE NEW`'s markdown: paired() of two accept.json files."""
-    runs = [[Answer(**x) for x in json.loads(f.read_text())["answers"]] for f in (base_file, new_file)]
+    runs = [load_answers(f) for f in (base_file, new_file)]
     lines = [
         f"# {new_file} against {base_file}: acceptance, prompt by prompt (mean +- standard error)",
         "",
@@ -140,10 +163,17 @@ def ask(client: Client, prompts: list[Prompt], args: argparse.Namespace) -> list
     answers = []
     for t in args.temperatures:
         start = time.monotonic()
-        for i, p in enumerate(prompts):
-            r = client.complete(message(p, i, args.tree, t, args.top_p, args.max_tokens), args.request_timeout)
-            answers.append(Answer(p.category, t, r["tokens"], r["finish"], r["rounds"], r["acceptance"]))
-        log.info("temperature %g: %d requests in %.1f s", t, len(prompts), time.monotonic() - start)
+        seeds = [i + k * len(prompts) for k in range(args.seeds if t > 0 else 1) for i in range(len(prompts))]
+        for n, seed in enumerate(seeds):
+            i = n % len(prompts)
+            r = client.complete(
+                message(prompts[i], seed, args.tree, t, args.top_p, args.max_tokens), args.request_timeout
+            )
+            sampled_seed = seed if t > 0 else None
+            answers.append(
+                Answer(prompts[i].category, t, r["tokens"], r["finish"], r["rounds"], r["acceptance"], i, sampled_seed)
+            )
+        log.info("temperature %g: %d requests in %.1f s", t, len(seeds), time.monotonic() - start)
     return answers
 
 
@@ -157,6 +187,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tree", type=parse_tree, default=parse_tree("6x60"), help="the pinned tree, DEPTHxNODES")
     p.add_argument("--temperatures", default="0,0.7", help="comma-separated; 0 is greedy")
     p.add_argument("--top-p", type=float, default=0.9, help="top-p of the sampled requests")
+    p.add_argument("--seeds", type=int, default=1, help="each prompt's sampled requests, one a seed (greedy: one)")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--prompts-file", type=Path, nargs="+", default=list(HELDOUT), help="prompt files, read in turn")
     p.add_argument("--prompts", type=int, default=None, help="the first N prompts only (interleaved by category)")
@@ -173,8 +204,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         a.temperatures = [float(t) for t in a.temperatures.split(",") if t.strip()]
     except ValueError:
         p.error(f"--temperatures takes comma-separated numbers, got {a.temperatures!r}")
-    if not a.temperatures or min(a.temperatures) < 0 or a.max_tokens < 1:
-        p.error("--temperatures takes numbers >= 0 (at least one), --max-tokens a positive integer")
+    if not a.temperatures or min(a.temperatures) < 0 or a.max_tokens < 1 or a.seeds < 1:
+        p.error("--temperatures takes numbers >= 0 (at least one), --max-tokens and --seeds positive integers")
     return a
 
 
@@ -196,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     figures = table(answers)
     meta = {
         "title": f"{info.get('device', '?')}, {info.get('dtype', '?')}, {len(prompts)} held-out prompts, "
-        f"tree {a.tree} pinned, max_tokens {a.max_tokens}, EOS stops, one at a time",
+        f"tree {a.tree} pinned, max_tokens {a.max_tokens}, EOS stops, one at a time"
+        + (f", {a.seeds} seeds a sampled prompt" if a.seeds > 1 else ""),
         "command": "python -m bench.accept " + shlex.join(argv if argv is not None else sys.argv[1:]),
         "stack": stack_line,
         "head": a.head or "the shipped head (models/eagle3-smollm2)",
