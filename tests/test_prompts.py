@@ -420,7 +420,7 @@ def test_steer_families_validate(families):
 
 def test_steer_ids_are_unique_and_short():
     ids = [st.id for st in STEERS]
-    assert len(set(ids)) == len(ids) == 1 + sum(len(f) for f in STEER_FAMILIES.values()) == 38
+    assert len(set(ids)) == len(ids) == 1 + sum(len(f) for f in STEER_FAMILIES.values()) == 46
     assert all(st.opener for st in STEERS[1:]) and DEFAULT_STEER.opener == ""
     assert all(i.replace("-", "").isalpha() and i.islower() for i in ids)  # safe in a file name
 

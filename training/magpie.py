@@ -13,9 +13,9 @@ hold): a `steered_share` of the shards, spread evenly and chosen from the config
 every user message with the opening words of a request of one of `steer_families` (STEER_FAMILIES: writing "Write a
 short story about", "Draft an email", ...; qa "Why do", "How does", ...; summary "Summarize this article:", ...;
 chat "Can you suggest", "Any tips for", ...; code "Write a Python function that", "Explain what this code does:",
-...) and samples the rest, so the model writes the passage to summarize, the question, the piece of writing or the
-code it asks for. Such a shard's file and rows name its steer's id; at steered_share 0 (the default) every shard is
-a plain Magpie shard.
+...; math "Solve for x:", "Solve this word problem step by step:", ...) and samples the rest, so the model writes the
+passage to summarize, the question, the piece of writing, the code or the problem it asks for. Such a shard's
+file and rows name its steer's id; at steered_share 0 (the default) every shard is a plain Magpie shard.
 """
 
 from __future__ import annotations
@@ -98,12 +98,24 @@ CODE_STEERS = (
     Steer("code-bash", "Write a bash script that"),
     Steer("code-how-do-i", "How do I use Python to"),
 )
+# word problems and exercises: the other sources' math is GSM8K's (1% of issue 36's prompts) and ShareGPT's
+MATH_STEERS = (
+    Steer("math-solve", "Solve for x:"),
+    Steer("math-word-problem", "Solve this word problem step by step:"),
+    Steer("math-probability", "What is the probability that"),
+    Steer("math-area", "Find the area of"),
+    Steer("math-calculate", "Calculate"),
+    Steer("math-if-it-takes", "If it takes"),
+    Steer("math-simplify", "Simplify the expression"),
+    Steer("math-how-many", "How many"),
+)
 STEER_FAMILIES = {
     "writing": WRITING_STEERS,
     "qa": QA_STEERS,
     "summary": SUMMARY_STEERS,
     "chat": CHAT_STEERS,
     "code": CODE_STEERS,
+    "math": MATH_STEERS,
 }
 STEERS = (DEFAULT_STEER, *(st for family in STEER_FAMILIES.values() for st in family))  # ids unique (test_prompts)
 

@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--magpie-families",
         default="writing",
         metavar="F,F",
-        help="steer families the steered shards take in turn: writing, qa, summary, chat, code (default writing)",
+        help="steer families the steered shards take in turn: writing, qa, summary, chat, code, math (default writing)",
     )
     g.add_argument(
         "--seed", type=int, default=0, help="Magpie sampling, the training prompts' shuffle, generate's sampled prompts"
