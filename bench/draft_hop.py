@@ -121,9 +121,9 @@ def run(a: argparse.Namespace, env: dict[str, str], workdir: Path) -> dict:
             super().__init__(*args, **kwargs)
             self.calls: list[tuple[float, float]] = []
 
-        def _call(self, method, request):
+        def _call(self, name, request):
             t0 = time.perf_counter()
-            resp = super()._call(method, request)
+            resp = super()._call(name, request)
             if isinstance(resp, pb.ProposeResponse):
                 self.calls.append(((time.perf_counter() - t0) * 1e6, float(resp.compute_us)))
             return resp
@@ -138,6 +138,7 @@ def run(a: argparse.Namespace, env: dict[str, str], workdir: Path) -> dict:
         if remote.connect(a.start_timeout) is None:
             raise RuntimeError(f"the draft at {address} did not answer")
         transport = "CUDA IPC" if remote.export is not None else "inline bytes"
+        transport += ", calls on the same-host link" if remote.link is not None else ", calls through gRPC"
         remote_us, trips, computes = [], [], []
         for s in range(sequences):
             remote.propose([first(f"r{s}")])

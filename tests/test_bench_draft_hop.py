@@ -57,7 +57,7 @@ def test_run_on_cpu_against_a_draft_service(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads((tmp_path / "draft_hop.json").read_text())
     f = got["figures"]
-    assert got["transport"] == "inline bytes"  # no CUDA IPC off a GPU
+    assert got["transport"] == "inline bytes, calls on the same-host link"  # no CUDA IPC off a GPU
     assert list(f) == ["in process", "remote", "round trip", "draft compute", "transport", "Info"]
     proposes = ("in process", "remote", "round trip", "draft compute", "transport")
     assert all(f[k]["n"] == 2 * (20 - SKIP) for k in proposes)

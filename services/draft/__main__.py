@@ -105,12 +105,20 @@ async def main(cfg: DraftServiceConfig) -> None:
 
     from services.draft.server import DraftServicer
     from services.launch import serve
+    from services.local_link import LinkServer, socket_name
     from specdec.v1 import internal_pb2_grpc
 
     b = build_drafter(cfg)
     servicer = DraftServicer(
         b.drafter, b.drafting, b.hidden_width, b.vocab_size, torch.device(cfg.device), b.max_sequences
     )
+    link = None
+    try:
+        link = LinkServer(socket_name(servicer.instance_id), servicer.link_call)
+        servicer.link_socket = link.name
+        log.info("Propose and Release from this host also on the abstract Unix socket %s", link.name)
+    except OSError as e:
+        log.warning("no same-host link (%s): a verifier on this host calls through gRPC", e)
     try:
         await serve(
             cfg.addr,
@@ -121,6 +129,8 @@ async def main(cfg: DraftServiceConfig) -> None:
             cfg.drain_grace,
         )
     finally:
+        if link is not None:
+            link.close()
         servicer.close()
 
 

@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import torch
+from google.protobuf.message import DecodeError
 
 from common import validate
 from common.config import DraftingConfig
@@ -26,6 +27,7 @@ from common.ipc import ExportedBuffer, MappedBuffers, gpu_uuid
 from common.rpc import describe, status_for
 from common.slots import check_unique
 from common.tensors import decode
+from services.local_link import OK, PROPOSE, RELEASE
 from services.sampling import sampling_config
 from services.tree_wire import tree_msg
 from specdec.v1 import internal_pb2 as pb
@@ -49,6 +51,7 @@ class DraftServicer(pb_grpc.DraftServicer):
         self.max_sequences = max_sequences  # 0: no fixed limit (the test oracles)
         self.gpu_uuid = gpu_uuid(device)
         self.instance_id = uuid.uuid4().hex[:12]
+        self.link_socket = ""  # set by the service once its same-host link listens (services/local_link.py)
         self.mapped = MappedBuffers(device)
         self.owner = ""  # the verifier instance whose sequences are held
         self.held: set[str] = set()
@@ -59,14 +62,33 @@ class DraftServicer(pb_grpc.DraftServicer):
             pb.StepCost(kind=c.kind, batch=c.batch, size=c.size, seconds=c.seconds) for c in drafter.step_costs()
         ]
 
-    async def _call(self, context: grpc.aio.ServicerContext, fn, *args):
-        """The error boundary: our exception types -> specific status codes, INTERNAL last."""
+    def engine_call(self, fn, request) -> tuple[grpc.StatusCode, object]:
+        """The error boundary, on the engine thread: (OK, fn's response), or our exception types -> (a specific
+        status code, the details), INTERNAL last."""
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._engine, fn, *args)
+            return grpc.StatusCode.OK, fn(request)
         except Exception as e:  # noqa: BLE001 - the boundary
             if not isinstance(e, SpecdecError):
                 log.exception("internal error")
-            await context.abort(status_for(e), describe(e))
+            return status_for(e), describe(e)
+
+    async def _call(self, context: grpc.aio.ServicerContext, fn, request):
+        code, out = await asyncio.get_running_loop().run_in_executor(self._engine, self.engine_call, fn, request)
+        if code != grpc.StatusCode.OK:
+            await context.abort(code, out)
+        return out
+
+    def link_call(self, kind: int, payload: bytes) -> tuple[int, bytes]:
+        """A frame of the same-host link (services/local_link.py), answered as its gRPC method would be."""
+        method = {PROPOSE: (pb.ProposeRequest, self._propose), RELEASE: (pb.ReleaseRequest, self._release)}.get(kind)
+        if method is None:
+            return grpc.StatusCode.INVALID_ARGUMENT.value[0], f"unknown link method {kind}".encode()
+        try:
+            request = method[0].FromString(payload)
+        except DecodeError as e:
+            return grpc.StatusCode.INVALID_ARGUMENT.value[0], f"malformed request: {e}".encode()
+        code, out = self._engine.submit(self.engine_call, method[1], request).result()
+        return (OK, out.SerializeToString()) if code == grpc.StatusCode.OK else (code.value[0], out.encode())
 
     async def Propose(self, request, context):
         return await self._call(context, self._propose, request)
@@ -91,6 +113,7 @@ class DraftServicer(pb_grpc.DraftServicer):
             max_sequences=self.max_sequences,
             step_costs=self.step_costs,
             instance_id=self.instance_id,
+            link_socket=self.link_socket,
         )
 
     async def drain(self) -> None:

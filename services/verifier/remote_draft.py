@@ -1,6 +1,7 @@
 """A draft service in another process as the engine core's Drafter (common.engine.base.Drafter): blocking calls
 from the engine thread. Hidden states travel as CUDA IPC regions when the draft shares this host and GPU (the
-verifier exports one buffer, the draft maps it once), else as inline bytes.
+verifier exports one buffer, the draft maps it once), else as inline bytes. On the draft's host, Propose and Release
+go over its Unix socket (services/local_link.py), else through gRPC.
 
 Failures never fail a request: the core turns every error into plain decoding (common/engine/core.py). This
 class says which kind it was: the draft is down or too slow (PeerUnavailable: every sequence waits for it),
@@ -11,6 +12,7 @@ buffer is imported into it again."""
 from __future__ import annotations
 
 import logging
+import socket
 
 import grpc
 import torch
@@ -21,6 +23,7 @@ from common.ipc import HiddenExport, gpu_uuid
 from common.rpc import CHANNEL_OPTIONS
 from common.tensors import encode_inline, encode_ipc
 from common.tree import Tree
+from services import local_link
 from services.sampling import sampling_msg
 from services.tree_wire import trees_of
 from specdec.v1 import internal_pb2 as pb
@@ -33,6 +36,9 @@ _ERRORS = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
     grpc.StatusCode.RESOURCE_EXHAUSTED: CapacityExhausted,
 }
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+# the methods the same-host link takes: (frame kind, response type)
+_LINKED = {"Propose": (local_link.PROPOSE, pb.ProposeResponse), "Release": (local_link.RELEASE, pb.ReleaseResponse)}
 
 
 class RemoteDrafter:
@@ -55,6 +61,7 @@ class RemoteDrafter:
         self.name = "remote"
         self._export_shape = export_shape
         self.export: HiddenExport | None = None  # set while the draft has our buffer mapped
+        self.link: socket.socket | None = None  # the draft's same-host link, while connected
 
     # ---- the draft's state ----
     def connect(self, wait_s: float) -> pb.DraftInfoResponse | None:
@@ -77,7 +84,28 @@ class RemoteDrafter:
             self.info = info
             self.name = info.drafter
             self._share(info)
+            self._link(info)
         return True
+
+    def _link(self, info: pb.DraftInfoResponse) -> None:
+        """Connect to the draft's same-host link when it runs on this host (else, or when the socket cannot be
+        reached, the calls stay on gRPC)."""
+        self._drop_link()
+        if not info.link_socket or info.host_id != socket.gethostname():
+            return
+        try:
+            self.link = local_link.connect(info.link_socket, self.timeout_s)
+        except OSError as e:
+            log.warning(
+                "the draft's link %s cannot be reached (%s): Propose and Release through gRPC", info.link_socket, e
+            )
+            return
+        log.info("Propose and Release to the draft at %s: its Unix socket %s", self.address, info.link_socket)
+
+    def _drop_link(self) -> None:
+        if self.link is not None:
+            self.link.close()
+            self.link = None
 
     def _share(self, info: pb.DraftInfoResponse) -> None:
         """Export our hidden-state buffer to the draft when it is on this GPU (CUDA IPC)."""
@@ -116,7 +144,7 @@ class RemoteDrafter:
                 msg.sampling.CopyFrom(sampling_msg(it.sampling))
             msgs.append(msg)
         self._hidden(items, msgs)
-        resp = self._call(self.stub.Propose, req)
+        resp = self._call("Propose", req)
         if len(resp.results) != len(items):
             raise PeerUnavailable(f"the draft at {self.address} answered {len(resp.results)} trees for {len(items)}")
         nodes = max(it.max_nodes for it in items)
@@ -137,23 +165,39 @@ class RemoteDrafter:
             encode_ipc(it.hidden, msg.hidden, buffer_id, offset, writes)
         self.export.wait()
 
-    def _call(self, method, request):
+    def _call(self, name: str, request):
+        """The draft's method `name` (Propose, Release) on the link when there is one, else through gRPC; its
+        errors as our exception types."""
+        if self.link is not None:
+            kind, response = _LINKED[name]
+            try:
+                local_link.send_frame(self.link, kind, request.SerializeToString())
+                code, payload = local_link.recv_frame(self.link)
+            except OSError as e:  # closed, broken or timed out: a late answer would come out of turn
+                self._drop_link()
+                raise PeerUnavailable(f"the draft at {self.address}: its link: {e or type(e).__name__}") from None
+            if code == local_link.OK:
+                return response.FromString(payload)
+            self._failed(_CODES.get(code, grpc.StatusCode.UNKNOWN), payload.decode(errors="replace"))
         try:
-            return method(request, timeout=self.timeout_s)
+            return getattr(self.stub, name)(request, timeout=self.timeout_s)
         except grpc.RpcError as e:
-            code, details = e.code(), e.details()
-            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
-                raise PeerUnavailable(f"the draft at {self.address}: {code.name}: {details}") from None
-            before = self.info.instance_id if self.info is not None else ""
-            if self.available() and self.info.instance_id != before:
-                raise UnknownSequence(f"the draft at {self.address} restarted") from None
-            raise _ERRORS.get(code, PeerUnavailable)(f"the draft at {self.address}: {details}") from None
+            self._failed(e.code(), e.details())
+
+    def _failed(self, code: grpc.StatusCode, details: str) -> None:
+        """Raise the error a call that ended with `code` means (a restarted draft: UnknownSequence)."""
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+            raise PeerUnavailable(f"the draft at {self.address}: {code.name}: {details}")
+        before = self.info.instance_id if self.info is not None else ""
+        if self.available() and self.info.instance_id != before:
+            raise UnknownSequence(f"the draft at {self.address} restarted")
+        raise _ERRORS.get(code, PeerUnavailable)(f"the draft at {self.address}: {details}")
 
     def release(self, seq_ids: list[str]) -> int:
         if self.export is not None:
             for s in seq_ids:
                 self.export.release(s)
-        return self._call(self.stub.Release, pb.ReleaseRequest(seq_ids=seq_ids, owner=self.owner)).released
+        return self._call("Release", pb.ReleaseRequest(seq_ids=seq_ids, owner=self.owner)).released
 
     def launch_after(self, items: list[ProposeAfter], accepted: Accepted, after: object = None) -> None:
         return None  # the device chain needs the drafter in this process: the core proposes instead
@@ -179,4 +223,5 @@ class RemoteDrafter:
         return [StepTime(c.kind, c.batch, c.size, c.seconds) for c in info.step_costs] if info is not None else []
 
     def close(self) -> None:
+        self._drop_link()
         self.channel.close()
