@@ -21,9 +21,12 @@ import socket
 import threading
 from collections.abc import Callable
 
+from common.rpc import MAX_MESSAGE_BYTES
+
 PROPOSE, RELEASE = 1, 2
 OK = 0
 _HEADER = 5
+MAX_PAYLOAD = MAX_MESSAGE_BYTES  # gRPC's limit on the same messages: a longer frame closes the connection
 
 
 class LinkClosed(ConnectionError):
@@ -51,9 +54,13 @@ def send_frame(sock: socket.socket, kind: int, payload: bytes) -> None:
 
 
 def recv_frame(sock: socket.socket) -> tuple[int, bytes]:
-    """(kind, payload) of the next frame; LinkClosed when the socket closes first."""
+    """(kind, payload) of the next frame; LinkClosed when the socket closes first or the frame is over MAX_PAYLOAD
+    (its bytes are not read: the connection is of no further use)."""
     header = _recv_exactly(sock, _HEADER)
-    return header[0], _recv_exactly(sock, int.from_bytes(header[1:], "little"))
+    n = int.from_bytes(header[1:], "little")
+    if n > MAX_PAYLOAD:
+        raise LinkClosed(f"a frame of {n} bytes, over the limit of {MAX_PAYLOAD}")
+    return header[0], _recv_exactly(sock, n)
 
 
 def connect(name: str, timeout_s: float) -> socket.socket:

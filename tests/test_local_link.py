@@ -28,6 +28,9 @@ def test_a_frame_is_its_kind_length_and_payload():
         local_link.send_frame(a, 7, bytes(range(200)) * 1000)  # longer than one recv
         assert local_link.recv_frame(b) == (0, b"")
         assert local_link.recv_frame(b) == (7, bytes(range(200)) * 1000)
+        a.sendall(bytes((1,)) + (local_link.MAX_PAYLOAD + 1).to_bytes(4, "little"))  # over the limit: not read
+        with pytest.raises(local_link.LinkClosed, match="over the limit"):
+            local_link.recv_frame(b)
         a.sendall(b"\x01\x09\x00\x00\x00abc")  # 9 bytes announced, 3 sent, then closed
         a.close()
         with pytest.raises(local_link.LinkClosed):
@@ -139,3 +142,21 @@ def test_a_link_that_breaks_mid_call_is_dropped_and_the_draft_unavailable():
     finally:
         t.join(10)
         listener.close()
+
+
+def test_after_a_broken_link_the_next_call_connects_again():
+    """A link broken by a call (the draft stalled past the timeout, say) is dropped; the next call connects to the
+    socket the draft's Info named and is answered there."""
+    released = pb.ReleaseResponse(released=3).SerializeToString()
+    server = local_link.LinkServer(local_link.socket_name(f"test-{id(released)}"), lambda kind, payload: (0, released))
+    mine, theirs = socket.socketpair()
+    try:
+        r = remote_on(mine)
+        r.info = pb.DraftInfoResponse(link_socket=server.name, host_id=socket.gethostname())
+        theirs.close()
+        with pytest.raises(PeerUnavailable, match="its link"):
+            r.release(["a"])
+        assert r.release(["a"]) == 3 and r.link is not None
+        r.close()
+    finally:
+        server.close()

@@ -87,7 +87,10 @@ class DraftServicer(pb_grpc.DraftServicer):
             request = method[0].FromString(payload)
         except DecodeError as e:
             return grpc.StatusCode.INVALID_ARGUMENT.value[0], f"malformed request: {e}".encode()
-        code, out = self._engine.submit(self.engine_call, method[1], request).result()
+        try:
+            code, out = self._engine.submit(self.engine_call, method[1], request).result()
+        except RuntimeError:  # the executor is shut down: the service is stopping
+            return grpc.StatusCode.UNAVAILABLE.value[0], b"the draft is stopping"
         return (OK, out.SerializeToString()) if code == grpc.StatusCode.OK else (code.value[0], out.encode())
 
     async def Propose(self, request, context):

@@ -62,6 +62,7 @@ class RemoteDrafter:
         self._export_shape = export_shape
         self.export: HiddenExport | None = None  # set while the draft has our buffer mapped
         self.link: socket.socket | None = None  # the draft's same-host link, while connected
+        self._relink = False  # a call broke the link: the next call connects again
 
     # ---- the draft's state ----
     def connect(self, wait_s: float) -> pb.DraftInfoResponse | None:
@@ -168,6 +169,9 @@ class RemoteDrafter:
     def _call(self, name: str, request):
         """The draft's method `name` (Propose, Release) on the link when there is one, else through gRPC; its
         errors as our exception types."""
+        if self._relink and self.info is not None:
+            self._relink = False
+            self._link(self.info)
         if self.link is not None:
             kind, response = _LINKED[name]
             try:
@@ -175,6 +179,7 @@ class RemoteDrafter:
                 code, payload = local_link.recv_frame(self.link)
             except OSError as e:  # closed, broken or timed out: a late answer would come out of turn
                 self._drop_link()
+                self._relink = True
                 raise PeerUnavailable(f"the draft at {self.address}: its link: {e or type(e).__name__}") from None
             if code == local_link.OK:
                 return response.FromString(payload)
