@@ -184,6 +184,30 @@ def test_pipeline_train_records_the_total_once(staged, tmp_path, monkeypatch, ca
     assert read_state(w / "train" / STATE_FILE)["step"] == 5
 
 
+def test_pipeline_train_takes_more_generated_shards(staged, tmp_path, monkeypatch):
+    """`train --extra-gen DIR`: DIR's shards join W/gen's (here the same ones again: twice the sequences); a folder
+    without shards, or stored features beside them, is refused before training."""
+    from training import pipeline
+
+    w = tmp_path / "w"
+    shutil.copytree(staged["first"] / "gen", w / "gen")
+    shutil.copytree(staged["first"] / "gen", tmp_path / "more" / "gen")
+    (tmp_path / "empty").mkdir()
+    monkeypatch.setattr(pipeline.Context, "model", property(lambda self: staged["base"]))
+    flags = ["--batch-size", "4", "--max-len", "24", "--ttt-steps", "2", "--lr", str(LR), "--draft-vocab", "128"]
+
+    def train(*extra: str) -> bool:
+        args = pipeline.build_parser().parse_args(["train", "--workdir", str(w), *flags, *extra])
+        return pipeline.stage_train(pipeline.Context(args))
+
+    with pytest.raises(FileNotFoundError, match="no generated shards in .*empty"):
+        train("--total-steps", "2", "--extra-gen", str(tmp_path / "empty"))
+    with pytest.raises(ValueError, match="--offline-features"):
+        train("--total-steps", "2", "--extra-gen", str(tmp_path / "more" / "gen"), "--offline-features")
+    assert train("--total-steps", "2", "--extra-gen", str(tmp_path / "more" / "gen"))
+    assert read_state(w / "train" / STATE_FILE)["sequences"] == 2 * len(load_sequences(w / "gen"))
+
+
 # ---- pack / unpack ----
 def test_unpack_refuses_a_missing_or_altered_part_before_writing(staged, tmp_path):
     """Small limits split the pack into several call folders (files and bytes within them, a manifest in each);

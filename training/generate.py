@@ -264,11 +264,14 @@ class Sequences:
         return self.tokens[self.offsets[i] : self.offsets[i + 1]], int(self.prompt_len[i])
 
 
-def load_sequences(gendir: Path) -> Sequences:
-    files = sorted(gendir.glob("gen-*.npz"))
-    files = [f for f in files if ".tmp" not in f.name]
-    if not files:
-        raise FileNotFoundError(f"no generated shards in {gendir}: run the generate stage first")
+def load_sequences(gendir: Path, *more: Path) -> Sequences:
+    """The generated shards of gendir, then those of each folder of `more`, as one set."""
+    files = []
+    for d in (gendir, *more):
+        found = [f for f in sorted(d.glob("gen-*.npz")) if ".tmp" not in f.name]
+        if not found:
+            raise FileNotFoundError(f"no generated shards in {d}: run the generate stage first")
+        files += found
     toks, offs, plen, ids, base = [], [np.zeros(1, dtype=np.int64)], [], [], 0
     for f in files:
         z = np.load(f)

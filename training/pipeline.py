@@ -74,7 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-prompt-tokens", type=int, default=512)
     g.add_argument("--heldout", type=int, default=100)
     g.add_argument("--max-train-prompts", type=int, default=None)
-    g.add_argument("--sources", default="all", help="training sources, comma-separated (default: all)")
+    g.add_argument(
+        "--sources",
+        default="all",
+        help="training sources, comma-separated (default: all; empty, --sources=, for Magpie's prompts alone)",
+    )
     g.add_argument("--magpie", type=int, default=0, help="user messages the base model samples itself (Magpie)")
     g.add_argument("--magpie-batch", type=int, default=64)
     g.add_argument("--magpie-shard", type=int, default=1024, help="messages per Magpie shard (unit of resumption)")
@@ -177,6 +181,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="continue training from this EAGLE-3 head folder (e.g. models/eagle3-smollm2); its draft vocabulary "
         "follows the responses (--vocab-swap-ratio; of another --draft-vocab size: the most frequent tokens), the rows "
         "of the tokens it keeps are its own, new ones start from the base's lm_head",
+    )
+    g.add_argument(
+        "--extra-gen",
+        type=Path,
+        nargs="+",
+        default=[],
+        help="more generated shards to train on, after W/gen's: another workdir's gen folder (e.g. Magpie code and "
+        "math requests built with `prompts --sources=` and generated there)",
     )
     g = p.add_argument_group("eval")
     g.add_argument("--head", type=Path, default=None, help="EAGLE-3 head folder (default: W/head)")
@@ -453,7 +465,9 @@ def stage_train(ctx: Context) -> bool:
         save_every=a.save_every,
         log_every=a.log_every,
     )
-    seqs = load_sequences(w / GEN_DIR)
+    if a.offline_features and a.extra_gen:
+        raise ValueError("--offline-features are W/gen's alone: train --extra-gen online")
+    seqs = load_sequences(w / GEN_DIR, *a.extra_gen)
     feats = StoredFeatures(w / FEAT_DIR) if a.offline_features else None
     group = Group.from_env(ctx.device)  # the --workers launcher's ranks, or None
     try:
