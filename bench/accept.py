@@ -112,8 +112,8 @@ def paired(base: list[Answer], new: list[Answer]) -> dict[float, dict[str, tuple
 
 
 def load_answers(path: Path) -> list[Answer]:
-    """An accept.json's answers; in a file written before answers named their prompt (one pass a temperature, in the
-    prompts' order) each answer gets its position within its temperature."""
+    """An accept.json's answers; an answer that names no prompt gets its position within its temperature (such files
+    hold one pass a temperature, in the prompts' order)."""
     position: dict[float, int] = {}
     answers = []
     for x in json.loads(path.read_text())["answers"]:

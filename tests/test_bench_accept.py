@@ -128,7 +128,7 @@ def test_a_prompts_seeds_count_once_in_the_comparison():
 
 
 def test_a_file_without_prompt_indices_is_read_in_order(tmp_path):
-    """accept.json files of earlier runs (one pass a temperature, no prompt or seed) compare with today's."""
+    """An accept.json whose answers name no prompt or seed (one pass a temperature) is read in the prompts' order."""
     from bench.accept import load_answers
 
     rows = [
