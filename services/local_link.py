@@ -4,10 +4,11 @@ ImportBuffer and health stay on gRPC, and so does a draft on another host or one
 container of another network namespace): RemoteDrafter falls back to gRPC by itself.
 
 Why: a unary gRPC call from Python costs 0.6-0.9 ms of round trip on the project's machines (a bare Info to the draft
-service: 744 us median on an H200 host, `bench.draft_hop`; 876 us on the 2-core CPU), a Unix socket's round trip of
-a propose's size about 0.12 ms on the same CPU, and the hop sits on every round of the three-process stack (a round of
-the colocated one: 1.5 ms). The messages are the gRPC methods' own protobufs, and the draft runs them through the same
-error boundary (services/draft/server.py's engine_call).
+service: 744 us median on an H200 host, 876 us on the 2-core CPU), and the hop sits on every round of the
+three-process stack (a round of the colocated one: 1.5 ms). `bench.draft_hop --device cuda --mps` on an H200: a
+propose's round trip less the draft's compute 1,354 us through gRPC, 344 us over this link. The messages are the gRPC
+methods' own protobufs, and the draft runs them through the same error boundary (services/draft/server.py's
+engine_call).
 
 A frame: 1 byte (a request: its method, PROPOSE or RELEASE; a reply: 0 for OK, else the gRPC status code's number),
 the payload's length (4 bytes, little-endian), the payload (a request or response serialized; an error's details in
