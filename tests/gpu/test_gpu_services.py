@@ -1,6 +1,6 @@
 """The served stack on a GPU in float32 (CUDA graphs captured and replayed), through the processes: the draft in
 the verifier's process (the default there: the device chain) and in a process of its own (hidden states by CUDA
-IPC), the two GPU processes sharing the GPU through CUDA MPS as `python -m services.stack` runs them (the daemon
+IPC, Propose and Release on the draft's same-host link), the two GPU processes sharing the GPU through CUDA MPS as `python -m services.stack` runs them (the daemon
 started for the test and quit after it, or one already running used). Whatever the rounds draft (the policy's
 choice, pinned trees, plain rows riding along), greedy output equals plain decoding token for token; a seed
 reproduces a sampled output on one speculation path. Each case starts a stack: run them one a command
@@ -62,5 +62,5 @@ def test_greedy_output_equals_plain_decoding_whatever_the_rounds_draft(colocate)
     assert sum(r.speculation.accepted_tokens for r in pinned[0]) > 2 * sum(r.speculation.rounds for r in pinned[0])
     assert list(a.token_ids) == list(b.token_ids) and a.speculation.rounds > 0
     if not colocate:
-        assert "CUDA IPC" in log, log[-3000:]
+        assert "CUDA IPC" in log and "its Unix socket" in log, log[-3000:]  # hidden states by IPC, calls on the link
         assert set(gpu.values()) <= clients, (gpu, clients)  # the draft and the verifier through CUDA MPS
