@@ -1,10 +1,10 @@
 """The served stack on a GPU in float32 (CUDA graphs captured and replayed), through the processes: the draft in
 the verifier's process (the default there: the device chain) and in a process of its own (hidden states by CUDA
-IPC, Propose and Release on the draft's same-host link), the two GPU processes sharing the GPU through CUDA MPS as `python -m services.stack` runs them (the daemon
-started for the test and quit after it, or one already running used). Whatever the rounds draft (the policy's
-choice, pinned trees, plain rows riding along), greedy output equals plain decoding token for token; a seed
-reproduces a sampled output on one speculation path. Each case starts a stack: run them one a command
-(`-k draft-here`, `-k three-processes`) where a command's time is bounded."""
+IPC, Propose and Release on the draft's same-host link), the two GPU processes sharing the GPU through CUDA MPS as
+`python -m services.stack` runs them (the daemon started for the test and quit after it, or one already running
+used). Whatever the rounds draft (the policy's choice, pinned trees, plain rows riding along), greedy output equals
+plain decoding token for token; a seed reproduces a sampled output on one speculation path. Each case starts a
+stack: run them one a command (`-k draft-here`, `-k three-processes`) where a command's time is bounded."""
 
 from __future__ import annotations
 
