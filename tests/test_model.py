@@ -17,9 +17,7 @@ def test_logits_match_transformers(checkpoint, monkeypatch):
     monkeypatch.setattr(gguf, "get_tensor_name_map", functools.lru_cache(gguf.get_tensor_name_map))
 
     cfg = checkpoint.config
-    model = LlamaModel(cfg)
-    model.load_state_dict(checkpoint.state_dict, strict=False)
-    model.eval()
+    model = LlamaModel.loaded(cfg, checkpoint.state_dict, torch.device("cpu"), torch.float32)
     ids = torch.tensor([[1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365]])
     t = ids.shape[1]
     cache = KVCache.allocate(cfg.num_layers, 2, 32, cfg.num_kv_heads, cfg.head_dim, torch.float32, torch.device("cpu"))

@@ -278,11 +278,9 @@ class Context:
         if self._model is None:
             from common.engine.verifier import torch_dtype
 
-            m = LlamaModel(self.ckpt.config)
-            m.load_state_dict(self.ckpt.state_dict, strict=False)
-            m.to(device=self.device, dtype=torch_dtype(self.dtype_name)).eval()
-            m.requires_grad_(False)
-            self._model = m
+            self._model = LlamaModel.loaded(
+                self.ckpt.config, self.ckpt.state_dict, self.device, torch_dtype(self.dtype_name)
+            )
         return self._model
 
 

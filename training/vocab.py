@@ -81,9 +81,7 @@ def base_responses(files: list[list[tuple[str, list[int]]]], path: Path, chunk: 
 
     eos = Tokenizer(default_model_path()).eos_token_id
     ck = load_checkpoint()
-    model = LlamaModel(ck.config)
-    model.load_state_dict(ck.state_dict, strict=False)
-    model.eval().requires_grad_(False)
+    model = LlamaModel.loaded(ck.config, ck.state_dict, torch.device("cpu"), torch.float32)
     out = []
     for pairs in files:
         for i in range(0, len(pairs), chunk):

@@ -88,9 +88,7 @@ class Verifier(SampledVerify):
         self.max_rows = cfg.max_tree_nodes + 1
         if cfg.max_context + 2 * self.max_rows > mcfg.max_position:
             mcfg = LlamaConfig(**{**mcfg.__dict__, "max_position": cfg.max_context + 2 * self.max_rows})
-        self.model = LlamaModel(mcfg)
-        self.model.load_state_dict(ckpt.state_dict, strict=False)
-        self.model.to(device=self.device, dtype=torch_dtype(cfg.dtype)).eval()
+        self.model = LlamaModel.loaded(mcfg, ckpt.state_dict, self.device, torch_dtype(cfg.dtype))
         self.model.fuse()  # fused q|k|v and gate|up weights, built before any CUDA graph capture
         # Capacity (what requests may use) leaves room for one tree beyond the longest allowed sequence;
         # the cache gets one spare slot for batch padding rows and max_rows of headroom, so that a tree

@@ -283,6 +283,16 @@ class LlamaModel(Float32RopeTables):
         self.register_buffer("rope_sin", sin, persistent=False)  # [max_position, D]
         self.aux_layers = cfg.eagle_layers()
 
+    @classmethod
+    def loaded(
+        cls, cfg: LlamaConfig, state_dict: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype
+    ) -> LlamaModel:
+        """A model of cfg with a checkpoint's weights (common.weights.Checkpoint.state_dict: names as above, the
+        rope tables not among them), on device in dtype, in eval mode, no gradients."""
+        m = cls(cfg)
+        m.load_state_dict(state_dict, strict=False)
+        return m.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
     def forward(self, batch: Batch, cache: KVCache) -> ForwardOutput:
         x, residual = self.embed_tokens(batch.input_ids), None
         batch = batch.planned(x, self.cfg.num_heads // self.cfg.num_kv_heads)

@@ -63,9 +63,7 @@ def build_drafter(cfg: EngineKnobs | DraftingKnobs, max_sequences: int = 0) -> B
     if cfg.drafter in ("oracle-greedy", "oracle-wrong"):  # the test oracles run the whole base model
         from common.engine.oracle import GreedyOracleDrafter, WrongOracleDrafter
 
-        base = LlamaModel(ckpt.config)
-        base.load_state_dict(ckpt.state_dict, strict=False)
-        base.to(device=device, dtype=dtype).eval()
+        base = LlamaModel.loaded(ckpt.config, ckpt.state_dict, device, dtype)
         oracle = GreedyOracleDrafter if cfg.drafter == "oracle-greedy" else WrongOracleDrafter
         return Built(oracle(base, drafting.steps, device), drafting, width, vocab, 0)
     # the EAGLE-3 head needs only the base model's token embeddings
