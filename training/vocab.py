@@ -45,20 +45,19 @@ def read_against(files: list[Path], limit: int | None, max_tokens: int) -> list[
     row's source and its prompt_ids; the first `limit` rows, those of at most max_tokens ids."""
     import json
 
+    from bench.load import read_prompts
     from common.model_path import default_model_path
     from common.tokenizer import Tokenizer
 
     tok = None
     out = []
     for f in files:
-        rows = [json.loads(line) for line in f.read_text(encoding="utf-8").splitlines() if line.strip()][:limit]
-        if rows and "category" in rows[0]:  # bench.load.read_prompts' order: interleaved by category
-            from bench.load import read_prompts
-
+        rows = [json.loads(line) for line in f.read_text(encoding="utf-8").splitlines() if line.strip()]
+        if rows and "category" in rows[0]:  # a benchmark's file, in bench.load.read_prompts' order (by category)
             tok = tok or Tokenizer(default_model_path())
-            pairs = [(p.category, tok.encode_chat([("user", p.text)])) for p in read_prompts(f)][:limit]
+            pairs = [(p.category, tok.encode_chat([("user", p.text)])) for p in read_prompts(f)[:limit]]
         else:
-            pairs = [(r["source"], r["prompt_ids"]) for r in rows]
+            pairs = [(r["source"], r["prompt_ids"]) for r in rows[:limit]]
         out.append([(g, ids) for g, ids in pairs if len(ids) <= max_tokens])
     return out
 
