@@ -52,6 +52,7 @@ class DraftServicer(pb_grpc.DraftServicer):
         self.gpu_uuid = gpu_uuid(device)
         self.instance_id = uuid.uuid4().hex[:12]
         self.link_socket = ""  # set by the service once its same-host link listens (services/local_link.py)
+        self._linked = {PROPOSE: (pb.ProposeRequest, self._propose), RELEASE: (pb.ReleaseRequest, self._release)}
         self.mapped = MappedBuffers(device)
         self.owner = ""  # the verifier instance whose sequences are held
         self.held: set[str] = set()
@@ -80,7 +81,7 @@ class DraftServicer(pb_grpc.DraftServicer):
 
     def link_call(self, kind: int, payload: bytes) -> tuple[int, bytes]:
         """A frame of the same-host link (services/local_link.py), answered as its gRPC method would be."""
-        method = {PROPOSE: (pb.ProposeRequest, self._propose), RELEASE: (pb.ReleaseRequest, self._release)}.get(kind)
+        method = self._linked.get(kind)
         if method is None:
             return grpc.StatusCode.INVALID_ARGUMENT.value[0], f"unknown link method {kind}".encode()
         try:
